@@ -1,0 +1,43 @@
+"""The pre-norm Transformer encoder block."""
+
+from __future__ import annotations
+
+import torch
+from timm.layers import DropPath, Mlp
+from torch import nn
+
+from vit.models.attention import Attention
+
+
+class Block(nn.Module):
+    """`x + attn(norm1(x))`, then `x + mlp(norm2(x))`, each branch with stochastic depth."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+    ) -> None:
+        super().__init__()
+        # eps=1e-6 as in timm and the original ViT, so timm checkpoints give identical outputs.
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, return_attn: bool = False):
+        """`(B, N, D) -> (B, N, D)`, or `(x, attn)` with the block's `(B, H, N, N)` weights."""
+        if return_attn:
+            y, attn = self.attn(self.norm1(x), return_attn=True)
+        else:
+            y, attn = self.attn(self.norm1(x)), None
+        x = x + self.drop_path1(y)
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return (x, attn) if return_attn else x

@@ -1,0 +1,39 @@
+"""Patch embedding: cut the image into non-overlapping patches and project each one to a token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PatchEmbed(nn.Module):
+    """`(B, C, H, W) -> (B, N, D)` with a strided convolution, `N = (H / P) * (W / P)`.
+
+    A convolution with kernel = stride = patch size is exactly "flatten each P x P patch and apply
+    one shared linear map", written so that the kernel does the reshaping.
+    """
+
+    def __init__(self, *, img_size: int, patch_size: int, in_chans: int, embed_dim: int) -> None:
+        super().__init__()
+        if patch_size <= 0 or patch_size > img_size:
+            raise ValueError(f"patch_size={patch_size} must be in [1, img_size={img_size}]")
+        if img_size % patch_size != 0:
+            raise ValueError(
+                f"img_size={img_size} is not divisible by patch_size={patch_size}; "
+                f"allowed patch sizes for this image: {[p for p in range(1, img_size + 1) if img_size % p == 0]}"
+            )
+        self.img_size = img_size
+        self.patch_size = patch_size
+        self.in_chans = in_chans
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4 or x.shape[1] != self.in_chans or x.shape[2:] != (self.img_size, self.img_size):
+            raise ValueError(
+                f"expected input of shape (B, {self.in_chans}, {self.img_size}, {self.img_size}), "
+                f"got {tuple(x.shape)}"
+            )
+        x = self.proj(x)  # (B, D, H/P, W/P)
+        return x.flatten(2).transpose(1, 2)  # (B, N, D)

@@ -1,0 +1,79 @@
+"""A small ResNet for small images: the convolutional baseline the ViT is compared with."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and an identity (or 1x1 projection) shortcut."""
+
+    def __init__(self, in_chs: int, out_chs: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_chs, out_chs, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_chs)
+        self.conv2 = nn.Conv2d(out_chs, out_chs, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_chs)
+        self.act = nn.ReLU(inplace=True)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_chs != out_chs:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_chs, out_chs, 1, stride=stride, bias=False), nn.BatchNorm2d(out_chs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.act(y + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """`(B, C, H, W) -> (B, num_classes)`: a 3x3 stem, stages of basic blocks, global average pooling.
+
+    Each stage after the first halves the resolution and uses the next width in `widths`. There is
+    no max-pool stem, so a 32x32 input keeps fine detail (the CIFAR variant of He et al. 2016).
+    Global average pooling makes the classifier blind to *where* a feature was found, except
+    through what the receptive fields (and zero padding at the borders) encode.
+
+    `img_size` and `in_chans` fix the input contract (checked in `forward`, as for the ViT).
+    """
+
+    def __init__(
+        self,
+        *,
+        img_size: int = 32,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        widths: tuple[int, ...] = (32, 64, 128),
+        blocks_per_stage: int = 1,
+    ) -> None:
+        super().__init__()
+        if not widths or any(w < 1 for w in widths):
+            raise ValueError(f"widths={widths} must be a non-empty tuple of positive ints")
+        for name, value in (("img_size", img_size), ("in_chans", in_chans), ("num_classes", num_classes),
+                            ("blocks_per_stage", blocks_per_stage)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.img_size = img_size
+        self.in_chans = in_chans
+        self.num_classes = num_classes
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_chans, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True)
+        )
+        stages, in_chs = [], widths[0]
+        for i, width in enumerate(widths):
+            blocks = [BasicBlock(in_chs, width, stride=1 if i == 0 else 2)]
+            blocks += [BasicBlock(width, width) for _ in range(blocks_per_stage - 1)]
+            stages.append(nn.Sequential(*blocks))
+            in_chs = width
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(in_chs, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4 or x.shape[1] != self.in_chans or x.shape[2:] != (self.img_size, self.img_size):
+            raise ValueError(
+                f"expected input of shape (B, {self.in_chans}, {self.img_size}, {self.img_size}), "
+                f"got {tuple(x.shape)}"
+            )
+        x = self.stages(self.stem(x))  # (B, C_last, H / 2^(S-1), W / 2^(S-1))
+        return self.head(self.pool(x).flatten(1))  # (B, num_classes)
