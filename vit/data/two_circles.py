@@ -1,0 +1,386 @@
+"""Two-circles images whose class is a spatial relation between two distant circles.
+
+The "new object" of this project is *one circle in the top-left quadrant and one in the
+bottom-right quadrant*. Both circles look the same, so no local patch tells the class: a model
+has to relate two distant parts of the image. That is where a CNN (local view) and a ViT (global
+self-attention) are expected to differ.
+
+Coordinates. A centre is ``(row, col)`` in continuous pixel units: the image spans
+``[0, img_size]`` on both axes and pixel ``(i, j)`` has its centre at ``(i + 0.5, j + 0.5)``.
+A circle of radius ``r`` covers the pixels whose centre is closer than ``r + 0.5`` to its
+centre (``circle_masks``): a filled disc inks all of them (anti-aliased edge one pixel wide), a
+ring only its outer band.
+
+Tasks (``task``):
+
+* ``"diagonal"``: two identical filled discs, each fully inside one quadrant (no ink crosses
+  the image midlines). Label 1: quadrants {top-left, bottom-right}. Label 0: any of the other
+  five pairs of distinct quadrants (TL-TR, TL-BL, TR-BL, TR-BR, BL-BR), drawn uniformly.
+* ``"relative"``: circle A is a filled disc, circle B a ring 1.5 px wide, anywhere in the image.
+  Label 1 iff A is above and to the left of B. Centres always differ by at least ``r`` on each
+  axis, so the sign of each offset is never ambiguous, and by at least ``2 r + 2`` in distance,
+  so the circles never touch. Label 0 takes the other three sign combinations, uniformly.
+
+Placement region (``region``), for the study of generalisation to unseen positions. A circle's
+*area* is its quadrant (``"diagonal"``) or the whole image (``"relative"``). Let ``e`` be the
+distance from the centre to the nearest side of its area and
+``t = (radius[1] + img_size / 4) / 2``: halfway between the closest a circle may come to a side
+and the middle of a quadrant (``region_threshold``). For 32x32 images and radius (3, 5),
+``t = 6.5``:
+
+* ``"all"``: every centre that keeps the circle inside its area (``e >= r``).
+* ``"inner"``: ``e >= t``, the centre lies in the middle square of the area.
+* ``"border"``: ``e < t``, the centre lies in the band along the sides of the area.
+
+``t`` does not depend on the radius of a sample, so "inner" and "border" are disjoint sets of
+centre positions, and their union is the "all" set.
+"""
+
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+Task = Literal["diagonal", "relative"]
+Region = Literal["all", "inner", "border"]
+TASKS: tuple[str, ...] = ("diagonal", "relative")
+REGIONS: tuple[str, ...] = ("all", "inner", "border")
+
+RING_WIDTH = 1.5
+# Quadrant q sits at row q // 2, column q % 2: 0 top-left, 1 top-right, 2 bottom-left, 3 bottom-right.
+POSITIVE_PAIR = (0, 3)
+NEGATIVE_PAIRS = ((0, 1), (0, 2), (1, 2), (1, 3), (2, 3))
+# Sign of (row_B - row_A, col_B - col_A): A above-left of B is the positive class.
+POSITIVE_SIGNS = (1, 1)
+NEGATIVE_SIGNS = ((1, -1), (-1, 1), (-1, -1))
+
+_MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is declared infeasible
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not allowed: expected an int >= {minimum}")
+
+
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """Raise a ValueError naming ``value`` and listing ``allowed`` unless ``value`` is one of them."""
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
+
+
+def check_options(
+    *, task: str, img_size: int, in_chans: int, radius: tuple[int, int], noise: float, region: str
+) -> None:
+    """Validate the image options shared by the dataset and the datamodule (ValueError if bad)."""
+    check_choice("task", task, TASKS)
+    check_choice("region", region, REGIONS)
+    _check_int("img_size", img_size, 8)
+    if img_size % 2:
+        raise ValueError(f"img_size={img_size!r} is not allowed: expected an even int, so that "
+                         "the midlines fall between pixels and each quadrant is unambiguous")
+    if isinstance(in_chans, bool) or not isinstance(in_chans, (int, np.integer)) or in_chans not in (1, 3):
+        raise ValueError(f"in_chans={in_chans!r} is not allowed: expected 1 or 3")
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < np.inf:
+        raise ValueError(f"noise={noise!r} is not allowed: expected a finite float >= 0 (pixel std)")
+    try:
+        r_min, r_max = radius
+    except (TypeError, ValueError):
+        raise ValueError(f"radius={radius!r} is not allowed: expected two ints (min, max)") from None
+    min_radius = 3 if task == "relative" else 1  # a ring needs r >= 3 for a dark centre pixel
+    for r in (r_min, r_max):
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+            raise ValueError(f"radius={radius!r} is not allowed: expected two ints (min, max)")
+    if not min_radius <= r_min <= r_max:
+        raise ValueError(f"radius={radius!r} is not allowed for task={task!r}: expected "
+                         f"{min_radius} <= radius[0] <= radius[1]")
+    half = img_size // 2
+    # A circle must fit in a quadrant; moving it around (inner vs border) needs strict room.
+    limit = half // 2 if region == "all" else (half - 1) // 2
+    if r_max > limit:
+        raise ValueError(f"radius={radius!r} is too large for img_size={img_size} and "
+                         f"region={region!r}: a circle must fit inside a {half}x{half} quadrant"
+                         f"{'' if region == 'all' else ' with room to move'}, "
+                         f"so radius[1] <= {limit}")
+
+
+def region_threshold(img_size: int, radius: tuple[int, int]) -> float:
+    """Distance ``t`` to the nearest side of the area that separates "border" from "inner" centres."""
+    return (radius[1] + img_size / 4) / 2
+
+
+def distance_to_area_side(centers: torch.Tensor, img_size: int, task: str) -> torch.Tensor:
+    """Distance ``e`` from each centre ``(..., 2)`` to the nearest side of its quadrant or image."""
+    check_choice("task", task, TASKS)
+    area = img_size // 2 if task == "diagonal" else img_size
+    u = torch.remainder(centers, area) if task == "diagonal" else centers
+    return torch.minimum(u, area - u).amin(dim=-1)  # (...)
+
+
+def _sample_in_area(
+    rng: np.random.Generator, radii: np.ndarray, area: int, region: str, t: float
+) -> np.ndarray:
+    """Centres ``(n, 2)`` uniform over the allowed, region-restricted square of side ``area``."""
+    n = len(radii)
+    r = radii[:, None].astype(np.float64)  # (n, 1)
+    centers = np.empty((n, 2))
+    todo = np.arange(n)
+    for _ in range(_MAX_ROUNDS):
+        rt = r[todo]
+        proposal = rt + rng.random((len(todo), 2)) * (area - 2 * rt)  # (m, 2)
+        e = np.minimum(proposal, area - proposal).min(axis=1)  # (m,)
+        ok = {"all": np.ones_like(e, dtype=bool), "inner": e >= t, "border": e < t}[region]
+        centers[todo[ok]] = proposal[ok]
+        todo = todo[~ok]
+        if len(todo) == 0:
+            return centers
+    raise ValueError(f"could not place circles of radius {radii.max()} in region={region!r} "
+                     f"of a {area}x{area} area")
+
+
+def _sample_diagonal(
+    rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str, t: float
+) -> np.ndarray:
+    """Centres ``(n, 2, 2)`` of two circles in the quadrant pair that ``labels`` asks for."""
+    half = img_size // 2
+    negatives = np.asarray(NEGATIVE_PAIRS)[rng.integers(len(NEGATIVE_PAIRS), size=len(labels))]
+    pairs = np.where(labels[:, None] == 1, np.asarray(POSITIVE_PAIR), negatives)  # (n, 2)
+    origins = np.stack([pairs // 2, pairs % 2], axis=-1) * half  # (n, 2, 2) quadrant corners
+    local = np.stack([_sample_in_area(rng, radii, half, region, t) for _ in range(2)], axis=1)
+    return origins + local  # (n, 2, 2)
+
+
+def _sample_relative(
+    rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str, t: float
+) -> np.ndarray:
+    """Centres ``(n, 2, 2)`` of disc A and ring B, with A above-left of B iff the label is 1."""
+    n = len(labels)
+    centers = np.empty((n, 2, 2))
+    todo = np.arange(n)
+    for _ in range(_MAX_ROUNDS):
+        r = radii[todo]
+        a = _sample_in_area(rng, r, img_size, region, t)
+        b = _sample_in_area(rng, r, img_size, region, t)
+        d = b - a  # (m, 2)
+        ok = (np.abs(d).min(axis=1) >= r) & (np.hypot(d[:, 0], d[:, 1]) >= 2 * r + 2)
+        centers[todo[ok]] = np.stack([a[ok], b[ok]], axis=1)
+        todo = todo[~ok]
+        if len(todo) == 0:
+            break
+    else:
+        raise ValueError(f"could not place two separated circles of radius {radii.max()} in "
+                         f"region={region!r} of a {img_size}x{img_size} image")
+    # Mirroring both circles about a midline flips the sign of one offset and keeps every
+    # constraint (the regions are mirror-symmetric), so each sign pattern stays uniform.
+    negatives = np.asarray(NEGATIVE_SIGNS)[rng.integers(len(NEGATIVE_SIGNS), size=n)]
+    signs = np.where(labels[:, None] == 1, np.asarray(POSITIVE_SIGNS), negatives)  # (n, 2)
+    flip = np.sign(centers[:, 1] - centers[:, 0]) != signs  # (n, 2) per axis
+    return np.where(flip[:, None, :], img_size - centers, centers)
+
+
+def circle_masks(centers: torch.Tensor, radii: torch.Tensor, img_size: int) -> torch.Tensor:
+    """Pixels ``(N, H, W)`` a circle may ink: pixel centre closer than ``r + 0.5`` to a circle centre.
+
+    ``centers`` is ``(N, K, 2)`` as ``(row, col)``, ``radii`` is ``(N,)``. Rings count their hole:
+    the mask covers the object, not only its ink.
+    """
+    grid = torch.arange(img_size, dtype=torch.float32) + 0.5  # (H,) pixel centres
+    dy = grid[None, None, :] - centers[..., 0, None].float()  # (N, K, H)
+    dx = grid[None, None, :] - centers[..., 1, None].float()  # (N, K, W)
+    dist2 = dy[..., :, None] ** 2 + dx[..., None, :] ** 2  # (N, K, H, W)
+    reach = radii.float()[:, None, None, None] + 0.5
+    return (dist2 < reach**2).any(dim=1)  # (N, H, W)
+
+
+def render_circles(centers: torch.Tensor, radii: torch.Tensor, img_size: int, task: str) -> torch.Tensor:
+    """Noiseless anti-aliased images ``(N, H, W)`` in [0, 1] of the two circles of each sample.
+
+    ``centers`` is ``(N, 2, 2)``; both circles are filled discs for ``"diagonal"``, and the
+    second is a ring ``RING_WIDTH`` px wide for ``"relative"``. The circles must not overlap.
+    """
+    check_choice("task", task, TASKS)
+    n = len(centers)
+    out = torch.zeros(n * img_size * img_size)
+    if n == 0:
+        return out.view(0, img_size, img_size)
+    # Draw each circle in a small square patch around it, then add the patches into the images:
+    # about 7x less work than measuring every pixel's distance to every circle at 32x32.
+    side = min(2 * int(radii.max()) + 3, img_size)  # P: covers every pixel within r + 0.5
+    offsets = torch.arange(side)
+    r = radii.float()[:, None, None]  # (N, 1, 1)
+    first_pixel = torch.arange(n)[:, None, None] * img_size * img_size  # (N, 1, 1)
+    for k in range(2):
+        c = centers[:, k].float()  # (N, 2)
+        corner = (c.floor().long() - side // 2).clamp(0, img_size - side)  # (N, 2) patch top-left
+        rows = corner[:, 0, None] + offsets  # (N, P)
+        cols = corner[:, 1, None] + offsets  # (N, P)
+        dy = rows + 0.5 - c[:, 0, None]  # (N, P)
+        dx = cols + 0.5 - c[:, 1, None]  # (N, P)
+        dist = torch.sqrt(dy[:, :, None] ** 2 + dx[:, None, :] ** 2)  # (N, P, P)
+        if task == "relative" and k == 1:
+            # Coverage of a band of width RING_WIDTH whose outer edge is the radius.
+            ink = (RING_WIDTH / 2 + 0.5 - (dist - (r - RING_WIDTH / 2)).abs()).clamp(0, 1)
+        else:
+            ink = (r + 0.5 - dist).clamp(0, 1)  # (N, P, P)
+        index = first_pixel + rows[:, :, None] * img_size + cols[:, None, :]  # (N, P, P)
+        out.index_add_(0, index.flatten(), ink.flatten())
+    return out.view(n, img_size, img_size)
+
+
+class TwoCirclesDataset(Dataset):
+    """In-memory two-circles images generated deterministically from ``seed``; see the module doc.
+
+    Images are float32 ``(C, H, W)``: background 0, ink 1, plus Gaussian noise of std ``noise``
+    (not clipped, not normalised). With ``in_chans=3`` the grey image is repeated on the three
+    channels (a stride-0 view, so it costs no memory). Labels are int64, exactly balanced (the
+    counts differ by one when ``num_samples`` is odd).
+
+    Metadata for analysis: ``centers`` ``(N, 2, 2)`` float32 ``(row, col)`` in pixel units (for
+    ``"diagonal"`` circle 0 is the one in the lower-numbered quadrant TL < TR < BL < BR; for
+    ``"relative"`` circle 0 is the disc A, circle 1 the ring B), ``radii`` ``(N,)`` int64 (both
+    circles of a sample share it), and ``circle_mask(i)``.
+
+    Args:
+        radius: inclusive range of integer radii, drawn uniformly per sample.
+        noise: std of the additive Gaussian pixel noise.
+        region: where circle centres may be drawn: "all", "inner" or "border".
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        img_size: int = 32,
+        in_chans: int = 1,
+        radius: tuple[int, int] = (3, 5),
+        noise: float = 0.05,
+        task: Task = "diagonal",
+        region: Region = "all",
+        seed: int = 0,
+    ) -> None:
+        _check_int("num_samples", num_samples, 1)
+        _check_int("seed", seed, 0)
+        check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
+                      region=region)
+        self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
+        self.radius, self.noise, self.seed = tuple(radius), float(noise), seed
+
+        rng = np.random.default_rng(seed)
+        labels = rng.permutation(np.arange(num_samples) % 2)  # exactly balanced
+        radii = rng.integers(radius[0], radius[1] + 1, size=num_samples)
+        t = region_threshold(img_size, radius)
+        sample = _sample_diagonal if task == "diagonal" else _sample_relative
+        centers = sample(rng, labels, radii, img_size, region, t)  # (N, 2, 2)
+
+        self.labels = torch.from_numpy(labels).long()  # (N,)
+        self.radii = torch.from_numpy(radii).long()  # (N,)
+        self.centers = torch.from_numpy(centers).float()  # (N, 2, 2)
+        images = render_circles(self.centers, self.radii, img_size, task)  # (N, H, W)
+        if noise > 0:
+            noise_rng = torch.Generator().manual_seed(int(rng.integers(2**63)))
+            images += noise * torch.randn(images.shape, generator=noise_rng)
+        self.images = images[:, None].expand(-1, in_chans, -1, -1)  # (N, C, H, W)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
+
+    def circle_mask(self, i: int) -> torch.Tensor:
+        """Pixels ``(H, W)`` covered by either circle of sample ``i`` (ring holes included)."""
+        return circle_masks(self.centers[i : i + 1], self.radii[i : i + 1], self.img_size)[0]
+
+
+class TwoCirclesDataModule(L.LightningDataModule):
+    """Train, val and test splits of ``TwoCirclesDataset``, each from its own derived seed.
+
+    The three split seeds are spawned from ``seed`` by ``numpy.random.SeedSequence``, so the
+    splits are independent draws and never share an image. Train and val draw centres from
+    ``train_region``, test from ``test_region``. ``predict_dataloader`` serves the test split.
+    """
+
+    def __init__(
+        self,
+        *,
+        task: Task = "diagonal",
+        img_size: int = 32,
+        in_chans: int = 1,
+        radius: tuple[int, int] = (3, 5),
+        noise: float = 0.05,
+        num_train: int = 10_000,
+        num_val: int = 1_000,
+        num_test: int = 2_000,
+        train_region: Region = "all",
+        test_region: Region = "all",
+        seed: int = 0,
+        batch_size: int = 128,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        # Fail at construction, so a bad CLI/YAML option is reported before any training starts.
+        for region_name, region in (("train_region", train_region), ("test_region", test_region)):
+            check_choice(region_name, region, REGIONS)
+            check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius,
+                          noise=noise, region=region)
+        for name, value, minimum in (("num_train", num_train, 1), ("num_val", num_val, 1),
+                                     ("num_test", num_test, 1), ("seed", seed, 0),
+                                     ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+            _check_int(name, value, minimum)
+        self.save_hyperparameters()
+        self.train_set: TwoCirclesDataset | None = None
+        self.val_set: TwoCirclesDataset | None = None
+        self.test_set: TwoCirclesDataset | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return 2
+
+    @property
+    def image_size(self) -> int:
+        return self.hparams.img_size
+
+    @property
+    def in_chans(self) -> int:
+        return self.hparams.in_chans
+
+    def split_seeds(self) -> dict[str, int]:
+        """The seed of each split, derived from ``seed``."""
+        children = np.random.SeedSequence(self.hparams.seed).spawn(3)
+        return {split: int(child.generate_state(1)[0])
+                for split, child in zip(("train", "val", "test"), children)}
+
+    def _make(self, split: str, num_samples: int, region: str) -> TwoCirclesDataset:
+        hp = self.hparams
+        return TwoCirclesDataset(num_samples=num_samples, img_size=hp.img_size,
+                                 in_chans=hp.in_chans, radius=tuple(hp.radius), noise=hp.noise,
+                                 task=hp.task, region=region, seed=self.split_seeds()[split])
+
+    def setup(self, stage: str | None = None) -> None:
+        hp = self.hparams
+        if stage in ("fit", None) and self.train_set is None:
+            self.train_set = self._make("train", hp.num_train, hp.train_region)
+        if stage in ("fit", "validate", None) and self.val_set is None:
+            self.val_set = self._make("val", hp.num_val, hp.train_region)
+        if stage in ("test", "predict", None) and self.test_set is None:
+            self.test_set = self._make("test", hp.num_test, hp.test_region)
+
+    def _loader(self, dataset: TwoCirclesDataset | None, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("call setup() with the matching stage before asking for a dataloader")
+        workers = self.hparams.num_workers
+        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=shuffle,
+                          num_workers=workers, persistent_workers=workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
