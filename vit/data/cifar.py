@@ -1,0 +1,388 @@
+"""CIFAR-10 / CIFAR-100 as a LightningDataModule, with the augmentations ViTs need on small data.
+
+Pixels are decoded by torchvision's own CIFAR datasets and augmented per image by torchvision
+v2 transforms in the DataLoader workers; Mixup/CutMix (timm) mixes whole batches after they reach
+the device. `write_fake_cifar` writes a small folder in CIFAR's on-disk format so that tests and
+demos run the real loading code without a network.
+"""
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from timm.data import Mixup
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision import datasets
+from torchvision.transforms import v2
+
+DatasetName = Literal["cifar10", "cifar100"]
+AutoAugmentName = Literal["none", "randaugment", "trivialaugment", "autoaugment"]
+
+DATASETS: dict[str, type[datasets.CIFAR10]] = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}
+AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
+DISPLAY_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
+
+# Per-channel (R, G, B) mean and standard deviation of the pixel values, scaled to [0, 1], over all
+# 50,000 official training images (std over every pixel, not the mean of per-image stds).
+# Normalising with them gives inputs of roughly zero mean and unit variance.
+CIFAR_MEAN_STD = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+# What torchvision reads from data_dir/<folder>/; used to say what is missing.
+EXPECTED_FILES = {
+    "cifar10": (
+        "cifar-10-batches-py",
+        ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch", "batches.meta"],
+    ),
+    "cifar100": ("cifar-100-python", ["train", "test", "meta"]),
+}
+
+
+class CIFARNotFoundError(FileNotFoundError):
+    """The CIFAR files are not in `data_dir` and could not be downloaded."""
+
+
+class CIFARDataModule(L.LightningDataModule):
+    """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set, and its test set.
+
+    Splits: `val_size` images of the official 50,000 training images are held out for validation by
+    a permutation seeded with `seed` (45,000 / 5,000 by default); the official 10,000 test images are
+    used by `test` and `predict` only. The validation subset is drawn from a second dataset object
+    over the same files that carries the eval transforms, so validation images are never augmented.
+
+    Per-image augmentations (training only, in the DataLoader workers), in this order:
+    `random_crop` (32x32 crop of the image zero-padded by 4), `horizontal_flip`, `auto_augment`
+    ("randaugment" with `randaugment_num_ops` / `randaugment_magnitude`, "trivialaugment", or
+    "autoaugment" with torchvision's CIFAR10 policy), then normalisation with the dataset's mean/std,
+    then `random_erasing` (the probability of erasing one rectangle to 0, the mean after normalising).
+
+    Mixup / CutMix (timm's `Mixup`) is applied to whole batches in `on_after_batch_transfer`, i.e. on
+    the device, while the trainer is training and `mixup_alpha > 0` or `cutmix_alpha > 0`. The batch
+    `(x, y)` then becomes `(x_mixed, y, y_soft)`: `y` stays the hard labels (train accuracy is measured
+    against them) and `y_soft` is the `(B, num_classes)` float target, mixed with the flipped batch
+    and WITHOUT label smoothing: the LightningModule applies its own label smoothing with
+    `F.cross_entropy(logits, y_soft, label_smoothing=...)`, which accepts probability targets.
+    `mixup_prob` is the probability of mixing a batch at all, `mixup_switch_prob` the probability of
+    CutMix instead of Mixup when both alphas are positive. timm mixes a batch with its flip, which
+    needs an even batch size: `batch_size` must be even when mixing is on, and the training loader
+    drops the last incomplete batch.
+
+    Data are downloaded by `prepare_data` (rank 0 only, as Lightning calls it) when `download` is
+    true. Missing files that cannot be downloaded raise `CIFARNotFoundError` before training starts,
+    naming the folder, the files expected and how to get them.
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset: DatasetName = "cifar10",
+        data_dir: str = "data",
+        download: bool = True,
+        val_size: int = 5000,
+        seed: int = 0,
+        batch_size: int = 128,
+        num_workers: int = 4,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+        random_crop: bool = True,
+        horizontal_flip: bool = True,
+        auto_augment: AutoAugmentName = "none",
+        randaugment_num_ops: int = 2,
+        randaugment_magnitude: int = 9,
+        random_erasing: float = 0.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mixup_prob: float = 1.0,
+        mixup_switch_prob: float = 0.5,
+    ) -> None:
+        super().__init__()
+        if dataset not in DATASETS:
+            raise ValueError(f"dataset={dataset!r} is not known; expected one of {sorted(DATASETS)}")
+        if auto_augment not in AUTO_AUGMENTS:
+            raise ValueError(f"auto_augment={auto_augment!r} is not known; expected one of {list(AUTO_AUGMENTS)}")
+        for name, value in [("val_size", val_size), ("batch_size", batch_size)]:
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be a positive integer")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0")
+        if randaugment_num_ops < 0:
+            raise ValueError(f"randaugment_num_ops={randaugment_num_ops} must be >= 0")
+        # RandAugment splits its strength range into 31 bins; the magnitude picks one of them.
+        if not 0 <= randaugment_magnitude <= 30:
+            raise ValueError(f"randaugment_magnitude={randaugment_magnitude} must be in [0, 30]")
+        for name, value in [
+            ("random_erasing", random_erasing),
+            ("mixup_prob", mixup_prob),
+            ("mixup_switch_prob", mixup_switch_prob),
+        ]:
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}={value} is a probability and must be in [0, 1]")
+        for name, value in [("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)]:
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (0 turns it off)")
+        if (mixup_alpha > 0 or cutmix_alpha > 0) and batch_size % 2 != 0:
+            raise ValueError(
+                f"batch_size={batch_size} must be even when Mixup/CutMix is on (timm mixes a batch with its flip)"
+            )
+        self.save_hyperparameters()
+
+        self.dataset = dataset
+        self.data_dir = data_dir
+        self.download = download
+        self.val_size = val_size
+        self.seed = seed
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+
+        self.train_transform = build_train_transform(
+            dataset,
+            random_crop=random_crop,
+            horizontal_flip=horizontal_flip,
+            auto_augment=auto_augment,
+            randaugment_num_ops=randaugment_num_ops,
+            randaugment_magnitude=randaugment_magnitude,
+            random_erasing=random_erasing,
+        )
+        self.eval_transform = build_eval_transform(dataset)
+        self.mixup: Mixup | None = None
+        if mixup_alpha > 0 or cutmix_alpha > 0:
+            self.mixup = Mixup(
+                mixup_alpha=mixup_alpha,
+                cutmix_alpha=cutmix_alpha,
+                prob=mixup_prob,
+                switch_prob=mixup_switch_prob,
+                mode="batch",
+                label_smoothing=0.0,  # the LightningModule smooths; smoothing twice would compound
+                num_classes=self.num_classes,
+            )
+
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return NUM_CLASSES[self.dataset]
+
+    @property
+    def image_size(self) -> int:
+        return 32
+
+    @property
+    def in_chans(self) -> int:
+        return 3
+
+    @property
+    def folder(self) -> Path:
+        """The folder torchvision reads, e.g. `data/cifar-10-batches-py`."""
+        return Path(self.data_dir).absolute() / EXPECTED_FILES[self.dataset][0]
+
+    def missing_files(self) -> list[str]:
+        """Names of the expected files that are not in `folder`."""
+        return [name for name in EXPECTED_FILES[self.dataset][1] if not (self.folder / name).is_file()]
+
+    def prepare_data(self) -> None:
+        """Download the archive if `download` is true and it is not there yet; fail early if it is missing."""
+        if self.download:
+            try:
+                # torchvision checks the MD5 of the files first and fetches only when they do not match.
+                DATASETS[self.dataset](self.data_dir, train=True, download=True)
+            except OSError as err:  # URLError, HTTPError, timeouts and DNS failures are all OSErrors
+                raise CIFARNotFoundError(self._not_found_message(f"The download failed: {err}")) from err
+        self._check_files()
+
+    def setup(self, stage: str | None = None) -> None:
+        self._check_files()  # setup also runs where prepare_data did not (other ranks, notebooks)
+        dataset_cls = DATASETS[self.dataset]
+        if stage in ("fit", "validate", None) and self.train_set is None:
+            # Two dataset objects over the same files: the validation images get the eval transforms.
+            train_full = dataset_cls(self.data_dir, train=True, transform=self.train_transform)
+            eval_full = dataset_cls(self.data_dir, train=True, transform=self.eval_transform)
+            n = len(train_full)
+            if self.val_size >= n:
+                raise ValueError(
+                    f"val_size={self.val_size} must be smaller than the {n} training images in {self.folder}"
+                )
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist()
+            self.val_set = Subset(eval_full, order[: self.val_size])
+            self.train_set = Subset(train_full, order[self.val_size :])
+        if stage in ("test", "predict", None) and self.test_set is None:
+            self.test_set = dataset_cls(self.data_dir, train=False, transform=self.eval_transform)
+
+    def train_dataloader(self) -> DataLoader:
+        if len(self.train_set) < self.batch_size:
+            # drop_last would leave no batch at all, and training would silently do nothing.
+            raise ValueError(
+                f"batch_size={self.batch_size} is larger than the {len(self.train_set)} training images"
+            )
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """Mix training batches on the device: `(x, y)` -> `(x_mixed, y, y_soft)`."""
+        if self.mixup is None or self.trainer is None or not self.trainer.training:
+            return batch
+        x, y = batch
+        x_mixed, y_soft = self.mixup(x, y)  # mixes x in place; y_soft (B, num_classes), rows sum to 1
+        return x_mixed, y, y_soft
+
+    def _loader(self, dataset: Dataset, *, train: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,  # also keeps every training batch even-sized for Mixup/CutMix
+            num_workers=self.num_workers,
+            # Pinned host memory lets the copy to the GPU run asynchronously; it means nothing without one.
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.persistent_workers and self.num_workers > 0,
+        )
+
+    def _check_files(self) -> None:
+        if self.missing_files():
+            hint = "" if self.download else "Nothing was downloaded: data.download is false."
+            raise CIFARNotFoundError(self._not_found_message(hint))
+
+    def _not_found_message(self, reason: str) -> str:
+        folder_name, files = EXPECTED_FILES[self.dataset]
+        data_dir = Path(self.data_dir).absolute()
+        missing = self.missing_files()
+        lines = [
+            f"{DISPLAY_NAMES[self.dataset]} is not in {self.folder}"
+            + (f" (missing: {', '.join(missing)})." if missing else "."),
+            f"Expected {folder_name}/ in data_dir={data_dir} holding: {', '.join(files)}.",
+            "To get it, either:",
+            f"  - download {DATASETS[self.dataset].url} and extract it into {data_dir}, or",
+            "  - set `data.download: true` (command line: --data.download true) on a machine with network access.",
+        ]
+        if reason:
+            lines.insert(1, reason)
+        return "\n".join(lines)
+
+
+def build_train_transform(
+    dataset: DatasetName,
+    *,
+    random_crop: bool = True,
+    horizontal_flip: bool = True,
+    auto_augment: AutoAugmentName = "none",
+    randaugment_num_ops: int = 2,
+    randaugment_magnitude: int = 9,
+    random_erasing: float = 0.0,
+) -> v2.Compose:
+    """Per-image training transform: PIL image -> normalised float32 tensor (3, 32, 32)."""
+    # Crop, flip and the policies run on the PIL image: for 32x32 images that is faster than on
+    # uint8 tensors, where every op pays the dispatch overhead of a tiny tensor.
+    steps: list = []
+    if random_crop:
+        steps.append(v2.RandomCrop(32, padding=4))
+    if horizontal_flip:
+        steps.append(v2.RandomHorizontalFlip())
+    if auto_augment == "randaugment":
+        steps.append(v2.RandAugment(num_ops=randaugment_num_ops, magnitude=randaugment_magnitude))
+    elif auto_augment == "trivialaugment":
+        steps.append(v2.TrivialAugmentWide())
+    elif auto_augment == "autoaugment":
+        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10))
+    elif auto_augment != "none":
+        raise ValueError(f"auto_augment={auto_augment!r} is not known; expected one of {list(AUTO_AUGMENTS)}")
+    steps += _to_normalised_tensor(dataset)
+    if random_erasing > 0:
+        # After normalising, so the erased rectangle is 0 = the dataset mean, as in the paper.
+        steps.append(v2.RandomErasing(p=random_erasing, value=0))
+    return v2.Compose(steps)
+
+
+def build_eval_transform(dataset: DatasetName) -> v2.Compose:
+    """Deterministic transform for validation, test and predict: normalisation only."""
+    return v2.Compose(_to_normalised_tensor(dataset))
+
+
+def _to_normalised_tensor(dataset: DatasetName) -> list:
+    mean, std = CIFAR_MEAN_STD[dataset]
+    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+
+
+def write_fake_cifar(
+    root: str | os.PathLike,
+    dataset: DatasetName = "cifar10",
+    num_train: int = 500,
+    num_test: int = 100,
+    seed: int = 0,
+) -> dict[str, str]:
+    """Write a small generated CIFAR folder in the official on-disk format, for tests and demos.
+
+    Creates `root/cifar-10-batches-py/` (`data_batch_1..5`, `test_batch`, `batches.meta`) or
+    `root/cifar-100-python/` (`train`, `test`, `meta`): pickled dicts with `data`, uint8 (N, 3072) as
+    R, G, B planes of 32x32, and `labels` (CIFAR-10) or `fine_labels` / `coarse_labels` (CIFAR-100).
+    Each class has its own colour and stripe pattern plus noise, so a model can learn something.
+    The images are not CIFAR. Returns the MD5 of every file written, by file name: torchvision checks
+    files against the official MD5s, so a test or demo must substitute these to load the folder.
+    """
+    if dataset not in EXPECTED_FILES:
+        raise ValueError(f"dataset={dataset!r} is not known; expected one of {sorted(EXPECTED_FILES)}")
+    folder_name, _ = EXPECTED_FILES[dataset]
+    folder = Path(root) / folder_name
+    folder.mkdir(parents=True, exist_ok=True)
+    num_classes = NUM_CLASSES[dataset]
+    rng = np.random.default_rng(seed)
+    colours = rng.uniform(40, 215, size=(num_classes, 3, 1, 1))
+    periods = rng.integers(3, 12, size=num_classes)
+    rows = np.arange(32).reshape(1, 32, 1)
+
+    def images(n: int) -> tuple[np.ndarray, list[int]]:
+        labels = rng.integers(0, num_classes, size=n)
+        stripes = 30.0 * np.sin(2 * np.pi * rows / periods[labels].reshape(n, 1, 1, 1))  # (N, 1, 32, 1)
+        pixels = colours[labels] + stripes + rng.normal(0, 20, size=(n, 3, 32, 32))  # (N, 3, 32, 32)
+        data = np.clip(pixels, 0, 255).astype(np.uint8).reshape(n, 3 * 32 * 32)  # (N, 3072)
+        return data, labels.tolist()
+
+    class_names = [f"fake_class_{i:02d}" for i in range(num_classes)]
+    if dataset == "cifar10":
+        train_chunks = np.array_split(np.arange(num_train), 5)
+        files = {}
+        for i, chunk in enumerate(train_chunks, start=1):
+            data, labels = images(len(chunk))
+            files[f"data_batch_{i}"] = {"batch_label": f"training batch {i} of 5", "data": data, "labels": labels}
+        data, labels = images(num_test)
+        files["test_batch"] = {"batch_label": "testing batch 1 of 1", "data": data, "labels": labels}
+        files["batches.meta"] = {
+            "label_names": class_names,
+            "num_cases_per_batch": len(train_chunks[0]),
+            "num_vis": 3072,
+        }
+    else:
+        files = {}
+        for name, n in [("train", num_train), ("test", num_test)]:
+            data, labels = images(n)
+            # 20 superclasses of 5 classes each, as in CIFAR-100.
+            files[name] = {"data": data, "fine_labels": labels, "coarse_labels": [c // 5 for c in labels]}
+        files["meta"] = {
+            "fine_label_names": class_names,
+            "coarse_label_names": [f"fake_superclass_{i:02d}" for i in range(20)],
+        }
+
+    checksums = {}
+    for name, content in files.items():
+        payload = pickle.dumps(content)
+        (folder / name).write_bytes(payload)
+        checksums[name] = hashlib.md5(payload).hexdigest()
+    return checksums
