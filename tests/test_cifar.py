@@ -10,47 +10,19 @@ import torch
 import torch.nn.functional as F
 from torchvision import datasets
 
-from vit.data.cifar import (
-    CIFAR_MEAN_STD,
-    CIFARDataModule,
-    CIFARNotFoundError,
-    write_fake_cifar,
-)
+from vit.data.cifar import CIFAR_MEAN_STD, CIFARDataModule, CIFARNotFoundError
 
 NUM_TRAIN, NUM_TEST, VAL_SIZE = 60, 20, 12
 
 
-def trust_written_files(monkeypatch, dataset_cls, checksums):
-    """Make torchvision expect the MD5s of the generated files instead of the official ones.
-
-    Only the expected values change: torchvision still hashes every file and compares.
-    """
-    monkeypatch.setattr(dataset_cls, "train_list", [[n, checksums[n]] for n, _ in dataset_cls.train_list])
-    monkeypatch.setattr(dataset_cls, "test_list", [[n, checksums[n]] for n, _ in dataset_cls.test_list])
-    monkeypatch.setattr(dataset_cls, "meta", {**dataset_cls.meta, "md5": checksums[dataset_cls.meta["filename"]]})
-
-
-@pytest.fixture(scope="module")
-def fake_roots(tmp_path_factory):
-    """One generated folder per dataset, written once for the module: {name: (root, checksums)}."""
-    roots = {}
-    for name in ["cifar10", "cifar100"]:
-        root = tmp_path_factory.mktemp(name)
-        roots[name] = (root, write_fake_cifar(root, name, num_train=NUM_TRAIN, num_test=NUM_TEST, seed=0))
-    return roots
-
-
 @pytest.fixture
-def make_dm(fake_roots, monkeypatch):
+def make_dm(fake_cifar):
     """Build a CIFARDataModule on a generated folder; no augmentation unless asked, no workers."""
-    cls_by_name = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}
-    for name, (_, checksums) in fake_roots.items():
-        trust_written_files(monkeypatch, cls_by_name[name], checksums)
 
     def make(dataset="cifar10", **kwargs):
         options = dict(
             dataset=dataset,
-            data_dir=str(fake_roots[dataset][0]),
+            data_dir=str(fake_cifar(dataset, num_train=NUM_TRAIN, num_test=NUM_TEST)),
             download=False,
             val_size=VAL_SIZE,
             batch_size=8,

@@ -1,0 +1,238 @@
+"""Images per second of our VisionTransformer against timm's, built with the same configuration.
+
+Both models are built in the same process from one configuration; timm's is given our weights
+(`load_state_dict`, strict) and must return the same logits, which proves the two compute the
+same function before any timing. They are then timed alternately (ours first on even repeats,
+timm first on odd ones) so that a slow stretch of a shared machine hits both. Every repeat
+gives one images/second figure per model and one paired ratio ours / timm; the table shows the
+median and, in brackets, the smallest and largest of the repeats.
+
+Modes (`--modes`, comma-separated):
+  - `infer`: `model.eval()` forward under `torch.inference_mode()`.
+  - `fwd_bwd`: `model.train()` forward, cross-entropy, backward.
+  - `train`: the full training step: forward, cross-entropy, backward, AdamW step, zero_grad.
+
+Each setting of `--precision` (fp32, bf16 = bf16 autocast) and `--compile` (off, on) is timed.
+
+    python benchmarks/throughput.py                                # CPU, fp32 + bf16, eager
+    python benchmarks/throughput.py --compile off,on --precision bf16
+    python benchmarks/throughput.py --device cuda --batch_size 512 --compile off,on   # on a GPU
+    python benchmarks/throughput.py --embed_dim 64 --depth 4 --num_heads 4 --mlp_ratio 2  # two-circles ViT
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from vit.models import VisionTransformer
+
+MODES = ("infer", "fwd_bwd", "train")
+PRECISIONS = ("fp32", "bf16")
+
+
+def build_pair(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """Our ViT and timm's, same configuration, same weights; checks that they agree."""
+    shared = dict(
+        img_size=args.img_size,
+        patch_size=args.patch_size,
+        in_chans=3,
+        num_classes=args.num_classes,
+        embed_dim=args.embed_dim,
+        depth=args.depth,
+        num_heads=args.num_heads,
+        mlp_ratio=args.mlp_ratio,
+        drop_path_rate=args.drop_path_rate,
+    )
+    ours = VisionTransformer(**shared, pos_embed="learned")
+    theirs = TimmVisionTransformer(**shared, global_pool="token", class_token=True, pos_embed="learn")
+    theirs.load_state_dict(ours.state_dict())  # strict: the same parameters under the same names
+    ours, theirs = ours.to(device), theirs.to(device)
+    x = torch.randn(4, 3, args.img_size, args.img_size, device=device)
+    with torch.no_grad():
+        ours.eval(), theirs.eval()
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-5)
+    return ours, theirs
+
+
+def flops_per_image(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
+    """(forward, forward + backward) FLOPs per image, counted by torch's FlopCounterMode (fp32, eager)."""
+    model.train()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    # FlopCounterMode counts matmuls, convolutions and attention (2 FLOPs per multiply-add);
+    # norms, GELU and softmax are left out, as in every MFU convention.
+    by_op = counter.get_flop_counts()["Global"]
+    total = sum(by_op.values())
+    backward = sum(v for op, v in by_op.items() if "backward" in str(op))
+    with torch.no_grad(), FlopCounterMode(display=False) as fwd_counter:
+        model(x)
+    forward = fwd_counter.get_total_flops()
+    assert total >= forward > 0 and backward >= 0
+    return forward / x.shape[0], total / x.shape[0]
+
+
+def make_step(
+    model: nn.Module, mode: str, precision: str, compile: bool, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One benchmark step of `mode` on a batch `(x, y)`."""
+    run = torch.compile(model) if compile else model
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    if mode == "infer":
+        model.eval()
+
+        def step(x, y):
+            with torch.inference_mode(), autocast():
+                run(x)
+
+        return step
+
+    model.train()
+    # The same AdamW in both runs; foreach (one kernel per group of tensors) is its default on CPU and GPU.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05) if mode == "train" else None
+
+    def step(x, y):
+        with autocast():
+            loss = F.cross_entropy(run(x), y)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def images_per_second(step, x, y, num_steps: int, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        step(x, y)
+    synchronize(device)
+    return num_steps * x.shape[0] / (time.perf_counter() - start)
+
+
+def summary(values: list[float], fmt: str) -> str:
+    """`median [min-max]`."""
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def csv_choices(value: str, allowed: tuple[str, ...], name: str) -> list[str]:
+    chosen = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in allowed]
+    if unknown or not chosen:
+        raise SystemExit(f"--{name}={value!r}: expected a comma-separated list of {list(allowed)}")
+    return chosen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--precision", default="fp32,bf16", help="comma-separated: fp32 (float32), bf16 (bf16 autocast)")
+    parser.add_argument("--compile", default="off", help="comma-separated: off, on (torch.compile the model)")
+    parser.add_argument("--modes", default="infer,fwd_bwd,train", help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--batch_size", type=int, default=128)
+    parser.add_argument("--img_size", type=int, default=32)
+    parser.add_argument("--patch_size", type=int, default=4)
+    parser.add_argument("--num_classes", type=int, default=10)
+    parser.add_argument("--embed_dim", type=int, default=192)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--num_heads", type=int, default=3)
+    parser.add_argument("--mlp_ratio", type=float, default=4.0)
+    parser.add_argument("--drop_path_rate", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per model and setting")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and setting (compiles)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    precisions = csv_choices(args.precision, PRECISIONS, "precision")
+    compiles = [c == "on" for c in csv_choices(args.compile, ("off", "on"), "compile")]
+    modes = csv_choices(args.modes, MODES, "modes")
+    for name in ("batch_size", "repeats", "steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}={getattr(args, name)} must be >= 1")
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is available to torch")
+        torch.backends.cuda.matmul.allow_tf32 = True  # what float32_matmul_precision("high") sets
+        torch.backends.cudnn.allow_tf32 = True
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"CPU, {torch.get_num_threads()} torch threads"
+    torch.manual_seed(args.seed)
+    ours, theirs = build_pair(args, device)
+    params = sum(p.numel() for p in ours.parameters())
+    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device)
+    y = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
+    fwd_flops, train_flops = flops_per_image(ours, x[: min(8, args.batch_size)])
+
+    tokens = (args.img_size // args.patch_size) ** 2 + 1
+    print(
+        f"config: img {args.img_size}, patch {args.patch_size} ({tokens} tokens), width {args.embed_dim}, "
+        f"depth {args.depth}, heads {args.num_heads}, mlp_ratio {args.mlp_ratio}, {params / 1e6:.2f}M params, "
+        f"batch {args.batch_size}"
+    )
+    print(f"FLOPs per image: forward {fwd_flops / 1e9:.3f} G, forward+backward {train_flops / 1e9:.3f} G")
+    print(f"device: {where}; torch {torch.__version__}; {args.repeats} repeats x {args.steps} steps, alternating")
+    print("timm's model was given our weights and returns the same logits (checked)")
+    header = f"{'mode':>7} | {'prec':>4} | {'compile':>7} | {'ours img/s':>22} | {'timm img/s':>22} | {'ours/timm':>19}"
+    print(header)
+    print("-" * len(header), flush=True)
+
+    for precision in precisions:
+        for compile in compiles:
+            for mode in modes:
+                torch.manual_seed(args.seed)
+                steps = {"ours": make_step(ours, mode, precision, compile, device),
+                         "timm": make_step(theirs, mode, precision, compile, device)}
+                compile_note = {}
+                for name, step in steps.items():
+                    start = time.perf_counter()
+                    for _ in range(args.warmup):
+                        step(x, y)
+                    synchronize(device)
+                    compile_note[name] = time.perf_counter() - start
+                rates = {"ours": [], "timm": []}
+                for r in range(args.repeats):
+                    for name in ("ours", "timm") if r % 2 == 0 else ("timm", "ours"):
+                        rates[name].append(images_per_second(steps[name], x, y, args.steps, device))
+                ratios = [a / b for a, b in zip(rates["ours"], rates["timm"])]
+                print(
+                    f"{mode:>7} | {precision:>4} | {'on' if compile else 'off':>7} | "
+                    f"{summary(rates['ours'], '6.0f'):>22} | {summary(rates['timm'], '6.0f'):>22} | "
+                    f"{summary(ratios, '5.3f'):>19}",
+                    flush=True,
+                )
+                if compile:
+                    print(
+                        f"{'':>7}   warm-up incl. compilation: ours {compile_note['ours']:.0f} s, "
+                        f"timm {compile_note['timm']:.0f} s",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Fixtures shared by the test files."""
+
+from pathlib import Path
+
+import pytest
+
+from vit.data.cifar import DATASETS, write_fake_cifar
+
+
+def trust_written_files(monkeypatch, dataset_cls, checksums: dict[str, str]) -> None:
+    """Make torchvision expect the MD5s of the generated files instead of the official ones.
+
+    Only the expected values change: torchvision still hashes every file and compares.
+    """
+    monkeypatch.setattr(dataset_cls, "train_list", [[n, checksums[n]] for n, _ in dataset_cls.train_list])
+    monkeypatch.setattr(dataset_cls, "test_list", [[n, checksums[n]] for n, _ in dataset_cls.test_list])
+    monkeypatch.setattr(dataset_cls, "meta", {**dataset_cls.meta, "md5": checksums[dataset_cls.meta["filename"]]})
+
+
+@pytest.fixture(scope="session")
+def _fake_cifar_folders(tmp_path_factory):
+    """Generated folders written so far in this session: {(dataset, num_train, num_test, seed): (root, md5s)}."""
+    return {"base": tmp_path_factory.mktemp("fake_cifar"), "written": {}}
+
+
+@pytest.fixture
+def fake_cifar(_fake_cifar_folders, monkeypatch):
+    """`fake_cifar(dataset, num_train=60, num_test=20, seed=0) -> data_dir` of a generated CIFAR folder.
+
+    Each folder is written once per session (`write_fake_cifar`) and torchvision is made to accept
+    it for the current test. Use one size per dataset within a test: the last call's MD5s win.
+    """
+    written = _fake_cifar_folders["written"]
+
+    def make(dataset: str = "cifar10", *, num_train: int = 60, num_test: int = 20, seed: int = 0) -> Path:
+        key = (dataset, num_train, num_test, seed)
+        if key not in written:
+            root = _fake_cifar_folders["base"] / "-".join(map(str, key))
+            written[key] = (root, write_fake_cifar(root, dataset, num_train=num_train, num_test=num_test, seed=seed))
+        root, checksums = written[key]
+        trust_written_files(monkeypatch, DATASETS[dataset], checksums)
+        return root
+
+    return make
