@@ -6,6 +6,7 @@ CutMix are not included: they run on whole batches on the device, after the Data
 
     python benchmarks/data_pipeline.py                       # generated data, crop + flip + RandAugment
     python benchmarks/data_pipeline.py --data_dir data --auto_augment trivialaugment --random_erasing 0.25
+    python benchmarks/data_pipeline.py --workers 0 --clock cpu   # one core's worth, on a busy machine
 """
 
 import argparse
@@ -19,17 +20,17 @@ import torch
 from vit.data.cifar import AUTO_AUGMENTS, DATASETS, CIFARDataModule, write_fake_cifar
 
 
-def images_per_second(dm: CIFARDataModule, num_batches: int, warmup_batches: int) -> float:
+def images_per_second(dm: CIFARDataModule, num_batches: int, warmup_batches: int, clock=time.perf_counter) -> float:
     """Throughput of one pass of `num_batches` batches, after `warmup_batches` (worker start-up, caches)."""
     batches = iter(dm.train_dataloader())
     for _ in range(warmup_batches):
         next(batches)
-    start = time.perf_counter()
+    start = clock()
     count = 0
     for _ in range(num_batches):
         x, _ = next(batches)
         count += x.shape[0]
-    return count / (time.perf_counter() - start)
+    return count / (clock() - start)
 
 
 def main() -> None:
@@ -42,7 +43,21 @@ def main() -> None:
     parser.add_argument("--warmup_batches", type=int, default=2)
     parser.add_argument("--auto_augment", default="randaugment", choices=list(AUTO_AUGMENTS))
     parser.add_argument("--random_erasing", type=float, default=0.0)
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time; cpu: CPU time of this process with one torch thread, i.e. what one "
+        "loader worker delivers per second of a core it has to itself, however busy a shared machine "
+        "is (needs --workers 0: workers are other processes)",
+    )
     args = parser.parse_args()
+    clock = time.perf_counter
+    if args.clock == "cpu":
+        if args.workers.strip() != "0":
+            raise SystemExit(f"--clock cpu times this process only; it needs --workers 0, got --workers {args.workers}")
+        torch.set_num_threads(1)  # as in a DataLoader worker
+        clock = time.process_time
 
     with ExitStack() as stack:
         options = dict(dataset=args.dataset, download=False, batch_size=args.batch_size)
@@ -66,6 +81,8 @@ def main() -> None:
             f"random_erasing={args.random_erasing}; batch_size={args.batch_size}, "
             f"{args.num_batches} timed batches; torch threads={torch.get_num_threads()}"
         )
+        if args.clock == "cpu":
+            print("images per second of this process's CPU time (one core's worth of loading)")
         print(f"{'num_workers':>11} | {'images/s':>9}")
         print(f"{'-' * 11}-+-{'-' * 9}")
         for num_workers in [int(w) for w in args.workers.split(",")]:
@@ -78,7 +95,7 @@ def main() -> None:
                 **options,
             )
             dm.setup("fit")
-            rate = images_per_second(dm, args.num_batches, args.warmup_batches)
+            rate = images_per_second(dm, args.num_batches, args.warmup_batches, clock)
             print(f"{num_workers:>11} | {rate:>9.0f}", flush=True)
 
 

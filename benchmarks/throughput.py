@@ -17,7 +17,8 @@ Each setting of `--precision` (fp32, bf16 = bf16 autocast) and `--compile` (off,
     python benchmarks/throughput.py                                # CPU, fp32 + bf16, eager
     python benchmarks/throughput.py --compile off,on --precision bf16
     python benchmarks/throughput.py --device cuda --batch_size 512 --compile off,on   # on a GPU
-    python benchmarks/throughput.py --embed_dim 64 --depth 4 --num_heads 4 --mlp_ratio 2  # two-circles ViT
+    python benchmarks/throughput.py --embed_dim 192 --depth 9 --num_heads 12 --mlp_ratio 2  # the CIFAR recipe's ViT
+    python benchmarks/throughput.py --in_chans 1 --num_classes 2 --embed_dim 64 --depth 4 --num_heads 4 --mlp_ratio 2  # two-circles
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def build_pair(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modul
     shared = dict(
         img_size=args.img_size,
         patch_size=args.patch_size,
-        in_chans=3,
+        in_chans=args.in_chans,
         num_classes=args.num_classes,
         embed_dim=args.embed_dim,
         depth=args.depth,
@@ -57,7 +58,7 @@ def build_pair(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modul
     theirs = TimmVisionTransformer(**shared, global_pool="token", class_token=True, pos_embed="learn")
     theirs.load_state_dict(ours.state_dict())  # strict: the same parameters under the same names
     ours, theirs = ours.to(device), theirs.to(device)
-    x = torch.randn(4, 3, args.img_size, args.img_size, device=device)
+    x = torch.randn(4, args.in_chans, args.img_size, args.img_size, device=device)
     with torch.no_grad():
         ours.eval(), theirs.eval()
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-5)
@@ -121,13 +122,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def images_per_second(step, x, y, num_steps: int, device: torch.device) -> float:
+def images_per_second(step, x, y, num_steps: int, device: torch.device, clock: Callable[[], float]) -> float:
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(num_steps):
         step(x, y)
     synchronize(device)
-    return num_steps * x.shape[0] / (time.perf_counter() - start)
+    return num_steps * x.shape[0] / (clock() - start)
 
 
 def summary(values: list[float], fmt: str) -> str:
@@ -152,6 +153,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--img_size", type=int, default=32)
     parser.add_argument("--patch_size", type=int, default=4)
+    parser.add_argument("--in_chans", type=int, default=3)
     parser.add_argument("--num_classes", type=int, default=10)
     parser.add_argument("--embed_dim", type=int, default=192)
     parser.add_argument("--depth", type=int, default=6)
@@ -162,6 +164,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and setting (compiles)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (a dedicated machine, any device); cpu: this process's CPU time, "
+        "which other processes on a shared machine barely change (CPU only; use with --threads 1, "
+        "since with more threads, time spent spinning at barriers counts too)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     precisions = csv_choices(args.precision, PRECISIONS, "precision")
@@ -174,6 +184,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.clock == "cpu" and device.type != "cpu":
+        raise SystemExit(f"--clock cpu measures CPU time and only makes sense with --device cpu, not {args.device}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is available to torch")
@@ -185,18 +198,21 @@ def main() -> None:
     torch.manual_seed(args.seed)
     ours, theirs = build_pair(args, device)
     params = sum(p.numel() for p in ours.parameters())
-    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device)
+    x = torch.randn(args.batch_size, args.in_chans, args.img_size, args.img_size, device=device)
     y = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
     fwd_flops, train_flops = flops_per_image(ours, x[: min(8, args.batch_size)])
 
     tokens = (args.img_size // args.patch_size) ** 2 + 1
     print(
-        f"config: img {args.img_size}, patch {args.patch_size} ({tokens} tokens), width {args.embed_dim}, "
+        f"config: img {args.img_size}x{args.img_size}x{args.in_chans}, patch {args.patch_size} ({tokens} tokens), width {args.embed_dim}, "
         f"depth {args.depth}, heads {args.num_heads}, mlp_ratio {args.mlp_ratio}, {params / 1e6:.2f}M params, "
         f"batch {args.batch_size}"
     )
     print(f"FLOPs per image: forward {fwd_flops / 1e9:.3f} G, forward+backward {train_flops / 1e9:.3f} G")
-    print(f"device: {where}; torch {torch.__version__}; {args.repeats} repeats x {args.steps} steps, alternating")
+    print(
+        f"device: {where}; torch {torch.__version__}; {args.repeats} repeats x {args.steps} steps, alternating; "
+        f"images per {'second of process CPU time' if args.clock == 'cpu' else 'second (wall clock)'}"
+    )
     print("timm's model was given our weights and returns the same logits (checked)")
     header = f"{'mode':>7} | {'prec':>4} | {'compile':>7} | {'ours img/s':>22} | {'timm img/s':>22} | {'ours/timm':>19}"
     print(header)
@@ -218,7 +234,7 @@ def main() -> None:
                 rates = {"ours": [], "timm": []}
                 for r in range(args.repeats):
                     for name in ("ours", "timm") if r % 2 == 0 else ("timm", "ours"):
-                        rates[name].append(images_per_second(steps[name], x, y, args.steps, device))
+                        rates[name].append(images_per_second(steps[name], x, y, args.steps, device, clock))
                 ratios = [a / b for a, b in zip(rates["ours"], rates["timm"])]
                 print(
                     f"{mode:>7} | {precision:>4} | {'on' if compile else 'off':>7} | "
