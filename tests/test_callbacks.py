@@ -40,6 +40,15 @@ TINY = [
 ROLLOUT_PIXELS = (8 * 2 * 64, 3 * 2 * 64)  # (height, width)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: a second thread only adds synchronisation, and on a busy machine it costs several times over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
     """W&B kept off the network and out of the home folder; the run is finished afterwards."""

@@ -16,6 +16,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassConfusionMatrix
@@ -135,16 +136,20 @@ class RolloutImages(L.Callback):
                 )
                 self._warned = True
             return
-        figure = self.render(model)
+        with trainer.precision_plugin.forward_context():  # autocast as in validation, if any
+            figure = self.render(model, trainer.precision_plugin.convert_input(self.images))
         log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
         self.logged_epochs.append(trainer.current_epoch)
 
-    def render(self, model: nn.Module):
-        """The overlay grid of the chosen images for `model`, as a matplotlib Figure."""
+    def render(self, model: nn.Module, images: Tensor | None = None):
+        """The overlay grid of the chosen images for `model`, as a matplotlib Figure.
+
+        `images` are the chosen images as the model should get them (e.g. in its precision); by
+        default the chosen images as they are.
+        """
         if self.images is None:
             raise RuntimeError("no images chosen yet: they are taken from the first validation batches")
-        device = next(model.parameters()).device
-        x = self.images.to(device)
+        x = (self.images if images is None else images).to(next(model.parameters()).device)
         maps = {}
         for method in self.methods:
             options = {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio} if method == "rollout" else {}
@@ -203,7 +208,8 @@ class ConfusionMatrix(L.Callback):
                     if batch_idx >= num_batches[0]:
                         break
                     x, y = batch[0].to(pl_module.device), batch[1].to(pl_module.device)
-                    logits = pl_module(x)  # (B, num_classes)
+                    with trainer.precision_plugin.forward_context():
+                        logits = pl_module(trainer.precision_plugin.convert_input(x))  # (B, num_classes)
                     if metric is None:
                         metric = MulticlassConfusionMatrix(num_classes or logits.shape[-1]).to(pl_module.device)
                     metric.update(logits.argmax(-1), y)
@@ -281,6 +287,8 @@ def log_image(trainer: L.Trainer, tag: str, image: np.ndarray) -> None:
     """
     step = trainer.global_step
     for logger in trainer.loggers:
+        if isinstance(logger, DummyLogger):  # fast_dev_run: nothing is logged
+            continue
         if isinstance(logger, WandbLogger):
             logger.log_image(key=tag, images=[image], step=step)
         elif isinstance(logger, TensorBoardLogger):
