@@ -2,15 +2,58 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from vit.classifier import ImageClassifier
 from vit.data.cifar import CIFARNotFoundError
+
+
+class SaveConfig(SaveConfigCallback):
+    """Save the resolved `config.yaml` in the run's own folder and log it as the run's config.
+
+    TensorBoard and CSV runs have a folder per run (`trainer.log_dir`), where Lightning puts the
+    file. Other loggers (W&B) have none, and Lightning would write every run's config to the same
+    `save_dir/config.yaml`, refusing the second run; here it goes beside the run's checkpoints,
+    `save_dir/name/version/config.yaml`. Loggers without a run folder also get the whole config
+    through `log_hyperparams` (the W&B run's config).
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.already_saved or not trainer.loggers or isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger)):
+            super().setup(trainer, pl_module, stage)
+            return
+        logger = trainer.loggers[0]
+        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+        # The folder ModelCheckpoint uses for this logger's checkpoints, minus "checkpoints".
+        run_dir = trainer.strategy.broadcast(
+            os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version)
+        )
+        config_path = os.path.join(run_dir, self.config_filename)
+        fs = get_filesystem(run_dir)
+        exists = trainer.strategy.broadcast(fs.isfile(config_path) if trainer.is_global_zero else False)
+        if exists and not self.overwrite:
+            raise RuntimeError(f"{config_path} already exists; not overwriting the config of an earlier run")
+        if trainer.is_global_zero:
+            fs.makedirs(run_dir, exist_ok=True)
+            self.parser.save(self.config, config_path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        config = self.config.clone().as_dict()
+        config.pop("config", None)  # the paths of the YAML files given, not settings
+        for logger in trainer.loggers:
+            if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                logger.log_hyperparams(config)
 
 
 class ViTCLI(LightningCLI):
@@ -64,6 +107,7 @@ def main(args=None) -> ViTCLI:
             ImageClassifier,
             L.LightningDataModule,
             subclass_mode_data=True,
+            save_config_callback=SaveConfig,
             save_config_kwargs={"overwrite": False},
             args=args,
         )

@@ -7,7 +7,8 @@ Everything here is a function of tensors, except the two entry points that run a
 
 where `attentions` holds one softmax map `(B, H, N, N)` per block, still in the autograd graph.
 With `model.pool == "map"` the list ends with one extra `(B, H, 1, N)` entry: the pooling query's
-attention over the tokens. The model also exposes `pool` ("cls" | "mean" | "map"),
+attention over the tokens. The model also exposes `pool` ("cls" | "mean" | "map"; a model without
+the attribute is read as "cls", the classic ViT),
 `patch_embed.grid_size` (gh, gw) and `num_prefix_tokens` (1 for a CLS token, else 0).
 
 References:
@@ -35,10 +36,12 @@ if TYPE_CHECKING:
 HeadFusion = Literal["mean", "max", "min"]
 Pool = Literal["cls", "mean", "map"]
 Method = Literal["rollout", "grad_rollout"]
+Scale = Literal["minmax", "sum"]
 
 HEAD_FUSIONS = ("mean", "max", "min")
 POOLS = ("cls", "mean", "map")
 METHODS = ("rollout", "grad_rollout")
+SCALES = ("minmax", "sum")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +120,7 @@ def rollout_to_patch_map(
     grid_size: tuple[int, int],
     pool: Pool = "cls",
     pool_attn: Tensor | None = None,
+    scale: Scale = "minmax",
 ) -> Tensor:
     """Turn a rollout `(B, N, N)` into one relevance value per patch, `(B, gh, gw)`, in [0, 1].
 
@@ -128,12 +132,19 @@ def rollout_to_patch_map(
                 pushed through the rollout, `pool_attn @ R`. No residual is added: the query is
                 a learned vector, not one of the tokens.
 
-    Each sample is min-max normalised to [0, 1] on its own (a constant map becomes all zeros),
-    so maps show where relevance is relative to the rest of that image, not absolute amounts.
+    `scale` sets how each sample's values are scaled:
+        "minmax": to [0, 1] by min-max (a constant map becomes all zeros), for display: the map
+                  shows where relevance is relative to the rest of that image.
+        "sum":    divided by their sum over the patches, so the map is a distribution over the
+                  patches and the sum over any set of patches is that set's share of the relevance
+                  (for "cls" the CLS token's own column is left out before dividing). A sample
+                  with no relevance on any patch stays all zeros.
     Patches are laid out row-major, as a conv patch embedding's `flatten(2)` orders them.
     """
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if rollout.ndim != 3 or rollout.shape[1] != rollout.shape[2]:
         raise ValueError(f"rollout must have shape (B, N, N), got {tuple(rollout.shape)}")
     if (pool == "map") != (pool_attn is not None):
@@ -161,9 +172,13 @@ def rollout_to_patch_map(
             )
         relevance = (pool_attn.unsqueeze(1).to(rollout.dtype) @ rollout).squeeze(1)  # (B, N)
 
-    lo = relevance.amin(dim=1, keepdim=True)
-    span = relevance.amax(dim=1, keepdim=True) - lo
-    relevance = (relevance - lo) / torch.where(span > 0, span, torch.ones_like(span))
+    if scale == "sum":
+        total = relevance.sum(dim=1, keepdim=True)
+        relevance = relevance / torch.where(total > 0, total, torch.ones_like(total))
+    else:
+        lo = relevance.amin(dim=1, keepdim=True)
+        span = relevance.amax(dim=1, keepdim=True) - lo
+        relevance = (relevance - lo) / torch.where(span > 0, span, torch.ones_like(span))
     return relevance.reshape(B, gh, gw)
 
 
@@ -202,6 +217,7 @@ def patch_relevance(
     discard_ratio: float = 0.0,
     target: int | Tensor | None = None,
     start_layer: int = 0,
+    scale: Scale = "minmax",
 ) -> Tensor:
     """Per-patch relevance `(B, gh, gw)` in [0, 1] for images `x`, whatever `model.pool` is.
 
@@ -210,12 +226,14 @@ def patch_relevance(
     heads. Options that do not apply to the chosen method raise instead of being ignored.
     For `pool="map"` the pooling query's attention is pushed through the rollout: head-fused (never
     discarded) for "rollout", weighted by its gradient like the blocks for "grad_rollout".
+    `scale` is "minmax" (for display) or "sum" (shares of the relevance), as in
+    `rollout_to_patch_map`.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    pool = getattr(model, "pool", None)
-    if pool not in POOLS:
-        raise ValueError(f"model.pool must be one of {POOLS}, got {pool!r}")
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    pool = _model_pool(model)
     grid_size = tuple(model.patch_embed.grid_size)
 
     if method == "grad_rollout":
@@ -227,7 +245,7 @@ def patch_relevance(
         layers, pool_map = _gradient_weighted_maps(model, x, target)
         _check_start_layer(start_layer, len(layers))
         rollout = _chain(layers[start_layer:])  # (B, N, N)
-        return rollout_to_patch_map(rollout, grid_size, pool, pool_map)
+        return rollout_to_patch_map(rollout, grid_size, pool, pool_map, scale=scale)
 
     if target is not None:
         raise ValueError(f"target applies to method='grad_rollout' only; got target={target!r}")
@@ -244,7 +262,7 @@ def patch_relevance(
         start_layer=start_layer,
         keep_cls_self=model.num_prefix_tokens > 0,
     )  # (B, N, N)
-    return rollout_to_patch_map(rollout, grid_size, pool, pool_attn)
+    return rollout_to_patch_map(rollout, grid_size, pool, pool_attn, scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,6 +399,14 @@ def _chain(fused_layers: Sequence[Tensor]) -> Tensor:
     return rollout
 
 
+def _model_pool(model: nn.Module) -> str:
+    """`model.pool`, checked; a model without the attribute pools its CLS token (the classic ViT)."""
+    pool = getattr(model, "pool", "cls")
+    if pool not in POOLS:
+        raise ValueError(f"model.pool must be one of {POOLS}, got {pool!r}")
+    return pool
+
+
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """Run in eval mode, then give every submodule back its own train/eval flag."""
@@ -398,9 +424,7 @@ def _gradient_weighted_maps(
 ) -> tuple[list[Tensor], Tensor | None]:
     """Per-block `mean_heads((dy/dA * A).clamp(min=0))` maps `(B, N, N)`, and for `pool="map"` the
     pooling query's map weighted the same way `(B, 1, N)` (else None)."""
-    pool = getattr(model, "pool", None)
-    if pool not in POOLS:
-        raise ValueError(f"model.pool must be one of {POOLS}, got {pool!r}")
+    pool = _model_pool(model)
     # Lightning validation runs under inference_mode; autograd needs it off and an ordinary
     # (non-inference) copy of the input. The input requires grad so the graph exists even when
     # every parameter is frozen.

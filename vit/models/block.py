@@ -7,6 +7,7 @@ from timm.layers import DropPath, Mlp
 from torch import nn
 
 from vit.models.attention import Attention
+from vit.models.scores import Score
 
 
 class Block(nn.Module):
@@ -19,6 +20,8 @@ class Block(nn.Module):
         num_heads: int,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
+        attn_score: Score = "scaled_dot",
+        score_dim: int = 16,
         proj_drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
@@ -26,7 +29,15 @@ class Block(nn.Module):
         super().__init__()
         # eps=1e-6 as in timm and the original ViT, so timm checkpoints give identical outputs.
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.attn = Attention(
+            dim,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            attn_score=attn_score,
+            score_dim=score_dim,
+            attn_drop=attn_drop,
+            proj_drop=proj_drop,
+        )
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)

@@ -9,23 +9,31 @@ from timm.layers import trunc_normal_
 from torch import nn
 
 from vit.models.block import Block
+from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
+from vit.models.scores import Score
 
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
+Pool = Literal["cls", "mean", "map"]
 
 
 class VisionTransformer(nn.Module):
     """A plain ViT whose parameter names match `timm.models.VisionTransformer`.
 
-    For the same configuration (`global_pool="token"`, `pos_embed="learned"`),
-    `VisionTransformer(...).load_state_dict(timm_vit.state_dict())` loads strictly and gives the
-    same logits, so timm checkpoints can be brought in.
+    For the same configuration (`pool="cls"`, `attn_score="scaled_dot"`, `pos_embed="learned"`;
+    timm's `global_pool="token"`), `VisionTransformer(...).load_state_dict(timm_vit.state_dict())`
+    loads strictly and gives the same logits, so timm checkpoints can be brought in.
 
-    Position encodings (`pos_embed`), added to the tokens after the CLS token is prepended:
-      - `"learned"`: a parameter `(1, 1 + N, D)`; the CLS token has its own learned position.
+    Pooling (`pool`), how the token sequence becomes one vector for the head:
+      - `"cls"`: a learned CLS token is prepended (token 0) and read out after the last block.
+      - `"mean"`: no CLS token; the average of the patch tokens.
+      - `"map"`: no CLS token; a learned query cross-attends to the patch tokens (`MAPHead`).
+
+    Position encodings (`pos_embed`), added to the tokens after the CLS token (if any) is prepended:
+      - `"learned"`: a parameter `(1, T, D)`, T tokens; the CLS token has its own learned position.
       - `"sincos1d"`: the fixed sin/cos encoding over the token index; the CLS token is token 0 and
-        gets position 0, the patches (row-major) positions 1..N.
+        gets position 0, the patches (row-major) positions 1..N (0..N-1 without a CLS token).
       - `"sincos2d"`: the fixed 2-D encoding over (patch row, patch column); the CLS token sits
         outside the grid and gets the zero vector, i.e. no position.
       - `"none"`: no position information at all (an ablation: the encoder is then permutation
@@ -35,7 +43,9 @@ class VisionTransformer(nn.Module):
     Args use timm's names. `drop_rate` is dropout before the head (as in timm),
     `proj_drop_rate` dropout after the attention projection and in the MLP, `attn_drop_rate`
     dropout on the attention weights, `drop_path_rate` the stochastic-depth rate of the last
-    block (rising linearly from 0 in the first).
+    block (rising linearly from 0 in the first). `attn_score` picks the score function `f(q, k)`
+    of every attention layer (`vit.models.scores`), `score_dim` the hidden width d_a of the
+    additive forms.
     """
 
     def __init__(
@@ -55,10 +65,15 @@ class VisionTransformer(nn.Module):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         pos_embed: PosEmbed = "learned",
+        pool: Pool = "cls",
+        attn_score: Score = "scaled_dot",
+        score_dim: int = 16,
     ) -> None:
         super().__init__()
         if pos_embed not in get_args(PosEmbed):
             raise ValueError(f"pos_embed={pos_embed!r} is not one of {get_args(PosEmbed)}")
+        if pool not in get_args(Pool):
+            raise ValueError(f"pool={pool!r} is not one of {get_args(Pool)}")
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
@@ -74,18 +89,20 @@ class VisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.pos_embed_type = pos_embed
-        self.num_prefix_tokens = 1  # the CLS token
+        self.pool = pool
+        self.num_prefix_tokens = 1 if pool == "cls" else 0  # the CLS token, when there is one
 
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         num_patches = self.patch_embed.num_patches
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        num_tokens = self.num_prefix_tokens + num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pool == "cls" else None
         if pos_embed == "learned":
-            self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, embed_dim))
+            self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
         elif pos_embed == "sincos1d":
-            self.register_buffer("pos_embed", sincos_1d(torch.arange(1 + num_patches), embed_dim)[None], persistent=False)
+            self.register_buffer("pos_embed", sincos_1d(torch.arange(num_tokens), embed_dim)[None], persistent=False)
         elif pos_embed == "sincos2d":
             grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (N, D)
-            cls_pos = torch.zeros(1, embed_dim)
+            cls_pos = torch.zeros(self.num_prefix_tokens, embed_dim)
             self.register_buffer("pos_embed", torch.cat([cls_pos, grid])[None], persistent=False)
         else:
             self.pos_embed = None
@@ -98,6 +115,8 @@ class VisionTransformer(nn.Module):
                 num_heads=num_heads,
                 mlp_ratio=mlp_ratio,
                 qkv_bias=qkv_bias,
+                attn_score=attn_score,
+                score_dim=score_dim,
                 proj_drop=proj_drop_rate,
                 attn_drop=attn_drop_rate,
                 drop_path=dpr[i],
@@ -105,6 +124,10 @@ class VisionTransformer(nn.Module):
             for i in range(depth)
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        if pool == "map":
+            self.attn_pool = MAPHead(
+                embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score, score_dim=score_dim
+            )
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes)
         self.init_weights()
@@ -113,7 +136,8 @@ class VisionTransformer(nn.Module):
         """timm's scheme: truncated normal (std 0.02) for linear layers and learned positions."""
         if isinstance(self.pos_embed, nn.Parameter):
             trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.normal_(self.cls_token, std=1e-6)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=0.02)
@@ -123,31 +147,51 @@ class VisionTransformer(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         """Parameter names that are not weight matrices but still have ndim > 1 (timm's convention)."""
-        return {"cls_token", "pos_embed"}
+        return {"cls_token", "pos_embed", "attn_pool.probe"}
 
     def forward_features(self, x: torch.Tensor, return_attn: bool = False):
-        """`(B, C, H, W) -> (B, 1 + N, D)` normalised tokens, CLS first (and the attention maps)."""
+        """`(B, C, H, W) -> (B, T, D)` normalised tokens, CLS first if any (and the attention maps)."""
         x = self.patch_embed(x)  # (B, N, D)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed
         attns = []
         for block in self.blocks:
             if return_attn:
                 x, attn = block(x, return_attn=True)
-                attns.append(attn)  # (B, H, 1 + N, 1 + N)
+                attns.append(attn)  # (B, H, T, T)
             else:
                 x = block(x)
         x = self.norm(x)
         return (x, attns) if return_attn else x
 
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, 1 + N, D) -> (B, num_classes)` from the CLS token."""
-        return self.head(self.head_drop(x[:, 0]))
+    def forward_head(self, x: torch.Tensor, return_attn: bool = False):
+        """`(B, T, D) -> (B, num_classes)` through the pooling of `self.pool`.
+
+        With `return_attn` and `pool="map"`, also the pooling query's attention `(B, H, 1, N)`.
+        """
+        attn = None
+        if self.pool == "cls":
+            x = x[:, 0]  # (B, D)
+        elif self.pool == "mean":
+            x = x.mean(dim=1)  # (B, D)
+        elif return_attn:
+            x, attn = self.attn_pool(x, return_attn=True)
+        else:
+            x = self.attn_pool(x)
+        logits = self.head(self.head_drop(x))
+        return (logits, attn) if return_attn else logits
 
     def forward(self, x: torch.Tensor, return_attn: bool = False):
-        """Logits `(B, num_classes)`; with `return_attn`, `(logits, [attn (B, H, N, N) per block])`."""
+        """Logits `(B, num_classes)`; with `return_attn`, `(logits, attentions)`.
+
+        `attentions` is a list with one `(B, H, T, T)` tensor per block (T tokens, the CLS token
+        first when `pool="cls"`); for `pool="map"` it has one more, last entry: the pooling query's
+        attention over the tokens, `(B, H, 1, T)`.
+        """
         if return_attn:
             x, attns = self.forward_features(x, return_attn=True)
-            return self.forward_head(x), attns
+            logits, pool_attn = self.forward_head(x, return_attn=True)
+            return logits, attns + ([pool_attn] if pool_attn is not None else [])
         return self.forward_head(self.forward_features(x))

@@ -1,0 +1,203 @@
+"""The attention mechanism softmax(f(Q, K) + M) V: score functions against their formulas, masks,
+fast vs explicit paths, cross-attention, pooling heads."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vit.models import VisionTransformer
+from vit.models.attention import Attention
+from vit.models.scores import SCORES
+
+B, M, N, D, H = 2, 5, 7, 12, 3
+d = D // H
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def heads(t):  # (B, L, D) -> (B, H, L, d), written out independently of the module
+    return t.reshape(t.shape[0], t.shape[1], H, d).permute(0, 2, 1, 3)
+
+
+def project(attn, x, context):
+    w_q, w_k, w_v = attn.qkv.weight.chunk(3)
+    b_q, b_k, b_v = attn.qkv.bias.chunk(3)
+    return heads(x @ w_q.T + b_q), heads(context @ w_k.T + b_k), heads(context @ w_v.T + b_v)
+
+
+def reference_scores(attn, q, k):
+    """Each score written from its formula, pair by pair where the formula is per pair."""
+    s = attn.attn_score
+    if s == "scaled_dot":
+        return torch.einsum("bhmd,bhnd->bhmn", q, k) / d**0.5
+    if s == "dot":
+        return torch.einsum("bhmd,bhnd->bhmn", q, k)
+    if s == "general":  # q^T W k
+        return torch.einsum("bhmd,hde,bhne->bhmn", q, attn.score.weight, k)
+    if s == "additive":  # w_a^T tanh(W_b [q ; k]), the concatenation built for every pair
+        pairs = torch.cat([q[:, :, :, None, :].expand(-1, -1, -1, k.shape[2], -1),
+                           k[:, :, None, :, :].expand(-1, -1, q.shape[2], -1, -1)], dim=-1)  # (B,H,M,N,2d)
+        hidden = torch.tanh(torch.einsum("hae,bhmne->bhmna", attn.score.w_b, pairs))
+        return torch.einsum("ha,bhmna->bhmn", attn.score.w_a, hidden)
+    if s == "concat":  # w_a^T tanh(W_q q + W_k k)
+        hq = torch.einsum("had,bhmd->bhma", attn.score.w_q, q)
+        hk = torch.einsum("had,bhnd->bhna", attn.score.w_k, k)
+        hidden = torch.tanh(hq[:, :, :, None] + hk[:, :, None])
+        return torch.einsum("ha,bhmna->bhmn", attn.score.w_a, hidden)
+    raise AssertionError(s)
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("cross", [False, True])
+def test_each_score_matches_its_formula(score, cross):
+    attn = Attention(D, num_heads=H, attn_score=score, score_dim=4).eval()
+    x = torch.randn(B, M, D)
+    context = torch.randn(B, N, D) if cross else x
+    out, weights = attn(x, context if cross else None, return_attn=True)
+    q, k, v = project(attn, x, context)
+    expected_w = reference_scores(attn, q, k).softmax(-1)
+    torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=1e-5)
+    expected_out = (expected_w @ v).permute(0, 2, 1, 3).reshape(B, -1, D) @ attn.proj.weight.T + attn.proj.bias
+    torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)))
+
+
+def masks():
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    key_mask[0, 3:] = False
+    bool_mask = torch.rand(B, 1, M, N) > 0.3
+    float_mask = torch.zeros(B, H, M, N).masked_fill(torch.rand(B, H, M, N) > 0.6, float("-inf"))
+    float_mask += 0.5 * torch.randn(B, H, M, N)  # finite biases are added as they are
+    return {
+        "none": {},
+        "bool": {"mask": bool_mask},
+        "float": {"mask": float_mask},
+        "key_mask": {"key_mask": key_mask},
+        "causal": {"causal": True},
+        "all": {"mask": bool_mask, "key_mask": key_mask, "causal": True},
+    }
+
+
+def allowed_of(kwargs):
+    allowed = torch.ones(B, H, M, N, dtype=torch.bool)
+    if "mask" in kwargs:
+        m = kwargs["mask"]
+        allowed = allowed & (m if m.dtype == torch.bool else m > float("-inf"))
+    if "key_mask" in kwargs:
+        allowed = allowed & kwargs["key_mask"][:, None, None, :]
+    if kwargs.get("causal"):
+        allowed = allowed & (torch.arange(N)[None, :] <= torch.arange(M)[:, None])
+    return allowed
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "dot", "general"])
+@pytest.mark.parametrize("mask_name", list(masks()))
+def test_fast_path_equals_explicit_path(score, mask_name):
+    attn = Attention(D, num_heads=H, attn_score=score).eval()
+    kwargs = masks()[mask_name]
+    x, context = torch.randn(B, M, D), torch.randn(B, N, D)
+    fast = attn(x, context, **kwargs)
+    explicit, _ = attn(x, context, return_attn=True, **kwargs)
+    assert (fast - explicit).abs().max() < 1e-5
+    if not kwargs:  # self-attention too
+        assert (attn(x) - attn(x, return_attn=True)[0]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("mask_name", ["bool", "float", "key_mask", "causal", "all"])
+def test_masked_weights_are_exactly_zero_and_rows_sum_to_one(score, mask_name):
+    attn = Attention(D, num_heads=H, attn_score=score, score_dim=4)
+    kwargs = masks()[mask_name]
+    _, w = attn(torch.randn(B, M, D), torch.randn(B, N, D), return_attn=True, **kwargs)
+    allowed = allowed_of(kwargs).expand_as(w)
+    assert torch.all(w[~allowed] == 0)
+    has_key = allowed.any(-1)
+    torch.testing.assert_close(w.sum(-1)[has_key], torch.ones(int(has_key.sum())))
+
+
+def test_causal_mask_is_lower_triangular():
+    attn = Attention(D, num_heads=H)
+    _, w = attn(torch.randn(B, 6, D), causal=True, return_attn=True)
+    assert torch.all(w.triu(diagonal=1) == 0)
+    torch.testing.assert_close(w[..., 0, 0], torch.ones(B, H))  # the first query sees only itself
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("return_attn", [False, True])
+def test_a_query_with_every_key_masked_gets_zeros_not_nan(score, return_attn):
+    attn = Attention(D, num_heads=H, attn_score=score, score_dim=4)
+    mask = torch.ones(B, 1, M, N, dtype=torch.bool)
+    mask[:, :, 2] = False  # query 2 may look nowhere
+    x, context = torch.randn(B, M, D, requires_grad=True), torch.randn(B, N, D)
+    res = attn(x, context, mask=mask, return_attn=return_attn)
+    out = res[0] if return_attn else res
+    assert not torch.isnan(out).any()
+    # the row's attention output is zero, so the block output is the projection's bias alone
+    torch.testing.assert_close(out[:, 2], attn.proj.bias.expand(B, -1))
+    if return_attn:
+        assert torch.all(res[1][:, :, 2] == 0)
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in attn.parameters() if p.grad is not None)
+
+
+def test_cross_attention_with_three_different_widths():
+    attn = Attention(8, num_heads=2, kdim=5, vdim=3, attn_dim=6, out_dim=4)
+    x, ctx, val = torch.randn(B, M, 8), torch.randn(B, N, 5), torch.randn(B, N, 3)
+    out, w = attn(x, ctx, value=val, return_attn=True)
+    assert out.shape == (B, M, 4) and w.shape == (B, 2, M, N)
+    # the formula with the module's separate projections
+    q = (x @ attn.q.weight.T + attn.q.bias).reshape(B, M, 2, 3).transpose(1, 2)
+    k = (ctx @ attn.k.weight.T + attn.k.bias).reshape(B, N, 2, 3).transpose(1, 2)
+    v = (val @ attn.v.weight.T + attn.v.bias).reshape(B, N, 2, 3).transpose(1, 2)
+    expected_w = (q @ k.transpose(-1, -2) / 3**0.5).softmax(-1)
+    torch.testing.assert_close(w, expected_w)
+    expected = (expected_w @ v).transpose(1, 2).reshape(B, M, 6) @ attn.proj.weight.T + attn.proj.bias
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(attn(x, ctx, value=val), out, atol=1e-5, rtol=1e-5)  # fast path agrees
+
+
+def test_attention_input_errors_name_the_problem():
+    attn = Attention(D, num_heads=H, kdim=5)
+    with pytest.raises(ValueError, match=r"context must have shape \(B=2, L, 5\), got \(2, 7, 12\)"):
+        attn(torch.randn(B, M, D), torch.randn(B, N, D))
+    with pytest.raises(ValueError, match="value was given without context"):
+        attn(torch.randn(B, M, D), value=torch.randn(B, N, D))
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 3\) does not broadcast"):
+        Attention(D, num_heads=H)(torch.randn(B, M, D), mask=torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_mask must be a bool tensor of shape"):
+        Attention(D, num_heads=H)(torch.randn(B, M, D), key_mask=torch.ones(B, M))
+    with pytest.raises(ValueError, match="attn_score='bilinear' is not one of"):
+        Attention(D, num_heads=H, attn_score="bilinear")
+
+
+TINY = dict(img_size=16, patch_size=4, in_chans=1, num_classes=3, embed_dim=12, depth=2, num_heads=3)
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean", "map"])
+@pytest.mark.parametrize("score", SCORES)
+def test_gradients_reach_every_parameter(pool, score):
+    model = VisionTransformer(**TINY, pool=pool, attn_score=score, score_dim=4)
+    F.cross_entropy(model(torch.randn(4, 1, 16, 16)), torch.tensor([0, 1, 2, 0])).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing
+
+
+@pytest.mark.parametrize("pool, tokens, extra", [("cls", 17, 0), ("mean", 16, 0), ("map", 16, 1)])
+def test_return_attn_for_every_pool(pool, tokens, extra):
+    model = VisionTransformer(**TINY, pool=pool).eval()
+    x = torch.randn(2, 1, 16, 16)
+    logits, attns = model(x, return_attn=True)
+    assert len(attns) == TINY["depth"] + extra
+    for a in attns[: TINY["depth"]]:
+        assert a.shape == (2, 3, tokens, tokens)
+    if pool == "map":
+        assert attns[-1].shape == (2, 3, 1, tokens)  # the pooling query over the patch tokens
+    for a in attns:
+        torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]))
+    assert (model(x) - logits).abs().max() < 1e-5
+    assert model.num_prefix_tokens == (1 if pool == "cls" else 0)
+    assert ("cls_token" in dict(model.named_parameters())) == (pool == "cls")

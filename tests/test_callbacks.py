@@ -1,0 +1,283 @@
+"""Dashboard callbacks and loggers: what a short run writes to W&B (offline), TensorBoard and CSV files."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from PIL import Image
+
+import vit.loggers
+from vit.callbacks import ConfusionMatrix, RolloutImages
+from vit.classifier import ImageClassifier
+from vit.cli import main
+from vit.data import TwoCirclesDataModule
+from vit.models import ResNet, VisionTransformer
+
+ROOT = Path(__file__).resolve().parents[1]
+VIT_CONFIG = str(ROOT / "configs/two_circles/vit.yaml")
+WANDB_CONFIG = str(ROOT / "configs/logger/wandb.yaml")
+# A tiny version of the two-circles experiment: one epoch, a few batches, a small ViT.
+TINY = [
+    "--trainer.max_epochs=1",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.log_every_n_steps=1",
+    "--data.init_args.num_train=64",
+    "--data.init_args.num_val=48",
+    "--data.init_args.num_test=32",
+    "--data.init_args.batch_size=16",
+    "--model.backbone.init_args.embed_dim=16",
+    "--model.backbone.init_args.depth=2",
+    "--model.backbone.init_args.num_heads=2",
+    "--model.backbone.init_args.patch_size=8",
+]
+# RolloutImages in vit.yaml: 8 rows of 2-inch cells at 64 dpi; columns: image, rollout, grad rollout.
+ROLLOUT_PIXELS = (8 * 2 * 64, 3 * 2 * 64)  # (height, width)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: a second thread only adds synchronisation, and on a busy machine it costs several times over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B kept off the network and out of the home folder; the run is finished afterwards."""
+    import wandb
+
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    yield
+    wandb.finish()
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a `.wandb` file.
+
+    The file is a 7-byte header (":W&B", magic, version) followed by LevelDB-log framing: 32 KiB
+    blocks of chunks, each a 7-byte header (CRC32, little-endian length, type) and its payload;
+    type 1 is a whole record, 2 / 3 / 4 the first / middle / last piece of one.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32 * 1024
+    assert data[:4] == b":W&B"
+    records, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+    return [wandb_internal_pb2.Record.FromString(r) for r in records]
+
+
+def run_cli(args, tmp_path, monkeypatch):
+    """`python train.py ARGS` in `tmp_path`, in this process."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # pytest's own arguments are not the CLI's
+    return main(args)
+
+
+def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch, offline_wandb):
+    cli = run_cli(["fit", "--config", VIT_CONFIG, "--config", WANDB_CONFIG, *TINY], tmp_path, monkeypatch)
+    logger = cli.trainer.logger
+    assert isinstance(logger, vit.loggers.WandbLogger) and logger.is_offline
+    val_acc = cli.trainer.checkpoint_callback.best_model_score.item()  # one epoch: its val/acc
+    run_dir = Path(logger.experiment.dir).absolute().parent
+    import wandb
+
+    wandb.finish()
+
+    assert run_dir.parent == tmp_path / "runs/wandb" and run_dir.name.startswith("offline-run-")
+    # wandb names media files <key>_<history step>_<hash>.png
+    images = {p.name.rsplit("_", 2)[0] for p in (run_dir / "files/media/images/val").glob("*.png")}
+    assert images == {"rollout", "confusion_matrix"}
+    rollout_png = next((run_dir / "files/media/images/val").glob("rollout_*.png"))
+    assert Image.open(rollout_png).size[::-1] == ROLLOUT_PIXELS
+
+    # wandb.finish() can return before W&B's service has written the last records: wait for "exit".
+    deadline = time.monotonic() + 30
+    while True:
+        records = wandb_records(next(run_dir.glob("*.wandb")))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    logged = {}
+    for record in records:
+        for item in record.history.item:
+            logged.setdefault(item.key or "/".join(item.nested_key), []).append(json.loads(item.value_json))
+    assert logged["val/acc"][-1] == pytest.approx(val_acc)
+    assert {"test/acc", "test/loss", "train/loss_step", "train/lr", "train/loss_epoch", "val/loss"} <= set(logged)
+    assert (logged["val/rollout/height"], logged["val/rollout/width"]) == ([ROLLOUT_PIXELS[0]], [ROLLOUT_PIXELS[1]])
+    config = {
+        item.key: json.loads(item.value_json) for record in records for item in record.config.update
+    }
+    # The resolved config of both YAML files, as the run's config: the second file's logger wins.
+    assert config["trainer"]["logger"]["class_path"] == "vit.loggers.WandbLogger"
+    assert "default_hp_metric" not in config["trainer"]["logger"]["init_args"]
+    assert config["model"]["backbone"]["init_args"]["embed_dim"] == 16
+    assert config["data"]["init_args"]["num_train"] == 64
+    # ... and as config.yaml beside the run's checkpoints, not a config.yaml shared by all runs.
+    saved = (tmp_path / "runs/vit" / logger.version / "config.yaml").read_text()
+    assert "class_path: vit.loggers.WandbLogger" in saved and "name: null" in saved
+    assert not (tmp_path / "runs/config.yaml").exists()
+    assert list((tmp_path / "runs/vit" / logger.version / "checkpoints").glob("*.ckpt"))
+
+
+def test_tensorboard_run_holds_rollout_and_confusion_images(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cli = run_cli(["fit", "--config", VIT_CONFIG, *TINY], tmp_path, monkeypatch)
+    events = EventAccumulator(cli.trainer.logger.log_dir, size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    assert {"val/rollout", "val/confusion_matrix"} <= set(events.Tags()["images"])
+    (rollout,) = events.Images("val/rollout")  # one epoch: logged once, after the last epoch
+    assert (rollout.height, rollout.width) == ROLLOUT_PIXELS
+    assert rollout.step == cli.trainer.global_step
+    val_acc = cli.trainer.checkpoint_callback.best_model_score.item()  # one epoch: its val/acc
+    assert events.Scalars("val/acc")[-1].value == pytest.approx(val_acc)
+    # TensorBoard keeps config.yaml in its own run folder, as Lightning does.
+    assert (Path(cli.trainer.logger.log_dir) / "config.yaml").is_file()
+
+
+def tiny_trainer(tmp_path, callbacks, max_epochs):
+    return L.Trainer(
+        max_epochs=max_epochs,
+        logger=CSVLogger(tmp_path, name="csv"),
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
+
+
+def tiny_data():
+    return TwoCirclesDataModule(num_train=32, num_val=40, num_test=8, batch_size=16, seed=3)
+
+
+def test_csv_rollout_every_n_epochs_fixed_images_and_confusion_matrix(tmp_path):
+    torch.manual_seed(0)
+    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2)
+    rollout = RolloutImages(every_n_epochs=2, num_images=5, methods=["rollout"], class_names=["neg", "pos"])
+    confusion = ConfusionMatrix()
+    trainer = tiny_trainer(tmp_path, [rollout, confusion], max_epochs=3)
+    data = tiny_data()
+    model = ImageClassifier(backbone, lr=1e-3)
+    trainer.fit(model, data)
+
+    # After epoch 2 (index 1) and after the last epoch (index 2).
+    assert rollout.logged_epochs == [1, 2]
+    images = sorted(p.name for p in (Path(trainer.logger.log_dir) / "images").glob("*.png"))
+    steps_per_epoch = 2
+    assert images == [
+        f"val_confusion_matrix-step{3 * steps_per_epoch:06d}.png",
+        f"val_rollout-step{2 * steps_per_epoch:06d}.png",
+        f"val_rollout-step{3 * steps_per_epoch:06d}.png",
+    ]
+    # The rows are the first validation images, alternating between the classes in order of first appearance.
+    labels = data.val_set.labels[:32].tolist()
+    first, second = labels[0], 1 - labels[0]
+    by_class = {c: [i for i, y in enumerate(labels) if y == c] for c in (0, 1)}
+    expected = [by_class[first][0], by_class[second][0], by_class[first][1], by_class[second][1], by_class[first][2]]
+    torch.testing.assert_close(rollout.images, data.val_set.images[expected])
+    assert rollout.labels.tolist() == [labels[i] for i in expected]
+
+    # The confusion matrix of the final weights, counted by hand.
+    model.eval()
+    with torch.no_grad():
+        predicted = model(data.val_set.images).argmax(-1)
+    truth = data.val_set.labels
+    by_hand = torch.bincount(truth * 2 + predicted, minlength=4).view(2, 2)
+    torch.testing.assert_close(confusion.matrix, by_hand)
+    assert confusion.matrix.sum() == len(data.val_set)
+
+
+def test_cnn_backbone_skips_rollout_with_one_warning_but_logs_confusion_matrix(tmp_path):
+    torch.manual_seed(0)
+    backbone = ResNet(img_size=32, in_chans=1, num_classes=2, widths=(8, 16), blocks_per_stage=1)
+    rollout = RolloutImages(every_n_epochs=1, num_images=4)
+    trainer = tiny_trainer(tmp_path, [rollout, ConfusionMatrix()], max_epochs=2)
+    with pytest.warns(UserWarning, match="ResNet has no `forward\\(x, return_attn=True\\)`") as caught:
+        trainer.fit(ImageClassifier(backbone, lr=1e-3), tiny_data())
+    assert sum("RolloutImages" in str(w.message) for w in caught) == 1
+    assert rollout.logged_epochs == []
+    images = [p.name for p in (Path(trainer.logger.log_dir) / "images").glob("*.png")]
+    assert images == ["val_confusion_matrix-step000004.png"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"every_n_epochs": 0}, "every_n_epochs=0"),
+        ({"num_images": 0}, "num_images=0"),
+        ({"methods": ["gradcam"]}, r"methods=\['gradcam'\].*rollout.*grad_rollout"),
+        ({"methods": []}, "non-empty"),
+        ({"head_fusion": "median"}, "head_fusion='median'.*mean.*max.*min"),
+        ({"discard_ratio": 1.0}, r"discard_ratio=1.0 must be in \[0, 1\)"),
+    ],
+)
+def test_rollout_images_rejects_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutImages(**kwargs)
+
+
+def test_wandb_mode_decision_never_touches_the_network_without_a_key(tmp_path, monkeypatch):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the network was tried")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert vit.loggers.wandb_online() == (False, "WANDB_MODE=offline")
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # an empty netrc: no stored key
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path))
+    online, reason = vit.loggers.wandb_online()
+    assert not online and "no W&B API key" in reason
+
+
+def test_wandb_mode_is_offline_when_the_server_cannot_be_reached(monkeypatch):
+    import socket
+
+    import wandb
+
+    # A key is "found", but the server is a closed local port: the probe fails at once.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(wandb, "login", lambda **kwargs: True)
+    online, reason = vit.loggers.wandb_online(probe_timeout=1.0)
+    assert not online and f"http://127.0.0.1:{port} cannot be reached" in reason
+    with socket.socket() as server:  # and online once something answers there
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert vit.loggers.wandb_online(probe_timeout=1.0)[0]

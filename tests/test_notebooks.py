@@ -1,0 +1,85 @@
+"""The notebooks: committed without outputs, and executable top to bottom (short versions)."""
+
+import os
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NAMES = ["attention_rollout_two_circles.ipynb", "attention_rollout_cifar.ipynb"]
+
+
+def test_the_notebooks_are_all_here():
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_committed_without_outputs_and_with_a_parameters_cell(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    dirty = [i for i, cell in enumerate(code_cells) if cell.outputs or cell.execution_count is not None]
+    assert dirty == [], f"{name}: code cells {dirty} have outputs or execution counts; clear them before committing"
+    assert "parameters" in code_cells[0].metadata.get("tags", []), "the first code cell must be tagged `parameters`"
+    assert nb.metadata.kernelspec.name == "python3"
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    """Run kernels with this interpreter and this checkout, small settings, and no real data."""
+    from ipykernel.kernelspec import write_kernel_spec
+
+    # A `python3` kernel spec pointing at sys.executable, found first through JUPYTER_PATH, so a
+    # user-wide spec for another Python cannot take over.
+    write_kernel_spec(path=str(tmp_path / "jupyter/kernels/python3"))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    root = str(NOTEBOOKS.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("VIT_NB_FAST", "1")
+    monkeypatch.setenv("VIT_NB_CHECKPOINT", "")
+    monkeypatch.setenv("VIT_NB_DATA_DIR", str(tmp_path / "no-cifar-here"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models: threads only add overhead
+
+
+def execute(name):
+    """Run a notebook top to bottom; returns the text each code cell printed, in order."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    printed = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            printed.append("".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout"))
+    return nb, printed
+
+
+def images_in(nb):
+    return sum("image/png" in o.get("data", {}) for cell in nb.cells for o in cell.get("outputs", []))
+
+
+def test_two_circles_notebook_runs_and_measures_shares(kernel_env):
+    nb, printed = execute("attention_rollout_two_circles.ipynb")
+    text = "\n".join(printed)
+    assert "trained 1 epochs on 512 images" in text
+    assert images_in(nb) == 1  # the rollout grid
+    # Off-diagonal quadrants: the area column is exactly half the grid for every row.
+    quadrants = text.split("Top-right and bottom-left quadrants:")[1]
+    rows = re.findall(r"(all|positives|negatives)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", quadrants)
+    assert len(rows) == 9 and all(area == "0.500" for _, _, area, _ in rows)
+    circles = text.split("Patches holding circle pixels:")[1].split("Top-right")[0]
+    rows = re.findall(r"(all|positives|negatives)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", circles)
+    assert len(rows) == 9
+    for _, share, area, ratio in rows:
+        assert 0 < float(area) < 1 and 0 < float(share) < 1
+        assert float(ratio) == pytest.approx(float(share) / float(area), abs=0.02)
+
+
+def test_cifar_notebook_says_it_is_a_demo_and_runs_through(kernel_env):
+    nb, printed = execute("attention_rollout_cifar.ipynb")
+    first_output = next(text for text in printed if text)
+    assert first_output.startswith("DEMO model: no CHECKPOINT given")
+    assert "DEMO images: cifar10 is not in" in first_output and "no-cifar-here" in first_output
+    assert images_in(nb) == 2  # one image per class, and the class-mean maps per head fusion

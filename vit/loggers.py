@@ -1,0 +1,120 @@
+"""Experiment tracking: a W&B logger that runs offline by itself when it cannot run online.
+
+Choose it in YAML with a second config on top of an experiment's:
+
+    python train.py fit --config configs/two_circles/vit.yaml --config configs/logger/wandb.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+# The values WANDB_MODE may take that keep a run on this machine.
+_LOCAL_MODES = ("offline", "dryrun", "disabled")
+
+
+def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
+    """Decide whether a W&B run can go online now: `(online, reason)`.
+
+    Order: an explicit `WANDB_MODE` wins; then credentials (`WANDB_API_KEY`, `wandb login`'s
+    netrc entry, the settings file) must exist; then the W&B server must accept a TCP connection
+    within `probe_timeout` seconds. Without credentials the network is never touched.
+    """
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode in _LOCAL_MODES:
+        return False, f"WANDB_MODE={mode}"
+    if mode == "online":
+        return True, "WANDB_MODE=online"
+    # prompt=False only looks for stored credentials; verify=False keeps this off the network.
+    if not wandb.login(prompt=False, verify=False):
+        return False, "no W&B API key found (set WANDB_API_KEY or run `wandb login`)"
+    base_url = os.environ.get("WANDB_BASE_URL") or wandb.setup().settings.base_url
+    url = urlparse(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=probe_timeout):
+            pass
+    except OSError as err:
+        return False, f"the W&B server {base_url} cannot be reached ({err})"
+    return True, f"credentials found and {base_url} reachable"
+
+
+class WandbLogger(_LightningWandbLogger):
+    """Lightning's `WandbLogger`, online when it can be and offline (written to disk) when not.
+
+    With `offline=None` (the default) the choice is made once, at construction, by `wandb_online`:
+    no API key or no network means an offline run under `save_dir/wandb/offline-run-*`, and the
+    command that uploads it later (`wandb sync DIR`) is printed when the run starts.
+    `offline=True` / `False` force the mode.
+
+    Args:
+        project: the W&B project; runs of this repository go to "vit" unless told otherwise.
+        name: the run's display name (W&B picks one when None).
+        save_dir: where W&B writes its `wandb/` folder; checkpoints and the resolved `config.yaml`
+            go to `save_dir/project/run_id/`.
+        entity, group, tags, notes, job_type: passed to `wandb.init`, as are any other keyword
+            arguments (`**kwargs`).
+        log_model: upload checkpoints as W&B artifacts ("all", True or False); ignored (with a
+            warning) when the run is offline, where nothing can be uploaded.
+    """
+
+    def __init__(
+        self,
+        *,
+        project: str = "vit",
+        name: str | None = None,
+        save_dir: str = "runs",
+        offline: bool | None = None,
+        entity: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        notes: str | None = None,
+        job_type: str | None = None,
+        log_model: Literal["all"] | bool = False,
+        prefix: str = "",
+        **kwargs: Any,
+    ) -> None:
+        # LightningCLI passes every wandb.init argument it knows of, mostly as None: drop those.
+        kwargs = {key: value for key, value in kwargs.items() if value is not None}
+        if "mode" in kwargs:  # an explicit wandb.init(mode=...) is obeyed as it is
+            offline, self.mode_reason = kwargs["mode"] in _LOCAL_MODES, f"mode={kwargs['mode']!r} was asked for"
+        elif offline is None:
+            online, self.mode_reason = wandb_online()
+            offline = not online
+        else:
+            self.mode_reason = f"offline={offline} was asked for"
+        if offline and log_model:
+            rank_zero_warn(f"log_model={log_model!r} is ignored: the W&B run is offline ({self.mode_reason})")
+            log_model = False
+        for key, value in dict(entity=entity, group=group, tags=tags, notes=notes, job_type=job_type).items():
+            if value is not None:
+                kwargs[key] = value
+        if offline and "mode" not in kwargs:
+            # Given to wandb.init directly: Lightning's own `offline` flag would instead set
+            # WANDB_MODE for the whole process, and every later run in it.
+            kwargs["mode"] = "offline"
+        super().__init__(name=name, save_dir=save_dir, project=project, log_model=log_model, prefix=prefix, **kwargs)
+        self.is_offline = offline
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        """The `wandb` run; created on first use, printing where an offline run is written."""
+        created = self._experiment is None
+        run = super().experiment
+        if created and self.is_offline:
+            run_dir = os.path.dirname(run.dir)  # run.dir is <run_dir>/files
+            rank_zero_info(
+                f"wandb: offline run ({self.mode_reason}), written to {run_dir}\n"
+                f"wandb: upload it later with: wandb sync {run_dir}"
+            )
+        return run

@@ -1,0 +1,65 @@
+"""Attention masks, combined into one additive bias `M`: 0 where a query may look, -inf where not.
+
+Conventions (as `F.scaled_dot_product_attention`): a boolean mask is True where attention is
+allowed; a float mask is added to the scores (0 / -inf, or any finite bias). Shapes broadcast to
+`(B, H, M, N)` (batch, heads, queries, keys).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
+    """`(M, N)` bool, True where key `j <= i` for query `i` (top-left aligned, as SDPA's `is_causal`)."""
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril()
+
+
+def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean mask becomes 0 / -inf; a float mask is returned as it is (in `dtype`)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def attention_bias(
+    *,
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
+    mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor | None:
+    """Combine the three mask forms into one additive bias broadcastable to `(B, H, M, N)`, or None.
+
+    Args:
+        mask: bool or float, broadcastable to `(B, H, M, N)`.
+        key_mask: `(B, N)` bool, True for keys that may be attended (False: padding).
+        causal: query `i` sees keys `0..i` only.
+    """
+    target = (batch, heads, num_queries, num_keys)
+    bias = None
+    if mask is not None:
+        try:
+            torch.broadcast_shapes(mask.shape, target)
+        except RuntimeError:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, M, N) = {target}"
+            ) from None
+        bias = to_additive(mask, dtype)
+    if key_mask is not None:
+        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, num_keys):
+            raise ValueError(
+                f"key_mask must be a bool tensor of shape (B, N) = {(batch, num_keys)}, "
+                f"got {key_mask.dtype} {tuple(key_mask.shape)}"
+            )
+        kb = to_additive(key_mask[:, None, None, :], dtype)  # (B, 1, 1, N)
+        bias = kb if bias is None else bias + kb
+    if causal:
+        cb = to_additive(causal_mask(num_queries, num_keys, device), dtype)  # (M, N)
+        bias = cb if bias is None else bias + cb
+    return bias
