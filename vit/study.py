@@ -87,7 +87,7 @@ def _require(cfg: dict, name: str, kind: type, where: str):
     return value
 
 
-def schedule(num_train: int, *, batch_size: int, train_samples: int, num_val_checks: int) -> tuple[int, int]:
+def schedule(num_train: int, *, train_samples: int, num_val_checks: int) -> tuple[int, int]:
     """``(epochs, val_every)``: about ``train_samples`` samples seen whatever the set size.
 
     Every run gets the same compute (about ``train_samples / batch_size`` optimisation steps), so a
@@ -176,19 +176,20 @@ def experiments(cfg: dict) -> list[dict]:
 
 
 def plan(cfg: dict) -> list[Run]:
-    """Every run of the study, in the order they are run: entry by entry as listed, seeds innermost.
+    """Every run of the study, in the order they are run: entry by entry as listed, and within an
+    entry seed by seed (every cell of the entry with the first seed, then with the next).
 
-    So a study stopped early has all seeds of its first cells: list the most important entries first.
+    So a study stopped early holds the entries listed first, each cell with the same number of
+    seeds (give or take one): list the most important entries first.
     """
     base_digest = hashlib.sha256(Path(cfg["base_config"]).read_bytes()).hexdigest()[:12]
     runs, keys = [], set()
     for exp in cfg["experiments"]:
-        for task in exp["tasks"]:
-            for num_train in exp["num_train"]:
-                for model in exp["models"]:
-                    for seed in cfg["seeds"]:
-                        epochs, val_every = schedule(num_train, batch_size=cfg["batch_size"],
-                                                     train_samples=cfg["train_samples"],
+        for seed in cfg["seeds"]:
+            for task in exp["tasks"]:
+                for num_train in exp["num_train"]:
+                    for model in exp["models"]:
+                        epochs, val_every = schedule(num_train, train_samples=cfg["train_samples"],
                                                      num_val_checks=cfg["num_val_checks"])
                         overrides = {
                             "seed_everything": seed,
