@@ -1,0 +1,60 @@
+"""CoordConv baseline: the ResNet, fed two extra channels that hold each pixel's row and column.
+
+Liu et al. (2018, "An intriguing failing of convolutional neural networks and the CoordConv
+solution") showed that a plain CNN struggles to map *where* something is, and that appending
+coordinate channels to the input fixes it. That is the reviewer's control for the two-circles
+study: if a CNN fails a relation between distant parts, is it the local view or only the missing
+absolute position? A CoordConv ResNet keeps the local view and adds the position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vit.models.resnet import ResNet
+
+
+def coord_channels(img_size: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """`(2, H, W)` pixel-centre coordinates scaled to [-1, 1]: channel 0 the row (y), channel 1 the column (x)."""
+    centres = (torch.arange(img_size, dtype=dtype, device=device) + 0.5) / img_size * 2 - 1  # (H,)
+    rows, cols = torch.meshgrid(centres, centres, indexing="ij")  # (H, W) each
+    return torch.stack([rows, cols])  # (2, H, W)
+
+
+class CoordConvResNet(nn.Module):
+    """`(B, C, H, W) -> (B, num_classes)`: `ResNet` on the input with normalised y and x channels appended.
+
+    The coordinates are a buffer (not a parameter, not in the state dict), so the model has exactly
+    the ResNet's parameters plus the stem's kernels for the two extra channels.
+    """
+
+    def __init__(
+        self,
+        *,
+        img_size: int = 32,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        widths: tuple[int, ...] = (32, 64, 128),
+        blocks_per_stage: int = 1,
+    ) -> None:
+        super().__init__()
+        self.img_size = img_size
+        self.in_chans = in_chans
+        self.num_classes = num_classes
+        self.resnet = ResNet(img_size=img_size, in_chans=in_chans + 2, num_classes=num_classes, widths=widths,
+                             blocks_per_stage=blocks_per_stage)
+        self.register_buffer("coords", coord_channels(img_size), persistent=False)  # (2, H, W)
+
+    def add_coords(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, C, H, W) -> (B, C + 2, H, W)`: the input followed by its row and column channels."""
+        if x.ndim != 4 or x.shape[1] != self.in_chans or x.shape[2:] != (self.img_size, self.img_size):
+            raise ValueError(
+                f"expected input of shape (B, {self.in_chans}, {self.img_size}, {self.img_size}), "
+                f"got {tuple(x.shape)}"
+            )
+        coords = self.coords.to(x.dtype).expand(x.shape[0], -1, -1, -1)  # (B, 2, H, W)
+        return torch.cat([x, coords], dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resnet(self.add_coords(x))
