@@ -30,6 +30,7 @@ def tiny_config(tmp_path: Path, *, max_epochs: int = 3, every_n_train_steps: int
     config["model"]["backbone"]["init_args"].update(patch_size=8, embed_dim=32, depth=1, num_heads=2,
                                                    drop_rate=0.1)  # dropout draws random numbers every step
     config["data"]["init_args"].update(num_train=256, num_val=64, num_test=64, batch_size=32, **data)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -66,7 +67,7 @@ class PauseAtStep(L.Callback):
 
 
 class RecordMetrics(L.Callback):
-    """Test aid: append each epoch's validation metrics to a JSON-lines file; `{rank}` in the path is the process rank."""
+    """Test aid: append val/* and train/loss* at each validation end to a JSON-lines file; `{rank}` in the path is the process rank."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -74,7 +75,7 @@ class RecordMetrics(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/loss"))}
         with open(self.path.format(rank=trainer.global_rank), "a") as f:
             f.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step, **metrics}) + "\n")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from vit.checkpointing import (
     read_checkpoint,
 )
 from vit.classifier import ImageClassifier, NonFiniteError
-from vit.run_dir import RunDirectoryCallback, RunDirectoryError
+from vit.run_dir import RunDirectoryCallback, RunDirectoryError, check_run_dir
 
 
 class ConfigError(ValueError):
@@ -76,7 +77,7 @@ class ViTCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
-            raise ConfigError(str(err)) from err
+            raise ConfigError(_constructor_message(str(err))) from err
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
@@ -88,21 +89,39 @@ class ViTCLI(LightningCLI):
         for name in ("max_epochs", "max_steps"):
             if getattr(self.trainer, name) == 0:
                 raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no limit)")
-        self._check_ckpt_path(resume_training=True)
+        self._check_before_running()
 
     def before_validate(self) -> None:
-        self._check_ckpt_path()
+        self._check_before_running()
 
     def before_test(self) -> None:
-        self._check_ckpt_path()
+        self._check_before_running()
 
     def before_predict(self) -> None:
-        self._check_ckpt_path()
+        self._check_before_running()
 
-    def _check_ckpt_path(self, resume_training: bool = False) -> None:
+    def _check_before_running(self) -> None:
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         if _is_local_file(ckpt_path):
-            check_checkpoint(ckpt_path, self.model, resume_training=resume_training)
+            check_checkpoint(ckpt_path, self.model, resume_training=self.subcommand == "fit")
+        # RunDirectoryCallback checks this too, but from inside the run, where Lightning's clean-up
+        # after the error would already have added a TensorBoard file to the other run's folder.
+        if self.save_config_callback and self.trainer.log_dir is not None:
+            check_run_dir(Path(self.trainer.log_dir), stage=self.subcommand, ckpt_path=ckpt_path)
+
+
+def _constructor_message(text: str) -> str:
+    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`).
+
+    jsonargparse tries each type of the union and lists every failure, the constructor's ValueError
+    among them; "Expected a <class 'NoneType'>" only says the value was not None.
+    """
+    if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:\n" not in text:
+        return text
+    block = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
+    items = [" ".join(item.split()) for item in re.split(r"\n\s*- ", "\n" + block) if item.strip()]
+    items = [item for item in items if not item.startswith("Expected a <class 'NoneType'>")]
+    return "; ".join(items) or text
 
 
 def _is_local_file(ckpt_path) -> bool:

@@ -47,16 +47,9 @@ class RunDirectoryCallback(SaveConfigCallback):
         # `trainer.log_dir` is a collective (rank 0 broadcasts it): read it here, where all ranks are.
         self._log_dir = log_dir = Path(trainer.log_dir)
         # Only rank 0 looks at the disk; every rank gets the same answer, so all stop or none does.
-        taken = trainer.strategy.broadcast(trainer.is_global_zero and _holds_a_run(log_dir, self.config_filename))
+        taken = trainer.strategy.broadcast(trainer.is_global_zero and holds_a_run(log_dir, self.config_filename))
         if taken:
-            ckpt_path = self.config.get("ckpt_path")
-            resuming = stage == "fit" and ckpt_path is not None and _is_inside(Path(ckpt_path), log_dir)
-            if not resuming:
-                raise RunDirectoryError(
-                    f"the run directory {log_dir} already holds a run ({self.config_filename} or checkpoints); "
-                    "nothing was written. Leave trainer.logger.init_args.version unset (each run gets the next "
-                    "free version_N), choose another name/version, or continue that run with --ckpt_path last."
-                )
+            check_run_dir(log_dir, stage=stage, ckpt_path=self.config.get("ckpt_path"), config_filename=self.config_filename)
             self._suffix = trainer.strategy.broadcast(_free_suffix(log_dir) if trainer.is_global_zero else "")
             stem, ext = os.path.splitext(self.config_filename)
             self.config_filename = f"{stem}{self._suffix}{ext}"
@@ -72,8 +65,22 @@ class RunDirectoryCallback(SaveConfigCallback):
         path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-def _holds_a_run(log_dir: Path, config_filename: str) -> bool:
+def holds_a_run(log_dir: Path, config_filename: str = "config.yaml") -> bool:
+    """Whether `log_dir` has a saved config or checkpoints, i.e. a run was there."""
     return (log_dir / config_filename).is_file() or any((log_dir / "checkpoints").glob("*.ckpt"))
+
+
+def check_run_dir(log_dir: Path, *, stage: str, ckpt_path=None, config_filename: str = "config.yaml") -> None:
+    """Raise `RunDirectoryError` if `log_dir` holds a run, unless this is `fit` resuming from a checkpoint in it."""
+    if not holds_a_run(log_dir, config_filename):
+        return
+    if stage == "fit" and ckpt_path is not None and _is_inside(Path(ckpt_path), log_dir):
+        return
+    raise RunDirectoryError(
+        f"the run directory {log_dir} already holds a run ({config_filename} or checkpoints); "
+        "nothing was written. Leave trainer.logger.init_args.version unset (each run gets the next "
+        "free version_N), choose another name/version, or continue that run with --ckpt_path last."
+    )
 
 
 def _is_inside(path: Path, folder: Path) -> bool:
