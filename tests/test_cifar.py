@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 from torchvision import datasets
 
-from vit.data.cifar import CIFAR_MEAN_STD, CIFARDataModule, CIFARNotFoundError
+from vit.data.cifar import (
+    CIFAR_MEAN_STD,
+    CIFARDataModule,
+    CIFARNotFoundError,
+    write_fake_cifar,
+)
+from vit.data.resumable import ResumableSampler
 
 NUM_TRAIN, NUM_TEST, VAL_SIZE = 60, 20, 12
 
@@ -244,7 +250,7 @@ def test_dataloaders_shuffle_and_drop_last_only_for_training(make_dm):
     dm.setup()
     train, val, test = dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader()
     assert train.drop_last and not val.drop_last and not test.drop_last
-    assert isinstance(train.sampler, torch.utils.data.RandomSampler)
+    assert isinstance(train.sampler, ResumableSampler) and train.sampler.shuffle
     assert isinstance(val.sampler, torch.utils.data.SequentialSampler)
     assert not train.persistent_workers  # needs workers
     assert len(list(test)) == -(-NUM_TEST // 8)

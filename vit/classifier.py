@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
+import random
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+
+
+class NonFiniteError(FloatingPointError):
+    """The training loss, or a weight about to be checkpointed, is NaN or infinite."""
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
@@ -51,6 +57,11 @@ class ImageClassifier(L.LightningModule):
 
     A batch is `(x, y)`, or `(x, y, y_soft)` when the data module mixes images (Mixup/CutMix):
     then the loss uses the soft targets and the training accuracy the hard labels `y`.
+
+    Faults: a NaN or infinite training loss raises `NonFiniteError` naming the step, before that
+    step's update, and a checkpoint is never written with non-finite weights. Checkpoints carry
+    the random-number states (torch, CUDA, numpy, Python), restored when `fit` resumes, so that
+    dropout and drop-path draw what an uninterrupted run would have drawn.
     """
 
     def __init__(
@@ -86,6 +97,7 @@ class ImageClassifier(L.LightningModule):
         self.save_hyperparameters(ignore=None if built_by_cli else ["backbone"])
         self.backbone = backbone
         self._compiled = None
+        self._rng_states_to_restore: dict | None = None
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -106,11 +118,50 @@ class ImageClassifier(L.LightningModule):
         x, y, *soft = batch
         logits = self(x)
         loss = self._loss(logits, soft[0] if soft else y)
+        # One all-reduce gives every process the mean loss: it is what gets logged, and a non-finite
+        # loss on any process stops all of them at the same step (one stopping alone would leave
+        # the others waiting forever in the gradient all-reduce).
+        mean_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        if not torch.isfinite(mean_loss):
+            raise NonFiniteError(self._non_finite_loss_message(mean_loss.item(), batch_idx))
         self.train_acc(logits, y)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/loss", mean_loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0], on_step=True, on_epoch=False)
         return loss
+
+    def _non_finite_loss_message(self, value: float, batch_idx: int) -> str:
+        saved = []
+        for callback in self.trainer.checkpoint_callbacks:
+            for path in (getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")):
+                if path and path not in saved:
+                    saved.append(path)
+        kept = f"The checkpoints written before it are kept: {', '.join(saved)}." if saved else "No checkpoint had been written yet."
+        return (
+            f"train/loss is {value} at training step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx}); "
+            f"training stopped before this step's update. {kept} "
+            f"Lower the learning rate (model.lr={self.hparams.lr}), add warmup, or look for broken inputs."
+        )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint["state_dict"]
+        tensors = [t for t in state.values() if t.is_floating_point()]
+        if tensors and not torch.stack([t.isfinite().all() for t in tensors]).all():
+            bad = next(name for name, t in state.items() if t.is_floating_point() and not t.isfinite().all())
+            raise NonFiniteError(
+                f"{bad} holds NaN or infinite values at training step {self.global_step}; the checkpoint was not "
+                "written, so the last one on disk is still a good one"
+            )
+        checkpoint["rng_states"] = _rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._rng_states_to_restore = checkpoint.get("rng_states")
+
+    def on_train_start(self) -> None:
+        # Only when `fit` resumes from a checkpoint; a model merely loaded with weights starts afresh.
+        if self.trainer.ckpt_path is not None and self._rng_states_to_restore is not None:
+            _set_rng_states(self._rng_states_to_restore)
+        self._rng_states_to_restore = None
 
     def _eval_step(self, batch, split: str, metric: MulticlassAccuracy) -> None:
         x, y = batch[0], batch[1]
@@ -141,3 +192,27 @@ class ImageClassifier(L.LightningModule):
             lambda step: warmup_cosine(step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=hp.min_lr_ratio),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _rng_states() -> dict:
+    """The global random-number states, as tensors and plain values (loadable with `weights_only=True`)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # the current device's
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Literal
 
 import lightning as L
@@ -11,9 +13,20 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from vit.classifier import ImageClassifier
+from vit.checkpointing import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    check_checkpoint,
+    find_last_checkpoint,
+    read_checkpoint,
+)
+from vit.classifier import ImageClassifier, NonFiniteError
 from vit.data.cifar import CIFARNotFoundError
+from vit.run_dir import RunDirectoryCallback, RunDirectoryError, check_run_dir
 
 
 class SaveConfig(SaveConfigCallback):
@@ -56,8 +69,32 @@ class SaveConfig(SaveConfigCallback):
                 logger.log_hyperparams(config)
 
 
+class RunConfig(RunDirectoryCallback, SaveConfig):
+    """`config.yaml` and `run_info.json` in a TensorBoard/CSV run's folder, never reusing one by
+    accident (`RunDirectoryCallback`); runs of other loggers (W&B) get `SaveConfig`'s handling."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.loggers and not isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger)):
+            return SaveConfig.setup(self, trainer, pl_module, stage)
+        return super().setup(trainer, pl_module, stage)
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        SaveConfig.save_config(self, trainer, pl_module, stage)  # the W&B run's config; no-op otherwise
+        if hasattr(self, "_log_dir"):
+            RunDirectoryCallback.save_config(self, trainer, pl_module, stage)
+
+
+class ConfigError(ValueError):
+    """A configuration value or command-line argument that cannot work, found before any work starts."""
+
+
 class ViTCLI(LightningCLI):
-    """LightningCLI that links the data's shape into the backbone and tests the best checkpoint after `fit`."""
+    """LightningCLI that links the data's shape into the backbone and tests the best checkpoint after `fit`.
+
+    It also makes runs robust: checkpoints are written atomically, `--ckpt_path last` continues the
+    newest run of the configured logger in its own folder, a checkpoint is checked against the
+    config before Lightning loads it, and bad values stop the run with a one-paragraph error.
+    """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data module knows the image size, channels and classes; the backbone must match them.
@@ -86,6 +123,7 @@ class ViTCLI(LightningCLI):
         torch.set_float32_matmul_precision(config.float32_matmul_precision)
 
     def after_fit(self) -> None:
+        # Runs in every process under DDP (test is a collective), prints on rank 0 only.
         if not self.config.fit.get("test_after_fit", True) or self.trainer.fast_dev_run:
             return
         best = self.trainer.checkpoint_callback.best_model_path if self.trainer.checkpoint_callback else ""
@@ -95,22 +133,155 @@ class ViTCLI(LightningCLI):
             where = best or "the final weights"
             print(f"test/acc = {acc:.4f}  ({where})" if acc is not None else f"test results: {results[0]}")
 
+    # --- Robust runs (issue 7): resuming, checks before work starts, atomic checkpoints -------------
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        super().parse_arguments(parser, args)
+        # Before LightningCLI reads the checkpoint's hyperparameters into the config (it loads the
+        # file right after parsing): resolve `last`, and fail with a message on an unreadable file.
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:
+            config = self.config[subcommand]
+            _resolve_resume(subcommand, config)
+            if _is_local_file(config.get("ckpt_path")):
+                read_checkpoint(config.ckpt_path)
+
+    def instantiate_classes(self) -> None:
+        # Constructors (ours and the Trainer's) check their arguments and raise ValueError or
+        # MisconfigurationException naming the value: a usage error, not a bug, so it is reported as
+        # one (see `main`). The same exceptions raised later, during training, are not caught.
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as err:
+            raise ConfigError(_constructor_message(str(err))) from err
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own plugin alone
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
+    def before_fit(self) -> None:
+        for name in ("max_epochs", "max_steps"):
+            if getattr(self.trainer, name) == 0:
+                raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no limit)")
+        self._check_before_running()
+
+    def before_validate(self) -> None:
+        self._check_before_running()
+
+    def before_test(self) -> None:
+        self._check_before_running()
+
+    def before_predict(self) -> None:
+        self._check_before_running()
+
+    def _check_before_running(self) -> None:
+        ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        if _is_local_file(ckpt_path):
+            check_checkpoint(ckpt_path, self.model, resume_training=self.subcommand == "fit")
+        # RunDirectoryCallback checks this too, but from inside the run, where Lightning's clean-up
+        # after the error would already have added a TensorBoard file to the other run's folder.
+        if self.save_config_callback and self.trainer.log_dir is not None:
+            check_run_dir(Path(self.trainer.log_dir), stage=self.subcommand, ckpt_path=ckpt_path)
+
+
+def _constructor_message(text: str) -> str:
+    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`).
+
+    jsonargparse tries each type of the union and lists every failure, the constructor's ValueError
+    among them; "Expected a <class 'NoneType'>" only says the value was not None.
+    """
+    if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:\n" not in text:
+        return text
+    block = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
+    items = [" ".join(item.split()) for item in re.split(r"\n\s*- ", "\n" + block) if item.strip()]
+    items = [item for item in items if not item.startswith("Expected a <class 'NoneType'>")]
+    return "; ".join(items) or text
+
+
+def _is_local_file(ckpt_path) -> bool:
+    """False for None, for the names Lightning resolves itself ("best", "hpc", ...) and for URLs."""
+    return ckpt_path is not None and ckpt_path not in ("best", "last", "hpc") and "://" not in str(ckpt_path)
+
+
+def _resolve_resume(subcommand: str, config) -> None:
+    """Turn `--ckpt_path last` into a file, and make `fit` from a checkpoint continue in that run's folder.
+
+    A new run gets a new `version_N` folder, where Lightning's own "last" finds nothing. Here "last"
+    is the newest `last.ckpt` under the logger's `save_dir/name/*/checkpoints/` (or under the
+    version set in the config). When `fit` resumes from a checkpoint inside such a run folder and no
+    version is set, the logger's version is set to that folder, so logs and checkpoints continue
+    there. Only loggers that lay runs out as `save_dir/name/version` (TensorBoard, CSV) are handled.
+    """
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path is None:
+        return
+    logger = _logger_init_args(config)
+    if logger is None:
+        return
+    root = Path(logger.save_dir) / (logger.get("name") or "")
+    version = logger.get("version")
+    if ckpt_path == "last":
+        runs = "*" if version is None else _version_dir(version)
+        last = find_last_checkpoint(root, runs=runs)
+        search = root / runs / "checkpoints"
+        if last is None:
+            if subcommand == "fit":
+                rank_zero_warn(f"--ckpt_path last: no last.ckpt under {search}; starting a new run.")
+                config.ckpt_path = None
+                return
+            raise ConfigError(f"--ckpt_path last: there is no last.ckpt under {search}")
+        config.ckpt_path = ckpt_path = str(last)
+    run_dir = Path(ckpt_path).resolve().parent.parent
+    if subcommand == "fit" and version is None and run_dir.parent == root.resolve():
+        logger.version = run_dir.name
+        rank_zero_info(f"Resuming the run in {run_dir} from {ckpt_path}")
+
+
+def _logger_init_args(config):
+    """The `init_args` of a single TensorBoardLogger / CSVLogger in the trainer config, else None."""
+    logger = config.get("trainer", {}).get("logger")
+    class_path = str(getattr(logger, "class_path", "") or "")
+    if not class_path.endswith(("TensorBoardLogger", "CSVLogger")) or getattr(logger, "init_args", None) is None:
+        return None
+    return logger.init_args
+
+
+def _version_dir(version) -> str:
+    return version if isinstance(version, str) else f"version_{version}"
+
 
 def main(args=None) -> ViTCLI:
     """Entry point of `train.py`: `python train.py {fit,validate,test,predict} --config FILE`.
 
-    Missing data is a user's setup problem, not a bug: its message is printed without the traceback
-    and the process exits with status 1 (`SystemExit(1)` when called in-process).
+    Errors a user can fix (missing data, a bad config value, an unusable checkpoint or run
+    folder, a loss that diverged) are printed as one `error: ...` paragraph without a traceback,
+    and the process exits with status 2 (usage) or 1 (`SystemExit` when called in-process).
     """
     try:
         return ViTCLI(
             ImageClassifier,
             L.LightningDataModule,
             subclass_mode_data=True,
-            save_config_callback=SaveConfig,
-            save_config_kwargs={"overwrite": False},
+            save_config_callback=RunConfig,
+            save_config_kwargs={"overwrite": False, "command": _command(args)},
             args=args,
         )
-    except CIFARNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
+    # --- Robust runs (issue 7): errors a user can fix are one paragraph, not a traceback ----------
+    except (ConfigError, CheckpointError, RunDirectoryError) as err:
+        _exit(f"error: {err}", code=2)
+    except (NonFiniteError, CIFARNotFoundError) as err:
+        _exit(f"error: {err}", code=1)
+
+
+def _command(args) -> list[str] | None:
+    """The command line to record in run_info.json: `train.py` and its arguments."""
+    if args is None:
+        return list(sys.argv)
+    return ["train.py", *map(str, args)] if isinstance(args, (list, tuple)) else None
+
+
+def _exit(message: str, code: int) -> None:
+    print(message, file=sys.stderr)
+    raise SystemExit(code)

@@ -18,7 +18,10 @@ import torch
 from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
+from torchvision.datasets.utils import check_integrity
 from torchvision.transforms import v2
+
+from vit.data.resumable import ResumableTrainingData
 
 DatasetName = Literal["cifar10", "cifar100"]
 AutoAugmentName = Literal["none", "randaugment", "trivialaugment", "autoaugment"]
@@ -50,7 +53,14 @@ class CIFARNotFoundError(FileNotFoundError):
     """The CIFAR files are not in `data_dir` and could not be downloaded."""
 
 
-class CIFARDataModule(L.LightningDataModule):
+class CIFARCorruptedError(CIFARNotFoundError):
+    """Some CIFAR files are in `data_dir` but unusable: unreadable, or not the official content.
+
+    A `CIFARNotFoundError`, so whatever reports a missing dataset reports this too.
+    """
+
+
+class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
     """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set, and its test set.
 
     Splits: `val_size` images of the official 50,000 training images are held out for validation by
@@ -77,7 +87,11 @@ class CIFARDataModule(L.LightningDataModule):
 
     Data are downloaded by `prepare_data` (rank 0 only, as Lightning calls it) when `download` is
     true. Missing files that cannot be downloaded raise `CIFARNotFoundError` before training starts,
-    naming the folder, the files expected and how to get them.
+    naming the folder, the files expected and how to get them; files that are there but unreadable
+    or not the official ones (MD5) raise `CIFARCorruptedError`, naming each file and its problem.
+
+    The training order is shuffled by the run's seed and restored mid-epoch when a run resumes from
+    a checkpoint (`vit.data.resumable`); the random augmentations after a resume are drawn afresh.
     """
 
     def __init__(
@@ -183,6 +197,11 @@ class CIFARDataModule(L.LightningDataModule):
         return 3
 
     @property
+    def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per-channel `(mean, std)` the inputs are normalised with, after scaling pixels to [0, 1]."""
+        return CIFAR_MEAN_STD[self.dataset]
+
+    @property
     def folder(self) -> Path:
         """The folder torchvision reads, e.g. `data/cifar-10-batches-py`."""
         return Path(self.data_dir).absolute() / EXPECTED_FILES[self.dataset][0]
@@ -191,6 +210,24 @@ class CIFARDataModule(L.LightningDataModule):
         """Names of the expected files that are not in `folder`."""
         return [name for name in EXPECTED_FILES[self.dataset][1] if not (self.folder / name).is_file()]
 
+    def unusable_files(self) -> dict[str, str]:
+        """Expected files that are present but cannot be used, each with the reason."""
+        dataset_cls = DATASETS[self.dataset]
+        expected = [*dataset_cls.train_list, *dataset_cls.test_list, (dataset_cls.meta["filename"], dataset_cls.meta["md5"])]
+        problems = {}
+        for name, md5 in expected:
+            path = self.folder / name
+            if not path.is_file():
+                continue  # reported by missing_files
+            try:
+                intact = check_integrity(str(path), md5)
+            except OSError as err:
+                problems[name] = f"cannot be read ({err.strerror or err})"
+                continue
+            if not intact:
+                problems[name] = "is not the official file (its MD5 differs): truncated, corrupted or from another dataset"
+        return problems
+
     def prepare_data(self) -> None:
         """Download the archive if `download` is true and it is not there yet; fail early if it is missing."""
         if self.download:
@@ -198,6 +235,8 @@ class CIFARDataModule(L.LightningDataModule):
                 # torchvision checks the MD5 of the files first and fetches only when they do not match.
                 DATASETS[self.dataset](self.data_dir, train=True, download=True)
             except OSError as err:  # URLError, HTTPError, timeouts and DNS failures are all OSErrors
+                if not self.missing_files() and self.unusable_files():
+                    raise CIFARCorruptedError(self._corrupted_message(f"Downloading fresh copies failed: {err}")) from err
                 raise CIFARNotFoundError(self._not_found_message(f"The download failed: {err}")) from err
         self._check_files()
 
@@ -248,7 +287,8 @@ class CIFARDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train,
+            sampler=self.train_sampler(dataset, self.batch_size) if train else None,
+            generator=self.loader_generator(),
             drop_last=train,  # also keeps every training batch even-sized for Mixup/CutMix
             num_workers=self.num_workers,
             # Pinned host memory lets the copy to the GPU run asynchronously; it means nothing without one.
@@ -260,6 +300,21 @@ class CIFARDataModule(L.LightningDataModule):
         if self.missing_files():
             hint = "" if self.download else "Nothing was downloaded: data.download is false."
             raise CIFARNotFoundError(self._not_found_message(hint))
+        if self.unusable_files():
+            raise CIFARCorruptedError(self._corrupted_message(""))
+
+    def _corrupted_message(self, reason: str) -> str:
+        data_dir = Path(self.data_dir).absolute()
+        lines = [f"{DISPLAY_NAMES[self.dataset]} files in {self.folder} cannot be used:"]
+        lines += [f"  {name} {problem}" for name, problem in self.unusable_files().items()]
+        if reason:
+            lines.append(reason)
+        lines += [
+            "To fix it, either:",
+            f"  - download {DATASETS[self.dataset].url} and extract it into {data_dir} (replacing those files), or",
+            f"  - delete {self.folder} and set `data.download: true` on a machine with network access.",
+        ]
+        return "\n".join(lines)
 
     def _not_found_message(self, reason: str) -> str:
         folder_name, files = EXPECTED_FILES[self.dataset]

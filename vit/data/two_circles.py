@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from vit.data.resumable import ResumableTrainingData
+
 Task = Literal["diagonal", "relative"]
 Region = Literal["all", "inner", "border"]
 TASKS: tuple[str, ...] = ("diagonal", "relative")
@@ -293,12 +295,14 @@ class TwoCirclesDataset(Dataset):
         return circle_masks(self.centers[i : i + 1], self.radii[i : i + 1], self.img_size)[0]
 
 
-class TwoCirclesDataModule(L.LightningDataModule):
+class TwoCirclesDataModule(ResumableTrainingData, L.LightningDataModule):
     """Train, val and test splits of ``TwoCirclesDataset``, each from its own derived seed.
 
     The three split seeds are spawned from ``seed`` by ``numpy.random.SeedSequence``, so the
     splits are independent draws and never share an image. Train and val draw centres from
     ``train_region``, test from ``test_region``. ``predict_dataloader`` serves the test split.
+    The training order is shuffled by the run's seed and restored mid-epoch on resume
+    (``vit.data.resumable``).
     """
 
     def __init__(
@@ -345,6 +349,11 @@ class TwoCirclesDataModule(L.LightningDataModule):
     def in_chans(self) -> int:
         return self.hparams.in_chans
 
+    @property
+    def normalization(self) -> None:
+        """Per-channel ``(mean, std)`` applied to inputs; ``None``: pixels are raw values (0 background, 1 ink)."""
+        return None
+
     def split_seeds(self) -> dict[str, int]:
         """The seed of each split, derived from ``seed``."""
         children = np.random.SeedSequence(self.hparams.seed).spawn(3)
@@ -369,8 +378,9 @@ class TwoCirclesDataModule(L.LightningDataModule):
     def _loader(self, dataset: TwoCirclesDataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() with the matching stage before asking for a dataloader")
-        workers = self.hparams.num_workers
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=shuffle,
+        workers, batch_size = self.hparams.num_workers, self.hparams.batch_size
+        sampler = self.train_sampler(dataset, batch_size) if shuffle else None
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
                           num_workers=workers, persistent_workers=workers > 0)
 
     def train_dataloader(self) -> DataLoader:

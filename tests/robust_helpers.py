@@ -1,0 +1,112 @@
+"""Helpers for the tests of robust runs: tiny configs derived from the shipped ones, and subprocess runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RESUMABLE_CONFIG = REPO / "configs" / "two_circles" / "vit_resumable.yaml"
+STEPS_PER_EPOCH = 8  # num_train 256 / batch_size 32
+
+
+def tiny_config(tmp_path: Path, *, max_epochs: int = 3, every_n_train_steps: int = 3, **data) -> Path:
+    """The shipped resumable two-circles config, shrunk to seconds on a CPU; returns the YAML's path."""
+    config = yaml.safe_load(RESUMABLE_CONFIG.read_text())
+    trainer = config["trainer"]
+    trainer.update(max_epochs=max_epochs, accelerator="cpu", devices=1, log_every_n_steps=1,
+                   enable_progress_bar=False, enable_model_summary=False)
+    trainer["logger"]["init_args"].update(save_dir=str(tmp_path / "runs"), name="tiny")
+    step_checkpoint = trainer["callbacks"][1]["init_args"]
+    assert "every_n_train_steps" in step_checkpoint  # the shipped config keeps its fault-tolerance checkpoint
+    step_checkpoint["every_n_train_steps"] = every_n_train_steps
+    config["model"]["backbone"]["init_args"].update(patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                                                   drop_rate=0.1)  # dropout draws random numbers every step
+    config["data"]["init_args"].update(num_train=256, num_val=64, num_test=64, batch_size=32, **data)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_dirs(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "runs" / "tiny").glob("version_*"))
+
+
+def train_command(*args: str) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), *args]
+
+
+def subprocess_env() -> dict[str, str]:
+    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(*args), cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+class PauseAtStep(L.Callback):
+    """Test aid: after training step `step`, write `marker` and sleep, so a test can SIGKILL the process there."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, marker
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            Path(self.marker).write_text(str(trainer.global_step))
+            time.sleep(600)
+
+
+class RecordMetrics(L.Callback):
+    """Test aid: append val/* and train/loss* at each validation end to a JSON-lines file; `{rank}` in the path is the process rank."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/loss"))}
+        with open(self.path.format(rank=trainer.global_rank), "a") as f:
+            f.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step, **metrics}) + "\n")
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """The last record of each epoch (a resumed run may have repeated one)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return {r["epoch"]: r for r in records}
+
+
+def main_in_process(args: list[str], monkeypatch) -> None:
+    """`train.py ARGS` in this process (no import cost), with a clean sys.argv as the CLI expects."""
+    from vit.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    main(args)
+
+
+_SHARED: dict[Path, Path] = {}
+
+
+def shared_run(root: Path, monkeypatch) -> Path:
+    """One uninterrupted tiny run per test session (3 epochs, checkpoint every 3 steps); returns its folder.
+
+    Its `metrics.jsonl` has the validation metrics of each epoch, `runs/tiny/version_0` the run.
+    """
+    if root not in _SHARED:
+        root.mkdir(parents=True, exist_ok=True)
+        config = tiny_config(root)
+        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
+                         "--trainer.callbacks+=robust_helpers.RecordMetrics",
+                         f"--trainer.callbacks.path={root / 'metrics.jsonl'}"], monkeypatch)
+        _SHARED[root] = root
+    return _SHARED[root]

@@ -1,0 +1,111 @@
+"""`python -m vit.predict`: a folder of the user's own images -> a CSV of classes and probabilities."""
+
+import csv
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from robust_helpers import run_dirs, shared_run
+
+from vit.classifier import ImageClassifier
+from vit.data import CIFARDataModule, TwoCirclesDataset
+from vit.predict import build_transform, main
+
+
+@pytest.fixture
+def checkpoint(tmp_path_factory, monkeypatch) -> Path:
+    [run_dir] = run_dirs(shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch))
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture
+def images(tmp_path) -> Path:
+    """Two-circles test images as 8-bit grayscale PNGs, an RGB copy at twice the size, and two bad files."""
+    folder = tmp_path / "my images"
+    folder.mkdir()
+    dataset = TwoCirclesDataset(num_samples=6, noise=0.0, seed=11)
+    for i in range(6):
+        pixels = (dataset.images[i, 0].clamp(0, 1).numpy() * 255).round().astype(np.uint8)  # (32, 32)
+        Image.fromarray(pixels).save(folder / f"circles_{i}.png")
+    Image.fromarray(pixels).convert("RGB").resize((64, 64), Image.NEAREST).save(folder / "big_rgb.png")
+    (folder / "cut.png").write_bytes((folder / "circles_0.png").read_bytes()[:70])
+    (folder / "notes.txt").write_text("not an image")
+    return folder
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, float]]:
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime) for p in folder.iterdir()}
+
+
+def test_predictions_csv_matches_the_model_on_the_same_pixels(checkpoint, images, tmp_path, capsys):
+    before = snapshot(images)
+    output = tmp_path / "predictions.csv"
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output)]) == 0
+    assert snapshot(images) == before  # nothing in the input folder changed
+
+    err = capsys.readouterr().err
+    assert "skipped cut.png: not a readable image" in err and "skipped notes.txt: not a readable image" in err
+    rows = list(csv.DictReader(output.open()))
+    assert [r["file"] for r in rows] == ["big_rgb.png", *[f"circles_{i}.png" for i in range(6)]]
+
+    # Reference: the model on the PNG's own pixels scaled to [0, 1], as the two-circles data was in training.
+    model = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
+    x = torch.stack([torch.from_numpy(np.array(Image.open(images / f"circles_{i}.png"))).float()[None] / 255
+                     for i in range(6)])  # (6, 1, 32, 32)
+    with torch.no_grad():
+        probs = model(x).softmax(dim=-1)
+    for i, row in enumerate(rows[1:]):
+        assert int(row["class"]) == int(probs[i].argmax())
+        assert float(row["probability"]) == pytest.approx(float(probs[i].max()), abs=1e-6)
+    assert 0.5 <= float(rows[0]["probability"]) <= 1.0
+
+
+def test_other_sizes_and_modes_are_converted_like_the_training_data():
+    # A 64x48 RGB image, dark on the left half and light grey on the right, for a 1-channel 32x32 model.
+    pixels = np.zeros((48, 64, 3), dtype=np.uint8)
+    pixels[:, 32:] = 180
+    x = build_transform(32, 1, None)(Image.fromarray(pixels))
+    assert x.shape == (1, 32, 32) and x.dtype == torch.float32
+    # Grey RGB -> luma is the same grey; [0, 1] scaling; the halves stay halves (antialiasing blurs
+    # the one column pair at the border).
+    torch.testing.assert_close(x[0, :, :15], torch.zeros(32, 15), rtol=0, atol=1 / 255)
+    torch.testing.assert_close(x[0, :, 17:], torch.full((32, 15), 180 / 255), rtol=0, atol=1 / 255)
+
+    # CIFAR inputs are normalised with the data module's mean and std after scaling to [0, 1].
+    dm = CIFARDataModule(dataset="cifar10")
+    colour = Image.new("RGBA", (40, 20), (200, 100, 50, 128))  # alpha is dropped
+    y = build_transform(dm.image_size, dm.in_chans, dm.normalization)(colour)
+    mean, std = torch.tensor(dm.normalization[0]), torch.tensor(dm.normalization[1])
+    expected = (torch.tensor([200, 100, 50]) / 255 - mean) / std
+    assert y.shape == (3, 32, 32)
+    torch.testing.assert_close(y, expected[:, None, None].expand(3, 32, 32), rtol=0, atol=1e-6)
+
+
+def test_output_is_never_overwritten_or_put_in_the_input_folder(checkpoint, images, tmp_path, capsys):
+    output = tmp_path / "predictions.csv"
+    output.write_text("earlier results")
+    args = ["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output)]
+    assert main(args) == 2
+    assert f"error: --output {output} already exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert output.read_text() == "earlier results"
+    assert main([*args, "--overwrite"]) == 0
+    assert output.read_text().startswith("file,class,probability")
+
+    inside = images / "predictions.csv"
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(inside)]) == 2
+    assert "is inside --input_dir" in capsys.readouterr().err and not inside.exists()
+
+
+def test_bad_paths_and_checkpoints_are_reported(checkpoint, images, tmp_path, capsys):
+    output = str(tmp_path / "p.csv")
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(tmp_path / "nope"), "--output", output]) == 2
+    assert f"error: --input_dir {tmp_path / 'nope'} is not a folder (it does not exist)" in capsys.readouterr().err
+    assert main(["--ckpt_path", str(tmp_path / "x.ckpt"), "--input_dir", str(images), "--output", output]) == 2
+    assert f"error: checkpoint {tmp_path / 'x.ckpt'} does not exist" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(empty), "--output", output]) == 1
+    assert "error: no readable image in" in capsys.readouterr().err and not Path(output).exists()

@@ -1,0 +1,175 @@
+"""Fault tolerance and reproducibility: a run killed with SIGKILL mid-epoch resumes to the same result."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+from pathlib import Path
+
+import pytest
+import torch
+from jsonargparse import Namespace
+from robust_helpers import (
+    REPO,
+    STEPS_PER_EPOCH,
+    main_in_process,
+    read_metrics,
+    run_dirs,
+    shared_run,
+    subprocess_env,
+    tiny_config,
+    train_command,
+)
+
+from vit.checkpointing import AtomicCheckpointIO, find_last_checkpoint
+from vit.cli import _resolve_resume
+from vit.data.resumable import ResumableSampler
+
+
+@pytest.fixture
+def reference(tmp_path_factory, monkeypatch) -> Path:
+    """The uninterrupted tiny run (trained once per session, in this process)."""
+    return shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch)
+
+
+def final_weights(run_dir: Path) -> dict:
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 3 * STEPS_PER_EPOCH  # last.ckpt holds the end of training
+    return checkpoint["state_dict"]
+
+
+def test_sigkill_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(tmp_path, reference, monkeypatch, caplog):
+    config = tiny_config(tmp_path)  # checkpoint every 3 steps; 8 steps per epoch
+    metrics, marker = tmp_path / "metrics.jsonl", tmp_path / "paused"
+    record = ["--test_after_fit", "false", "--trainer.callbacks+=robust_helpers.RecordMetrics",
+              f"--trainer.callbacks.path={metrics}"]
+    # The test aid stops the process after step 13 (epoch 1, batch 4), where the last checkpoint is
+    # that of step 12; the kill itself is a real SIGKILL from here.
+    pause = ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
+             f"--trainer.callbacks.marker={marker}"]
+    process = subprocess.Popen(train_command("fit", "--config", str(config), *record, *pause), cwd=tmp_path,
+                               env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not marker.exists():
+            assert process.poll() is None, f"training ended before step 13:\n{process.stdout.read()}"
+            assert time.monotonic() < deadline, "training did not reach step 13 in time"
+            time.sleep(0.1)
+        [run_dir] = run_dirs(tmp_path)
+        checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+        assert checkpoint["global_step"] == 12
+        assert checkpoint["TwoCirclesDataModule"]["train_position"] == {"epoch": 1, "batches_done": 12 - STEPS_PER_EPOCH}
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.communicate()
+    assert process.returncode == -signal.SIGKILL
+
+    # The resumed part runs in this process: a fresh Trainer either way, without another import cost.
+    main_in_process(["fit", "--config", str(config), "--ckpt_path", "last", *record], monkeypatch)
+    assert f"Resuming the run in {run_dir.resolve()}" in caplog.text
+    assert run_dirs(tmp_path) == [run_dir]  # continued in the killed run's folder, not a new version
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "config_resume1.yaml").is_file()
+    info = json.loads((run_dir / "run_info_resume1.json").read_text())
+    assert info["resumed_from"] == str(run_dir / "checkpoints" / "last.ckpt")
+
+    expected, got = read_metrics(reference / "metrics.jsonl"), read_metrics(metrics)
+    assert sorted(got) == [0, 1, 2]
+    for epoch in range(3):
+        for key in ("val/loss", "val/acc"):
+            assert got[epoch][key] == pytest.approx(expected[epoch][key], abs=1e-6), (epoch, key)
+    [reference_dir] = run_dirs(reference)
+    torch.testing.assert_close(final_weights(run_dir), final_weights(reference_dir), rtol=0, atol=1e-6)
+
+
+def test_same_config_and_seed_give_identical_metrics_and_record_how_to_rerun(tmp_path, reference, monkeypatch):
+    config = tiny_config(tmp_path)
+    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
+                     "--trainer.callbacks+=robust_helpers.RecordMetrics",
+                     f"--trainer.callbacks.path={tmp_path / 'metrics.jsonl'}"], monkeypatch)
+    assert read_metrics(tmp_path / "metrics.jsonl") == read_metrics(reference / "metrics.jsonl")
+    [run_dir], [reference_dir] = run_dirs(tmp_path), run_dirs(reference)
+    torch.testing.assert_close(final_weights(run_dir), final_weights(reference_dir), rtol=0, atol=0)
+
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["seed"] == 0 and info["subcommand"] == "fit" and info["resumed_from"] is None
+    assert info["packages"]["torch"] == torch.__version__
+    assert "--config" in info["command"] and str(config) in info["command"]
+    assert info["devices"]["world_size"] == 1
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert info["git"]["commit"] == head.stdout.strip()
+
+
+def test_resumable_sampler_shards_permutes_per_epoch_and_starts_mid_epoch():
+    data = list(range(10))
+    shards = [list(ResumableSampler(data, num_replicas=2, rank=r, seed=3)) for r in (0, 1)]
+    assert sorted(shards[0] + shards[1]) == data  # the two processes split one permutation
+    sampler = ResumableSampler(data, seed=3)
+    epoch0 = list(sampler)
+    assert sorted(epoch0) == data and epoch0 == list(sampler)  # a pure function of (seed, epoch)
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert epoch1 != epoch0
+    sampler.resume_at(1, 4)
+    assert list(sampler) == epoch1[4:]
+    assert list(sampler) == epoch1  # the skip applies to one iteration only
+    with pytest.raises(ValueError, match="cannot resume at epoch=1, sample 11 of 10"):
+        sampler.resume_at(1, 11)
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("disk full")  # stands for any failure half-way through writing
+
+
+def test_atomic_checkpoint_io_leaves_the_old_file_whole_when_a_save_fails(tmp_path):
+    io, path = AtomicCheckpointIO(), tmp_path / "checkpoints" / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "step": 1}, path)
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "step": 2, "bad": Unpicklable()}, path)
+    assert torch.load(path, weights_only=True)["step"] == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary file left behind
+    assert (path.stat().st_mode & 0o777) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _config(tmp_path, ckpt_path, version=None) -> Namespace:
+    logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                       init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=version))
+    return Namespace(ckpt_path=ckpt_path, trainer=Namespace(logger=logger))
+
+
+def test_ckpt_path_last_finds_the_newest_run_and_continues_in_its_folder(tmp_path):
+    for i, version in enumerate(["version_0", "version_1", "version_2"]):
+        folder = tmp_path / "runs" / "tiny" / version / "checkpoints"
+        folder.mkdir(parents=True)
+        if version != "version_2":  # version_2 was a run that never wrote a checkpoint
+            (folder / "last.ckpt").write_bytes(b"x")
+            os.utime(folder / "last.ckpt", (1000 + 100 * (1 - i), 1000 + 100 * (1 - i)))  # version_0 is newer
+    (tmp_path / "runs" / "tiny" / "version_1" / "checkpoints" / ".last.ckpt.x1.tmp").write_bytes(b"x")
+    newest = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert find_last_checkpoint(tmp_path / "runs" / "tiny") == newest
+
+    config = _config(tmp_path, "last")
+    _resolve_resume("fit", config)
+    assert config.ckpt_path == str(newest) and config.trainer.logger.init_args.version == "version_0"
+
+    config = _config(tmp_path, "last", version=1)  # a fixed version searches only that run
+    _resolve_resume("fit", config)
+    assert config.ckpt_path.endswith("version_1/checkpoints/last.ckpt")
+
+    config = _config(tmp_path, "last")
+    _resolve_resume("test", config)  # validate/test/predict use the file but log a run of their own
+    assert config.ckpt_path == str(newest) and config.trainer.logger.init_args.version is None
+
+    empty = _config(tmp_path / "elsewhere", "last")
+    with pytest.warns(UserWarning, match="no last.ckpt under .*starting a new run"):
+        _resolve_resume("fit", empty)
+    assert empty.ckpt_path is None

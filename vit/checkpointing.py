@@ -1,0 +1,196 @@
+"""Checkpoints that are never half-written, and checks that a checkpoint fits before Lightning loads it.
+
+Why `AtomicCheckpointIO`: Lightning 2.6 saves through an fsspec transaction. For a local path
+fsspec writes the bytes to a temporary file made by `tempfile.mkstemp()` in the *system* temp
+folder, then `shutil.move`s it into place. When the temp folder and the run folder are on
+different filesystems (a tmpfs `/tmp`, a network home) the move is a copy into the destination
+followed by a delete, so a kill during the copy leaves a truncated `last.ckpt`; there is no fsync
+either, so a power cut can leave a renamed but empty file. `AtomicCheckpointIO` writes the
+checkpoint into a temporary file *in the destination folder*, fsyncs it, and `os.replace`s it over
+the old one: a reader sees the old checkpoint or the new one, never a part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pickle
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
+
+# Files are created 0666 minus the umask; mkstemp makes them 0600, so set the usual mode back.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's "last" names
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: missing, unreadable, or made for another model."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`TorchCheckpointIO` whose local saves are atomic: temp file in the same folder, fsync, `os.replace`.
+
+    Remote paths (`s3://...`) keep Lightning's behaviour. A temporary file left by a killed process
+    is named `.<name>.<random>.tmp`: it never matches `*.ckpt`, so `--ckpt_path last` ignores it.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_UMASK)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(path.parent)  # make the rename itself durable
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a folder be opened for fsync
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a Lightning checkpoint on the CPU, or raise `CheckpointError` saying what is wrong with the file.
+
+    Loads with `weights_only=True` (no arbitrary code runs) and `mmap=True` (tensors are read only
+    when touched, so checking a large file is cheap).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if p.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder, not a checkpoint file")
+    if p.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): its writing was interrupted")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+        archive_complete = zipfile.is_zipfile(p)
+    except PermissionError as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror}") from err
+    # torch.save writes a zip archive, whose table of contents is at the end of the file.
+    if head != b"PK\x03\x04":
+        raise CheckpointError(f"checkpoint {path} is not a PyTorch checkpoint (not the zip archive torch.save writes)")
+    if not archive_complete:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated: it starts like a checkpoint but its end is missing "
+            f"({p.stat().st_size} bytes; was its writing interrupted?)"
+        )
+    try:
+        checkpoint = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        if "weights only load failed" in str(err).lower():
+            raise CheckpointError(
+                f"checkpoint {path} holds Python objects that are not plain data; it was not written by "
+                "this project, and loading it could run arbitrary code, so it is refused"
+            ) from err
+        raise CheckpointError(f"checkpoint {path} is not a PyTorch checkpoint, or it is corrupted ({_first_line(err)})") from err
+    except Exception as err:  # torch raises RuntimeError, OSError or EOFError for damaged archives
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: it is corrupted ({_first_line(err)})") from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"checkpoint {path} is not a Lightning checkpoint (it has no 'state_dict')")
+    return checkpoint
+
+
+def check_checkpoint(path: str | os.PathLike, model: nn.Module, *, resume_training: bool = False) -> dict[str, Any]:
+    """Read `path` and check that `model` can load it (and resume training from it); return the checkpoint.
+
+    Raises `CheckpointError` naming the file and what differs: the backbone class or its
+    hyperparameters when the checkpoint recorded them (e.g. "num_classes=10 ... num_classes=2"),
+    else the parameters whose names or shapes differ.
+    """
+    checkpoint = read_checkpoint(path)
+    theirs, ours = checkpoint["state_dict"], model.state_dict()
+    missing = sorted(ours.keys() - theirs.keys())
+    unexpected = sorted(theirs.keys() - ours.keys())
+    reshaped = sorted(k for k in ours.keys() & theirs.keys() if tuple(ours[k].shape) != tuple(theirs[k].shape))
+    if missing or unexpected or reshaped:
+        details = [f"{k} {tuple(theirs[k].shape)} in the checkpoint, {tuple(ours[k].shape)} here" for k in reshaped[:3]]
+        details += [f"{k} missing from the checkpoint" for k in missing[:3]]
+        details += [f"{k} not in this model" for k in unexpected[:3]]
+        why = _hparams_difference(checkpoint.get("hyper_parameters", {}), getattr(model, "hparams", {}))
+        shared = len(ours.keys() & theirs.keys())
+        if not why and shared < len(theirs) / 2:
+            why = f"it holds another architecture: only {shared} of its {len(theirs)} tensors have names this model uses"
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this config: "
+            + (f"{why}. " if why else "")
+            + f"Tensors that differ ({len(missing) + len(unexpected) + len(reshaped)}): {'; '.join(details)}"
+        )
+    if resume_training and not checkpoint.get("optimizer_states"):
+        raise CheckpointError(
+            f"checkpoint {path} holds weights only (no optimizer or loop state), so `fit` cannot resume from it; "
+            "it can still be used by validate, test and predict"
+        )
+    return checkpoint
+
+
+def _hparams_difference(saved: dict, current: dict) -> str:
+    """'it was trained with A, this config has B' for the backbone's class and hyperparameters, or ''."""
+    before, now = _backbone_config(saved), _backbone_config(current)
+    if before is None or now is None:
+        return ""
+    if before[0] != now[0]:
+        return f"it was trained with backbone {before[0]}, this config has {now[0]}"
+    keys = [k for k in before[1] if k in now[1] and _plain(before[1][k]) != _plain(now[1][k])]
+    if not keys:
+        return ""
+    then = ", ".join(f"{k}={before[1][k]!r}" for k in keys)
+    here = ", ".join(f"{k}={now[1][k]!r}" for k in keys)
+    return f"checkpoint trained with {then}, this config has {here}"
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value  # YAML gives lists where Python gave tuples
+
+
+def _backbone_config(hparams) -> tuple[str, dict] | None:
+    """`(class_path, init_args)` of the backbone recorded by LightningCLI, or None."""
+    backbone = dict(hparams).get("backbone") if hparams else None
+    if backbone is None or isinstance(backbone, nn.Module):
+        return None
+    backbone = dict(backbone)
+    if "class_path" not in backbone:
+        return None
+    return str(backbone["class_path"]), dict(backbone.get("init_args") or {})
+
+
+def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | None:
+    """The most recently written `last.ckpt` (or `last-vN.ckpt`) in `folder/<runs>/checkpoints/`, or None.
+
+    `folder` is a logger's `save_dir/name`, whose subfolders are the runs (`version_0`, ...);
+    `runs` is a glob pattern, or one run's folder name.
+    """
+    pattern = f"{runs if runs == '*' else glob.escape(runs)}/checkpoints/last*.ckpt"
+    candidates = [p for p in Path(folder).glob(pattern) if LAST_CHECKPOINT.fullmatch(p.name)]
+    return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

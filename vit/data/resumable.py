@@ -1,0 +1,121 @@
+"""A shuffled training order that a checkpoint can restore in the middle of an epoch.
+
+Lightning 2.6 restores the model, optimizer and loop counters from a checkpoint, but not where the
+training DataLoader was in its epoch: a plain `DataLoader(shuffle=True)` starts a fresh permutation,
+so a run resumed mid-epoch sees other batches than an uninterrupted one. (Its own hook for
+"stateful" loaders does not help here: the first iterator is created before the checkpoint's loader
+state is loaded whenever `configure_optimizers` reads `trainer.estimated_stepping_batches`, as
+`ImageClassifier` does, and the prefetched batch is counted as consumed.)
+
+The fix has two parts:
+
+* `ResumableSampler`: the permutation of an epoch is a pure function of `(seed, epoch)` (it is a
+  `DistributedSampler`, so under DDP each process takes its own stride of the same permutation and
+  Lightning leaves it in place), and it can be told to start `k` samples into an epoch.
+* `ResumableTrainingData`: a LightningDataModule mixin whose `state_dict` records the position
+  from the trainer's own counters (`epoch`, batches trained this epoch) when a checkpoint is
+  written; `load_state_dict` runs before the training DataLoader is built, which then starts there.
+
+Exactness needs the same batch size, number of processes and seed as the interrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import DistributedSampler
+
+
+class ResumableSampler(DistributedSampler):
+    """`DistributedSampler` with shuffling that can start mid-epoch after `resume_at`.
+
+    The order of epoch `e` is `randperm(len(dataset))` from a generator seeded with `seed + e`;
+    process `rank` of `num_replicas` takes every `num_replicas`-th index of it. Lightning calls
+    `set_epoch` at the start of every epoch. `resume_at(epoch, num_samples)` makes the next
+    iteration (only) skip this process's first `num_samples` indices of that epoch.
+    """
+
+    def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self._skip = 0
+
+    def resume_at(self, epoch: int, num_samples: int) -> None:
+        """Start the next iteration in epoch `epoch`, after this process's first `num_samples` samples."""
+        if epoch < 0 or not 0 <= num_samples <= self.num_samples:
+            raise ValueError(f"cannot resume at epoch={epoch}, sample {num_samples} of {self.num_samples}")
+        self.set_epoch(epoch)
+        self._skip = num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        start, self._skip = self._skip, 0
+        return iter(indices[start:])
+
+
+def shuffle_seed() -> int:
+    """The run's seed (`seed_everything`, read back from `PL_GLOBAL_SEED`), 0 when none was set.
+
+    Lightning seeds the samplers it inserts for DDP the same way, so the order does not depend on
+    how many random numbers model initialisation happened to draw.
+    """
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def training_position(trainer) -> dict[str, int]:
+    """`{"epoch", "batches_done"}` of the next training batch, from the trainer's loop counters.
+
+    Called while a checkpoint is written: after a training step (`on_train_batch_end`) the step's
+    batch counts as done; after the last batch of an epoch the position is the next epoch's start.
+    """
+    epoch = trainer.current_epoch
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    if done >= trainer.num_training_batches:
+        epoch, done = epoch + 1, 0
+    return {"epoch": int(epoch), "batches_done": int(done)}
+
+
+class ResumableTrainingData:
+    """Mixin for a LightningDataModule (put it first in the bases) whose training order survives a resume.
+
+    The data module builds its training DataLoader with `sampler=self.train_sampler(dataset,
+    batch_size)` and `generator=self.loader_generator()`; the mixin supplies `state_dict` /
+    `load_state_dict`, which Lightning saves in and restores from checkpoints.
+    """
+
+    _resume_position: dict[str, int] | None = None
+
+    def train_sampler(self, dataset: Sized, batch_size: int) -> ResumableSampler:
+        """The training sampler: this process's share of the epoch's permutation, from a restored position if any."""
+        # Outside a Trainer (a notebook, a test) the data module is one process of one.
+        trainer = getattr(self, "trainer", None)
+        world_size, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
+        sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=shuffle_seed())
+        if self._resume_position is not None:
+            position, self._resume_position = self._resume_position, None
+            sampler.resume_at(position["epoch"], position["batches_done"] * batch_size)
+        return sampler
+
+    @staticmethod
+    def loader_generator() -> torch.Generator:
+        """A generator of its own for the DataLoader, which draws its worker seed from it.
+
+        Without one, every new DataLoader iterator draws from the global torch RNG, so whether an
+        iterator was created before or after a checkpoint was restored would shift the random
+        numbers (dropout, drop-path) of every later step.
+        """
+        return torch.Generator().manual_seed(shuffle_seed())
+
+    def state_dict(self) -> dict:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or trainer.state.fn != "fit":
+            return {}
+        return {"train_position": training_position(trainer)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume_position = state_dict.get("train_position")
+        if self._resume_position is not None:
+            # Lightning warns that a plain DataLoader cannot resume mid-epoch; this one can.
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")

@@ -1,0 +1,146 @@
+"""The run directory: never reused by accident, and it records what is needed to rerun it.
+
+`RunDirectoryCallback` replaces LightningCLI's `SaveConfigCallback`. Next to `config.yaml` it
+writes `run_info.json` (seed, package versions, git commit, command line, devices). It refuses a
+run directory that already holds a run (a `config.yaml` or checkpoints), unless this is `fit`
+resuming from a checkpoint inside that directory: then the config and run info of the resumed
+part go to `config_resume1.yaml` and `run_info_resume1.json` (then 2, 3, ...), so nothing is
+overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import SaveConfigCallback
+
+PACKAGES = ("vit", "torch", "torchvision", "lightning", "torchmetrics", "timm", "jsonargparse", "numpy")
+
+
+class RunDirectoryError(ValueError):
+    """The run directory already holds another run."""
+
+
+class RunDirectoryCallback(SaveConfigCallback):
+    """Saves `config.yaml` and `run_info.json` in the run directory, refusing to reuse one by accident."""
+
+    _suffix = ""  # "_resume1", ... when a resumed run adds its files next to the first part's
+    _log_dir: Path
+
+    def __init__(self, *args, command: list[str] | None = None, **kwargs) -> None:
+        """`command`: the arguments the CLI was given (default: `sys.argv`); the rest as for `SaveConfigCallback`."""
+        super().__init__(*args, **kwargs)
+        self.command = command
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.already_saved or not self.save_to_log_dir:
+            return super().setup(trainer, pl_module, stage)
+        # `trainer.log_dir` is a collective (rank 0 broadcasts it): read it here, where all ranks are.
+        self._log_dir = log_dir = Path(trainer.log_dir)
+        # Only rank 0 looks at the disk; every rank gets the same answer, so all stop or none does.
+        taken = trainer.strategy.broadcast(trainer.is_global_zero and holds_a_run(log_dir, self.config_filename))
+        if taken:
+            check_run_dir(log_dir, stage=stage, ckpt_path=self.config.get("ckpt_path"), config_filename=self.config_filename)
+            self._suffix = trainer.strategy.broadcast(_free_suffix(log_dir) if trainer.is_global_zero else "")
+            stem, ext = os.path.splitext(self.config_filename)
+            self.config_filename = f"{stem}{self._suffix}{ext}"
+        super().setup(trainer, pl_module, stage)
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        """Write `run_info.json` (rank 0 only, called by `setup` after the config was saved)."""
+        if not self.save_to_log_dir:
+            return
+        info = run_info(trainer, stage=stage, seed=self.config.get("seed_everything"),
+                        ckpt_path=self.config.get("ckpt_path"), command=self.command)
+        path = self._log_dir / f"run_info{self._suffix}.json"
+        path.write_text(json.dumps(info, indent=2) + "\n")
+
+
+def holds_a_run(log_dir: Path, config_filename: str = "config.yaml") -> bool:
+    """Whether `log_dir` has a saved config or checkpoints, i.e. a run was there."""
+    return (log_dir / config_filename).is_file() or any((log_dir / "checkpoints").glob("*.ckpt"))
+
+
+def check_run_dir(log_dir: Path, *, stage: str, ckpt_path=None, config_filename: str = "config.yaml") -> None:
+    """Raise `RunDirectoryError` if `log_dir` holds a run, unless this is `fit` resuming from a checkpoint in it."""
+    if not holds_a_run(log_dir, config_filename):
+        return
+    if stage == "fit" and ckpt_path is not None and _is_inside(Path(ckpt_path), log_dir):
+        return
+    raise RunDirectoryError(
+        f"the run directory {log_dir} already holds a run ({config_filename} or checkpoints); "
+        "nothing was written. Leave trainer.logger.init_args.version unset (each run gets the next "
+        "free version_N), choose another name/version, or continue that run with --ckpt_path last."
+    )
+
+
+def _is_inside(path: Path, folder: Path) -> bool:
+    return folder.resolve() in path.resolve().parents
+
+
+def _free_suffix(log_dir: Path) -> str:
+    k = 1
+    while (log_dir / f"config_resume{k}.yaml").exists() or (log_dir / f"run_info_resume{k}.json").exists():
+        k += 1
+    return f"_resume{k}"
+
+
+def run_info(trainer=None, *, stage: str | None = None, seed: Any = None, ckpt_path: Any = None,
+             command: list[str] | None = None) -> dict[str, Any]:
+    """What a rerun needs beyond `config.yaml`: seed, versions, commit, command line and hardware."""
+    info: dict[str, Any] = {
+        "command": ["python", *(sys.argv if command is None else command)],
+        "subcommand": stage,
+        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        # seed_everything exports the seed it used; `seed_everything: true` draws one, recorded here.
+        "seed": int(os.environ["PL_GLOBAL_SEED"]) if "PL_GLOBAL_SEED" in os.environ else seed,
+        "resumed_from": None if ckpt_path is None else str(ckpt_path),
+        "git": git_state(Path(__file__).resolve().parent),
+        "python": platform.python_version(),
+        # torch's own version string carries its build (e.g. "+cu132", "+cpu"); the metadata one does not.
+        "packages": {name: torch.__version__ if name == "torch" else _version(name) for name in PACKAGES},
+        "platform": platform.platform(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+    }
+    if trainer is not None:
+        info["devices"] = {
+            "accelerator": type(trainer.accelerator).__name__,
+            "strategy": type(trainer.strategy).__name__,
+            "num_nodes": trainer.num_nodes,
+            "world_size": trainer.world_size,
+            "precision": str(trainer.precision),
+        }
+        if torch.cuda.is_available() and trainer.root_device.type == "cuda":
+            info["devices"]["gpu"] = torch.cuda.get_device_name(trainer.root_device)
+    return info
+
+
+def git_state(folder: Path) -> dict[str, Any] | None:
+    """`{"commit", "dirty"}` of the git checkout holding `folder`, or None outside one (or without git)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, check=True, timeout=10).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
