@@ -161,6 +161,12 @@ def test_ckpt_path_last_finds_the_newest_run_and_continues_in_its_folder(tmp_pat
     _resolve_resume("fit", config)
     assert config.ckpt_path == str(newest) and config.trainer.logger.init_args.version == "version_0"
 
+    older = tmp_path / "runs" / "tiny" / "version_1" / "checkpoints" / "epoch00.ckpt"
+    older.write_bytes(b"x")
+    config = _config(tmp_path, str(older))  # branching from an older checkpoint leaves its run alone
+    _resolve_resume("fit", config)
+    assert config.ckpt_path == str(older) and config.trainer.logger.init_args.version is None
+
     config = _config(tmp_path, "last", version=1)  # a fixed version searches only that run
     _resolve_resume("fit", config)
     assert config.ckpt_path.endswith("version_1/checkpoints/last.ckpt")

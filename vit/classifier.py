@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -156,6 +158,12 @@ class ImageClassifier(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._rng_states_to_restore = checkpoint.get("rng_states")
+
+    def on_fit_start(self) -> None:
+        # train/loss is logged already averaged over the processes (see training_step), so Lightning's
+        # advice to add sync_dist=True (a second all-reduce per step) does not apply to it.
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
+                                category=PossibleUserWarning)
 
     def on_train_start(self) -> None:
         # Only when `fit` resumes from a checkpoint; a model merely loaded with weights starts afresh.

@@ -211,8 +211,10 @@ def _resolve_resume(subcommand: str, config) -> None:
     A new run gets a new `version_N` folder, where Lightning's own "last" finds nothing. Here "last"
     is the newest `last.ckpt` under the logger's `save_dir/name/*/checkpoints/` (or under the
     version set in the config). When `fit` resumes from a checkpoint inside such a run folder and no
-    version is set, the logger's version is set to that folder, so logs and checkpoints continue
-    there. Only loggers that lay runs out as `save_dir/name/version` (TensorBoard, CSV) are handled.
+    version is set, and the checkpoint is that run's newest `last.ckpt`, the logger's version is set
+    to that folder, so logs and checkpoints continue there; from an older checkpoint, training goes
+    on in a new folder and the run is left as it is. Only loggers that lay runs out as
+    `save_dir/name/version` (TensorBoard, CSV) are handled.
     """
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is None:
@@ -220,7 +222,7 @@ def _resolve_resume(subcommand: str, config) -> None:
     logger = _logger_init_args(config)
     if logger is None:
         return
-    root = Path(logger.save_dir) / (logger.get("name") or "")
+    root = Path(logger.save_dir) / (logger.get("name", "lightning_logs") or "")  # both loggers' default name
     version = logger.get("version")
     if ckpt_path == "last":
         runs = "*" if version is None else _version_dir(version)
@@ -233,10 +235,18 @@ def _resolve_resume(subcommand: str, config) -> None:
                 return
             raise ConfigError(f"--ckpt_path last: there is no last.ckpt under {search}")
         config.ckpt_path = ckpt_path = str(last)
-    run_dir = Path(ckpt_path).resolve().parent.parent
-    if subcommand == "fit" and version is None and run_dir.parent == root.resolve():
+    if subcommand != "fit" or version is not None or not _is_local_file(ckpt_path):
+        return
+    run_dir = Path(ckpt_path).resolve().parent.parent  # <run>/checkpoints/<file>
+    if run_dir.parent != root.resolve():
+        return
+    newest = find_last_checkpoint(root, runs=run_dir.name)
+    if newest is not None and newest.resolve() == Path(ckpt_path).resolve():
         logger.version = run_dir.name
         rank_zero_info(f"Resuming the run in {run_dir} from {ckpt_path}")
+    else:  # continuing there would overwrite what the run saved after this checkpoint
+        rank_zero_info(f"{ckpt_path} is not the newest last.ckpt of {run_dir}, which is left as it is; "
+                       "training continues from it in a new run folder")
 
 
 def _logger_init_args(config):

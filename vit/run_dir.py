@@ -46,10 +46,20 @@ class RunDirectoryCallback(SaveConfigCallback):
             return super().setup(trainer, pl_module, stage)
         # `trainer.log_dir` is a collective (rank 0 broadcasts it): read it here, where all ranks are.
         self._log_dir = log_dir = Path(trainer.log_dir)
-        # Only rank 0 looks at the disk; every rank gets the same answer, so all stop or none does.
-        taken = trainer.strategy.broadcast(trainer.is_global_zero and holds_a_run(log_dir, self.config_filename))
+        # Only rank 0 looks at the disk (other nodes may not see it); every rank gets its answer, so
+        # all stop or none does.
+        taken, refusal = False, None
+        if trainer.is_global_zero:
+            taken = holds_a_run(log_dir, self.config_filename)
+            try:
+                check_run_dir(log_dir, stage=stage, ckpt_path=self.config.get("ckpt_path"),
+                              config_filename=self.config_filename)
+            except RunDirectoryError as err:
+                refusal = str(err)
+        taken, refusal = trainer.strategy.broadcast((taken, refusal))
+        if refusal is not None:
+            raise RunDirectoryError(refusal)
         if taken:
-            check_run_dir(log_dir, stage=stage, ckpt_path=self.config.get("ckpt_path"), config_filename=self.config_filename)
             self._suffix = trainer.strategy.broadcast(_free_suffix(log_dir) if trainer.is_global_zero else "")
             stem, ext = os.path.splitext(self.config_filename)
             self.config_filename = f"{stem}{self._suffix}{ext}"
