@@ -45,8 +45,8 @@ def test_sigkill_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(tm
     metrics, marker = tmp_path / "metrics.jsonl", tmp_path / "paused"
     record = ["--test_after_fit", "false", "--trainer.callbacks+=robust_helpers.RecordMetrics",
               f"--trainer.callbacks.path={metrics}"]
-    # The test aid stops the process after step 13 (epoch 1, batch 4), where the last checkpoint is
-    # that of step 12; the kill itself is a real SIGKILL from here.
+    # The test aid stops the process after its 13th step (the 5th batch of epoch 1), where the last
+    # checkpoint is that of step 12; the kill itself is a real SIGKILL from here.
     pause = ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
              f"--trainer.callbacks.marker={marker}"]
     process = subprocess.Popen(train_command("fit", "--config", str(config), *record, *pause), cwd=tmp_path,
