@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vit.models.inputs import check_image_batch
+
 from vit.models.resnet import ResNet
 
 
@@ -48,11 +50,7 @@ class CoordConvResNet(nn.Module):
 
     def add_coords(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, C, H, W) -> (B, C + 2, H, W)`: the input followed by its row and column channels."""
-        if x.ndim != 4 or x.shape[1] != self.in_chans or x.shape[2:] != (self.img_size, self.img_size):
-            raise ValueError(
-                f"expected input of shape (B, {self.in_chans}, {self.img_size}, {self.img_size}), "
-                f"got {tuple(x.shape)}"
-            )
+        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size)
         coords = self.coords.to(x.dtype).expand(x.shape[0], -1, -1, -1)  # (B, 2, H, W)
         return torch.cat([x, coords], dim=1)
 

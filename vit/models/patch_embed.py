@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vit.models.inputs import check_image_batch
+
 
 class PatchEmbed(nn.Module):
     """`(B, C, H, W) -> (B, N, D)` with a strided convolution, `N = (H / P) * (W / P)`.
@@ -30,10 +32,6 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] != self.in_chans or x.shape[2:] != (self.img_size, self.img_size):
-            raise ValueError(
-                f"expected input of shape (B, {self.in_chans}, {self.img_size}, {self.img_size}), "
-                f"got {tuple(x.shape)}"
-            )
+        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size)
         x = self.proj(x)  # (B, D, H/P, W/P)
         return x.flatten(2).transpose(1, 2)  # (B, N, D)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vit.models.inputs import check_image_batch
+
 
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with batch norm and an identity (or 1x1 projection) shortcut."""
@@ -70,10 +72,6 @@ class ResNet(nn.Module):
         self.head = nn.Linear(in_chs, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] != self.in_chans or x.shape[2:] != (self.img_size, self.img_size):
-            raise ValueError(
-                f"expected input of shape (B, {self.in_chans}, {self.img_size}, {self.img_size}), "
-                f"got {tuple(x.shape)}"
-            )
+        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size)
         x = self.stages(self.stem(x))  # (B, C_last, H / 2^(S-1), W / 2^(S-1))
         return self.head(self.pool(x).flatten(1))  # (B, num_classes)
