@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from vit.models.inputs import check_image_batch
-
 from vit.models.resnet import ResNet
 
 
