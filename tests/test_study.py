@@ -1,6 +1,7 @@
 """The spatial-relation study: CoordConv channels, the schedule, and a tiny resumable study end to end."""
 
 import csv
+import math
 import re
 import statistics
 from pathlib import Path
@@ -50,13 +51,21 @@ def test_coordconv_appends_coordinates_and_reuses_resnet():
 
 @pytest.mark.parametrize(
     "num_train, expected",
-    [(500, (16, 4)), (2000, (4, 1)), (8000, (1, 1)), (3000, (3, 1)), (100, (80, 20)), (1200, (7, 1))],
+    [(500, (16, 4, 0)), (2000, (4, 1, 0)), (3000, (3, 1, 0)), (100, (80, 20, 0)), (1200, (7, 1, 0)),
+     (4096, (2, 1, 32)),     # 2 epochs of 64 batches, 2 checks per epoch wanted: at batches 32 and 64
+     (4000, (2, 1, 21)),     # 63 batches: 2 checks would miss the last batch, so 3 (63 = 3 x 21)
+     (8000, (1, 1, 25)),     # 1 epoch of 125 batches, 4 checks wanted: 125 = 5 x 25, so 5 checks
+     (32000, (1, 1, 125)),   # 500 batches, 4 checks of 125
+     (8128, (1, 1, 0))],     # 127 batches, a prime: one check, at the end of the epoch
 )
-def test_schedule_gives_equal_samples_and_validates_at_the_last_epoch(num_train, expected):
-    # epochs = round(8000 / n), val every max(1, epochs // 4), epochs rounded up to a multiple of it.
-    epochs, val_every = study.schedule(num_train, train_samples=8000, num_val_checks=4)
-    assert (epochs, val_every) == expected
+def test_schedule_gives_equal_samples_and_validates_after_the_last_step(num_train, expected):
+    # epochs = round(8000 / n) but at least 1; validation every max(1, epochs // 4) epochs (epochs
+    # rounded up to a multiple of it), or, with fewer than 4 epochs, every val_batches batches.
+    epochs, val_every, val_batches = study.schedule(num_train, train_samples=8000, num_val_checks=4, batch_size=64)
+    assert (epochs, val_every, val_batches) == expected
     assert epochs % val_every == 0
+    if val_batches:
+        assert math.ceil(num_train / 64) % val_batches == 0  # the epoch's last batch is a validation
 
 
 def _tiny_config(tmp_path: Path, **changes) -> Path:
@@ -77,6 +86,25 @@ def test_plan_covers_the_grid_with_unique_keys(tmp_path):
     shift = [r for r in runs if r.experiment == "shift"]
     assert {(r.train_region, r.test_region) for r in shift} == {("inner", "border")}
     assert shift[0].overrides["data"]["init_args"]["test_region"] == "border"
+
+
+def test_default_study_is_the_documented_grid():
+    # The shipped study: 3 seeds, both tasks in every entry, the four encodings and both CNNs at
+    # n=2000, sizes from hundreds to tens of thousands, and validation settings Lightning accepts.
+    cfg = study.load_config(ROOT / "configs/study/two_circles.yaml")
+    runs = study.plan(cfg)
+    assert len(runs) == 78 and len({r.key for r in runs}) == 78
+    assert {r.seed for r in runs} == {0, 1, 2}
+    assert {r.task for r in runs} == {"diagonal", "relative"}
+    at_2000 = {r.model for r in runs if r.experiment == "sweep" and r.num_train == 2000}
+    assert at_2000 == {"vit-learned", "vit-sincos1d", "vit-sincos2d", "vit-none", "cnn", "coordconv"}
+    assert {r.num_train for r in runs if r.model == "vit-learned"} == {500, 2000, 20000}
+    for r in runs:
+        trainer = r.overrides["trainer"]
+        batches = math.ceil(r.num_train / cfg["batch_size"])
+        assert r.epochs * r.num_train >= cfg["train_samples"] * 0.95  # the equal-compute floor
+        assert trainer["max_epochs"] % trainer["check_val_every_n_epoch"] == 0
+        assert batches % trainer.get("val_check_interval", batches) == 0
 
 
 @pytest.mark.parametrize(

@@ -87,16 +87,25 @@ def _require(cfg: dict, name: str, kind: type, where: str):
     return value
 
 
-def schedule(num_train: int, *, train_samples: int, num_val_checks: int) -> tuple[int, int]:
-    """``(epochs, val_every)``: about ``train_samples`` samples seen whatever the set size.
+def schedule(num_train: int, *, train_samples: int, num_val_checks: int, batch_size: int) -> tuple[int, int, int]:
+    """``(epochs, val_every, val_batches)``: about ``train_samples`` samples seen, at least one epoch.
 
     Every run gets the same compute (about ``train_samples / batch_size`` optimisation steps), so a
-    small training set is seen for many epochs and a large one for few. Validation runs every
-    ``val_every`` epochs, about ``num_val_checks`` times, and always at the last epoch.
+    small training set is seen for many epochs and a large one for few; a set larger than
+    ``train_samples`` is seen once (one epoch, more steps). Validation runs about
+    ``num_val_checks`` times and always after the last step: every ``val_every`` epochs or, with
+    fewer epochs than checks, every ``val_batches`` batches within an epoch (0: at the end of the
+    epoch only). The checks per epoch are the divisor of the number of batches nearest to the
+    wanted number, so that the epoch's last batch is always a check.
     """
     epochs = max(1, round(train_samples / num_train))
     val_every = max(1, epochs // num_val_checks)
-    return math.ceil(epochs / val_every) * val_every, val_every
+    num_batches = math.ceil(num_train / batch_size)
+    wanted = max(1, round(num_val_checks / epochs))
+    divisors = [d for d in range(1, num_batches + 1) if num_batches % d == 0]
+    checks_per_epoch = min(divisors, key=lambda d: (abs(d - wanted), -d))
+    val_batches = num_batches // checks_per_epoch if checks_per_epoch > 1 else 0
+    return math.ceil(epochs / val_every) * val_every, val_every, val_batches
 
 
 def load_config(path: str | Path) -> dict:
@@ -189,11 +198,15 @@ def plan(cfg: dict) -> list[Run]:
             for task in exp["tasks"]:
                 for num_train in exp["num_train"]:
                     for model in exp["models"]:
-                        epochs, val_every = schedule(num_train, train_samples=cfg["train_samples"],
-                                                     num_val_checks=cfg["num_val_checks"])
+                        epochs, val_every, val_batches = schedule(
+                            num_train, train_samples=cfg["train_samples"], num_val_checks=cfg["num_val_checks"],
+                            batch_size=cfg["batch_size"])
+                        trainer = {"max_epochs": epochs, "check_val_every_n_epoch": val_every}
+                        if val_batches:  # only then: the other runs keep their settings fingerprint
+                            trainer["val_check_interval"] = val_batches
                         overrides = {
                             "seed_everything": seed,
-                            "trainer": {"max_epochs": epochs, "check_val_every_n_epoch": val_every},
+                            "trainer": trainer,
                             "model": {"backbone": cfg["models"][model],
                                       "warmup_epochs": round(cfg["warmup_fraction"] * epochs, 4)},
                             "data": {"init_args": {
@@ -352,13 +365,18 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
 # ----------------------------------------------------------------------------- reports
 
 
-def aggregate(rows: list[dict], metric: str = "test_acc") -> dict[tuple, tuple[float, float, int]]:
-    """``{(experiment, task, model, num_train): (mean, std, n)}`` of ``metric`` over seeds (std with ddof=1, 0 if n=1)."""
+def per_cell(rows: list[dict], metric: str = "test_acc") -> dict[tuple, list[float]]:
+    """``{(experiment, task, model, num_train): [metric of each seed's run]}``."""
     groups: dict[tuple, list[float]] = {}
     for r in rows:
         groups.setdefault((r["experiment"], r["task"], r["model"], int(r["num_train"])), []).append(float(r[metric]))
+    return groups
+
+
+def aggregate(rows: list[dict], metric: str = "test_acc") -> dict[tuple, tuple[float, float, int]]:
+    """``{(experiment, task, model, num_train): (mean, std, n)}`` of ``metric`` over seeds (std with ddof=1, 0 if n=1)."""
     return {k: (float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, len(v))
-            for k, v in groups.items()}
+            for k, v in per_cell(rows, metric).items()}
 
 
 def format_cell(mean: float, std: float, n: int) -> str:
@@ -401,38 +419,46 @@ def write_reports(rows: list[dict], out_dir: Path, cfg: dict) -> None:
                 lines.append(f"| {model} | " + " | ".join(cells) + " |")
             lines.append("")
     (out_dir / "summary.md").write_text("\n".join(lines))
-    _plots(test, val, out_dir, cfg)
+    _plots(test, val, per_cell(rows, "test_acc"), per_cell(rows, "val_acc"), out_dir, cfg)
 
 
-def _bars(ax, models: list[str], series: list[tuple[str | None, dict]], key) -> None:
-    """Grouped bars: one group per model, one bar per (label, cells) series, error bars = std."""
+def _bars(ax, models: list[str], series: list[tuple[str | None, dict, dict]], key) -> None:
+    """Grouped bars: one group per model, one bar per (label, cells, runs) series, error bars = std,
+    and a dot per run (seed): a cell whose seeds split between chance and success shows it."""
     x = np.arange(len(models))
     width = 0.8 / len(series)
-    for i, (label, cells) in enumerate(series):
+    for i, (label, cells, runs) in enumerate(series):
         v = [cells.get(key(m), (np.nan, 0.0, 0)) for m in models]
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, [c[0] * PERCENT for c in v], width,
-               yerr=[c[1] * PERCENT for c in v], capsize=3, label=label)
+        pos = x + (i - (len(series) - 1) / 2) * width
+        ax.bar(pos, [c[0] * PERCENT for c in v], width, yerr=[c[1] * PERCENT for c in v], capsize=3, label=label)
+        for p, m in zip(pos, models):
+            seeds = runs.get(key(m), [])
+            ax.plot([p] * len(seeds), [a * PERCENT for a in seeds], "k.", ms=4, zorder=3)
     ax.set_xticks(x, models, rotation=30, ha="right")
 
 
-def _plots(test: dict, val: dict, out_dir: Path, cfg: dict) -> None:
+def _plots(test: dict, val: dict, test_runs: dict, val_runs: dict, out_dir: Path, cfg: dict) -> None:
     """Per experiment: accuracy vs training-set size (lines), and all models at one size (bars).
 
-    For an experiment whose test region differs from its train region (a placement shift), the
-    bars show the shifted test accuracy beside the in-distribution validation accuracy.
+    Means with std error bars, and a dot per run. For an experiment whose test region differs from
+    its train region (a placement shift), the bars show the shifted test accuracy beside the
+    in-distribution validation accuracy.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     def finish(fig, axes, title: str, path: Path) -> None:
         for ax in axes:
             ax.axhline(50, color="grey", lw=0.8, ls="--")
             ax.set_ylim(40, 102)
             ax.grid(alpha=0.3)
-        axes[0].set_ylabel("accuracy (%), mean ± std over seeds")
-        axes[-1].legend(fontsize=8, loc="lower right")
+        axes[0].set_ylabel("accuracy (%): mean ± std over seeds, dot = one run")
+        labelled = [ax for ax in axes if ax.get_legend_handles_labels()[0]]
+        if labelled:  # a partial study may have no curve yet
+            labelled[-1].legend(fontsize=8, loc="best")
         fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -454,9 +480,15 @@ def _plots(test: dict, val: dict, out_dir: Path, cfg: dict) -> None:
                 for model in curves[task]:
                     pts = [(n, *cells[(name, task, model, n)][:2]) for n in sizes if (name, task, model, n) in cells]
                     n_, m_, s_ = (np.array(c) for c in zip(*pts))
-                    ax.errorbar(n_, m_ * PERCENT, yerr=s_ * PERCENT, marker="o", capsize=3, label=model)
+                    line = ax.errorbar(n_, m_ * PERCENT, yerr=s_ * PERCENT, marker="o", capsize=3, label=model)
+                    for n in n_:
+                        seeds = test_runs[(name, task, model, n)]
+                        ax.plot([n] * len(seeds), [a * PERCENT for a in seeds], ".", ms=4, alpha=0.6,
+                                color=line[0].get_color())
                 ax.set_xscale("log")
-                ax.set_xlabel("training-set size")
+                ax.set_xticks(sizes, [f"{n:,}" for n in sizes])  # the measured sizes, written out
+                ax.xaxis.set_minor_locator(NullLocator())
+                ax.set_xlabel("training-set size (log scale)")
                 ax.set_title(task)
             finish(fig, list(axes[0]), f"{name}: test accuracy vs training-set size ({where})",
                    out_dir / f"{name}_vs_size.png")
@@ -466,9 +498,9 @@ def _plots(test: dict, val: dict, out_dir: Path, cfg: dict) -> None:
             count = {n: sum((name, task, m, n) in cells for m in exp["models"]) for n in sizes}
             n = max(sizes, key=lambda s: (count[s], s))
             models = [m for m in exp["models"] if (name, task, m, n) in cells]
-            series = [(f"test ({exp['test_region']})", cells)]
+            series = [(f"test ({exp['test_region']})", cells, test_runs)]
             if shift:
-                series.append((f"val ({exp['train_region']}, in distribution)", val))
+                series.append((f"val ({exp['train_region']}, in distribution)", val, val_runs))
             _bars(ax, models, series, lambda m: (name, task, m, n))
             ax.set_title(f"{task}, n={n}")
         finish(fig, list(axes[0]), f"{name}: test accuracy per model ({where})", out_dir / f"{name}_models.png")
