@@ -215,21 +215,28 @@ def min_max(v):  # per sample, over the last dimension
     return (v - lo) / (hi - lo)
 
 
-@pytest.mark.parametrize("pool", ["cls", "mean", "map"])
-def test_patch_map_shape_range_and_formula(pool):
-    gh, gw, B = 2, 3, 2
+def pooled_rollout(pool, *, seed, gh=2, gw=3, B=2):
+    """A rollout for a 2x3 grid read by `pool`, its pooling weights (map), and the patch relevance
+    written out: the CLS row for cls, the mean over queries for mean, a_pool @ R for map."""
     N = gh * gw + (pool == "cls")
-    rollout = attention_rollout(random_attentions(N=N, seed=3))
+    rollout = attention_rollout(random_attentions(B=B, N=N, seed=seed))
     pool_attn = torch.rand(B, 1, N, dtype=torch.float64).softmax(-1) if pool == "map" else None
-    patch_map = rollout_to_patch_map(rollout, (gh, gw), pool=pool, pool_attn=pool_attn)
-    assert patch_map.shape == (B, gh, gw)
-    assert patch_map.min() >= 0 and patch_map.max() <= 1
     if pool == "cls":
         relevance = rollout[:, 0, 1:]
     elif pool == "mean":
         relevance = rollout.sum(1) / N
     else:  # a_pool @ R, written as a sum over the tokens the query attends to
         relevance = (pool_attn[:, 0, :, None] * rollout).sum(1)
+    return rollout, pool_attn, relevance
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean", "map"])
+def test_patch_map_shape_range_and_formula(pool):
+    gh, gw, B = 2, 3, 2
+    rollout, pool_attn, relevance = pooled_rollout(pool, seed=3)
+    patch_map = rollout_to_patch_map(rollout, (gh, gw), pool=pool, pool_attn=pool_attn)
+    assert patch_map.shape == (B, gh, gw)
+    assert patch_map.min() >= 0 and patch_map.max() <= 1
     torch.testing.assert_close(patch_map, min_max(relevance).view(B, gh, gw))
 
 
@@ -400,16 +407,8 @@ def test_import_does_not_load_matplotlib(monkeypatch):
 @pytest.mark.parametrize("pool", ["cls", "mean", "map"])
 def test_patch_map_sum_scale_is_the_share_of_relevance(pool):
     gh, gw, B = 2, 3, 2
-    N = gh * gw + (pool == "cls")
-    rollout = attention_rollout(random_attentions(N=N, seed=4))
-    pool_attn = torch.rand(B, 1, N, dtype=torch.float64).softmax(-1) if pool == "map" else None
+    rollout, pool_attn, relevance = pooled_rollout(pool, seed=4)
     shares = rollout_to_patch_map(rollout, (gh, gw), pool=pool, pool_attn=pool_attn, scale="sum")
-    if pool == "cls":
-        relevance = rollout[:, 0, 1:]
-    elif pool == "mean":
-        relevance = rollout.sum(1) / N
-    else:
-        relevance = (pool_attn[:, 0, :, None] * rollout).sum(1)
     torch.testing.assert_close(shares, (relevance / relevance.sum(-1, keepdim=True)).view(B, gh, gw))
     torch.testing.assert_close(shares.sum((1, 2)), torch.ones(B, dtype=torch.float64))
 
