@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from vit.data.cifar import DATASETS, write_fake_cifar
+from vit.data.cifar import DATASETS
+from vit.data.fake_cifar import write_fake_cifar
 
 
 def trust_written_files(monkeypatch, dataset_cls, checksums: dict[str, str]) -> None:

@@ -88,7 +88,7 @@ def read_metrics(path: Path) -> dict[int, dict]:
 
 def main_in_process(args: list[str], monkeypatch) -> None:
     """`train.py ARGS` in this process (no import cost), with a clean sys.argv as the CLI expects."""
-    from vit.cli import main
+    from vit.training.cli import main
 
     monkeypatch.setattr(sys, "argv", ["train.py"])
     main(args)

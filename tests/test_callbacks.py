@@ -11,12 +11,13 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 
-import vit.loggers
-from vit.callbacks import ConfusionMatrix, RolloutImages
-from vit.classifier import ImageClassifier
-from vit.cli import main
+import vit.training.loggers
 from vit.data import TwoCirclesDataModule
+from vit.explain.callbacks import RolloutImages
 from vit.models import ResNet, VisionTransformer
+from vit.training.classifier import ImageClassifier
+from vit.training.cli import main
+from vit.training.dashboard import ConfusionMatrix
 
 ROOT = Path(__file__).resolve().parents[1]
 VIT_CONFIG = str(ROOT / "configs/two_circles/vit.yaml")
@@ -102,7 +103,7 @@ def run_cli(args, tmp_path, monkeypatch):
 def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch, offline_wandb):
     cli = run_cli(["fit", "--config", VIT_CONFIG, "--config", WANDB_CONFIG, *TINY], tmp_path, monkeypatch)
     logger = cli.trainer.logger
-    assert isinstance(logger, vit.loggers.WandbLogger) and logger.is_offline
+    assert isinstance(logger, vit.training.loggers.WandbLogger) and logger.is_offline
     val_acc = cli.trainer.checkpoint_callback.best_model_score.item()  # one epoch: its val/acc
     run_dir = Path(logger.experiment.dir).absolute().parent
     import wandb
@@ -134,13 +135,13 @@ def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch
         item.key: json.loads(item.value_json) for record in records for item in record.config.update
     }
     # The resolved config of both YAML files, as the run's config: the second file's logger wins.
-    assert config["trainer"]["logger"]["class_path"] == "vit.loggers.WandbLogger"
+    assert config["trainer"]["logger"]["class_path"] == "vit.training.loggers.WandbLogger"
     assert "default_hp_metric" not in config["trainer"]["logger"]["init_args"]
     assert config["model"]["backbone"]["init_args"]["embed_dim"] == 16
     assert config["data"]["init_args"]["num_train"] == 64
     # ... and as config.yaml beside the run's checkpoints, not a config.yaml shared by all runs.
     saved = (tmp_path / "runs/vit" / logger.version / "config.yaml").read_text()
-    assert "class_path: vit.loggers.WandbLogger" in saved and "name: null" in saved
+    assert "class_path: vit.training.loggers.WandbLogger" in saved and "name: null" in saved
     assert not (tmp_path / "runs/config.yaml").exists()
     assert list((tmp_path / "runs/vit" / logger.version / "checkpoints").glob("*.ckpt"))
 
@@ -252,13 +253,13 @@ def test_wandb_mode_decision_never_touches_the_network_without_a_key(tmp_path, m
 
     monkeypatch.setattr(socket, "create_connection", no_network)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert vit.loggers.wandb_online() == (False, "WANDB_MODE=offline")
+    assert vit.training.loggers.wandb_online() == (False, "WANDB_MODE=offline")
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # an empty netrc: no stored key
     (tmp_path / "netrc").write_text("")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path))
-    online, reason = vit.loggers.wandb_online()
+    online, reason = vit.training.loggers.wandb_online()
     assert not online and "no W&B API key" in reason
 
 
@@ -274,10 +275,10 @@ def test_wandb_mode_is_offline_when_the_server_cannot_be_reached(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setattr(wandb, "login", lambda **kwargs: True)
-    online, reason = vit.loggers.wandb_online(probe_timeout=1.0)
+    online, reason = vit.training.loggers.wandb_online(probe_timeout=1.0)
     assert not online and f"http://127.0.0.1:{port} cannot be reached" in reason
     with socket.socket() as server:  # and online once something answers there
         server.bind(("127.0.0.1", 0))
         server.listen()
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
-        assert vit.loggers.wandb_online(probe_timeout=1.0)[0]
+        assert vit.training.loggers.wandb_online(probe_timeout=1.0)[0]

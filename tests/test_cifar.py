@@ -14,9 +14,8 @@ from vit.data.cifar import (
     CIFAR_MEAN_STD,
     CIFARDataModule,
     CIFARNotFoundError,
-    write_fake_cifar,
 )
-from vit.data.resumable import ResumableSampler
+from vit.training.resumable import ResumableSampler
 
 NUM_TRAIN, NUM_TEST, VAL_SIZE = 60, 20, 12
 

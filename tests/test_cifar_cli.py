@@ -9,8 +9,8 @@ import torch
 import yaml
 from torchvision.transforms import v2
 
-from vit.cli import main
 from vit.models import ResNet, VisionTransformer
+from vit.training.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

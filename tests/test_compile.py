@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from vit.classifier import ImageClassifier
 from vit.models import VisionTransformer
+from vit.training.classifier import ImageClassifier
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import pytest
 import timm
 import torch
 
-from vit.classifier import ImageClassifier, param_groups_weight_decay, warmup_cosine
 from vit.models import ResNet, VisionTransformer
 from vit.models.pos_embed import sincos_1d, sincos_2d
+from vit.training.classifier import ImageClassifier, param_groups_weight_decay, warmup_cosine
 
 CIFAR_CFG = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=2, num_heads=3)
 

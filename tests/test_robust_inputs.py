@@ -9,9 +9,10 @@ from robust_helpers import main_in_process, run_dirs, shared_run, tiny_config
 from torchvision import datasets
 
 import vit.data.cifar as cifar
-from vit.classifier import ImageClassifier, NonFiniteError
-from vit.data.cifar import CIFARCorruptedError, CIFARDataModule, CIFARNotFoundError, write_fake_cifar
+from vit.data.cifar import CIFARCorruptedError, CIFARDataModule, CIFARNotFoundError
+from vit.data.fake_cifar import write_fake_cifar
 from vit.models import ResNet, VisionTransformer
+from vit.training.classifier import ImageClassifier, NonFiniteError
 
 
 @pytest.fixture

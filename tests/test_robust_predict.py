@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 from robust_helpers import run_dirs, shared_run
 
-from vit.classifier import ImageClassifier
 from vit.data import CIFARDataModule, TwoCirclesDataset
 from vit.predict import build_transform, main
+from vit.training.classifier import ImageClassifier
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import time
-
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,9 @@ from robust_helpers import (
     train_command,
 )
 
-from vit.checkpointing import AtomicCheckpointIO, find_last_checkpoint
-from vit.cli import _resolve_resume
-from vit.data.resumable import ResumableSampler
+from vit.training.checkpointing import AtomicCheckpointIO, find_last_checkpoint
+from vit.training.cli import _resolve_resume
+from vit.training.resumable import ResumableSampler
 
 
 @pytest.fixture

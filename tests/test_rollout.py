@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from vit.rollout import (
+from vit.explain.rollout import (
     attention_rollout,
     discard_lowest,
     gradient_rollout,
@@ -391,13 +391,13 @@ def test_rollout_grid_renders_rows_by_columns():
 
 
 def test_import_does_not_load_matplotlib(monkeypatch):
-    # Forget matplotlib and vit.rollout (monkeypatch puts them back), then import afresh.
+    # Forget matplotlib and vit.explain.rollout (monkeypatch puts them back), then import afresh.
     import vit
 
-    for name in [m for m in sys.modules if m.split(".")[0] == "matplotlib" or m == "vit.rollout"]:
+    for name in [m for m in sys.modules if m.split(".")[0] == "matplotlib" or m == "vit.explain.rollout"]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.delattr(vit, "rollout", raising=False)
-    importlib.import_module("vit.rollout")
+    importlib.import_module("vit.explain.rollout")
     assert "matplotlib" not in sys.modules
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from vit import study
+from vit.experiments import study
 from vit.models import CoordConvResNet, ResNet
 from vit.models.coordconv import coord_channels
 

@@ -36,8 +36,8 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import v2
 
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
-from vit.checkpointing import CheckpointError, read_checkpoint
-from vit.classifier import ImageClassifier
+from vit.training.checkpointing import CheckpointError, read_checkpoint
+from vit.training.classifier import ImageClassifier
 
 
 class PredictError(ValueError):

@@ -2,18 +2,13 @@
 
 Pixels are decoded by torchvision's own CIFAR datasets and augmented per image by torchvision
 v2 transforms in the DataLoader workers; Mixup/CutMix (timm) mixes whole batches after they reach
-the device. `write_fake_cifar` writes a small folder in CIFAR's on-disk format so that tests and
-demos run the real loading code without a network.
+the device.
 """
 
-import hashlib
-import os
-import pickle
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
-import numpy as np
 import torch
 from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -21,7 +16,7 @@ from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 from torchvision.transforms import v2
 
-from vit.data.resumable import ResumableTrainingData
+from vit.training.resumable import ResumableTrainingData
 
 DatasetName = Literal["cifar10", "cifar100"]
 AutoAugmentName = Literal["none", "randaugment", "trivialaugment", "autoaugment"]
@@ -91,7 +86,7 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
     or not the official ones (MD5) raise `CIFARCorruptedError`, naming each file and its problem.
 
     The training order is shuffled by the run's seed and restored mid-epoch when a run resumes from
-    a checkpoint (`vit.data.resumable`); the random augmentations after a resume are drawn afresh.
+    a checkpoint (`vit.training.resumable`); the random augmentations after a resume are drawn afresh.
     """
 
     def __init__(
@@ -374,70 +369,3 @@ def build_eval_transform(dataset: DatasetName) -> v2.Compose:
 def _to_normalised_tensor(dataset: DatasetName) -> list:
     mean, std = CIFAR_MEAN_STD[dataset]
     return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-
-
-def write_fake_cifar(
-    root: str | os.PathLike,
-    dataset: DatasetName = "cifar10",
-    num_train: int = 500,
-    num_test: int = 100,
-    seed: int = 0,
-) -> dict[str, str]:
-    """Write a small generated CIFAR folder in the official on-disk format, for tests and demos.
-
-    Creates `root/cifar-10-batches-py/` (`data_batch_1..5`, `test_batch`, `batches.meta`) or
-    `root/cifar-100-python/` (`train`, `test`, `meta`): pickled dicts with `data`, uint8 (N, 3072) as
-    R, G, B planes of 32x32, and `labels` (CIFAR-10) or `fine_labels` / `coarse_labels` (CIFAR-100).
-    Each class has its own colour and stripe pattern plus noise, so a model can learn something.
-    The images are not CIFAR. Returns the MD5 of every file written, by file name: torchvision checks
-    files against the official MD5s, so a test or demo must substitute these to load the folder.
-    """
-    if dataset not in EXPECTED_FILES:
-        raise ValueError(f"dataset={dataset!r} is not known; expected one of {sorted(EXPECTED_FILES)}")
-    folder_name, _ = EXPECTED_FILES[dataset]
-    folder = Path(root) / folder_name
-    folder.mkdir(parents=True, exist_ok=True)
-    num_classes = NUM_CLASSES[dataset]
-    rng = np.random.default_rng(seed)
-    colours = rng.uniform(40, 215, size=(num_classes, 3, 1, 1))
-    periods = rng.integers(3, 12, size=num_classes)
-    rows = np.arange(32).reshape(1, 32, 1)
-
-    def images(n: int) -> tuple[np.ndarray, list[int]]:
-        labels = rng.integers(0, num_classes, size=n)
-        stripes = 30.0 * np.sin(2 * np.pi * rows / periods[labels].reshape(n, 1, 1, 1))  # (N, 1, 32, 1)
-        pixels = colours[labels] + stripes + rng.normal(0, 20, size=(n, 3, 32, 32))  # (N, 3, 32, 32)
-        data = np.clip(pixels, 0, 255).astype(np.uint8).reshape(n, 3 * 32 * 32)  # (N, 3072)
-        return data, labels.tolist()
-
-    class_names = [f"fake_class_{i:02d}" for i in range(num_classes)]
-    if dataset == "cifar10":
-        train_chunks = np.array_split(np.arange(num_train), 5)
-        files = {}
-        for i, chunk in enumerate(train_chunks, start=1):
-            data, labels = images(len(chunk))
-            files[f"data_batch_{i}"] = {"batch_label": f"training batch {i} of 5", "data": data, "labels": labels}
-        data, labels = images(num_test)
-        files["test_batch"] = {"batch_label": "testing batch 1 of 1", "data": data, "labels": labels}
-        files["batches.meta"] = {
-            "label_names": class_names,
-            "num_cases_per_batch": len(train_chunks[0]),
-            "num_vis": 3072,
-        }
-    else:
-        files = {}
-        for name, n in [("train", num_train), ("test", num_test)]:
-            data, labels = images(n)
-            # 20 superclasses of 5 classes each, as in CIFAR-100.
-            files[name] = {"data": data, "fine_labels": labels, "coarse_labels": [c // 5 for c in labels]}
-        files["meta"] = {
-            "fine_label_names": class_names,
-            "coarse_label_names": [f"fake_superclass_{i:02d}" for i in range(20)],
-        }
-
-    checksums = {}
-    for name, content in files.items():
-        payload = pickle.dumps(content)
-        (folder / name).write_bytes(payload)
-        checksums[name] = hashlib.md5(payload).hexdigest()
-    return checksums

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from vit.data.resumable import ResumableTrainingData
+from vit.training.resumable import ResumableTrainingData
 
 Task = Literal["diagonal", "relative"]
 Region = Literal["all", "inner", "border"]
@@ -302,7 +302,7 @@ class TwoCirclesDataModule(ResumableTrainingData, L.LightningDataModule):
     splits are independent draws and never share an image. Train and val draw centres from
     ``train_region``, test from ``test_region``. ``predict_dataloader`` serves the test split.
     The training order is shuffled by the run's seed and restored mid-epoch on resume
-    (``vit.data.resumable``).
+    (``vit.training.resumable``).
     """
 
     def __init__(

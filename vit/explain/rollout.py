@@ -16,7 +16,7 @@ References:
     Chefer, Gur & Wolf, "Generic Attention-model Explainability for Interpreting Bi-Modal and
     Encoder-Decoder Transformers", ICCV 2021 (gradient-weighted rollout).
 
-Matplotlib is imported inside the plotting functions, so `import vit.rollout` stays light.
+Matplotlib is imported inside the plotting functions, so `import vit.explain.rollout` stays light.
 """
 
 from __future__ import annotations

@@ -17,16 +17,16 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from vit.checkpointing import (
+from vit.data.cifar import CIFARNotFoundError
+from vit.training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
     check_checkpoint,
     find_last_checkpoint,
     read_checkpoint,
 )
-from vit.classifier import ImageClassifier, NonFiniteError
-from vit.data.cifar import CIFARNotFoundError
-from vit.run_dir import RunDirectoryCallback, RunDirectoryError, check_run_dir
+from vit.training.classifier import ImageClassifier, NonFiniteError
+from vit.training.run_dir import RunDirectoryCallback, RunDirectoryError, check_run_dir
 
 
 class SaveConfig(SaveConfigCallback):

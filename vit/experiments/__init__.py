@@ -1,0 +1,1 @@
+"""Experiments made of many training runs: the spatial-relation study."""

@@ -1,0 +1,1 @@
+"""Training: the LightningModule, the command line, checkpoints, run folders, loggers and callbacks."""
