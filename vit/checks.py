@@ -1,0 +1,72 @@
+"""One way to check an argument: every error names the argument, the value given and what is allowed.
+
+Allowed string options are declared once, as a `Literal`, and read back with `get_args`:
+
+    Pool = Literal["cls", "mean", "map"]
+    check_choice("pool", pool, Pool)   # pool='avg' is not allowed: expected one of ['cls', 'mean', 'map']
+
+Types that jsonargparse already checks on the command line (an `int` annotation, a `Literal`) are
+still checked here, because the same constructors are called from Python, where nothing else does.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, get_args
+
+
+def choices(allowed: Any) -> tuple:
+    """The allowed values of a `Literal[...]` type, or of a tuple/list given as it is."""
+    return get_args(allowed) or tuple(allowed)
+
+
+def check_choice(name: str, value: object, allowed: Any) -> None:
+    """Raise `ValueError` unless `value` is one of `allowed` (a `Literal` type or a sequence)."""
+    options = choices(allowed)
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(options)}")
+
+
+def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:
+    """Raise `ValueError` unless `value` is an int (not a bool) in `[minimum, maximum]`."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if ok and ((minimum is not None and value < minimum) or (maximum is not None and value > maximum)):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: expected an int {_interval(minimum, maximum)}".rstrip())
+
+
+def check_float(
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """Raise `ValueError` unless `value` is a finite real number in the interval from `low` to `high`.
+
+    `low_open` / `high_open` exclude the end points: `check_float("p", p, 0, 1, high_open=True)` is `[0, 1)`.
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None and (value <= low if low_open else value < low):
+        ok = False
+    if ok and high is not None and (value >= high if high_open else value > high):
+        ok = False
+    if not ok:
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+        raise ValueError(f"{name}={value!r} is not allowed: expected a finite number in {interval}")
+
+
+def _interval(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f">= {minimum}"
+    if maximum is not None:
+        return f"<= {maximum}"
+    return ""
