@@ -5,12 +5,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vit.models import VisionTransformer
+from vit.models import VisionTransformer, record_attention
 from vit.models.attention import Attention
 from vit.models.scores import SCORES
 
 B, M, N, D, H = 2, 5, 7, 12, 3
 d = D // H
+
+
+def explicit(attn, *args, **kwargs):
+    """`(out, weights)` from the explicit path, which `record_attention` makes every attention take."""
+    with record_attention(attn) as maps:
+        out = attn(*args, **kwargs)
+    [weights] = maps
+    return out, weights
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +64,7 @@ def test_each_score_matches_its_formula(score, cross):
     attn = Attention(D, num_heads=H, attn_score=score, score_dim=4).eval()
     x = torch.randn(B, M, D)
     context = torch.randn(B, N, D) if cross else x
-    out, weights = attn(x, context if cross else None, return_attn=True)
+    out, weights = explicit(attn, x, context if cross else None)
     q, k, v = project(attn, x, context)
     expected_w = reference_scores(attn, q, k).softmax(-1)
     torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=1e-5)
@@ -100,10 +108,10 @@ def test_fast_path_equals_explicit_path(score, mask_name):
     kwargs = masks()[mask_name]
     x, context = torch.randn(B, M, D), torch.randn(B, N, D)
     fast = attn(x, context, **kwargs)
-    explicit, _ = attn(x, context, return_attn=True, **kwargs)
-    assert (fast - explicit).abs().max() < 1e-5
+    slow, _ = explicit(attn, x, context, **kwargs)
+    assert (fast - slow).abs().max() < 1e-5
     if not kwargs:  # self-attention too
-        assert (attn(x) - attn(x, return_attn=True)[0]).abs().max() < 1e-5
+        assert (attn(x) - explicit(attn, x)[0]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("score", SCORES)
@@ -111,7 +119,7 @@ def test_fast_path_equals_explicit_path(score, mask_name):
 def test_masked_weights_are_exactly_zero_and_rows_sum_to_one(score, mask_name):
     attn = Attention(D, num_heads=H, attn_score=score, score_dim=4)
     kwargs = masks()[mask_name]
-    _, w = attn(torch.randn(B, M, D), torch.randn(B, N, D), return_attn=True, **kwargs)
+    _, w = explicit(attn, torch.randn(B, M, D), torch.randn(B, N, D), **kwargs)
     allowed = allowed_of(kwargs).expand_as(w)
     assert torch.all(w[~allowed] == 0)
     has_key = allowed.any(-1)
@@ -120,24 +128,24 @@ def test_masked_weights_are_exactly_zero_and_rows_sum_to_one(score, mask_name):
 
 def test_causal_mask_is_lower_triangular():
     attn = Attention(D, num_heads=H)
-    _, w = attn(torch.randn(B, 6, D), causal=True, return_attn=True)
+    _, w = explicit(attn, torch.randn(B, 6, D), causal=True)
     assert torch.all(w.triu(diagonal=1) == 0)
     torch.testing.assert_close(w[..., 0, 0], torch.ones(B, H))  # the first query sees only itself
 
 
 @pytest.mark.parametrize("score", SCORES)
-@pytest.mark.parametrize("return_attn", [False, True])
-def test_a_query_with_every_key_masked_gets_zeros_not_nan(score, return_attn):
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_query_with_every_key_masked_gets_zeros_not_nan(score, recorded):
     attn = Attention(D, num_heads=H, attn_score=score, score_dim=4)
     mask = torch.ones(B, 1, M, N, dtype=torch.bool)
     mask[:, :, 2] = False  # query 2 may look nowhere
     x, context = torch.randn(B, M, D, requires_grad=True), torch.randn(B, N, D)
-    res = attn(x, context, mask=mask, return_attn=return_attn)
-    out = res[0] if return_attn else res
+    res = explicit(attn, x, context, mask=mask) if recorded else attn(x, context, mask=mask)
+    out = res[0] if recorded else res
     assert not torch.isnan(out).any()
     # the row's attention output is zero, so the block output is the projection's bias alone
     torch.testing.assert_close(out[:, 2], attn.proj.bias.expand(B, -1))
-    if return_attn:
+    if recorded:
         assert torch.all(res[1][:, :, 2] == 0)
     out.sum().backward()
     assert torch.isfinite(x.grad).all()
@@ -147,7 +155,7 @@ def test_a_query_with_every_key_masked_gets_zeros_not_nan(score, return_attn):
 def test_cross_attention_with_three_different_widths():
     attn = Attention(8, num_heads=2, kdim=5, vdim=3, attn_dim=6, out_dim=4)
     x, ctx, val = torch.randn(B, M, 8), torch.randn(B, N, 5), torch.randn(B, N, 3)
-    out, w = attn(x, ctx, value=val, return_attn=True)
+    out, w = explicit(attn, x, ctx, value=val)
     assert out.shape == (B, M, 4) and w.shape == (B, 2, M, N)
     # the formula with the module's separate projections
     q = (x @ attn.q.weight.T + attn.q.bias).reshape(B, M, 2, 3).transpose(1, 2)
@@ -170,7 +178,7 @@ def test_attention_input_errors_name_the_problem():
         Attention(D, num_heads=H)(torch.randn(B, M, D), mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_mask must be a bool tensor of shape"):
         Attention(D, num_heads=H)(torch.randn(B, M, D), key_mask=torch.ones(B, M))
-    with pytest.raises(ValueError, match="attn_score='bilinear' is not one of"):
+    with pytest.raises(ValueError, match="attn_score='bilinear' is not allowed: expected one of"):
         Attention(D, num_heads=H, attn_score="bilinear")
 
 
@@ -187,10 +195,11 @@ def test_gradients_reach_every_parameter(pool, score):
 
 
 @pytest.mark.parametrize("pool, tokens, extra", [("cls", 17, 0), ("mean", 16, 0), ("map", 16, 1)])
-def test_return_attn_for_every_pool(pool, tokens, extra):
+def test_record_attention_for_every_pool(pool, tokens, extra):
     model = VisionTransformer(**TINY, pool=pool).eval()
     x = torch.randn(2, 1, 16, 16)
-    logits, attns = model(x, return_attn=True)
+    with record_attention(model) as attns:
+        logits = model(x)
     assert len(attns) == TINY["depth"] + extra
     for a in attns[: TINY["depth"]]:
         assert a.shape == (2, 3, tokens, tokens)
@@ -201,3 +210,20 @@ def test_return_attn_for_every_pool(pool, tokens, extra):
     assert (model(x) - logits).abs().max() < 1e-5
     assert model.num_prefix_tokens == (1 if pool == "cls" else 0)
     assert ("cls_token" in dict(model.named_parameters())) == (pool == "cls")
+
+
+def test_record_attention_restores_the_fast_path_and_refuses_nesting():
+    model = VisionTransformer(**TINY).eval()
+    x = torch.randn(2, 1, 16, 16)
+    with record_attention(model) as maps:
+        model(x)
+        with pytest.raises(RuntimeError, match="already recording"):
+            with record_attention(model):
+                pass
+    assert len(maps) == TINY["depth"]
+    model(x)  # after the context, nothing more is recorded
+    assert len(maps) == TINY["depth"]
+    assert all(block.attn.recorder is None for block in model.blocks)
+    with pytest.raises(ZeroDivisionError), record_attention(model):
+        1 / 0
+    assert all(block.attn.recorder is None for block in model.blocks)  # restored after an error too

@@ -221,7 +221,7 @@ def test_cnn_backbone_skips_rollout_with_one_warning_but_logs_confusion_matrix(t
     backbone = ResNet(img_size=32, in_chans=1, num_classes=2, widths=(8, 16), blocks_per_stage=1)
     rollout = RolloutImages(every_n_epochs=1, num_images=4)
     trainer = tiny_trainer(tmp_path, [rollout, ConfusionMatrix()], max_epochs=2)
-    with pytest.warns(UserWarning, match="ResNet has no `forward\\(x, return_attn=True\\)`") as caught:
+    with pytest.warns(UserWarning, match="ResNet has no attention layers and `patch_embed`") as caught:
         trainer.fit(ImageClassifier(backbone, lr=1e-3), tiny_data())
     assert sum("RolloutImages" in str(w.message) for w in caught) == 1
     assert rollout.logged_epochs == []

@@ -6,7 +6,7 @@ import pytest
 import timm
 import torch
 
-from vit.models import ResNet, VisionTransformer
+from vit.models import ResNet, VisionTransformer, record_attention
 from vit.models.pos_embed import sincos_1d, sincos_2d
 from vit.training.classifier import ImageClassifier, param_groups_weight_decay, warmup_cosine
 
@@ -42,13 +42,15 @@ def test_fast_path_equals_explicit_path():
     x = torch.randn(8, 3, 32, 32)
     with torch.no_grad():
         fast = model(x)
-        explicit, attns = model(x, return_attn=True)
+        with record_attention(model):
+            explicit = model(x)
     assert (fast - explicit).abs().max() < 1e-5
 
 
-def test_return_attn_gives_one_row_stochastic_map_per_block_cls_first():
+def test_record_attention_gives_one_row_stochastic_map_per_block_cls_first():
     model = VisionTransformer(**CIFAR_CFG).eval()
-    logits, attns = model(torch.randn(2, 3, 32, 32), return_attn=True)
+    with record_attention(model) as attns:
+        logits = model(torch.randn(2, 3, 32, 32))
     assert logits.shape == (2, 10)
     assert len(attns) == CIFAR_CFG["depth"]
     for a in attns:
@@ -118,9 +120,9 @@ def test_no_pos_embed_makes_the_encoder_permutation_equivariant_over_patches():
         (dict(img_size=30, patch_size=4), "img_size=30 is not divisible by patch_size=4"),
         (dict(patch_size=64), "patch_size=64"),
         (dict(embed_dim=50, num_heads=3), "embed_dim=50 is not divisible by num_heads=3"),
-        (dict(pos_embed="rope"), "pos_embed='rope' is not one of"),
-        (dict(pool="max"), "pool='max' is not one of"),
-        (dict(attn_score="cosine"), "attn_score='cosine' is not one of"),
+        (dict(pos_embed="rope"), "pos_embed='rope' is not allowed: expected one of"),
+        (dict(pool="max"), "pool='max' is not allowed: expected one of"),
+        (dict(attn_score="cosine"), "attn_score='cosine' is not allowed: expected one of"),
         (dict(drop_path_rate=1.5), "drop_path_rate=1.5"),
         (dict(depth=0), "depth=0"),
     ],

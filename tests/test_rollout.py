@@ -17,6 +17,7 @@ from vit.explain.rollout import (
     rollout_grid,
     rollout_to_patch_map,
 )
+from vit.models import record_attention
 
 
 def random_attentions(layers=3, B=2, H=4, N=5, seed=0):
@@ -39,8 +40,21 @@ class PatchEmbed(nn.Module):
         self.grid_size = grid_size
 
 
+class Recorded(nn.Module):
+    """The recording protocol of `vit.models.record_attention`: append the weights to `recorder`."""
+
+    def __init__(self):
+        super().__init__()
+        self.recorder = None
+
+    def forward(self, attn):
+        if self.recorder is not None:
+            self.recorder.append(attn)
+        return attn
+
+
 class TinyViT(nn.Module):
-    """Stand-in obeying the rollout contract: `model(x, return_attn=True) -> (logits, attentions)`.
+    """Stand-in ViT whose attention maps are set by hand, recorded through `record_attention`'s protocol.
 
     `readout_depth` blocks feed the logits; blocks after that still run and return attention,
     but nothing downstream of them reaches the logits, so their attention gets no gradient.
@@ -57,23 +71,23 @@ class TinyViT(nn.Module):
         self.pool_query = nn.Parameter(torch.randn(1, 1, dim))
         self.pool_kv = nn.Linear(dim, 2 * dim)
         self.head = nn.Linear(dim, 3)
+        self.record = nn.ModuleList(Recorded() for _ in range(depth + 1))
         self.training_in_forward = None
 
     def split(self, t):  # (B, N, D) -> (B, H, N, D/H)
         B, N, D = t.shape
         return t.view(B, N, self.heads, D // self.heads).transpose(1, 2)
 
-    def forward(self, x, return_attn=False):
+    def forward(self, x):
         self.training_in_forward = self.training
         pool = getattr(self, "pool", "cls")  # test_model_without_pool_attribute_is_read_as_cls deletes it
         tokens = self.patch_embed.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
         if pool == "cls":
             tokens = torch.cat([self.cls_token.expand(len(x), -1, -1), tokens], dim=1)
-        attentions, readout = [], tokens
+        readout = tokens
         for i, qkv in enumerate(self.qkv):
             q, k, v = (self.split(t) for t in qkv(tokens).chunk(3, dim=-1))
-            attn = (q @ k.transpose(-2, -1)).softmax(-1)  # (B, H, N, N)
-            attentions.append(attn)
+            attn = self.record[i]((q @ k.transpose(-2, -1)).softmax(-1))  # (B, H, N, N)
             tokens = tokens + (attn @ v).transpose(1, 2).flatten(2)
             if i + 1 == self.readout_depth:
                 readout = tokens
@@ -84,11 +98,16 @@ class TinyViT(nn.Module):
         else:
             k, v = (self.split(t) for t in self.pool_kv(readout).chunk(2, dim=-1))
             q = self.split(self.pool_query.expand(len(x), -1, -1))
-            attn = (q @ k.transpose(-2, -1)).softmax(-1)  # (B, H, 1, N)
-            attentions.append(attn)
+            attn = self.record[-1]((q @ k.transpose(-2, -1)).softmax(-1))  # (B, H, 1, N)
             pooled = (attn @ v).transpose(1, 2).flatten(1)
-        logits = self.head(pooled)
-        return (logits, attentions) if return_attn else logits
+        return self.head(pooled)
+
+
+def logits_and_maps(model, x):
+    """`(logits, attentions)`: one forward pass under `record_attention`."""
+    with record_attention(model) as attentions:
+        logits = model(x)
+    return logits, attentions
 
 
 def images(B=2, seed=0):
@@ -258,7 +277,7 @@ def test_grad_rollout_is_identity_where_the_gradient_is_zero():
     # so after the residual and normalisation those rows are identity rows.
     model, x = tiny_model(depth=1), images().double()
     grad = gradient_rollout(model, x)
-    plain = attention_rollout(model(x, return_attn=True)[1])
+    plain = attention_rollout(logits_and_maps(model, x)[1])
     eye = torch.eye(7, dtype=torch.float64)
     torch.testing.assert_close(grad[:, 1:], eye[1:].expand(2, 6, 7))
     assert not torch.allclose(grad, plain)
@@ -270,7 +289,7 @@ def test_grad_rollout_matches_written_out_formula_and_unused_layer_is_identity()
     # Three blocks, logits read after the second: block 3's attention gets no gradient at all.
     model, x = tiny_model(depth=3, readout_depth=2), images().double()
     target = torch.tensor([2, 0])
-    logits, attentions = model(x, return_attn=True)
+    logits, attentions = logits_and_maps(model, x)
     score = logits[torch.arange(2), target].sum()
     grads = torch.autograd.grad(score, attentions, allow_unused=True)
     assert grads[2] is None or (grads[2] == 0).all()
@@ -334,7 +353,7 @@ def test_patch_relevance_per_pool(pool, method):
 def test_patch_relevance_map_pool_rollout_formula():
     model, x = tiny_model(pool="map"), images().double()
     with torch.no_grad():
-        _, attentions = model(x, return_attn=True)
+        _, attentions = logits_and_maps(model, x)
     rollout = attention_rollout(attentions[:-1], head_fusion="max", keep_cls_self=False)
     a_pool = attentions[-1].amax(1)  # (B, 1, N)
     expected = min_max((a_pool[:, 0, :, None] * rollout).sum(1)).view(2, 2, 3)
@@ -343,7 +362,7 @@ def test_patch_relevance_map_pool_rollout_formula():
 
 def test_patch_relevance_map_pool_grad_rollout_formula():
     model, x = tiny_model(pool="map"), images().double()
-    logits, attentions = model(x, return_attn=True)
+    logits, attentions = logits_and_maps(model, x)
     score = logits.max(-1).values.sum()  # predicted class
     grads = torch.autograd.grad(score, attentions)
     weighted = [(g * a).clamp(min=0).mean(1).detach() for g, a in zip(grads, attentions)]
@@ -469,7 +488,7 @@ def test_grad_rollout_of_trained_vit_differs_from_rollout_and_between_targets(tr
     model, x, _ = trained_vit
     grid = model.patch_embed.grid_size
     with torch.no_grad():
-        plain = rollout_to_patch_map(attention_rollout(model(x, return_attn=True)[1]), grid, scale="sum")
+        plain = rollout_to_patch_map(attention_rollout(logits_and_maps(model, x)[1]), grid, scale="sum")
     for_neg, for_pos = (rollout_to_patch_map(gradient_rollout(model, x, target=t), grid, scale="sum") for t in (0, 1))
 
     def total_variation(p, q):  # per image, between two distributions over the patches
@@ -483,7 +502,7 @@ def test_grad_rollout_of_trained_vit_differs_from_rollout_and_between_targets(tr
 
 def test_grad_rollout_of_trained_vit_is_identity_where_the_gradient_is_zero(trained_vit):
     model, x, labels = trained_vit
-    logits, attentions = model(x, return_attn=True)
+    logits, attentions = logits_and_maps(model, x)
     score = logits.gather(1, labels[:, None]).sum()
     grads = torch.autograd.grad(score, attentions)
     # The head reads the CLS token only, so in the last block no other token's attention row matters.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import lightning as L
@@ -26,7 +25,7 @@ class RolloutImages(L.Callback):
     column per method in `methods`, computed with `vit.explain.rollout.patch_relevance` on the backbone
     (`pl_module.backbone`, else the module itself), whatever its `pool`.
 
-    Backbones whose `forward` has no `return_attn` argument (the CNN) are skipped with a single
+    Backbones without attention layers or `patch_embed` (the CNN) are skipped with a single
     warning.
 
     Args:
@@ -121,8 +120,8 @@ class RolloutImages(L.Callback):
         if not supports_rollout(model):
             if not self._warned:
                 rank_zero_warn(
-                    f"RolloutImages: {type(model).__name__} has no `forward(x, return_attn=True)` and "
-                    "`patch_embed`, so no rollout images are logged for it."
+                    f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, "
+                    "so no rollout images are logged for it."
                 )
                 self._warned = True
             return
@@ -158,5 +157,5 @@ class RolloutImages(L.Callback):
 
 
 def supports_rollout(model: nn.Module) -> bool:
-    """Whether `model` follows the rollout contract: `model(x, return_attn=True)` and `patch_embed`."""
-    return "return_attn" in inspect.signature(model.forward).parameters and hasattr(model, "patch_embed")
+    """Whether `model` can be rolled out: attention layers that `record_attention` records, and `patch_embed`."""
+    return hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())

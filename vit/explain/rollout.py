@@ -1,9 +1,11 @@
 """Attention rollout: which input patches a ViT's prediction draws on.
 
 Everything here is a function of tensors, except the two entry points that run a model
-(`gradient_rollout`, `patch_relevance`). They rely on one contract with the model:
+(`gradient_rollout`, `patch_relevance`). They get the attention maps the one way the models give
+them:
 
-    logits, attentions = model(x, return_attn=True)
+    with record_attention(model) as attentions:
+        logits = model(x)
 
 where `attentions` holds one softmax map `(B, H, N, N)` per block, still in the autograd graph.
 With `model.pool == "map"` the list ends with one extra `(B, H, 1, N)` entry: the pooling query's
@@ -28,6 +30,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from vit.models.record import record_attention
 
 if TYPE_CHECKING:
     import numpy as np
@@ -249,8 +253,9 @@ def patch_relevance(
 
     if target is not None:
         raise ValueError(f"target applies to method='grad_rollout' only; got target={target!r}")
-    with torch.no_grad(), _eval_mode(model):
-        _, attentions = model(x, return_attn=True)
+    with torch.no_grad(), _eval_mode(model), record_attention(model) as attentions:
+        model(x)
+    _check_recorded(model, attentions)
     pool_attn = None
     if pool == "map":
         *attentions, pool_query = attentions
@@ -399,6 +404,14 @@ def _chain(fused_layers: Sequence[Tensor]) -> Tensor:
     return rollout
 
 
+def _check_recorded(model: nn.Module, attentions: Sequence[Tensor]) -> None:
+    if not attentions:
+        raise ValueError(
+            f"{type(model).__name__} recorded no attention maps: rollout needs a model with attention layers "
+            "(a ViT); for a CNN use a gradient method such as Grad-CAM"
+        )
+
+
 def _model_pool(model: nn.Module) -> str:
     """`model.pool`, checked; a model without the attribute pools its CLS token (the classic ViT)."""
     pool = getattr(model, "pool", "cls")
@@ -430,7 +443,9 @@ def _gradient_weighted_maps(
     # every parameter is frozen.
     with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
         x = x.detach().clone().requires_grad_(True)
-        logits, attentions = model(x, return_attn=True)  # (B, num_classes), [(B, H, N, N), ...]
+        with record_attention(model) as attentions:
+            logits = model(x)  # (B, num_classes); attentions [(B, H, N, N), ...]
+        _check_recorded(model, attentions)
         B = logits.shape[0]
         if target is None:
             target = logits.argmax(dim=-1)
@@ -441,7 +456,7 @@ def _gradient_weighted_maps(
         if not all(attn.requires_grad for attn in attentions):
             raise ValueError(
                 "the model's attention maps are not in the autograd graph; "
-                "return_attn=True must return the softmax maps that multiply the values"
+                "its attention layers must record the softmax maps that multiply the values"
             )
         grads = torch.autograd.grad(score, attentions, allow_unused=True)
 

@@ -1,7 +1,8 @@
-"""The networks: a Vision Transformer and a convolutional baseline, both `(B, C, H, W) -> logits`."""
+"""The networks: a Vision Transformer and convolutional baselines, all `(B, C, H, W) -> logits`."""
 
 from vit.models.coordconv import CoordConvResNet
+from vit.models.record import record_attention
 from vit.models.resnet import ResNet
 from vit.models.vision_transformer import VisionTransformer
 
-__all__ = ["CoordConvResNet", "ResNet", "VisionTransformer"]
+__all__ = ["CoordConvResNet", "ResNet", "VisionTransformer", "record_attention"]

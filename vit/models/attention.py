@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vit.checks import check_choice
 from vit.models.masks import attention_bias
-from vit.models.scores import SCORES, Score, build_score
+from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
 # Scores that are a (rescaled) dot product of projected queries with keys, and so can run through
 # the fused `F.scaled_dot_product_attention` kernel. The additive forms cannot.
-_FUSED_SCORES = ("scaled_dot", "dot", "general")
+FUSED_SCORES = ("scaled_dot", "dot", "general")
 
 
 class Attention(nn.Module):
@@ -30,10 +31,11 @@ class Attention(nn.Module):
     layer, timm's layout. Other widths get separate `q`, `k`, `v` layers, which bring queries,
     keys and values of any width to the attention width `attn_dim` (default `dim`).
 
-    Two paths compute the same numbers. Without `return_attn`, the dot-product scores run through
-    `F.scaled_dot_product_attention`, a fused kernel that never materialises the `(M, N)` weights.
-    With `return_attn` (and always for `additive` / `concat`), the explicit
-    `softmax(f(Q, K) + M) V` runs and the weights `(B, H, M, N)` stay in the autograd graph.
+    Two paths compute the same numbers: `attend`, the explicit `softmax(f(Q, K) + M) V`, and
+    `attend_fused`, `F.scaled_dot_product_attention`, a fused kernel that never materialises the
+    `(M, N)` weights. The dot-product scores take the fused path, the additive ones the explicit
+    one; under `vit.models.record_attention` every score takes the explicit path and the weights
+    `(B, H, M, N)` are recorded, still in the autograd graph.
 
     Masks (see `vit.models.masks`): `mask` bool (True = may attend) or float (added), broadcastable
     to `(B, H, M, N)`; `key_mask (B, N)` bool, False for padding keys; `causal`. Masked weights are
@@ -62,8 +64,7 @@ class Attention(nn.Module):
                 f"embed_dim={inner} is not divisible by num_heads={num_heads}; "
                 f"allowed num_heads for this width: {[h for h in range(1, inner + 1) if inner % h == 0]}"
             )
-        if attn_score not in SCORES:
-            raise ValueError(f"attn_score={attn_score!r} is not one of {SCORES}")
+        check_choice("attn_score", attn_score, Score)
         self.num_heads = num_heads
         self.head_dim = inner // num_heads
         self.attn_score = attn_score
@@ -79,6 +80,7 @@ class Attention(nn.Module):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(inner, out_dim or dim)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.recorder: list[torch.Tensor] | None = None  # set by `vit.models.record_attention`
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         B, L, _ = t.shape
@@ -114,47 +116,82 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         causal: bool = False,
-        return_attn: bool = False,
-    ):
-        """`(B, M, dim) -> (B, M, out_dim)`, or `(out, attn)` with `attn (B, H, M, N)` when asked."""
+    ) -> torch.Tensor:
+        """`(B, M, dim) -> (B, M, out_dim)`; keys and values from `context` (and `value`) if given."""
         if value is not None and context is None:
             raise ValueError("value was given without context: pass the keys' input as context")
         q, k, v = self._project(x, context, value)  # (B, H, M, d), (B, H, N, d), (B, H, N, d)
         B, H, M, _ = q.shape
-        N = k.shape[2]
-
-        bias = empty = None
+        bias = None
         if mask is not None or key_mask is not None or causal:
-            bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=N, mask=mask, key_mask=key_mask,
-                                  causal=causal, device=q.device)
-            # A query with no key to look at: give its row a harmless bias (no NaN from softmax over
-            # all -inf), then zero its weights and output below.
-            empty = ~(bias > float("-inf")).any(dim=-1, keepdim=True)  # (..., M, 1)
-            bias = bias.masked_fill(empty, 0.0)
-
-        attn = None
-        if not return_attn and self.attn_score in _FUSED_SCORES:
-            scale = None  # SDPA's default, 1/sqrt(d)
-            if self.attn_score == "general":
-                q, scale = q @ self.score.weight, 1.0  # q^T W k = (W^T q) . k
-            elif self.attn_score == "dot":
-                scale = 1.0
-            out = F.scaled_dot_product_attention(
-                q, k, v,
-                attn_mask=None if bias is None else bias.to(q.dtype),
-                dropout_p=self.attn_drop.p if self.training else 0.0,
-                scale=scale,
-            )  # (B, H, M, d)
+            bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=k.shape[2], mask=mask,
+                                  key_mask=key_mask, causal=causal, device=q.device)
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if self.recorder is None and self.attn_score in FUSED_SCORES:
+            out = attend_fused(q, k, v, self.score, bias, dropout_p=dropout_p)  # (B, H, M, d)
         else:
-            scores = self.score(q, k)  # (B, H, M, N)
-            if bias is not None:
-                scores = scores + bias
-            attn = scores.softmax(dim=-1)
-            if empty is not None:
-                attn = attn.masked_fill(empty, 0.0)
-            out = self.attn_drop(attn) @ v  # (B, H, M, d)
-        if empty is not None:
-            out = out.masked_fill(empty, 0.0)
+            out, weights = attend(q, k, v, self.score, bias, dropout_p=dropout_p)  # weights (B, H, M, N)
+            if self.recorder is not None:
+                self.recorder.append(weights)
         out = out.transpose(1, 2).reshape(B, M, H * self.head_dim)  # heads concatenated: (B, M, H * d)
-        out = self.proj_drop(self.proj(out))
-        return (out, attn) if return_attn else out
+        return self.proj_drop(self.proj(out))
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score: nn.Module,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The general mechanism `softmax(f(q, k) + M) v`, explicitly; returns `(out (B, H, M, d), weights (B, H, M, N))`.
+
+    `score` computes `f(q, k)` `(B, H, M, N)`; `bias` is the additive mask `M` (0 / -inf / finite),
+    broadcastable to the scores. A query whose keys are all masked gets zero weights and a zero
+    output instead of the NaN that a softmax over a row of -inf gives. `weights` are the softmax
+    before dropout: what the query attends to.
+    """
+    scores = score(q, k)  # (B, H, M, N)
+    empty = None
+    if bias is not None:
+        empty = _empty_rows(bias)  # (..., M, 1)
+        scores = scores + bias.masked_fill(empty, 0.0)
+    weights = scores.softmax(dim=-1)
+    if empty is not None:
+        weights = weights.masked_fill(empty, 0.0)
+    out = F.dropout(weights, p=dropout_p) @ v  # (B, H, M, d)
+    return out, weights
+
+
+def attend_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score: nn.Module,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """`attend` through `F.scaled_dot_product_attention`, for the dot-product scores; weights never materialised.
+
+    `general` runs as a dot product too: `q^T W k = (W^T q) . k`.
+    """
+    if isinstance(score, GeneralScore):
+        q, scale = q @ score.weight, 1.0
+    elif isinstance(score, DotScore):
+        scale = score.scale
+    else:
+        raise ValueError(f"{type(score).__name__} has no fused path; use attend()")
+    empty = None
+    if bias is not None:
+        empty = _empty_rows(bias)
+        bias = bias.masked_fill(empty, 0.0).to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)  # (B, H, M, d)
+    return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+def _empty_rows(bias: torch.Tensor) -> torch.Tensor:
+    """`(..., M, 1)` True for queries whose every key is masked (-inf)."""
+    return ~(bias > float("-inf")).any(dim=-1, keepdim=True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from timm.layers import DropPath, Mlp
+from timm.layers import DropPath
 from torch import nn
 
 from vit.models.attention import Attention
+from vit.models.mlp import Mlp
 from vit.models.scores import Score
 
 
@@ -40,15 +41,10 @@ class Block(nn.Module):
         )
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=proj_drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False):
-        """`(B, N, D) -> (B, N, D)`, or `(x, attn)` with the block's `(B, H, N, N)` weights."""
-        if return_attn:
-            y, attn = self.attn(self.norm1(x), return_attn=True)
-        else:
-            y, attn = self.attn(self.norm1(x)), None
-        x = x + self.drop_path1(y)
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
-        return (x, attn) if return_attn else x
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, N, D) -> (B, N, D)`."""
+        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from timm.layers import Mlp
 from torch import nn
+from torch.nn.init import trunc_normal_
 
 from vit.models.attention import Attention
+from vit.models.mlp import Mlp
 from vit.models.scores import Score
 
 
@@ -25,15 +26,11 @@ class MAPHead(nn.Module):
         self.probe = nn.Parameter(torch.zeros(1, 1, dim))
         self.attn = Attention(dim, num_heads=num_heads, attn_score=attn_score, score_dim=score_dim)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=nn.GELU)
-        nn.init.trunc_normal_(self.probe, std=0.02)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        trunc_normal_(self.probe, std=0.02)
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False):
-        """`(B, N, D) -> (B, D)`, or `((B, D), attn (B, H, 1, N))` with the probe's attention."""
-        probe = self.probe.expand(x.shape[0], -1, -1)  # (B, 1, D)
-        if return_attn:
-            p, attn = self.attn(probe, x, return_attn=True)
-        else:
-            p, attn = self.attn(probe, x), None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, N, D) -> (B, D)`."""
+        p = self.attn(self.probe.expand(x.shape[0], -1, -1), x)  # the probe reads the tokens: (B, 1, D)
         p = p + self.mlp(self.norm(p))  # (B, 1, D)
-        return (p[:, 0], attn) if return_attn else p[:, 0]
+        return p[:, 0]

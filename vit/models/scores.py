@@ -11,6 +11,8 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from vit.checks import check_choice, check_int
+
 Score = Literal["scaled_dot", "dot", "general", "additive", "concat"]
 SCORES: tuple[str, ...] = get_args(Score)
 
@@ -18,11 +20,6 @@ SCORES: tuple[str, ...] = get_args(Score)
 def dot_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Luong et al. 2015, "dot": `q . k`."""
     return q @ k.transpose(-2, -1)  # (B, H, M, N)
-
-
-def scaled_dot_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Vaswani et al. 2017: `q . k / sqrt(d)`, which keeps the logits' variance ~1 at any head width."""
-    return dot_score(q, k) * q.shape[-1] ** -0.5
 
 
 def general_score(q: torch.Tensor, k: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -57,7 +54,8 @@ def additive_score(q: torch.Tensor, k: torch.Tensor, w_b: torch.Tensor, w_a: tor
 
 
 class DotScore(nn.Module):
-    """`q . k`, optionally times `scale` (`d**-0.5` gives scaled dot-product)."""
+    """`q . k`, optionally times `scale`: `d**-0.5` gives Vaswani et al.'s scaled dot product, which
+    keeps the logits' variance ~1 at any head width."""
 
     def __init__(self, scale: float = 1.0) -> None:
         super().__init__()
@@ -106,10 +104,9 @@ class AdditiveScore(nn.Module):
 
 def build_score(score: str, *, num_heads: int, head_dim: int, score_dim: int = 16) -> nn.Module:
     """The module computing `f(q, k)` for the option name `score` (one of `SCORES`)."""
-    if score not in SCORES:
-        raise ValueError(f"attn_score={score!r} is not one of {SCORES}")
-    if score in ("additive", "concat") and score_dim < 1:
-        raise ValueError(f"score_dim={score_dim} must be >= 1 for attn_score={score!r}")
+    check_choice("attn_score", score, Score)
+    if score in ("additive", "concat"):
+        check_int("score_dim", score_dim, 1)
     if score == "scaled_dot":
         return DotScore(scale=head_dim**-0.5)
     if score == "dot":

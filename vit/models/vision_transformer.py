@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
-from timm.layers import trunc_normal_
 from torch import nn
+from torch.nn.init import trunc_normal_
 
+from vit.checks import check_choice, check_float, check_int
 from vit.models.block import Block
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
@@ -31,7 +32,7 @@ class VisionTransformer(nn.Module):
       - `"map"`: no CLS token; a learned query cross-attends to the patch tokens (`MAPHead`).
 
     Position encodings (`pos_embed`), added to the tokens after the CLS token (if any) is prepended:
-      - `"learned"`: a parameter `(1, T, D)`, T tokens; the CLS token has its own learned position.
+      - `"learned"`: a parameter `(1, N, D)`, N tokens; the CLS token has its own learned position.
       - `"sincos1d"`: the fixed sin/cos encoding over the token index; the CLS token is token 0 and
         gets position 0, the patches (row-major) positions 1..N (0..N-1 without a CLS token).
       - `"sincos2d"`: the fixed 2-D encoding over (patch row, patch column); the CLS token sits
@@ -70,22 +71,18 @@ class VisionTransformer(nn.Module):
         score_dim: int = 16,
     ) -> None:
         super().__init__()
-        if pos_embed not in get_args(PosEmbed):
-            raise ValueError(f"pos_embed={pos_embed!r} is not one of {get_args(PosEmbed)}")
-        if pool not in get_args(Pool):
-            raise ValueError(f"pool={pool!r} is not one of {get_args(Pool)}")
+        check_choice("pos_embed", pos_embed, PosEmbed)
+        check_choice("pool", pool, Pool)
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
                 f"allowed num_heads for this width: {[h for h in range(1, embed_dim + 1) if embed_dim % h == 0]}"
             )
         for name, value in (("depth", depth), ("num_classes", num_classes), ("in_chans", in_chans)):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+            check_int(name, value, 1)
         for name, value in (("drop_rate", drop_rate), ("proj_drop_rate", proj_drop_rate),
                             ("attn_drop_rate", attn_drop_rate), ("drop_path_rate", drop_path_rate)):
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name}={value} must be in [0, 1)")
+            check_float(name, value, 0.0, 1.0, high_open=True)
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.pos_embed_type = pos_embed
@@ -149,49 +146,27 @@ class VisionTransformer(nn.Module):
         """Parameter names that are not weight matrices but still have ndim > 1 (timm's convention)."""
         return {"cls_token", "pos_embed", "attn_pool.probe"}
 
-    def forward_features(self, x: torch.Tensor, return_attn: bool = False):
-        """`(B, C, H, W) -> (B, T, D)` normalised tokens, CLS first if any (and the attention maps)."""
-        x = self.patch_embed(x)  # (B, N, D)
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, C, H, W) -> (B, N, D)`: the normalised tokens after the last block, the CLS token first if any."""
+        x = self.patch_embed(x)  # (B, num_patches, D)
         if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, N = 1 + num_patches, D)
         if self.pos_embed is not None:
-            x = x + self.pos_embed
-        attns = []
+            x = x + self.pos_embed  # learned or fixed, (1, N, D)
         for block in self.blocks:
-            if return_attn:
-                x, attn = block(x, return_attn=True)
-                attns.append(attn)  # (B, H, T, T)
-            else:
-                x = block(x)
-        x = self.norm(x)
-        return (x, attns) if return_attn else x
+            x = block(x)  # x + attn(norm1(x)), then x + mlp(norm2(x))
+        return self.norm(x)
 
-    def forward_head(self, x: torch.Tensor, return_attn: bool = False):
-        """`(B, T, D) -> (B, num_classes)` through the pooling of `self.pool`.
-
-        With `return_attn` and `pool="map"`, also the pooling query's attention `(B, H, 1, N)`.
-        """
-        attn = None
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, N, D) -> (B, num_classes)`: pool the tokens as `self.pool` says, then the linear head."""
         if self.pool == "cls":
             x = x[:, 0]  # (B, D)
         elif self.pool == "mean":
             x = x.mean(dim=1)  # (B, D)
-        elif return_attn:
-            x, attn = self.attn_pool(x, return_attn=True)
         else:
-            x = self.attn_pool(x)
-        logits = self.head(self.head_drop(x))
-        return (logits, attn) if return_attn else logits
+            x = self.attn_pool(x)  # (B, D)
+        return self.head(self.head_drop(x))
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False):
-        """Logits `(B, num_classes)`; with `return_attn`, `(logits, attentions)`.
-
-        `attentions` is a list with one `(B, H, T, T)` tensor per block (T tokens, the CLS token
-        first when `pool="cls"`); for `pool="map"` it has one more, last entry: the pooling query's
-        attention over the tokens, `(B, H, 1, T)`.
-        """
-        if return_attn:
-            x, attns = self.forward_features(x, return_attn=True)
-            logits, pool_attn = self.forward_head(x, return_attn=True)
-            return logits, attns + ([pool_attn] if pool_attn is not None else [])
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits `(B, num_classes)`. Attention maps: `with vit.models.record_attention(model) as maps`."""
         return self.forward_head(self.forward_features(x))
