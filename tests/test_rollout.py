@@ -8,13 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from vit.explain.plot import overlay, rollout_grid
 from vit.explain.rollout import (
     attention_rollout,
     discard_lowest,
     gradient_rollout,
-    overlay,
     patch_relevance,
-    rollout_grid,
     rollout_to_patch_map,
 )
 from vit.models import record_attention
@@ -410,13 +409,15 @@ def test_rollout_grid_renders_rows_by_columns():
 
 
 def test_import_does_not_load_matplotlib(monkeypatch):
-    # Forget matplotlib and vit.explain.rollout (monkeypatch puts them back), then import afresh.
-    import vit
+    # Forget matplotlib and vit.explain's modules (monkeypatch puts them back), then import afresh.
+    import vit.explain
 
-    for name in [m for m in sys.modules if m.split(".")[0] == "matplotlib" or m == "vit.explain.rollout"]:
+    for name in [m for m in sys.modules if m.split(".")[0] == "matplotlib" or m.startswith("vit.explain.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.delattr(vit, "rollout", raising=False)
+    for attr in ("rollout", "plot"):
+        monkeypatch.delattr(vit.explain, attr, raising=False)
     importlib.import_module("vit.explain.rollout")
+    importlib.import_module("vit.explain.plot")
     assert "matplotlib" not in sys.modules
 
 

@@ -9,7 +9,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from vit.explain.rollout import HEAD_FUSIONS, METHODS, HeadFusion, Method, patch_relevance, rollout_grid
+from vit.explain.plot import rollout_grid
+from vit.explain.rollout import HEAD_FUSIONS, METHODS, HeadFusion, Method, patch_relevance
 from vit.training.dashboard import figure_to_array, log_image
 
 METHOD_TITLES = {"rollout": "rollout", "grad_rollout": "grad rollout"}

@@ -18,34 +18,28 @@ References:
     Chefer, Gur & Wolf, "Generic Attention-model Explainability for Interpreting Bi-Modal and
     Encoder-Decoder Transformers", ICCV 2021 (gradient-weighted rollout).
 
-Matplotlib is imported inside the plotting functions, so `import vit.explain.rollout` stays light.
+The overlays that draw these maps are in `vit.explain.plot`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterator, Sequence
+from typing import Literal, get_args
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vit.checks import check_choice
 from vit.models.record import record_attention
-
-if TYPE_CHECKING:
-    import numpy as np
-    from matplotlib.figure import Figure
+from vit.models.vision_transformer import Pool
 
 HeadFusion = Literal["mean", "max", "min"]
-Pool = Literal["cls", "mean", "map"]
 Method = Literal["rollout", "grad_rollout"]
 Scale = Literal["minmax", "sum"]
 
-HEAD_FUSIONS = ("mean", "max", "min")
-POOLS = ("cls", "mean", "map")
-METHODS = ("rollout", "grad_rollout")
-SCALES = ("minmax", "sum")
+HEAD_FUSIONS = get_args(HeadFusion)
+METHODS = get_args(Method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,8 +49,7 @@ SCALES = ("minmax", "sum")
 
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
     """Collapse the head dimension of `(B, H, ...)` attention into `(B, ...)`."""
-    if head_fusion not in HEAD_FUSIONS:
-        raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
+    check_choice("head_fusion", head_fusion, HeadFusion)
     # Half precision loses too much in a product of many near-identity matrices.
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))
     if head_fusion == "mean":
@@ -145,10 +138,8 @@ def rollout_to_patch_map(
                   with no relevance on any patch stays all zeros.
     Patches are laid out row-major, as a conv patch embedding's `flatten(2)` orders them.
     """
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    check_choice("pool", pool, Pool)
+    check_choice("scale", scale, Scale)
     if rollout.ndim != 3 or rollout.shape[1] != rollout.shape[2]:
         raise ValueError(f"rollout must have shape (B, N, N), got {tuple(rollout.shape)}")
     if (pool == "map") != (pool_attn is not None):
@@ -233,10 +224,8 @@ def patch_relevance(
     `scale` is "minmax" (for display) or "sum" (shares of the relevance), as in
     `rollout_to_patch_map`.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    check_choice("method", method, Method)
+    check_choice("scale", scale, Scale)
     pool = _model_pool(model)
     grid_size = tuple(model.patch_embed.grid_size)
 
@@ -271,96 +260,8 @@ def patch_relevance(
 
 
 # ---------------------------------------------------------------------------------------------
-# Overlays
-# ---------------------------------------------------------------------------------------------
-
-
-def overlay(
-    image: Tensor, patch_map: Tensor, alpha: float = 0.5, cmap: str = "jet"
-) -> np.ndarray:
-    """Blend a patch map `(gh, gw)` over an image `(C, H, W)`; returns `(H, W, 3)` floats in [0, 1].
-
-    The map is upsampled bilinearly to the image size and coloured with `cmap`; values are clipped
-    to [0, 1], the range `rollout_to_patch_map` produces. The image is min-max scaled for display,
-    so normalised network inputs can be passed as they are; one channel is shown as grayscale.
-    """
-    import matplotlib
-
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    patch_map = torch.as_tensor(patch_map)
-    if patch_map.ndim != 2:
-        raise ValueError(f"patch_map must have shape (gh, gw), got {tuple(patch_map.shape)}")
-    rgb = _display_image(image)  # (H, W, 3)
-    H, W, _ = rgb.shape
-    heat = F.interpolate(
-        patch_map.detach().cpu().float()[None, None], size=(H, W), mode="bilinear",
-        align_corners=False,
-    )[0, 0].clamp(0.0, 1.0)  # (H, W)
-    colours = matplotlib.colormaps[cmap](heat.numpy())[..., :3]  # (H, W, 3), drop alpha channel
-    return ((1.0 - alpha) * rgb + alpha * colours).astype("float32")
-
-
-def rollout_grid(
-    images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None
-) -> Figure:
-    """A figure with one row per image: the image, then its overlay for each map in `maps`.
-
-    Args:
-        images: `(B, C, H, W)`.
-        maps: column name -> patch maps `(B, gh, gw)`, e.g. {"rollout": ..., "grad rollout": ...}.
-        titles: optional per-row title shown above each image (e.g. label and prediction).
-
-    Built on `matplotlib.figure.Figure`, not pyplot, so it needs no display and leaves no global
-    figure state behind (safe in a Lightning callback).
-    """
-    from matplotlib.figure import Figure
-
-    if images.ndim != 4:
-        raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
-    B = images.shape[0]
-    if not maps:
-        raise ValueError("maps must hold at least one (B, gh, gw) map")
-    for name, patch_maps in maps.items():
-        if patch_maps.ndim != 3 or patch_maps.shape[0] != B:
-            raise ValueError(
-                f"maps[{name!r}] must have shape (B={B}, gh, gw), got {tuple(patch_maps.shape)}"
-            )
-    if titles is not None and len(titles) != B:
-        raise ValueError(f"titles must hold one title per image ({B}), got {len(titles)}")
-
-    cols = 1 + len(maps)
-    fig = Figure(figsize=(2.0 * cols, 2.0 * B), layout="constrained")
-    axes = fig.subplots(B, cols, squeeze=False)
-    for row in range(B):
-        axes[row, 0].imshow(_display_image(images[row]))
-        if titles is not None:
-            axes[row, 0].set_title(titles[row], fontsize="small")
-        elif row == 0:
-            axes[row, 0].set_title("image", fontsize="small")
-        for col, (name, patch_maps) in enumerate(maps.items(), start=1):
-            axes[row, col].imshow(overlay(images[row], patch_maps[row]))
-            if row == 0:
-                axes[row, col].set_title(name, fontsize="small")
-    for ax in axes.flat:
-        ax.set_axis_off()
-    return fig
-
-
-# ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _display_image(image: Tensor) -> np.ndarray:
-    """`(C, H, W)` with C in {1, 3} -> `(H, W, 3)` floats in [0, 1], min-max over the image."""
-    if image.ndim != 3 or image.shape[0] not in (1, 3):
-        raise ValueError(f"image must have shape (C, H, W) with C 1 or 3, got {tuple(image.shape)}")
-    image = image.detach().cpu().float()
-    # One range for all channels keeps the colour balance of normalised inputs roughly intact.
-    lo, span = image.min(), image.max() - image.min()
-    image = (image - lo) / span if span > 0 else torch.zeros_like(image)
-    return image.expand(3, -1, -1).permute(1, 2, 0).numpy()  # (H, W, 3)
 
 
 def _check_discard_ratio(discard_ratio: float) -> None:
@@ -415,8 +316,7 @@ def _check_recorded(model: nn.Module, attentions: Sequence[Tensor]) -> None:
 def _model_pool(model: nn.Module) -> str:
     """`model.pool`, checked; a model without the attribute pools its CLS token (the classic ViT)."""
     pool = getattr(model, "pool", "cls")
-    if pool not in POOLS:
-        raise ValueError(f"model.pool must be one of {POOLS}, got {pool!r}")
+    check_choice("model.pool", pool, Pool)
     return pool
 
 
