@@ -13,14 +13,19 @@ from vit.training.classifier import ImageClassifier
 
 @pytest.fixture
 def eager_compile(monkeypatch):
-    """torch.compile with Dynamo's `eager` backend.
+    """torch.compile with a backend that runs Dynamo's graphs eagerly and lists them.
 
-    Dynamo still traces the backbone and wraps it in the same `OptimizedModule` (whose `_orig_mod`
-    would put `_compiled._orig_mod.*` keys in the state dict if the wrapper joined the module tree),
-    but no kernels are generated: inductor's C++ code generation took 124 s for a one-step fit of a
-    tiny ViT on this 2-core CPU, against 4 s with this backend.
+    Dynamo still traces the backbone, but no kernels are generated: inductor's C++ code generation
+    took 124 s for a one-step fit of a tiny ViT on this 2-core CPU, against 4 s this way.
     """
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    graphs = []
+
+    def eager(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=eager))
+    return graphs
 
 
 def tiny_vit() -> VisionTransformer:
@@ -39,7 +44,7 @@ def test_compiled_classifier_trains_and_checkpoints_with_clean_keys(eager_compil
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
     )  # fmt: skip
     trainer.fit(model, DataLoader(data, batch_size=4))
-    assert isinstance(model._compiled, torch._dynamo.eval_frame.OptimizedModule)  # the compiled path ran
+    assert eager_compile, "the compiled path did not run"
 
     path = tmp_path / "compiled.ckpt"
     trainer.save_checkpoint(path)

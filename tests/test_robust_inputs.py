@@ -12,7 +12,8 @@ import vit.data.cifar as cifar
 from vit.data.cifar import CIFARCorruptedError, CIFARDataModule, CIFARNotFoundError
 from vit.data.fake_cifar import write_fake_cifar
 from vit.models import ResNet, VisionTransformer
-from vit.training.classifier import ImageClassifier, NonFiniteError
+from vit.training.callbacks import NonFiniteError, check_finite_weights
+from vit.training.classifier import ImageClassifier
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ def test_ckpt_path_last_without_any_run_is_an_error_outside_fit(tmp_path, monkey
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    (["--model.lr", "-1"], "error: lr=-1.0 must be > 0"),
+    (["--model.lr", "-1"], "error: lr=-1.0 is not allowed: expected a finite number in (0, inf)"),
     (["--trainer.max_epochs", "0"], "error: trainer.max_epochs=0 would train nothing: expected a positive number (or -1 for no limit)"),
     (["--trainer.max_epochs", "-5"], "error: `max_epochs` must be a non-negative integer or -1. You passed in -5."),
     (["--model.backbone.init_args.patch_size", "64"], "error: patch_size=64 must be in [1, img_size=32]"),
@@ -157,7 +158,8 @@ def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tm
     assert code == 1
     line = one_paragraph(stderr)
     match = re.match(r"error: train/loss is (nan|inf|-inf) at training step (\d+) \(epoch 0, batch (\d+)\); "
-                     r"training stopped before this step's update\. The checkpoints written before it are kept: (\S+)\.", line)
+                     r"training stopped at step \d+, and nothing from this step on was checkpointed\. "
+                     r"The checkpoints written before it are kept: (\S+)\.", line)
     assert match, line
     step, last = int(match[2]), Path(match[4])
     assert step >= 1 and int(match[3]) == step
@@ -172,7 +174,7 @@ def test_a_checkpoint_with_non_finite_weights_is_refused():
     with torch.no_grad():
         model.backbone.head.bias[1] = float("inf")
     with pytest.raises(NonFiniteError, match=r"backbone\.head\.bias holds NaN or infinite values at training step 0"):
-        model.on_save_checkpoint({"state_dict": model.state_dict()})
+        check_finite_weights(model.state_dict(), step=0)
 
 
 # --- data folders ----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Liu et al. (2018, "An intriguing failing of convolutional neural networks and the CoordConv
 solution") showed that a plain CNN struggles to map *where* something is, and that appending
-coordinate channels to the input fixes it. That is the reviewer's control for the two-circles
+coordinate channels to the input fixes it. That is the control a reviewer asks for in the two-circles
 study: if a CNN fails a relation between distant parts, is it the local view or only the missing
 absolute position? A CoordConv ResNet keeps the local view and adds the position.
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -10,14 +9,13 @@ from typing import Literal
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from vit.data.cifar import CIFARNotFoundError
+from vit.training.callbacks import NonFiniteError, RestoreRNGState, StopOnNonFinite
 from vit.training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -25,63 +23,8 @@ from vit.training.checkpointing import (
     find_last_checkpoint,
     read_checkpoint,
 )
-from vit.training.classifier import ImageClassifier, NonFiniteError
-from vit.training.run_dir import RunDirectoryCallback, RunDirectoryError, check_run_dir
-
-
-class SaveConfig(SaveConfigCallback):
-    """Save the resolved `config.yaml` in the run's own folder and log it as the run's config.
-
-    TensorBoard and CSV runs have a folder per run (`trainer.log_dir`), where Lightning puts the
-    file. Other loggers (W&B) have none, and Lightning would write every run's config to the same
-    `save_dir/config.yaml`, refusing the second run; here it goes beside the run's checkpoints,
-    `save_dir/name/version/config.yaml`. Loggers without a run folder also get the whole config
-    through `log_hyperparams` (the W&B run's config).
-    """
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.already_saved or not trainer.loggers or isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger)):
-            super().setup(trainer, pl_module, stage)
-            return
-        logger = trainer.loggers[0]
-        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        # The folder ModelCheckpoint uses for this logger's checkpoints, minus "checkpoints".
-        run_dir = trainer.strategy.broadcast(
-            os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version)
-        )
-        config_path = os.path.join(run_dir, self.config_filename)
-        fs = get_filesystem(run_dir)
-        exists = trainer.strategy.broadcast(fs.isfile(config_path) if trainer.is_global_zero else False)
-        if exists and not self.overwrite:
-            raise RuntimeError(f"{config_path} already exists; not overwriting the config of an earlier run")
-        if trainer.is_global_zero:
-            fs.makedirs(run_dir, exist_ok=True)
-            self.parser.save(self.config, config_path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
-            self.save_config(trainer, pl_module, stage)
-            self.already_saved = True
-        self.already_saved = trainer.strategy.broadcast(self.already_saved)
-
-    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        config = self.config.clone().as_dict()
-        config.pop("config", None)  # the paths of the YAML files given, not settings
-        for logger in trainer.loggers:
-            if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
-                logger.log_hyperparams(config)
-
-
-class RunConfig(RunDirectoryCallback, SaveConfig):
-    """`config.yaml` and `run_info.json` in a TensorBoard/CSV run's folder, never reusing one by
-    accident (`RunDirectoryCallback`); runs of other loggers (W&B) get `SaveConfig`'s handling."""
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if trainer.loggers and not isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger)):
-            return SaveConfig.setup(self, trainer, pl_module, stage)
-        return super().setup(trainer, pl_module, stage)
-
-    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        SaveConfig.save_config(self, trainer, pl_module, stage)  # the W&B run's config; no-op otherwise
-        if hasattr(self, "_log_dir"):
-            RunDirectoryCallback.save_config(self, trainer, pl_module, stage)
+from vit.training.classifier import ImageClassifier
+from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
 
 
 class ConfigError(ValueError):
@@ -133,7 +76,7 @@ class ViTCLI(LightningCLI):
             where = best or "the final weights"
             print(f"test/acc = {acc:.4f}  ({where})" if acc is not None else f"test results: {results[0]}")
 
-    # --- Robust runs (issue 7): resuming, checks before work starts, atomic checkpoints -------------
+    # --- Robust runs: resuming, checks before work starts, atomic checkpoints ----------------------
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -276,9 +219,11 @@ def main(args=None) -> ViTCLI:
             subclass_mode_data=True,
             save_config_callback=RunConfig,
             save_config_kwargs={"overwrite": False, "command": _command(args)},
+            # Always present, not configurable: exact resumes and a loud stop on a diverged loss.
+            trainer_defaults={"callbacks": [RestoreRNGState(), StopOnNonFinite()]},
             args=args,
         )
-    # --- Robust runs (issue 7): errors a user can fix are one paragraph, not a traceback ----------
+    # Errors a user can fix are one paragraph, not a traceback.
     except (ConfigError, CheckpointError, RunDirectoryError) as err:
         _exit(f"error: {err}", code=2)
     except (NonFiniteError, CIFARNotFoundError) as err:

@@ -1,6 +1,6 @@
 """The run directory: never reused by accident, and it records what is needed to rerun it.
 
-`RunDirectoryCallback` replaces LightningCLI's `SaveConfigCallback`. Next to `config.yaml` it
+`RunConfig` replaces LightningCLI's `SaveConfigCallback`. Next to `config.yaml` it
 writes `run_info.json` (seed, package versions, git commit, command line, devices). It refuses a
 run directory that already holds a run (a `config.yaml` or checkpoints), unless this is `fit`
 resuming from a checkpoint inside that directory: then the config and run info of the resumed
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 PACKAGES = ("vit", "torch", "torchvision", "lightning", "torchmetrics", "timm", "jsonargparse", "numpy")
 
@@ -30,49 +31,71 @@ class RunDirectoryError(ValueError):
     """The run directory already holds another run."""
 
 
-class RunDirectoryCallback(SaveConfigCallback):
-    """Saves `config.yaml` and `run_info.json` in the run directory, refusing to reuse one by accident."""
+class RunConfig(SaveConfigCallback):
+    """Save the resolved `config.yaml` and `run_info.json` in the run's folder, never reusing a folder by accident.
 
-    _suffix = ""  # "_resume1", ... when a resumed run adds its files next to the first part's
-    _log_dir: Path
+    TensorBoard and CSV runs have a folder per run (`trainer.log_dir`): the files go there, a folder
+    that already holds a run is refused, and `fit` resuming inside its own folder adds
+    `config_resume1.yaml` / `run_info_resume1.json` (then 2, 3, ...) instead of overwriting.
+    Other loggers (W&B) have no run folder: the files go beside the run's checkpoints,
+    `save_dir/name/version/`, and the logger also gets the whole config (`log_hyperparams`).
+    """
 
     def __init__(self, *args, command: list[str] | None = None, **kwargs) -> None:
         """`command`: the arguments the CLI was given (default: `sys.argv`); the rest as for `SaveConfigCallback`."""
         super().__init__(*args, **kwargs)
         self.command = command
+        self._run_dir: Path | None = None
+        self._suffix = ""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.already_saved or not self.save_to_log_dir:
-            return super().setup(trainer, pl_module, stage)
-        # `trainer.log_dir` is a collective (rank 0 broadcasts it): read it here, where all ranks are.
-        self._log_dir = log_dir = Path(trainer.log_dir)
-        # Only rank 0 looks at the disk (other nodes may not see it); every rank gets its answer, so
-        # all stop or none does.
+            return
+        folder_per_run = not trainer.loggers or isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger))
+        # Collectives (rank 0 decides, every rank gets its answer): called where all ranks are.
+        run_dir = Path(trainer.log_dir) if folder_per_run else Path(trainer.strategy.broadcast(_checkpoint_run_dir(trainer)))
         taken, refusal = False, None
         if trainer.is_global_zero:
-            taken = holds_a_run(log_dir, self.config_filename)
-            try:
-                check_run_dir(log_dir, stage=stage, ckpt_path=self.config.get("ckpt_path"),
-                              config_filename=self.config_filename)
-            except RunDirectoryError as err:
-                refusal = str(err)
+            taken = holds_a_run(run_dir, self.config_filename)
+            if folder_per_run:
+                try:
+                    check_run_dir(run_dir, stage=stage, ckpt_path=self.config.get("ckpt_path"),
+                                  config_filename=self.config_filename)
+                except RunDirectoryError as err:
+                    refusal = str(err)
+            elif taken and not self.overwrite:
+                refusal = f"{run_dir / self.config_filename} already exists; not overwriting the config of an earlier run"
         taken, refusal = trainer.strategy.broadcast((taken, refusal))
         if refusal is not None:
             raise RunDirectoryError(refusal)
-        if taken:
-            self._suffix = trainer.strategy.broadcast(_free_suffix(log_dir) if trainer.is_global_zero else "")
+        if taken and folder_per_run:
+            self._suffix = trainer.strategy.broadcast(_free_suffix(run_dir) if trainer.is_global_zero else "")
+        if trainer.is_global_zero:
             stem, ext = os.path.splitext(self.config_filename)
-            self.config_filename = f"{stem}{self._suffix}{ext}"
-        super().setup(trainer, pl_module, stage)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(run_dir / f"{stem}{self._suffix}{ext}"), skip_none=False,
+                             overwrite=self.overwrite, multifile=self.multifile)
+            self._run_dir = run_dir
+            self.save_config(trainer, pl_module, stage)
+        self.already_saved = trainer.strategy.broadcast(True)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        """Write `run_info.json` (rank 0 only, called by `setup` after the config was saved)."""
-        if not self.save_to_log_dir:
-            return
+        """Write `run_info.json`, and give loggers without a run folder the whole config (rank 0 only)."""
+        config = self.config.clone().as_dict()
+        config.pop("config", None)  # the paths of the YAML files given, not settings
+        for logger in trainer.loggers:
+            if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                logger.log_hyperparams(config)
         info = run_info(trainer, stage=stage, seed=self.config.get("seed_everything"),
                         ckpt_path=self.config.get("ckpt_path"), command=self.command)
-        path = self._log_dir / f"run_info{self._suffix}.json"
-        path.write_text(json.dumps(info, indent=2) + "\n")
+        (self._run_dir / f"run_info{self._suffix}.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _checkpoint_run_dir(trainer) -> str:
+    """`save_dir/name/version`: the folder holding a run's `checkpoints/` for a logger without a run folder."""
+    logger = trainer.loggers[0]
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    return os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version)
 
 
 def holds_a_run(log_dir: Path, config_filename: str = "config.yaml") -> bool:

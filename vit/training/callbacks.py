@@ -1,0 +1,138 @@
+"""Callbacks the command line always adds: exact random state across a resume, and a stop on a non-finite loss."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+from vit.checks import check_int
+
+
+class NonFiniteError(FloatingPointError):
+    """The training loss, or a weight about to be checkpointed, is NaN or infinite."""
+
+
+class RestoreRNGState(L.Callback):
+    """Save the random-number states (torch, CUDA, numpy, Python) in every checkpoint; restore them when `fit` resumes.
+
+    Lightning restores weights, optimizer, schedule and loop counters, but not the generators, so
+    without this a resumed run's dropout and drop-path would draw other numbers than the
+    uninterrupted run. A model merely loaded for `validate`/`test` is left alone.
+    """
+
+    def __init__(self) -> None:
+        self._to_restore: dict | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_states()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_restore = state_dict or None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path is not None and self._to_restore is not None:
+            set_rng_states(self._to_restore)
+        self._to_restore = None
+
+
+class StopOnNonFinite(L.Callback):
+    """Stop training when `train/loss` becomes NaN or infinite, and never checkpoint what came after it.
+
+    Checking a GPU tensor's value on the host stalls the device's queue, so the loss is not looked
+    at on every step. Each step's (process-averaged) loss is kept on the device; they are checked
+    together every `check_every_n_steps` steps, at the end of every epoch, and before every
+    checkpoint is written. The error names the FIRST non-finite step, whichever check finds it. A
+    checkpoint is refused when the loss went non-finite since the last check, or when a weight is
+    non-finite, so every checkpoint on disk predates the failure; with checkpoints every step, the
+    last one is exactly the state before the step whose loss was non-finite.
+
+    The loss comes from `training_step`'s output `{"loss", "mean_loss"}` (`ImageClassifier`
+    returns both: `mean_loss` is the all-reduced one, so every process decides the same at the
+    same step and they stop together).
+    """
+
+    def __init__(self, check_every_n_steps: int = 50) -> None:
+        check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.check_every_n_steps = check_every_n_steps
+        self._pending: list[tuple[torch.Tensor, int, int, int]] = []  # (loss on device, step, epoch, batch)
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self._step = trainer.global_step  # the optimizer step this batch's loss feeds
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        loss = outputs.get("mean_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
+        self._pending.append((loss.detach(), self._step, trainer.current_epoch, batch_idx))
+        if len(self._pending) >= self.check_every_n_steps:
+            self.check(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.check(trainer)
+        check_finite_weights(checkpoint["state_dict"], trainer.global_step)
+
+    def check(self, trainer: L.Trainer) -> None:
+        """Raise `NonFiniteError` if a loss since the last check was NaN or infinite (one host sync)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.stack([loss.float() for loss, *_ in pending]).tolist()
+        for value, (_, step, epoch, batch_idx) in zip(values, pending):
+            if not np.isfinite(value):
+                raise NonFiniteError(non_finite_loss_message(trainer, value, step, epoch, batch_idx))
+
+
+def non_finite_loss_message(trainer: L.Trainer, value: float, step: int, epoch: int, batch_idx: int) -> str:
+    saved = []
+    for callback in trainer.checkpoint_callbacks:
+        for path in (getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")):
+            if path and path not in saved:
+                saved.append(path)
+    kept = f"The checkpoints written before it are kept: {', '.join(saved)}." if saved else "No checkpoint had been written yet."
+    lr = getattr(trainer.lightning_module.hparams, "lr", None)
+    return (
+        f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
+        f"training stopped at step {trainer.global_step}, and nothing from this step on was checkpointed. {kept} "
+        f"Lower the learning rate (model.lr={lr}), add warmup, or look for broken inputs."
+    )
+
+
+def check_finite_weights(state_dict: dict[str, torch.Tensor], step: int) -> None:
+    """Raise `NonFiniteError` naming the first tensor of `state_dict` holding NaN or infinity."""
+    tensors = {name: t for name, t in state_dict.items() if t.is_floating_point()}
+    if tensors and not torch.stack([t.isfinite().all() for t in tensors.values()]).all():  # one host sync
+        bad = next(name for name, t in tensors.items() if not t.isfinite().all())
+        raise NonFiniteError(
+            f"{bad} holds NaN or infinite values at training step {step}; the checkpoint was not "
+            "written, so the last one on disk is still a good one"
+        )
+
+
+def rng_states() -> dict:
+    """The global random-number states, as tensors and plain values (loadable with `weights_only=True`)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # the current device's
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
