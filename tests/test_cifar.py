@@ -44,8 +44,8 @@ def make_dm(fake_cifar):
 def test_properties_known_right_after_init():
     dm10 = CIFARDataModule(dataset="cifar10")
     dm100 = CIFARDataModule(dataset="cifar100")
-    assert (dm10.num_classes, dm10.image_size, dm10.in_chans) == (10, 32, 3)
-    assert (dm100.num_classes, dm100.image_size, dm100.in_chans) == (100, 32, 3)
+    assert (dm10.num_classes, dm10.img_size, dm10.in_chans) == (10, 32, 3)
+    assert (dm100.num_classes, dm100.img_size, dm100.in_chans) == (100, 32, 3)
     assert dm100.hparams.dataset == "cifar100" and dm100.hparams.batch_size == 128
 
 
@@ -304,15 +304,15 @@ def test_failed_download_is_reported_as_missing_data(tmp_path, monkeypatch):
     [
         (dict(dataset="cifar1000"), r"dataset='cifar1000'.*\['cifar10', 'cifar100'\]"),
         (dict(auto_augment="randaug"), r"auto_augment='randaug'.*'randaugment', 'trivialaugment'"),
-        (dict(val_size=0), "val_size=0 must be a positive"),
-        (dict(batch_size=-1), "batch_size=-1 must be a positive"),
-        (dict(random_erasing=1.5), r"random_erasing=1.5 is a probability.*\[0, 1\]"),
-        (dict(mixup_prob=-0.1), r"mixup_prob=-0.1 is a probability"),
-        (dict(mixup_switch_prob=2.0), r"mixup_switch_prob=2.0 is a probability"),
-        (dict(mixup_alpha=-1.0), "mixup_alpha=-1.0 must be >= 0"),
-        (dict(cutmix_alpha=-1.0), "cutmix_alpha=-1.0 must be >= 0"),
+        (dict(val_size=0), "val_size=0 is not allowed: expected an int >= 1"),
+        (dict(batch_size=-1), "batch_size=-1 is not allowed: expected an int >= 1"),
+        (dict(random_erasing=1.5), r"random_erasing=1.5 is not allowed: expected a finite number in \[0, 1\]"),
+        (dict(mixup_prob=-0.1), r"mixup_prob=-0.1 is not allowed: expected a finite number in \[0, 1\]"),
+        (dict(mixup_switch_prob=2.0), r"mixup_switch_prob=2.0 is not allowed: expected a finite number in \[0, 1\]"),
+        (dict(mixup_alpha=-1.0), r"mixup_alpha=-1.0 is not allowed: expected a finite number in \[0, inf\)"),
+        (dict(cutmix_alpha=-1.0), r"cutmix_alpha=-1.0 is not allowed: expected a finite number in \[0, inf\)"),
         (dict(mixup_alpha=0.8, batch_size=7), "batch_size=7 must be even"),
-        (dict(randaugment_magnitude=31), r"randaugment_magnitude=31 must be in \[0, 30\]"),
+        (dict(randaugment_magnitude=31), r"randaugment_magnitude=31 is not allowed: expected an int in \[0, 30\]"),
     ],
 )
 def test_invalid_options_name_the_value_and_what_is_allowed(kwargs, match):

@@ -77,7 +77,7 @@ def test_other_sizes_and_modes_are_converted_like_the_training_data():
     # CIFAR inputs are normalised with the data module's mean and std after scaling to [0, 1].
     dm = CIFARDataModule(dataset="cifar10")
     colour = Image.new("RGBA", (40, 20), (200, 100, 50, 128))  # alpha is dropped
-    y = build_transform(dm.image_size, dm.in_chans, dm.normalization)(colour)
+    y = build_transform(dm.img_size, dm.in_chans, dm.normalization)(colour)
     mean, std = torch.tensor(dm.normalization[0]), torch.tensor(dm.normalization[1])
     expected = (torch.tensor([200, 100, 50]) / 255 - mean) / std
     assert y.shape == (3, 32, 32)

@@ -209,7 +209,7 @@ def test_datamodule_regions_apply_to_their_splits():
 
 def test_datamodule_properties_before_setup():
     dm = TwoCirclesDataModule(img_size=24, in_chans=3, radius=(2, 4))
-    assert (dm.num_classes, dm.image_size, dm.in_chans) == (2, 24, 3)
+    assert (dm.num_classes, dm.img_size, dm.in_chans) == (2, 24, 3)
     assert dm.hparams.radius == (2, 4) and dm.hparams.batch_size == 128
 
 

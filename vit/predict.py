@@ -78,7 +78,7 @@ def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, 
             f"data module {type(datamodule).__name__} of checkpoint {ckpt_path} does not say how its inputs are "
             "normalised (no `normalization` attribute)"
         )
-    return model, build_transform(datamodule.image_size, datamodule.in_chans, datamodule.normalization)
+    return model, build_transform(datamodule.img_size, datamodule.in_chans, datamodule.normalization)
 
 
 def read_images(input_dir: Path, transform: v2.Compose) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:

@@ -6,7 +6,7 @@ the device.
 """
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import lightning as L
 import torch
@@ -16,13 +16,14 @@ from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 from torchvision.transforms import v2
 
+from vit.checks import check_choice, check_float, check_int
 from vit.training.resumable import ResumableTrainingData
 
 DatasetName = Literal["cifar10", "cifar100"]
 AutoAugmentName = Literal["none", "randaugment", "trivialaugment", "autoaugment"]
 
 DATASETS: dict[str, type[datasets.CIFAR10]] = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}
-AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
+AUTO_AUGMENTS = get_args(AutoAugmentName)
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 DISPLAY_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
 
@@ -113,30 +114,19 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
         mixup_switch_prob: float = 0.5,
     ) -> None:
         super().__init__()
-        if dataset not in DATASETS:
-            raise ValueError(f"dataset={dataset!r} is not known; expected one of {sorted(DATASETS)}")
-        if auto_augment not in AUTO_AUGMENTS:
-            raise ValueError(f"auto_augment={auto_augment!r} is not known; expected one of {list(AUTO_AUGMENTS)}")
-        for name, value in [("val_size", val_size), ("batch_size", batch_size)]:
-            if value <= 0:
-                raise ValueError(f"{name}={value} must be a positive integer")
-        if num_workers < 0:
-            raise ValueError(f"num_workers={num_workers} must be >= 0")
-        if randaugment_num_ops < 0:
-            raise ValueError(f"randaugment_num_ops={randaugment_num_ops} must be >= 0")
+        check_choice("dataset", dataset, DatasetName)
+        check_choice("auto_augment", auto_augment, AutoAugmentName)
+        check_int("val_size", val_size, 1)
+        check_int("batch_size", batch_size, 1)
+        check_int("num_workers", num_workers, 0)
+        check_int("randaugment_num_ops", randaugment_num_ops, 0)
         # RandAugment splits its strength range into 31 bins; the magnitude picks one of them.
-        if not 0 <= randaugment_magnitude <= 30:
-            raise ValueError(f"randaugment_magnitude={randaugment_magnitude} must be in [0, 30]")
-        for name, value in [
-            ("random_erasing", random_erasing),
-            ("mixup_prob", mixup_prob),
-            ("mixup_switch_prob", mixup_switch_prob),
-        ]:
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}={value} is a probability and must be in [0, 1]")
+        check_int("randaugment_magnitude", randaugment_magnitude, 0, 30)
+        for name, value in [("random_erasing", random_erasing), ("mixup_prob", mixup_prob),
+                            ("mixup_switch_prob", mixup_switch_prob)]:
+            check_float(name, value, 0.0, 1.0)  # probabilities
         for name, value in [("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)]:
-            if value < 0:
-                raise ValueError(f"{name}={value} must be >= 0 (0 turns it off)")
+            check_float(name, value, 0.0)  # 0 turns it off
         if (mixup_alpha > 0 or cutmix_alpha > 0) and batch_size % 2 != 0:
             raise ValueError(
                 f"batch_size={batch_size} must be even when Mixup/CutMix is on (timm mixes a batch with its flip)"
@@ -184,7 +174,7 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
         return NUM_CLASSES[self.dataset]
 
     @property
-    def image_size(self) -> int:
+    def img_size(self) -> int:
         return 32
 
     @property
@@ -352,8 +342,8 @@ def build_train_transform(
         steps.append(v2.TrivialAugmentWide())
     elif auto_augment == "autoaugment":
         steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10))
-    elif auto_augment != "none":
-        raise ValueError(f"auto_augment={auto_augment!r} is not known; expected one of {list(AUTO_AUGMENTS)}")
+    else:
+        check_choice("auto_augment", auto_augment, AutoAugmentName)
     steps += _to_normalised_tensor(dataset)
     if random_erasing > 0:
         # After normalising, so the erased rectangle is 0 = the dataset mean, as in the paper.

@@ -36,19 +36,20 @@ and the middle of a quadrant (``region_threshold``). For 32x32 images and radius
 centre positions, and their union is the "all" set.
 """
 
-from typing import Literal
+from typing import Literal, get_args
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from vit.checks import check_choice, check_int
 from vit.training.resumable import ResumableTrainingData
 
 Task = Literal["diagonal", "relative"]
 Region = Literal["all", "inner", "border"]
-TASKS: tuple[str, ...] = ("diagonal", "relative")
-REGIONS: tuple[str, ...] = ("all", "inner", "border")
+TASKS: tuple[str, ...] = get_args(Task)
+REGIONS: tuple[str, ...] = get_args(Region)
 
 RING_WIDTH = 1.5
 # Quadrant q sits at row q // 2, column q % 2: 0 top-left, 1 top-right, 2 bottom-left, 3 bottom-right.
@@ -61,24 +62,13 @@ NEGATIVE_SIGNS = ((1, -1), (-1, 1), (-1, -1))
 _MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is declared infeasible
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r} is not allowed: expected an int >= {minimum}")
-
-
-def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    """Raise a ValueError naming ``value`` and listing ``allowed`` unless ``value`` is one of them."""
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
-
-
 def check_options(
     *, task: str, img_size: int, in_chans: int, radius: tuple[int, int], noise: float, region: str
 ) -> None:
     """Validate the image options shared by the dataset and the datamodule (ValueError if bad)."""
-    check_choice("task", task, TASKS)
-    check_choice("region", region, REGIONS)
-    _check_int("img_size", img_size, 8)
+    check_choice("task", task, Task)
+    check_choice("region", region, Region)
+    check_int("img_size", img_size, 8)
     if img_size % 2:
         raise ValueError(f"img_size={img_size!r} is not allowed: expected an even int, so that "
                          "the midlines fall between pixels and each quadrant is unambiguous")
@@ -261,8 +251,8 @@ class TwoCirclesDataset(Dataset):
         region: Region = "all",
         seed: int = 0,
     ) -> None:
-        _check_int("num_samples", num_samples, 1)
-        _check_int("seed", seed, 0)
+        check_int("num_samples", num_samples, 1)
+        check_int("seed", seed, 0)
         check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
                       region=region)
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
@@ -325,13 +315,13 @@ class TwoCirclesDataModule(ResumableTrainingData, L.LightningDataModule):
         super().__init__()
         # Fail at construction, so a bad CLI/YAML option is reported before any training starts.
         for region_name, region in (("train_region", train_region), ("test_region", test_region)):
-            check_choice(region_name, region, REGIONS)
+            check_choice(region_name, region, Region)
             check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius,
                           noise=noise, region=region)
         for name, value, minimum in (("num_train", num_train, 1), ("num_val", num_val, 1),
                                      ("num_test", num_test, 1), ("seed", seed, 0),
                                      ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            _check_int(name, value, minimum)
+            check_int(name, value, minimum)
         self.save_hyperparameters()
         self.train_set: TwoCirclesDataset | None = None
         self.val_set: TwoCirclesDataset | None = None
@@ -342,7 +332,7 @@ class TwoCirclesDataModule(ResumableTrainingData, L.LightningDataModule):
         return 2
 
     @property
-    def image_size(self) -> int:
+    def img_size(self) -> int:
         return self.hparams.img_size
 
     @property

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import io
 import json
 import logging
 import math
@@ -38,7 +39,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from vit.data.two_circles import REGIONS, TASKS, check_choice
+from vit.checks import check_choice
+from vit.data.two_circles import Region, Task
 
 COLUMNS = (
     "key", "experiment", "task", "model", "num_train", "seed", "train_region", "test_region",
@@ -60,7 +62,6 @@ class Run:
     train_region: str
     test_region: str
     epochs: int
-    val_every: int
     overrides: dict
     base_digest: str  # of the base config's text: editing it changes every run
 
@@ -154,14 +155,14 @@ def load_config(path: str | Path) -> dict:
         if not name or "-" in name:
             raise ValueError(f"{w}: name={name!r} is not allowed: expected a non-empty name without '-'")
         for task in _require(exp, "tasks", list, w):
-            check_choice(f"{w}.tasks", task, TASKS)
+            check_choice(f"{w}.tasks", task, Task)
         for model in _require(exp, "models", list, w):
             check_choice(f"{w}.models", model, tuple(models))
         sizes = _require(exp, "num_train", list, w)
         if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
             raise ValueError(f"{w}: num_train={sizes!r} is not allowed: expected a list of ints >= 1")
         for region in ("train_region", "test_region"):
-            check_choice(f"{w}.{region}", exp.setdefault(region, "all"), REGIONS)
+            check_choice(f"{w}.{region}", exp.setdefault(region, "all"), Region)
         # Entries may share a name (e.g. all models at one size, a few models at more sizes): they
         # fill one table, so they must agree on the regions.
         regions = (exp["train_region"], exp["test_region"])
@@ -215,7 +216,7 @@ def plan(cfg: dict) -> list[Run]:
                                 "train_region": exp["train_region"], "test_region": exp["test_region"]}},
                         }
                         run = Run(exp["name"], task, model, num_train, seed, exp["train_region"],
-                                  exp["test_region"], epochs, val_every, overrides, base_digest)
+                                  exp["test_region"], epochs, overrides, base_digest)
                         if run.key not in keys:
                             keys.add(run.key)
                             runs.append(run)
@@ -238,23 +239,15 @@ def append_row(csv_path: Path, row: dict) -> None:
     header = not csv_path.exists() or csv_path.stat().st_size == 0
     lines = []
     for values in ([dict(zip(COLUMNS, COLUMNS))] if header else []) + [row]:
-        buf = _StringWriter()
+        buf = io.StringIO()
         csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n").writerow(values)
-        lines.append(buf.text)
+        lines.append(buf.getvalue())
     fd = os.open(csv_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, "".join(lines).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _StringWriter:
-    def __init__(self) -> None:
-        self.text = ""
-
-    def write(self, s: str) -> None:
-        self.text += s
 
 
 def _move_aside(path: Path) -> None:

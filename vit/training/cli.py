@@ -41,8 +41,8 @@ class ViTCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data module knows the image size, channels and classes; the backbone must match them.
-        for source, target in (("num_classes", "num_classes"), ("in_chans", "in_chans"), ("image_size", "img_size")):
-            parser.link_arguments(f"data.{source}", f"model.backbone.init_args.{target}", apply_on="instantiate")
+        for name in ("num_classes", "in_chans", "img_size"):
+            parser.link_arguments(f"data.{name}", f"model.backbone.init_args.{name}", apply_on="instantiate")
         parser.add_argument(
             "--test_after_fit",
             type=bool,
