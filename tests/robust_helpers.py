@@ -13,13 +13,14 @@ import lightning as L
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-RESUMABLE_CONFIG = REPO / "configs" / "two_circles" / "vit_resumable.yaml"
+BASE_CONFIG = REPO / "configs" / "two_circles" / "vit.yaml"
+RESUMABLE_OVERLAY = REPO / "configs" / "two_circles" / "vit_resumable.yaml"
 STEPS_PER_EPOCH = 8  # num_train 256 / batch_size 32
 
 
 def tiny_config(tmp_path: Path, *, max_epochs: int = 3, every_n_train_steps: int = 3, **data) -> Path:
-    """The shipped resumable two-circles config, shrunk to seconds on a CPU; returns the YAML's path."""
-    config = yaml.safe_load(RESUMABLE_CONFIG.read_text())
+    """The shipped resumable two-circles config (base + overlay), shrunk to seconds on a CPU; returns the YAML's path."""
+    config = overlay(yaml.safe_load(BASE_CONFIG.read_text()), yaml.safe_load(RESUMABLE_OVERLAY.read_text()))
     trainer = config["trainer"]
     trainer.update(max_epochs=max_epochs, accelerator="cpu", devices=1, log_every_n_steps=1,
                    enable_progress_bar=False, enable_model_summary=False)
@@ -34,6 +35,14 @@ def tiny_config(tmp_path: Path, *, max_epochs: int = 3, every_n_train_steps: int
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def overlay(base: dict, top: dict) -> dict:
+    """A second `--config` on top of a first, as jsonargparse applies it: mappings merge, lists and values replace."""
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = overlay(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
 
 
 def run_dirs(tmp_path: Path) -> list[Path]:

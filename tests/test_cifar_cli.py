@@ -93,19 +93,29 @@ def test_recipe_trains_one_step_through_the_cli(
     assert 2.6e6 < n_params < 2.9e6
 
 
-def test_cifar100_recipe_is_the_cifar10_recipe_on_cifar100():
-    """The CIFAR-100 config changes the dataset and the run's name, nothing else (so one fit test covers both)."""
+def resolved_config(*configs: str, capsys) -> dict:
+    """The config LightningCLI resolves from YAML files given in order (`--print_config`)."""
+    args = ["fit"] + [arg for config in configs for arg in ("--config", str(CONFIGS / config))]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args=[*args, "--print_config"])
+    assert exit_info.value.code == 0
+    return yaml.safe_load(capsys.readouterr().out)
 
-    def leaves(tree, prefix=""):
-        if isinstance(tree, dict):
-            return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
-        if isinstance(tree, list):
-            return {k: v for i, sub in enumerate(tree) for k, v in leaves(sub, f"{prefix}{i}.").items()}
-        return {prefix[:-1]: tree}
 
-    c10, c100 = (leaves(yaml.safe_load((CONFIGS / f"{name}/vit.yaml").read_text())) for name in ("cifar10", "cifar100"))
+def leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+    if isinstance(tree, list):
+        return {k: v for i, sub in enumerate(tree) for k, v in leaves(sub, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def test_cifar100_overlay_changes_the_dataset_and_the_run_name_only(capsys):
+    """CIFAR-100 is the CIFAR-10 recipe with a second --config: the dataset and the run's name change, nothing else."""
+    c10 = leaves(resolved_config("cifar10/vit.yaml", capsys=capsys))
+    c100 = leaves(resolved_config("cifar10/vit.yaml", "cifar100/vit.yaml", capsys=capsys))
     assert c10.keys() == c100.keys()
-    changed = {key: (c10[key], c100[key]) for key in c10 if c10[key] != c100[key]}
+    changed = {key: (c10[key], c100[key]) for key in c10 if c10[key] != c100[key] and key != "config"}
     assert changed == {
         "trainer.logger.init_args.name": ("cifar10/vit", "cifar100/vit"),
         "data.init_args.dataset": ("cifar10", "cifar100"),
@@ -133,3 +143,20 @@ def test_missing_data_exits_with_the_message_and_no_traceback(tmp_path, capsys):
     assert "--data.download true" in err
     assert "Traceback" not in err
     assert not (tmp_path / "runs").exists()  # it failed before any run folder was made
+
+
+def test_resumable_overlay_resolves_as_the_test_helper_merges_it(capsys):
+    """The step-checkpoint overlay replaces the callbacks list and keeps the base's model and data.
+
+    `robust_helpers.tiny_config` merges the two YAML files itself; this holds it to what the CLI does.
+    """
+    from robust_helpers import BASE_CONFIG, RESUMABLE_OVERLAY, overlay
+
+    resolved = resolved_config("two_circles/vit.yaml", "two_circles/vit_resumable.yaml", capsys=capsys)
+    merged = overlay(yaml.safe_load(BASE_CONFIG.read_text()), yaml.safe_load(RESUMABLE_OVERLAY.read_text()))
+    callbacks = resolved["trainer"]["callbacks"]
+    assert [c["init_args"].get("every_n_train_steps") for c in callbacks] == [None, 25]
+    assert resolved["trainer"]["max_epochs"] == merged["trainer"]["max_epochs"] == 12
+    assert resolved["trainer"]["logger"]["init_args"]["name"] == "two_circles/vit_resumable"
+    for section in ("model", "data"):
+        assert leaves(merged[section]).items() <= leaves(resolved[section]).items()
