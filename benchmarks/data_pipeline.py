@@ -17,8 +17,9 @@ from unittest import mock
 
 import torch
 
-from vit.data.cifar import AUTO_AUGMENTS, DATASETS, CIFARDataModule
+from vit.data.cifar import DATASETS, CIFARDataModule
 from vit.data.fake_cifar import write_fake_cifar
+from vit.data.transforms import AUTO_AUGMENTS
 
 
 def images_per_second(dm: CIFARDataModule, num_batches: int, warmup_batches: int, clock=time.perf_counter) -> float:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from vit.experiments import study
+from vit.experiments import grid, report, study
 from vit.models import CoordConvResNet, ResNet
 from vit.models.coordconv import coord_channels
 
@@ -61,7 +61,7 @@ def test_coordconv_appends_coordinates_and_reuses_resnet():
 def test_schedule_gives_equal_samples_and_validates_after_the_last_step(num_train, expected):
     # epochs = round(8000 / n) but at least 1; validation every max(1, epochs // 4) epochs (epochs
     # rounded up to a multiple of it), or, with fewer than 4 epochs, every val_batches batches.
-    epochs, val_every, val_batches = study.schedule(num_train, train_samples=8000, num_val_checks=4, batch_size=64)
+    epochs, val_every, val_batches = grid.schedule(num_train, train_samples=8000, num_val_checks=4, batch_size=64)
     assert (epochs, val_every, val_batches) == expected
     assert epochs % val_every == 0
     if val_batches:
@@ -78,8 +78,8 @@ def _tiny_config(tmp_path: Path, **changes) -> Path:
 
 
 def test_plan_covers_the_grid_with_unique_keys(tmp_path):
-    cfg = study.load_config(_tiny_config(tmp_path))
-    runs = study.plan(cfg)
+    cfg = grid.load_config(_tiny_config(tmp_path))
+    runs = grid.plan(cfg)
     # sweep: 1 task x 2 models x 2 sizes, shift: 1 x 1 x 1; times 2 seeds
     assert len(runs) == (1 * 2 * 2 + 1) * 2
     assert len({r.key for r in runs}) == len(runs)
@@ -91,8 +91,8 @@ def test_plan_covers_the_grid_with_unique_keys(tmp_path):
 def test_default_study_is_the_documented_grid():
     # The shipped study: 3 seeds, both tasks in every entry, the four encodings and both CNNs at
     # n=2000, sizes from hundreds to tens of thousands, and validation settings Lightning accepts.
-    cfg = study.load_config(ROOT / "configs/study/two_circles.yaml")
-    runs = study.plan(cfg)
+    cfg = grid.load_config(ROOT / "configs/study/two_circles.yaml")
+    runs = grid.plan(cfg)
     assert len(runs) == 78 and len({r.key for r in runs}) == 78
     assert {r.seed for r in runs} == {0, 1, 2}
     assert {r.task for r in runs} == {"diagonal", "relative"}
@@ -122,7 +122,7 @@ def test_default_study_is_the_documented_grid():
 )
 def test_bad_study_config_is_reported_with_the_value(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
-        study.load_config(_tiny_config(tmp_path, **change))
+        grid.load_config(_tiny_config(tmp_path, **change))
 
 
 # ----------------------------------------------------------------------------- the study end to end
@@ -135,7 +135,7 @@ def _rows(path: Path) -> list[dict]:
 
 def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkeypatch):
     config = _tiny_config(tmp_path)
-    runs = study.plan(study.load_config(config))
+    runs = grid.plan(grid.load_config(config))
     results, logs = tmp_path / "results", tmp_path / "runs"
     csv_path = results / "runs.csv"
 
@@ -211,14 +211,14 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
 
 
 def test_summary_cells_are_mean_and_sample_std_of_rows(tmp_path):
-    cfg = study.load_config(_tiny_config(tmp_path))
+    cfg = grid.load_config(_tiny_config(tmp_path))
     rows = [{"experiment": "sweep", "task": "diagonal", "model": "coordconv", "num_train": "32", "test_acc": a,
              "val_acc": "1.0"} for a in ("0.5", "0.75", "1.0")]
     rows.append({"experiment": "sweep", "task": "diagonal", "model": "vit-learned", "num_train": "64",
                  "test_acc": "0.6", "val_acc": "0.6"})
     out = tmp_path / "out"
     out.mkdir()
-    study.write_reports(rows, out, cfg)
+    report.write_reports(rows, out, cfg)
     summary = (out / "summary.md").read_text()
     # mean 0.75, sample std sqrt(((-.25)^2 + 0 + .25^2) / 2) = 0.25; one seed: std 0.
     assert "| coordconv | 75.0 ± 25.0 (3) | – |" in summary

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-PACKAGES = ("vit", "torch", "torchvision", "lightning", "torchmetrics", "timm", "jsonargparse", "numpy")
+PACKAGES = ("readable-vit", "torch", "torchvision", "lightning", "torchmetrics", "timm", "jsonargparse", "numpy")
 
 
 class RunDirectoryError(ValueError):

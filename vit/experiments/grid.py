@@ -1,0 +1,184 @@
+"""The study's grid: its config file read and checked, and every run it plans with the settings it gets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from vit.checks import check_choice
+from vit.data.two_circles import Region, Task
+
+
+@dataclass(frozen=True)
+class Run:
+    """One grid point and the settings that make it (what the fingerprint hashes)."""
+
+    experiment: str
+    task: str
+    model: str
+    num_train: int
+    seed: int
+    train_region: str
+    test_region: str
+    epochs: int
+    overrides: dict
+    base_digest: str  # of the base config's text: editing it changes every run
+
+    @property
+    def key(self) -> str:
+        return f"{self.experiment}-{self.task}-{self.model}-n{self.num_train}-s{self.seed}"
+
+    @property
+    def fingerprint(self) -> str:
+        text = json.dumps([self.overrides, self.base_digest], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _require(cfg: dict, name: str, kind: type, where: str):
+    if name not in cfg:
+        raise ValueError(f"{where}: missing required key {name!r}")
+    value = cfg[name]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise ValueError(f"{where}: {name}={value!r} is not allowed: expected {names}")
+    return value
+
+
+def schedule(num_train: int, *, train_samples: int, num_val_checks: int, batch_size: int) -> tuple[int, int, int]:
+    """``(epochs, val_every, val_batches)``: about ``train_samples`` samples seen, at least one epoch.
+
+    Every run gets the same compute (about ``train_samples / batch_size`` optimisation steps), so a
+    small training set is seen for many epochs and a large one for few; a set larger than
+    ``train_samples`` is seen once (one epoch, more steps). Validation runs about
+    ``num_val_checks`` times and always after the last step: every ``val_every`` epochs or, with
+    fewer epochs than checks, every ``val_batches`` batches within an epoch (0: at the end of the
+    epoch only). The checks per epoch are the divisor of the number of batches nearest to the
+    wanted number, so that the epoch's last batch is always a check.
+    """
+    epochs = max(1, round(train_samples / num_train))
+    val_every = max(1, epochs // num_val_checks)
+    num_batches = math.ceil(num_train / batch_size)
+    wanted = max(1, round(num_val_checks / epochs))
+    divisors = [d for d in range(1, num_batches + 1) if num_batches % d == 0]
+    checks_per_epoch = min(divisors, key=lambda d: (abs(d - wanted), -d))
+    val_batches = num_batches // checks_per_epoch if checks_per_epoch > 1 else 0
+    return math.ceil(epochs / val_every) * val_every, val_every, val_batches
+
+
+def load_config(path: str | Path) -> dict:
+    """Read and check a study config; errors name the key, the value and what is allowed."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"study config {str(path)!r} does not exist")
+    cfg = yaml.safe_load(path.read_text())
+    where = str(path)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: expected a mapping at the top level")
+    allowed = {"base_config", "out_dir", "log_dir", "seeds", "batch_size", "train_samples", "num_val_checks",
+               "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments"}
+    unknown = set(cfg) - allowed
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    base = Path(_require(cfg, "base_config", str, where))
+    if not base.is_file():
+        raise FileNotFoundError(f"{where}: base_config {str(base)!r} does not exist")
+    _require(cfg, "out_dir", str, where)
+    _require(cfg, "log_dir", str, where)
+    seeds = _require(cfg, "seeds", list, where)
+    if not seeds or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds):
+        raise ValueError(f"{where}: seeds={seeds!r} is not allowed: expected a non-empty list of ints >= 0")
+    for name in ("batch_size", "train_samples", "num_val_checks", "num_val", "num_test", "threads"):
+        if _require(cfg, name, int, where) < 1:
+            raise ValueError(f"{where}: {name}={cfg[name]!r} is not allowed: expected an int >= 1")
+    warmup = _require(cfg, "warmup_fraction", (int, float), where)
+    if not 0 <= warmup <= 1:
+        raise ValueError(f"{where}: warmup_fraction={warmup!r} is not allowed: expected a float in [0, 1]")
+    models = _require(cfg, "models", dict, where)
+    for name, model in models.items():
+        if not isinstance(model, dict) or "class_path" not in model:
+            raise ValueError(f"{where}: models.{name} must be a backbone mapping with a class_path "
+                             f"(and init_args), as under model.backbone in a train.py config")
+    experiments = _require(cfg, "experiments", list, where)
+    seen: dict[str, tuple[str, str]] = {}
+    for i, exp in enumerate(experiments):
+        w = f"{where}: experiments[{i}]"
+        if not isinstance(exp, dict):
+            raise ValueError(f"{w}: expected a mapping")
+        extra = set(exp) - {"name", "tasks", "models", "num_train", "train_region", "test_region"}
+        if extra:
+            raise ValueError(f"{w}: unknown keys {sorted(extra)}")
+        name = _require(exp, "name", str, w)
+        if not name or "-" in name:
+            raise ValueError(f"{w}: name={name!r} is not allowed: expected a non-empty name without '-'")
+        for task in _require(exp, "tasks", list, w):
+            check_choice(f"{w}.tasks", task, Task)
+        for model in _require(exp, "models", list, w):
+            check_choice(f"{w}.models", model, tuple(models))
+        sizes = _require(exp, "num_train", list, w)
+        if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+            raise ValueError(f"{w}: num_train={sizes!r} is not allowed: expected a list of ints >= 1")
+        for region in ("train_region", "test_region"):
+            check_choice(f"{w}.{region}", exp.setdefault(region, "all"), Region)
+        # Entries may share a name (e.g. all models at one size, a few models at more sizes): they
+        # fill one table, so they must agree on the regions.
+        regions = (exp["train_region"], exp["test_region"])
+        if seen.setdefault(name, regions) != regions:
+            raise ValueError(f"{w}: experiment {name!r} is listed with regions {seen[name]} and {regions}; "
+                             f"entries that share a name must share train_region and test_region")
+    return cfg
+
+
+def experiments(cfg: dict) -> list[dict]:
+    """The experiments by name, entries that share a name merged (tasks, models, sizes in first-seen order)."""
+    merged: dict[str, dict] = {}
+    for exp in cfg["experiments"]:
+        m = merged.setdefault(exp["name"], {"name": exp["name"], "tasks": [], "models": [], "num_train": [],
+                                            "train_region": exp["train_region"], "test_region": exp["test_region"]})
+        for key in ("tasks", "models", "num_train"):
+            m[key] += [v for v in exp[key] if v not in m[key]]
+    for m in merged.values():
+        m["num_train"].sort()
+    return list(merged.values())
+
+
+def plan(cfg: dict) -> list[Run]:
+    """Every run of the study, in the order they are run: entry by entry as listed, and within an
+    entry seed by seed (every cell of the entry with the first seed, then with the next).
+
+    So a study stopped early holds the entries listed first, each cell with the same number of
+    seeds (give or take one): list the most important entries first.
+    """
+    base_digest = hashlib.sha256(Path(cfg["base_config"]).read_bytes()).hexdigest()[:12]
+    runs, keys = [], set()
+    for exp in cfg["experiments"]:
+        for seed in cfg["seeds"]:
+            for task in exp["tasks"]:
+                for num_train in exp["num_train"]:
+                    for model in exp["models"]:
+                        epochs, val_every, val_batches = schedule(
+                            num_train, train_samples=cfg["train_samples"], num_val_checks=cfg["num_val_checks"],
+                            batch_size=cfg["batch_size"])
+                        trainer = {"max_epochs": epochs, "check_val_every_n_epoch": val_every}
+                        if val_batches:  # only then: the other runs keep their settings fingerprint
+                            trainer["val_check_interval"] = val_batches
+                        overrides = {
+                            "seed_everything": seed,
+                            "trainer": trainer,
+                            "model": {"backbone": cfg["models"][model],
+                                      "warmup_epochs": round(cfg["warmup_fraction"] * epochs, 4)},
+                            "data": {"init_args": {
+                                "task": task, "num_train": num_train, "num_val": cfg["num_val"],
+                                "num_test": cfg["num_test"], "batch_size": cfg["batch_size"], "seed": seed,
+                                "train_region": exp["train_region"], "test_region": exp["test_region"]}},
+                        }
+                        run = Run(exp["name"], task, model, num_train, seed, exp["train_region"],
+                                  exp["test_region"], epochs, overrides, base_digest)
+                        if run.key not in keys:
+                            keys.add(run.key)
+                            runs.append(run)
+    return runs
