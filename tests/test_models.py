@@ -173,7 +173,7 @@ def test_warmup_then_cosine_schedule():
 
 def test_classifier_rejects_bad_hyperparameters():
     backbone = ResNet(img_size=32, in_chans=1, num_classes=2)
-    with pytest.raises(ValueError, match="lr=-0.1 must be > 0"):
+    with pytest.raises(ValueError, match=r"lr=-0.1 is not allowed: expected a finite number in \(0, inf\)"):
         ImageClassifier(backbone, lr=-0.1)
     with pytest.raises(ValueError, match="label_smoothing=1.0"):
         ImageClassifier(backbone, label_smoothing=1.0)

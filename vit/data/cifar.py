@@ -108,7 +108,6 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
     ) -> None:
         super().__init__()
         check_choice("dataset", dataset, DatasetName)
-        check_choice("auto_augment", auto_augment, AutoAugmentName)
         check_int("val_size", val_size, 1)
         check_int("batch_size", batch_size, 1)
         check_int("num_workers", num_workers, 0)

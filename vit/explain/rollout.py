@@ -224,8 +224,7 @@ def patch_relevance(
     `scale` is "minmax" (for display) or "sum" (shares of the relevance), as in
     `rollout_to_patch_map`.
     """
-    check_choice("method", method, Method)
-    check_choice("scale", scale, Scale)
+    check_choice("method", method, Method)  # `scale` is checked by rollout_to_patch_map
     pool = _model_pool(model)
     grid_size = tuple(model.patch_embed.grid_size)
 

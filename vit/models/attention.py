@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.checks import check_choice
 from vit.models.masks import attention_bias
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
@@ -64,7 +63,6 @@ class Attention(nn.Module):
                 f"embed_dim={inner} is not divisible by num_heads={num_heads}; "
                 f"allowed num_heads for this width: {[h for h in range(1, inner + 1) if inner % h == 0]}"
             )
-        check_choice("attn_score", attn_score, Score)
         self.num_heads = num_heads
         self.head_dim = inner // num_heads
         self.attn_score = attn_score
