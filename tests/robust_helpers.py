@@ -64,7 +64,11 @@ def run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Complete
 
 
 class PauseAtStep(L.Callback):
-    """Test aid: after training step `step`, write `marker` and sleep, so a test can SIGKILL the process there."""
+    """Test aid: after training step `step`, write `marker` and wait, so a test can signal the process there.
+
+    The wait ends when a stop signal has been noted (SIGTERM by Lightning, SIGINT by `StopOnSignal`),
+    so the step ends as it would have; a SIGKILL ends it anyway.
+    """
 
     def __init__(self, step: int, marker: str) -> None:
         self.step, self.marker = step, marker
@@ -72,7 +76,10 @@ class PauseAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             Path(self.marker).write_text(str(trainer.global_step))
-            time.sleep(600)
+            stoppers = [cb for cb in trainer.callbacks if hasattr(cb, "received")]
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not any(cb.received(trainer) for cb in stoppers):
+                time.sleep(0.05)
 
 
 class RecordMetrics(L.Callback):

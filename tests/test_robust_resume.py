@@ -39,13 +39,16 @@ def final_weights(run_dir: Path) -> dict:
     return checkpoint["state_dict"]
 
 
-def test_sigkill_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(tmp_path, reference, monkeypatch, caplog):
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(stop, tmp_path, reference, monkeypatch,
+                                                                              caplog):
     config = tiny_config(tmp_path)  # checkpoint every 3 steps; 8 steps per epoch
     metrics, marker = tmp_path / "metrics.jsonl", tmp_path / "paused"
     record = ["--test_after_fit", "false", "--trainer.callbacks+=robust_helpers.RecordMetrics",
               f"--trainer.callbacks.path={metrics}"]
-    # The test aid stops the process after its 13th step (the 5th batch of epoch 1), where the last
-    # checkpoint is that of step 12; the kill itself is a real SIGKILL from here.
+    # The test aid holds the process after its 13th step (the 5th batch of epoch 1), where the last
+    # step checkpoint is that of step 12; the signal itself is a real one from here. A SIGKILL loses
+    # step 13; SIGTERM and SIGINT let it finish and write last.ckpt at step 13.
     pause = ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
              f"--trainer.callbacks.marker={marker}"]
     process = subprocess.Popen(train_command("fit", "--config", str(config), *record, *pause), cwd=tmp_path,
@@ -60,15 +63,34 @@ def test_sigkill_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(tm
         checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
         assert checkpoint["global_step"] == 12
         assert checkpoint["TwoCirclesDataModule"]["train_position"] == {"epoch": 1, "batches_done": 12 - STEPS_PER_EPOCH}
+        os.kill(process.pid, stop)
+        output, _ = process.communicate(timeout=60)
     finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.communicate()
-    assert process.returncode == -signal.SIGKILL
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.communicate()
+    if stop == signal.SIGKILL:
+        assert process.returncode == -signal.SIGKILL
+        stopped_at = 12
+    else:
+        assert process.returncode == 128 + stop, output  # what shells report for a process a signal stopped
+        last = run_dir / "checkpoints" / "last.ckpt"
+        assert f"stopped by {stop.name} after training step 13: {last} holds step 13" in output
+        assert "test/acc" not in output  # the test after fit did not run
+        stopped_at = 13
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == stopped_at
+    assert checkpoint["TwoCirclesDataModule"]["train_position"] == {"epoch": 1,
+                                                                    "batches_done": stopped_at - STEPS_PER_EPOCH}
+    # A temporary file left by a kill during a checkpoint write is removed when the run resumes.
+    leftover = run_dir / "checkpoints" / ".last.ckpt.0123456789abcdef.tmp"
+    leftover.write_bytes(b"PK\x03\x04 half a checkpoint")
 
     # The resumed part runs in this process: a fresh Trainer either way, without another import cost.
     main_in_process(["fit", "--config", str(config), "--ckpt_path", "last", *record], monkeypatch)
     assert f"Resuming the run in {run_dir.resolve()}" in caplog.text
-    assert run_dirs(tmp_path) == [run_dir]  # continued in the killed run's folder, not a new version
+    assert not leftover.exists()
+    assert run_dirs(tmp_path) == [run_dir]  # continued in the stopped run's folder, not a new version
     assert (run_dir / "config.yaml").is_file() and (run_dir / "config_resume1.yaml").is_file()
     info = json.loads((run_dir / "run_info_resume1.json").read_text())
     assert info["resumed_from"] == str(run_dir / "checkpoints" / "last.ckpt")

@@ -2,18 +2,103 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit.checks import check_int
 
 
 class NonFiniteError(FloatingPointError):
     """The training loss, or a weight about to be checkpointed, is NaN or infinite."""
+
+
+class Preempted(Exception):
+    """Training was stopped by a signal after a checkpoint of the current step was written."""
+
+    def __init__(self, signum: int, step: int, ckpt_path: str | None) -> None:
+        self.signum, self.step, self.ckpt_path = signum, step, ckpt_path
+        where = f"{ckpt_path} holds step {step}" if ckpt_path else "no checkpoint could be written"
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after training step {step}: {where}. Resume with the same "
+            "command and --ckpt_path last (or --ckpt_path <that file>)"
+        )
+
+
+class StopOnSignal(L.Callback):
+    """On SIGTERM or SIGINT (what SLURM, Kubernetes, `timeout` and Ctrl-C send), stop `fit` cleanly.
+
+    The step under way finishes, `last.ckpt` is written at that step (atomically, through the
+    trainer's checkpoint I/O), and `Preempted` is raised: the command line prints where to resume
+    from, skips the test after fit, and exits with 128 + the signal's number, so a job script or an
+    `&&` chain does not take the run for a finished one. SIGTERM is Lightning's own notice
+    (`trainer.received_sigterm`, which it also passes between DDP processes); SIGINT is caught
+    here for the duration of `fit`, and a second Ctrl-C interrupts at once. A SIGTERM that arrives
+    during validation is stopped by Lightning there (`SIGTERMException`); `last.ckpt` is then
+    written from `on_exception`, at the last finished step, and the command line exits the same way.
+    """
+
+    def __init__(self) -> None:
+        self._sigint = False
+        self._previous_handler = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sigint = False
+        try:
+            self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        except ValueError:  # not the main thread: leave SIGINT alone
+            self._previous_handler = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._sigint:  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._sigint = True
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+            self._previous_handler = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_handler()
+
+    def received(self, trainer: L.Trainer) -> int | None:
+        """The signal that asks training to stop, or None."""
+        if getattr(trainer, "received_sigterm", False):
+            return signal.SIGTERM
+        return signal.SIGINT if self._sigint else None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        signum = self.received(trainer)
+        if signum is not None:
+            self._restore_handler()
+            raise Preempted(signum, trainer.global_step, save_last_checkpoint(trainer))
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore_handler()
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
+            save_last_checkpoint(trainer)  # validation was stopped: the last finished step is kept
+
+
+def save_last_checkpoint(trainer: L.Trainer) -> str | None:
+    """Write `last.ckpt` now, where the run's `ModelCheckpoint` keeps it; return its path."""
+    keepers = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "save_last", False) and cb.dirpath]
+    if keepers:
+        callback = keepers[0]
+        path = callback.last_model_path or os.path.join(
+            callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+        for cb in keepers:
+            cb.last_model_path = path  # part of the saved state, as ModelCheckpoint does before saving
+    else:
+        path = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints", "last.ckpt")
+    trainer.save_checkpoint(path)
+    return path
 
 
 class RestoreRNGState(L.Callback):

@@ -29,6 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's "last" names
+PARTIAL_WRITE = re.compile(r"\..+\.ckpt\.[0-9a-f]{16}\.tmp")  # AtomicCheckpointIO's temporary files
 
 
 class CheckpointError(ValueError):
@@ -62,6 +63,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.unlink(tmp)
             raise
         _fsync_dir(path.parent)  # make the rename itself durable
+
+
+def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files `AtomicCheckpointIO` leaves when a process is killed mid-write; return them.
+
+    Called when a run resumes in its own folder: no process of that run can be writing then.
+    """
+    partial = [p for p in Path(folder).glob(".*.ckpt.*.tmp") if PARTIAL_WRITE.fullmatch(p.name)]
+    for path in partial:
+        path.unlink(missing_ok=True)
+    return partial
 
 
 def _fsync_dir(folder: Path) -> None:

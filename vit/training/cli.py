@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Literal
@@ -12,16 +13,17 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from vit.data.cifar import CIFARNotFoundError
-from vit.training.callbacks import NonFiniteError, RestoreRNGState, StopOnNonFinite
+from vit.training.callbacks import NonFiniteError, Preempted, RestoreRNGState, StopOnNonFinite, StopOnSignal
 from vit.training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
     check_checkpoint,
     find_last_checkpoint,
     read_checkpoint,
+    remove_partial_writes,
 )
 from vit.training.classifier import ImageClassifier
 from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
@@ -186,6 +188,7 @@ def _resolve_resume(subcommand: str, config) -> None:
     newest = find_last_checkpoint(root, runs=run_dir.name)
     if newest is not None and newest.resolve() == Path(ckpt_path).resolve():
         logger.version = run_dir.name
+        remove_partial_writes(Path(ckpt_path).parent)
         rank_zero_info(f"Resuming the run in {run_dir} from {ckpt_path}")
     else:  # continuing there would overwrite what the run saved after this checkpoint
         rank_zero_info(f"{ckpt_path} is not the newest last.ckpt of {run_dir}, which is left as it is; "
@@ -220,7 +223,7 @@ def main(args=None) -> ViTCLI:
             save_config_callback=RunConfig,
             save_config_kwargs={"overwrite": False, "command": _command(args)},
             # Always present, not configurable: exact resumes and a loud stop on a diverged loss.
-            trainer_defaults={"callbacks": [RestoreRNGState(), StopOnNonFinite()]},
+            trainer_defaults={"callbacks": [RestoreRNGState(), StopOnNonFinite(), StopOnSignal()]},
             args=args,
         )
     # Errors a user can fix are one paragraph, not a traceback.
@@ -228,6 +231,11 @@ def main(args=None) -> ViTCLI:
         _exit(f"error: {err}", code=2)
     except (NonFiniteError, CIFARNotFoundError) as err:
         _exit(f"error: {err}", code=1)
+    except Preempted as err:
+        _exit(str(err), code=128 + err.signum)
+    except SIGTERMException:
+        _exit("stopped by SIGTERM during validation: last.ckpt holds the last finished training step. Resume with "
+              "the same command and --ckpt_path last", code=128 + signal.SIGTERM)
 
 
 def _command(args) -> list[str] | None:
