@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from vit.data.cifar import CIFARNotFoundError
+from vit.training import ckpt_config
 from vit.training.callbacks import NonFiniteError, Preempted, RestoreRNGState, StopOnNonFinite, StopOnSignal
 from vit.training.checkpointing import (
     AtomicCheckpointIO,
@@ -89,7 +90,9 @@ class ViTCLI(LightningCLI):
             config = self.config[subcommand]
             _resolve_resume(subcommand, config)
             if _is_local_file(config.get("ckpt_path")):
-                read_checkpoint(config.ckpt_path)
+                checkpoint = read_checkpoint(config.ckpt_path)
+                for line in ckpt_config.check(subcommand, config, checkpoint, ImageClassifier, config.ckpt_path):
+                    rank_zero_warn(f"--ckpt_path {config.ckpt_path}: the checkpoint's value is used for {line}")
 
     def instantiate_classes(self) -> None:
         # Constructors (ours and the Trainer's) check their arguments and raise ValueError or
