@@ -75,3 +75,76 @@ def test_values_left_at_their_defaults_take_the_checkpoints_silently(trained, tm
     # The tiny config sets the backbone explicitly; a config without a drop_rate line leaves it to the checkpoint.
     main_in_process(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(trained)], monkeypatch)
     assert not [w for w in recwarn if "checkpoint's value is used" in str(w.message)]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    (["--model.backbone.init_args.num_heads", "0"], "num_heads=0 is not allowed: expected an int in [1, 32]"),
+    (["--model.backbone.init_args.num_heads", "-2"], "num_heads=-2 is not allowed: expected an int in [1, 32]"),
+    (["--model.backbone.init_args.embed_dim", "0"], "embed_dim=0 is not allowed: expected an int in [1, 65536]"),
+    (["--model.backbone.init_args.embed_dim", "-4"], "embed_dim=-4 is not allowed: expected an int in [1, 65536]"),
+    (["--model.backbone.init_args.mlp_ratio", "-1"], "mlp_ratio=-1.0 is not allowed: expected a finite number in (0, 64]"),
+    (["--model.backbone.init_args.mlp_ratio", "0"], "mlp_ratio=0.0 is not allowed: expected a finite number in (0, 64]"),
+    (["--model.backbone.init_args.depth", "100000000"], "depth=100000000 is not allowed: expected an int in [1, 1024]"),
+    (["--model.betas", "[1.5, 0.9]"], "betas[0]=1.5 is not allowed: expected a finite number in [0, 1)"),
+    (["--seed_everything", "99999999999999"], "seed_everything=99999999999999 is not allowed: expected an int in [0, 4294967295]"),
+])
+def test_bad_numbers_stop_with_one_line_before_any_folder(override, message, tmp_path, monkeypatch, capsys):
+    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), *override], monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == f"error: {message}"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_save_dir_that_is_a_file_or_read_only_is_refused_before_any_folder(tmp_path, monkeypatch, capsys):
+    config = tiny_config(tmp_path)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    code, stderr = cli(["fit", "--config", str(config), "--trainer.logger.init_args.save_dir", str(a_file / "runs")],
+                       monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == (f"error: trainer.logger.init_args.save_dir={str(a_file / 'runs')!r} cannot be "
+                                  f"created: {a_file} is a file, not a folder")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        probe = read_only / "probe"
+        try:
+            probe.write_text("")  # root ignores permissions: then there is nothing to test
+            probe.unlink()
+            pytest.skip("this user can write to a read-only folder")
+        except PermissionError:
+            pass
+        code, stderr = cli(["fit", "--config", str(config), "--trainer.logger.init_args.save_dir", str(read_only)],
+                           monkeypatch, capsys)
+        assert code == 2
+        assert "cannot be written" in error_line(stderr) and "Permission denied" in error_line(stderr)
+    finally:
+        read_only.chmod(0o755)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fast_dev_run_writes_nothing_outside_a_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main_in_process(["fit", "--config", str(tiny_config(tmp_path / "cfg")), "--trainer.fast_dev_run", "2"], monkeypatch)
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["cfg/tiny.yaml"]
+
+
+def test_a_run_folder_is_claimed_by_an_exclusive_create(tmp_path, monkeypatch, capsys):
+    """Two runs that pass the "is this folder free" check at once: the second to write its config is refused."""
+    from vit.training import run_dir
+
+    real_check = run_dir.check_run_dir
+
+    def other_run_claims_it_first(folder, **kwargs):
+        real_check(folder, **kwargs)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.yaml").write_text("the other run's config\n")
+
+    monkeypatch.setattr(run_dir, "check_run_dir", other_run_claims_it_first)
+    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path))], monkeypatch, capsys)
+    assert code == 2
+    folder = tmp_path / "runs" / "tiny" / "version_0"
+    assert error_line(stderr).startswith(f"error: {folder / 'config.yaml'} was written by another run while this one started")
+    assert (folder / "config.yaml").read_text() == "the other run's config\n"

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vit.checks import check_int
 from vit.models.masks import attention_bias
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
@@ -58,6 +59,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         inner = attn_dim or dim
+        check_int("num_heads", num_heads, 1)
         if inner % num_heads != 0:
             raise ValueError(
                 f"embed_dim={inner} is not divisible by num_heads={num_heads}; "

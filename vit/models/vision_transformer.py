@@ -16,6 +16,7 @@ from vit.models.pos_embed import sincos_1d, sincos_2d
 from vit.models.scores import Score
 
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
+MAX_WIDTH, MAX_DEPTH, MAX_MLP_RATIO = 65536, 1024, 64.0
 Pool = Literal["cls", "mean", "map"]
 
 
@@ -73,12 +74,19 @@ class VisionTransformer(nn.Module):
         super().__init__()
         check_choice("pos_embed", pos_embed, PosEmbed)
         check_choice("pool", pool, Pool)
+        # Upper bounds far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo
+        # fails here instead of allocating for hours.
+        check_int("embed_dim", embed_dim, 1, MAX_WIDTH)
+        check_int("num_heads", num_heads, 1, embed_dim)
+        check_int("depth", depth, 1, MAX_DEPTH)
+        check_float("mlp_ratio", mlp_ratio, 0.0, MAX_MLP_RATIO, low_open=True)
+        check_int("score_dim", score_dim, 1, MAX_WIDTH)
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
                 f"allowed num_heads for this width: {[h for h in range(1, embed_dim + 1) if embed_dim % h == 0]}"
             )
-        for name, value in (("depth", depth), ("num_classes", num_classes), ("in_chans", in_chans)):
+        for name, value in (("num_classes", num_classes), ("in_chans", in_chans)):
             check_int(name, value, 1)
         for name, value in (("drop_rate", drop_rate), ("proj_drop_rate", proj_drop_rate),
                             ("attn_drop_rate", attn_drop_rate), ("drop_path_rate", drop_path_rate)):

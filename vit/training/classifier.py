@@ -75,6 +75,10 @@ class ImageClassifier(L.LightningModule):
         check_float("warmup_epochs", warmup_epochs, 0.0)
         check_float("label_smoothing", label_smoothing, 0.0, 1.0, high_open=True)
         check_float("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas={betas!r} is not allowed: expected two numbers in [0, 1)")
+        for i, beta in enumerate(betas):
+            check_float(f"betas[{i}]", beta, 0.0, 1.0, high_open=True)
         num_classes = getattr(backbone, "num_classes", None)
         if not isinstance(num_classes, int):
             raise ValueError(f"backbone {type(backbone).__name__} must have an int attribute `num_classes`")

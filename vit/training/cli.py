@@ -5,19 +5,29 @@ from __future__ import annotations
 import re
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from vit.checks import check_int
 from vit.data.cifar import CIFARNotFoundError
 from vit.training import ckpt_config
-from vit.training.callbacks import NonFiniteError, Preempted, RestoreRNGState, StopOnNonFinite, StopOnSignal
+from vit.training.callbacks import (
+    NonFiniteError,
+    Preempted,
+    RestoreRNGState,
+    StopOnNonFinite,
+    StopOnSignal,
+    check_finite_weights,
+)
 from vit.training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -88,6 +98,12 @@ class ViTCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
             config = self.config[subcommand]
+            seed = config.get("seed_everything")
+            if not isinstance(seed, bool) and seed is not None:
+                try:
+                    check_int("seed_everything", seed, 0, 2**32 - 1)  # numpy's range; `true` draws one
+                except ValueError as err:
+                    raise ConfigError(str(err)) from None
             _resolve_resume(subcommand, config)
             if _is_local_file(config.get("ckpt_path")):
                 checkpoint = read_checkpoint(config.ckpt_path)
@@ -107,6 +123,9 @@ class ViTCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own plugin alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if trainer.fast_dev_run:
+            # A smoke test has no logger, so checkpoints would land in the current folder: none are kept.
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
         return trainer
 
     def before_fit(self) -> None:
@@ -125,13 +144,81 @@ class ViTCLI(LightningCLI):
         self._check_before_running()
 
     def _check_before_running(self) -> None:
+        """The pre-flight: everything that can be checked before a run folder exists.
+
+        The checkpoint against the model, the loggers' save directories (test-written), the run
+        folder, and for `fit` one forward pass of one training image and the optimizer's settings.
+        Whatever fails here is a usage error (one line, exit 2), whatever its type.
+        """
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         if _is_local_file(ckpt_path):
-            check_checkpoint(ckpt_path, self.model, resume_training=self.subcommand == "fit")
-        # RunDirectoryCallback checks this too, but from inside the run, where Lightning's clean-up
-        # after the error would already have added a TensorBoard file to the other run's folder.
+            checkpoint = check_checkpoint(ckpt_path, self.model, resume_training=self.subcommand == "fit")
+            check_finite_weights_of(checkpoint, ckpt_path)
+        for logger in self.trainer.loggers:
+            if getattr(logger, "save_dir", None):
+                _check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
+        # RunConfig checks this too, but from inside the run, where Lightning's clean-up after the
+        # error would already have added a TensorBoard file to the other run's folder.
         if self.save_config_callback and self.trainer.log_dir is not None:
             check_run_dir(Path(self.trainer.log_dir), stage=self.subcommand, ckpt_path=ckpt_path)
+        if self.subcommand == "fit" and self.datamodule is not None:
+            try:
+                _forward_one_image(self.model, self.datamodule)
+            except (ConfigError, CheckpointError, CIFARNotFoundError):
+                raise
+            except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
+                raise ConfigError(f"pre-flight: one training image through the model failed: "
+                                  f"{type(err).__name__}: {_first_line(err)}") from err
+
+
+def check_finite_weights_of(checkpoint: dict, ckpt_path) -> None:
+    """A checkpoint whose weights hold NaN or infinity is refused by every subcommand."""
+    try:
+        check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))
+    except NonFiniteError as err:
+        raise CheckpointError(f"checkpoint {ckpt_path} is unusable: {err}".replace(
+            "; the checkpoint was not written, so the last one on disk is still a good one", "")) from err
+
+
+def _check_writable(folder: Path, option: str) -> None:
+    """Raise `ConfigError` unless `folder` can be created and written; nothing is left behind.
+
+    The deepest part of the path that exists must be a folder in which a file can be written.
+    """
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{option}={str(folder)!r} cannot be created: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{option}={str(folder)!r} cannot be written: {existing}: {err.strerror or err}") from err
+
+
+def _forward_one_image(model, datamodule) -> None:
+    """One training image through the backbone (eager, eval mode, no gradient), so a shape or type error shows now."""
+    if callable(getattr(datamodule, "missing_files", None)) and datamodule.missing_files():
+        return  # prepare_data downloads them first, in the right process
+    datamodule.setup("fit")
+    dataset = getattr(datamodule, "train_set", None)
+    if dataset is None or len(dataset) == 0:
+        return
+    x = dataset[0][0][None]  # (1, C, H, W)
+    backbone = model.backbone
+    was_training = backbone.training
+    try:
+        with torch.no_grad():
+            backbone.eval()
+            backbone.forward(x)  # .forward: not the compiled call, which would compile now
+    finally:
+        backbone.train(was_training)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def _constructor_message(text: str) -> str:

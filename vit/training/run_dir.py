@@ -55,7 +55,7 @@ class RunConfig(SaveConfigCallback):
         # Collectives (rank 0 decides, every rank gets its answer): called where all ranks are.
         run_dir = Path(trainer.log_dir) if folder_per_run else Path(trainer.strategy.broadcast(_checkpoint_run_dir(trainer)))
         taken, refusal = False, None
-        if trainer.is_global_zero:
+        if trainer.is_global_zero:  # rank 0 decides and claims; every rank gets its answer
             taken = holds_a_run(run_dir, self.config_filename)
             if folder_per_run:
                 try:
@@ -65,19 +65,31 @@ class RunConfig(SaveConfigCallback):
                     refusal = str(err)
             elif taken and not self.overwrite:
                 refusal = f"{run_dir / self.config_filename} already exists; not overwriting the config of an earlier run"
-        taken, refusal = trainer.strategy.broadcast((taken, refusal))
+            if refusal is None:
+                if taken and folder_per_run:
+                    self._suffix = _free_suffix(run_dir)
+                refusal = self._claim(run_dir)
+        refusal, self._suffix = trainer.strategy.broadcast((refusal, self._suffix))
         if refusal is not None:
             raise RunDirectoryError(refusal)
-        if taken and folder_per_run:
-            self._suffix = trainer.strategy.broadcast(_free_suffix(run_dir) if trainer.is_global_zero else "")
         if trainer.is_global_zero:
-            stem, ext = os.path.splitext(self.config_filename)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.parser.save(self.config, str(run_dir / f"{stem}{self._suffix}{ext}"), skip_none=False,
-                             overwrite=self.overwrite, multifile=self.multifile)
             self._run_dir = run_dir
             self.save_config(trainer, pl_module, stage)
         self.already_saved = trainer.strategy.broadcast(True)
+
+    def _claim(self, run_dir: Path) -> str | None:
+        """Write the config with an exclusive create, so two runs can never both take one folder; the refusal, or None."""
+        stem, ext = os.path.splitext(self.config_filename)
+        path = run_dir / f"{stem}{self._suffix}{ext}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = self.parser.dump(self.config, skip_none=False)
+        try:
+            with open(path, "w" if self.overwrite else "x") as f:
+                f.write(text)
+        except FileExistsError:
+            return (f"{path} was written by another run while this one started; nothing was written. "
+                    "Start this run again: it takes the next free folder")
+        return None
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
         """Write `run_info.json`, and give loggers without a run folder the whole config (rank 0 only)."""
