@@ -7,7 +7,8 @@ Everything comes from the checkpoint: the model (LightningCLI records the backbo
 it) and the data module of its config, which says the image size, the channels and the
 normalisation the model was trained with. Each image is converted the same way:
 
-1. decoded with Pillow (PNG, JPEG and anything else Pillow reads); 8-bit images;
+1. decoded with Pillow (PNG, JPEG, TIFF and anything else Pillow reads); 16-bit and float images
+   are scaled to [0, 1] by their real range (`to_input`), not clipped;
 2. converted to RGB (3 channels) or to grayscale (1 channel, ITU-R 601 luma), per the model's
    `in_chans`; an alpha channel is dropped;
 3. resized to `img_size x img_size` (bilinear, antialiased; the aspect ratio is not kept, so
@@ -31,11 +32,13 @@ import tempfile
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import v2
 
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
+from vit.training.callbacks import NonFiniteError, check_finite_weights
 from vit.training.checkpointing import CheckpointError, read_checkpoint
 from vit.training.classifier import ImageClassifier
 
@@ -47,7 +50,7 @@ class PredictError(ValueError):
 def build_transform(img_size: int, in_chans: int, normalization) -> v2.Compose:
     """PIL image -> float tensor `(in_chans, img_size, img_size)` as the model saw in training."""
     steps = [
-        v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),
+        v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),  # on PIL images and (C, H, W) tensors
         v2.ToImage(),
         v2.Resize((img_size, img_size), antialias=True),
         v2.ToDtype(torch.float32, scale=True),
@@ -61,6 +64,10 @@ def build_transform(img_size: int, in_chans: int, normalization) -> v2.Compose:
 def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, v2.Compose]:
     """The model (eval mode, CPU) and the input transform recorded in a LightningCLI checkpoint."""
     checkpoint = read_checkpoint(ckpt_path)
+    try:
+        check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))
+    except NonFiniteError as err:
+        raise CheckpointError(f"checkpoint {ckpt_path} is unusable: {str(err).split(';')[0]}") from err
     if "backbone" not in checkpoint.get("hyper_parameters", {}):
         raise CheckpointError(
             f"checkpoint {ckpt_path} does not record its backbone (it was not trained with train.py), "
@@ -81,15 +88,53 @@ def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, 
     return model, build_transform(datamodule.img_size, datamodule.in_chans, datamodule.normalization)
 
 
+def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
+    """8-bit images as they are; 16-bit and 32-bit ones as a `(1, H, W)` float tensor in [0, 1], by their real range.
+
+    Pillow's high-bit modes: `I;16*` (16-bit unsigned) are divided by 65535; `I` (32-bit signed,
+    which is how Pillow opens 16-bit PNGs) by 65535 when every value fits in 16 bits, else by
+    2**31 - 1; `F` (32-bit float) is kept when it lies in [0, 1], else min-max scaled over the image.
+    Converting them to 8 bits the usual way would clip them (a 16-bit image reads as nearly white).
+    """
+    if not image.mode.startswith(("I", "F")):
+        return image
+    pixels = np.asarray(image, dtype=np.float64)
+    if image.mode.startswith("I;16"):
+        pixels = pixels / 65535.0
+    elif image.mode == "I":
+        pixels = pixels / (65535.0 if pixels.min() >= 0 and pixels.max() <= 65535 else 2**31 - 1)
+    elif pixels.min() < 0 or pixels.max() > 1:
+        span = pixels.max() - pixels.min()
+        pixels = (pixels - pixels.min()) / span if span > 0 else np.zeros_like(pixels)
+    return torch.from_numpy(pixels.clip(0.0, 1.0).astype(np.float32))[None]  # (1, H, W)
+
+
 def read_images(input_dir: Path, transform: v2.Compose) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest."""
+    """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
+
+    Sub-folders are not searched; a broken symbolic link, a link loop and an image over Pillow's
+    decompression-bomb limit are skipped with the reason, like unreadable files.
+    """
     names, images, skipped = [], [], {}
-    for path in sorted(p for p in input_dir.iterdir() if p.is_file()):
+    for path in sorted(input_dir.iterdir()):
+        if path.is_symlink():
+            try:
+                path.resolve(strict=True)
+            except FileNotFoundError:
+                skipped[path.name] = "a symbolic link to nothing (dangling)"
+                continue
+            except (RuntimeError, OSError):
+                skipped[path.name] = "a symbolic link loop"
+                continue
+        if not path.is_file():
+            continue
         try:
             with Image.open(path) as image:
                 image.load()  # decode now: a truncated file fails here, not later
-                images.append(transform(image))
+                images.append(transform(to_input(image)))
             names.append(path.name)
+        except Image.DecompressionBombError as err:
+            skipped[path.name] = f"too large to decode safely ({str(err).split('.')[0]})"
         except (UnidentifiedImageError, OSError, ValueError) as err:
             skipped[path.name] = str(err).splitlines()[0] if str(err) else type(err).__name__
     return names, images, skipped
@@ -134,6 +179,27 @@ def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
         raise PredictError(f"--output {output} already exists; pass --overwrite to replace it")
     if not output.parent.is_dir():
         raise PredictError(f"--output {output}: its folder {output.parent} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=output.parent):
+            pass
+    except OSError as err:
+        raise PredictError(f"--output {output}: its folder {output.parent} cannot be written ({err.strerror or err})") from None
+
+
+def check_options(batch_size: int, device: str) -> None:
+    """Refuse a batch size or device that cannot work, before any image is decoded."""
+    if batch_size < 1:
+        raise PredictError(f"--batch_size {batch_size} is not allowed: expected an int >= 1")
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        raise PredictError(f"--device {device!r} is not a device: expected cpu, cuda or cuda:N") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise PredictError(f"--device {device} was asked for, but this machine has no CUDA GPU: use --device cpu")
+    if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
+        raise PredictError(f"--device {device}: there are only {torch.cuda.device_count()} GPUs")
+    if target.type not in ("cpu", "cuda"):
+        raise PredictError(f"--device {device!r} is not supported: expected cpu, cuda or cuda:N")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_paths(args.input_dir, args.output, args.overwrite)
+        check_options(args.batch_size, args.device)
         model, transform = load_for_prediction(args.ckpt_path)
     except (PredictError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

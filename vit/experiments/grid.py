@@ -73,12 +73,17 @@ def schedule(num_train: int, *, train_samples: int, num_val_checks: int, batch_s
 def load_config(path: str | Path) -> dict:
     """Read and check a study config; errors name the key, the value and what is allowed."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"study config {str(path)!r} is a folder, not a YAML file")
     if not path.is_file():
         raise FileNotFoundError(f"study config {str(path)!r} does not exist")
-    cfg = yaml.safe_load(path.read_text())
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"study config {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
     where = str(path)
     if not isinstance(cfg, dict):
-        raise ValueError(f"{where}: expected a mapping at the top level")
+        raise ValueError(f"{where}: expected a mapping at the top level, got " + ("an empty file" if cfg is None else type(cfg).__name__))
     allowed = {"base_config", "out_dir", "log_dir", "seeds", "batch_size", "train_samples", "num_val_checks",
                "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments"}
     unknown = set(cfg) - allowed

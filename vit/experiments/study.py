@@ -29,6 +29,7 @@ import io
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -178,6 +179,8 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m vit.experiments.study`. A config it cannot use is one `error:` line and exit status 2,
+    before anything runs; an error during the runs keeps its traceback."""
     parser = argparse.ArgumentParser(prog="python -m vit.experiments.study", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="study config YAML, e.g. configs/study/two_circles.yaml")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
@@ -186,8 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 0:
         parser.error(f"--max-runs={args.max_runs} is not allowed: expected an int >= 0")
-    if args.list or args.report_only:
+    try:
         cfg = load_config(args.config)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.list or args.report_only:
         rows = read_rows(Path(cfg["out_dir"]) / "runs.csv")
         if args.list:
             keys = {r["key"] for r in rows}

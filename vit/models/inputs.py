@@ -1,11 +1,21 @@
-"""The input contract every backbone shares: `(B, in_chans, img_size, img_size)`."""
+"""The input contract every backbone shares: `(B, in_chans, img_size, img_size)` floats of the weights' dtype."""
 
 from __future__ import annotations
 
 import torch
 
 
-def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: int) -> None:
-    """Raise a ValueError naming the expected and the actual shape when `x` does not fit the model."""
+def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: int, dtype: torch.dtype | None = None) -> None:
+    """Raise a ValueError naming what was expected and what came when `x` does not fit the model.
+
+    `dtype` is the weights' dtype: inputs must have it, except under autocast, which casts them
+    (Lightning's `bf16-mixed` keeps float32 inputs and autocasts the layers).
+    """
     if x.ndim != 4 or x.shape[1] != in_chans or x.shape[2:] != (img_size, img_size):
         raise ValueError(f"expected input of shape (B, {in_chans}, {img_size}, {img_size}), got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"expected a floating-point input, got {x.dtype}: images as integers must be scaled first, "
+                         "e.g. x.float() / 255 for 8-bit pixels")
+    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"input dtype {x.dtype} does not match the model's weights ({dtype}): convert the input "
+                         f"with x.to({dtype}), or the model with model.to({x.dtype}), or run under torch.autocast")

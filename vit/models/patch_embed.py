@@ -32,6 +32,6 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size)
+        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size, dtype=self.proj.weight.dtype)
         x = self.proj(x)  # (B, D, H/P, W/P)
         return x.flatten(2).transpose(1, 2)  # (B, N, D)

@@ -72,6 +72,6 @@ class ResNet(nn.Module):
         self.head = nn.Linear(in_chs, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size)
+        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size, dtype=self.stem[0].weight.dtype)
         x = self.stages(self.stem(x))  # (B, C_last, H / 2^(S-1), W / 2^(S-1))
         return self.head(self.pool(x).flatten(1))  # (B, num_classes)

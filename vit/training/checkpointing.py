@@ -124,8 +124,28 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     except Exception as err:  # torch raises RuntimeError, OSError or EOFError for damaged archives
         raise CheckpointError(f"checkpoint {path} cannot be loaded: it is corrupted ({_first_line(err)})") from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(f"checkpoint {path} is not a Lightning checkpoint (it has no 'state_dict')")
+        kind = "" if isinstance(checkpoint, dict) else f": it holds a {type(checkpoint).__name__}, not a dict"
+        raise CheckpointError(f"checkpoint {path} is not a Lightning checkpoint (it has no 'state_dict'){kind}")
+    layout = _layout_problem(checkpoint)
+    if layout:
+        raise CheckpointError(
+            f"checkpoint {path} is not a checkpoint of this project: {layout}. A plain state dict of the backbone "
+            "can be loaded in Python with `model.backbone.load_state_dict(...)`"
+        )
     return checkpoint
+
+
+def _layout_problem(checkpoint: dict) -> str:
+    """What makes a dict with a 'state_dict' something other than a Lightning checkpoint, or ''."""
+    state = checkpoint["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        return "its 'state_dict' is not a mapping of names to tensors"
+    hparams = checkpoint.get("hyper_parameters", {})
+    if not isinstance(hparams, dict):
+        return f"its 'hyper_parameters' is a {type(hparams).__name__}, not a mapping"
+    if "pytorch-lightning_version" not in checkpoint and "optimizer_states" in checkpoint:
+        return "it has optimizer states but no 'pytorch-lightning_version' (another trainer wrote it)"
+    return ""
 
 
 def check_checkpoint(path: str | os.PathLike, model: nn.Module, *, resume_training: bool = False) -> dict[str, Any]:

@@ -153,6 +153,12 @@ class ViTCLI(LightningCLI):
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         if _is_local_file(ckpt_path):
             checkpoint = check_checkpoint(ckpt_path, self.model, resume_training=self.subcommand == "fit")
+            if "pytorch-lightning_version" not in checkpoint:
+                raise CheckpointError(
+                    f"checkpoint {ckpt_path} is not a checkpoint of this project: Lightning did not write it (no "
+                    "'pytorch-lightning_version'). A plain state dict can be loaded in Python with "
+                    "`model.load_state_dict(...)`"
+                )
             check_finite_weights_of(checkpoint, ckpt_path)
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
