@@ -228,3 +228,33 @@ def test_summary_cells_are_mean_and_sample_std_of_rows(tmp_path):
     assert table[("coordconv", "32")]["test_acc_mean"] == "0.7500"
     assert table[("coordconv", "32")]["test_acc_std"] == "0.2500"
     assert (out / "sweep_models.png").exists() and not (out / "sweep_vs_size.png").exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "study config '{path}' does not exist"),
+    ("", "{path}: expected a mapping at the top level, got an empty file"),
+    ("seeds: [0\n", "study config '{path}' is not valid YAML"),
+    ("folder", "study config '{path}' is a folder, not a YAML file"),
+])
+def test_study_config_errors_are_one_line_and_exit_2(content, message, tmp_path, capsys):
+    path = tmp_path / "study.yaml"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--config", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: " + message.format(path=path))
+
+
+def test_an_unknown_model_in_the_study_is_one_line(tmp_path, capsys):
+    config = _tiny_config(tmp_path)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["experiments"][0]["models"].append("nosuchmodel")
+    config.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--config", str(config)])
+    assert exit_info.value.code == 2
+    assert "nosuchmodel" in capsys.readouterr().err
