@@ -148,3 +148,14 @@ def test_a_run_folder_is_claimed_by_an_exclusive_create(tmp_path, monkeypatch, c
     folder = tmp_path / "runs" / "tiny" / "version_0"
     assert error_line(stderr).startswith(f"error: {folder / 'config.yaml'} was written by another run while this one started")
     assert (folder / "config.yaml").read_text() == "the other run's config\n"
+
+
+def test_resuming_with_another_number_of_processes_is_refused(trained, tmp_path, monkeypatch, capsys):
+    checkpoint = torch.load(trained, weights_only=True)
+    assert checkpoint["TwoCirclesDataModule"]["world_size"] == 1
+    checkpoint["TwoCirclesDataModule"]["world_size"] = 2  # as if two DDP processes had written it
+    path = tmp_path / "two_processes.ckpt"
+    torch.save(checkpoint, path)
+    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(path)], monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr).startswith(f"error: checkpoint {path} was written by 2 process(es) and this run has 1")

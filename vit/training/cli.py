@@ -160,6 +160,8 @@ class ViTCLI(LightningCLI):
                     "`model.load_state_dict(...)`"
                 )
             check_finite_weights_of(checkpoint, ckpt_path)
+            if self.subcommand == "fit":
+                _check_same_world_size(checkpoint, ckpt_path, self.trainer.world_size)
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
                 _check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
@@ -184,6 +186,18 @@ def check_finite_weights_of(checkpoint: dict, ckpt_path) -> None:
     except NonFiniteError as err:
         raise CheckpointError(f"checkpoint {ckpt_path} is unusable: {err}".replace(
             "; the checkpoint was not written, so the last one on disk is still a good one", "")) from err
+
+
+def _check_same_world_size(checkpoint: dict, ckpt_path, world_size: int) -> None:
+    """Resuming mid-epoch needs the number of processes the checkpoint was written with."""
+    for state in checkpoint.values():
+        if isinstance(state, dict) and "train_position" in state and "world_size" in state:
+            if state["world_size"] != world_size:
+                raise ConfigError(
+                    f"checkpoint {ckpt_path} was written by {state['world_size']} process(es) and this run has "
+                    f"{world_size}: each process's share of the epoch differs, so the run cannot continue where it "
+                    f"stopped. Resume with {state['world_size']} process(es) (trainer.devices x trainer.num_nodes)"
+                )
 
 
 def _check_writable(folder: Path, option: str) -> None:

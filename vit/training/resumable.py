@@ -112,7 +112,9 @@ class ResumableTrainingData:
         trainer = getattr(self, "trainer", None)
         if trainer is None or trainer.state.fn != "fit":
             return {}
-        return {"train_position": training_position(trainer)}
+        # The number of processes is recorded so that a resume with another one is refused up front
+        # (vit.training.cli): each process's share of an epoch, and so the position, depends on it.
+        return {"train_position": training_position(trainer), "world_size": int(trainer.world_size)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._resume_position = state_dict.get("train_position")
