@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.init import trunc_normal_
 
@@ -13,6 +14,7 @@ from vit.models.block import Block
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
+from vit.models.pretrained import load_pretrained
 from vit.models.scores import Score
 
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
@@ -47,7 +49,11 @@ class VisionTransformer(nn.Module):
     dropout on the attention weights, `drop_path_rate` the stochastic-depth rate of the last
     block (rising linearly from 0 in the first). `attn_score` picks the score function `f(q, k)`
     of every attention layer (`vit.models.scores`), `score_dim` the hidden width d_a of the
-    additive forms.
+    additive forms. `pretrained`: weights to start from, a timm model name, a hub id or a local file,
+    adapted to this config (`vit.models.pretrained`).
+
+    timm's model API is there too: `forward_intermediates`, `get_classifier`, `reset_classifier`,
+    `set_grad_checkpointing`, `num_features`.
     """
 
     def __init__(
@@ -70,6 +76,7 @@ class VisionTransformer(nn.Module):
         pool: Pool = "cls",
         attn_score: Score = "scaled_dot",
         score_dim: int = 16,
+        pretrained: str | None = None,
     ) -> None:
         super().__init__()
         check_choice("pos_embed", pos_embed, PosEmbed)
@@ -92,7 +99,7 @@ class VisionTransformer(nn.Module):
                             ("attn_drop_rate", attn_drop_rate), ("drop_path_rate", drop_path_rate)):
             check_float(name, value, 0.0, 1.0, high_open=True)
         self.num_classes = num_classes
-        self.embed_dim = embed_dim
+        self.embed_dim = self.num_features = embed_dim  # timm's name for the width the head reads
         self.pos_embed_type = pos_embed
         self.pool = pool
         self.num_prefix_tokens = 1 if pool == "cls" else 0  # the CLS token, when there is one
@@ -135,7 +142,10 @@ class VisionTransformer(nn.Module):
             )
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes)
+        self.grad_checkpointing = False
         self.init_weights()
+        if pretrained:
+            load_pretrained(self, pretrained)
 
     def init_weights(self) -> None:
         """timm's scheme: truncated normal (std 0.02) for linear layers and learned positions."""
@@ -156,14 +166,82 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, C, H, W) -> (B, N, D)`: the normalised tokens after the last block, the CLS token first if any."""
+        x = self.embed(x)  # (B, N, D)
+        for block in self.blocks:
+            x = self._run_block(block, x)  # x + attn(norm1(x)), then x + mlp(norm2(x))
+        return self.norm(x)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, C, H, W) -> (B, N, D)`: the image as tokens, the CLS token first if any, positions added."""
         x = self.patch_embed(x)  # (B, num_patches, D)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, N = 1 + num_patches, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed  # learned or fixed, (1, N, D)
-        for block in self.blocks:
-            x = block(x)  # x + attn(norm1(x)), then x + mlp(norm2(x))
-        return self.norm(x)
+        return x
+
+    def _run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            # Activation checkpointing: the block's activations are recomputed in the backward pass.
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        *,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ):
+        """The token maps after chosen blocks, for dense tasks and probing (timm's signature, in part).
+
+        `indices`: the last n blocks for an int, block numbers for a list (negative from the end), all
+        by default. `output_fmt`: "NCHW" gives `(B, D, gh, gw)` patch maps, "NLC" `(B, num_patches, D)`.
+        Returns the list, or `(final normalised tokens (B, N, D), list)` unless `intermediates_only`;
+        with `return_prefix_tokens`, each entry is `(patch map, prefix tokens (B, num_prefix, D))`.
+        """
+        check_choice("output_fmt", output_fmt, ("NCHW", "NLC"))
+        depth = len(self.blocks)
+        if indices is None:
+            wanted = list(range(depth))
+        elif isinstance(indices, int):
+            check_int("indices", indices, 1, depth)
+            wanted = list(range(depth - indices, depth))
+        else:
+            wanted = [i % depth for i in indices]
+        gh, gw = self.patch_embed.grid_size
+        prefix = self.num_prefix_tokens
+        x = self.embed(x)
+        intermediates = []
+        for i, block in enumerate(self.blocks):
+            x = self._run_block(block, x)
+            if i in wanted:
+                y = self.norm(x) if norm else x
+                patches = y[:, prefix:]  # (B, num_patches, D)
+                if output_fmt == "NCHW":
+                    patches = patches.transpose(1, 2).reshape(x.shape[0], -1, gh, gw)  # (B, D, gh, gw)
+                intermediates.append((patches, y[:, :prefix]) if return_prefix_tokens else patches)
+        return intermediates if intermediates_only else (self.norm(x), intermediates)
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """A new, freshly initialised head for `num_classes` classes (0: no head, `forward` returns features)."""
+        check_int("num_classes", num_classes, 0)
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Trade compute for memory: recompute each block's activations in the backward pass."""
+        self.grad_checkpointing = enable
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, N, D) -> (B, num_classes)`: pool the tokens as `self.pool` says, then the linear head."""
