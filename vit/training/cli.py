@@ -346,6 +346,11 @@ def main(args=None) -> ViTCLI:
     except SIGTERMException:
         _exit("stopped by SIGTERM during validation: last.ckpt holds the last finished training step. Resume with "
               "the same command and --ckpt_path last", code=128 + signal.SIGTERM)
+    finally:
+        # Each DDP process leaves its process group before the interpreter exits; a group left to
+        # the interpreter's shutdown aborted a gloo process at times ("terminate called").
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _command(args) -> list[str] | None:
