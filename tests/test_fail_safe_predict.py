@@ -11,8 +11,9 @@ import torch
 from PIL import Image
 from robust_helpers import run_dirs, shared_run
 
+from vit.data.image_folder import to_input
 from vit.models import ResNet, VisionTransformer
-from vit.predict import main, to_input
+from vit.predict import main
 from vit.training.checkpointing import CheckpointError, read_checkpoint
 
 

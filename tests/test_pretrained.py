@@ -131,3 +131,36 @@ def test_pytorch_grad_cam_works_on_our_vit_as_on_timms():
     with GradCAM(model=model, target_layers=[model.blocks[-1].norm1], reshape_transform=reshape) as cam:
         maps = cam(input_tensor=x, targets=[ClassifierOutputTarget(3)] * 2)
     assert maps.shape == (2, 32, 32) and np.isfinite(maps).all() and maps.max() > 0
+
+
+@pytest.mark.parametrize("trainable, trained", [
+    ("head", {"head"}),
+    (1, {"head", "norm", "blocks.1"}),
+    ("all", {"head", "norm", "blocks.1", "blocks.0", "patch_embed", "cls_token", "pos_embed"}),
+])
+def test_freezing_trains_only_what_it_names(trainable, trained):
+    from vit.training.classifier import ImageClassifier
+
+    torch.manual_seed(0)
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2)
+    model = ImageClassifier(backbone, trainable=trainable, lr=0.1, weight_decay=0.0)
+    before = {n: p.detach().clone() for n, p in backbone.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.tensor([0, 1, 2, 0])).backward()
+    optimizer.step()
+    for name, p in backbone.named_parameters():
+        moved = not torch.equal(p, before[name])
+        expected = any(name == t or name.startswith(t + ".") for t in trained)
+        assert moved == expected, name
+        assert p.requires_grad == expected and (p.grad is not None) == expected, name
+
+
+def test_freezing_options_name_what_is_allowed():
+    from vit.models import ResNet
+    from vit.training.classifier import ImageClassifier
+
+    vit = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2)
+    with pytest.raises(ValueError, match=r"trainable=3 is not allowed: expected an int in \[0, 2\]"):
+        ImageClassifier(vit, trainable=3)
+    with pytest.raises(ValueError, match="trainable=1 counts Transformer blocks; ResNet has no `blocks`"):
+        ImageClassifier(ResNet(img_size=16, in_chans=3, num_classes=3, widths=(4,)), trainable=1)

@@ -8,7 +8,7 @@ it) and the data module of its config, which says the image size, the channels a
 normalisation the model was trained with. Each image is converted the same way:
 
 1. decoded with Pillow (PNG, JPEG, TIFF and anything else Pillow reads); 16-bit and float images
-   are scaled to [0, 1] by their real range (`to_input`), not clipped;
+   are scaled to [0, 1] by their real range (`vit.data.image_folder.to_input`), not clipped;
 2. converted to RGB (3 channels) or to grayscale (1 channel, ITU-R 601 luma), per the model's
    `in_chans`; an alpha channel is dropped;
 3. resized to `img_size x img_size` (bilinear, antialiased; the aspect ratio is not kept, so
@@ -32,12 +32,12 @@ import tempfile
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import v2
 
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
+from vit.data.image_folder import build_transform, to_input
 from vit.training.callbacks import NonFiniteError, check_finite_weights
 from vit.training.checkpointing import CheckpointError, read_checkpoint
 from vit.training.classifier import ImageClassifier
@@ -45,20 +45,6 @@ from vit.training.classifier import ImageClassifier
 
 class PredictError(ValueError):
     """Arguments or inputs that `vit.predict` cannot work with."""
-
-
-def build_transform(img_size: int, in_chans: int, normalization) -> v2.Compose:
-    """PIL image -> float tensor `(in_chans, img_size, img_size)` as the model saw in training."""
-    steps = [
-        v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),  # on PIL images and (C, H, W) tensors
-        v2.ToImage(),
-        v2.Resize((img_size, img_size), antialias=True),
-        v2.ToDtype(torch.float32, scale=True),
-    ]
-    if normalization is not None:
-        mean, std = normalization
-        steps.append(v2.Normalize(list(mean), list(std)))
-    return v2.Compose(steps)
 
 
 def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, v2.Compose]:
@@ -86,27 +72,6 @@ def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, 
             "normalised (no `normalization` attribute)"
         )
     return model, build_transform(datamodule.img_size, datamodule.in_chans, datamodule.normalization)
-
-
-def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
-    """8-bit images as they are; 16-bit and 32-bit ones as a `(1, H, W)` float tensor in [0, 1], by their real range.
-
-    Pillow's high-bit modes: `I;16*` (16-bit unsigned) are divided by 65535; `I` (32-bit signed,
-    which is how Pillow opens 16-bit PNGs) by 65535 when every value fits in 16 bits, else by
-    2**31 - 1; `F` (32-bit float) is kept when it lies in [0, 1], else min-max scaled over the image.
-    Converting them to 8 bits the usual way would clip them (a 16-bit image reads as nearly white).
-    """
-    if not image.mode.startswith(("I", "F")):
-        return image
-    pixels = np.asarray(image, dtype=np.float64)
-    if image.mode.startswith("I;16"):
-        pixels = pixels / 65535.0
-    elif image.mode == "I":
-        pixels = pixels / (65535.0 if pixels.min() >= 0 and pixels.max() <= 65535 else 2**31 - 1)
-    elif pixels.min() < 0 or pixels.max() > 1:
-        span = pixels.max() - pixels.min()
-        pixels = (pixels - pixels.min()) / span if span > 0 else np.zeros_like(pixels)
-    return torch.from_numpy(pixels.clip(0.0, 1.0).astype(np.float32))[None]  # (1, H, W)
 
 
 def read_images(input_dir: Path, transform: v2.Compose) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:

@@ -38,19 +38,30 @@ def build_train_transform(
         steps.append(v2.RandomCrop(32, padding=4))
     if horizontal_flip:
         steps.append(v2.RandomHorizontalFlip())
-    if auto_augment == "randaugment":
-        steps.append(v2.RandAugment(num_ops=randaugment_num_ops, magnitude=randaugment_magnitude))
-    elif auto_augment == "trivialaugment":
-        steps.append(v2.TrivialAugmentWide())
-    elif auto_augment == "autoaugment":
-        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10))
-    else:
-        check_choice("auto_augment", auto_augment, AutoAugmentName)
+    steps += auto_augment_step(auto_augment, randaugment_num_ops, randaugment_magnitude)
     steps += _to_normalised_tensor(dataset)
     if random_erasing > 0:
         # After normalising, so the erased rectangle is 0 = the dataset mean, as in the paper.
         steps.append(v2.RandomErasing(p=random_erasing, value=0))
     return v2.Compose(steps)
+
+
+def auto_augment_step(
+    name: AutoAugmentName, num_ops: int = 2, magnitude: int = 9, policy: v2.AutoAugmentPolicy = v2.AutoAugmentPolicy.CIFAR10
+) -> list:
+    """The augmentation policy `name` as a list of at most one transform ("none": empty).
+
+    "randaugment" with `num_ops` / `magnitude`, "trivialaugment", or "autoaugment" with `policy`
+    (torchvision's CIFAR-10 policy by default; ImageNet's for photographs).
+    """
+    check_choice("auto_augment", name, AutoAugmentName)
+    if name == "randaugment":
+        return [v2.RandAugment(num_ops=num_ops, magnitude=magnitude)]
+    if name == "trivialaugment":
+        return [v2.TrivialAugmentWide()]
+    if name == "autoaugment":
+        return [v2.AutoAugment(policy)]
+    return []
 
 
 def build_eval_transform(dataset: DatasetName) -> v2.Compose:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Literal
 
 import lightning as L
 import torch
@@ -12,7 +13,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from vit.checks import check_float
+from vit.checks import check_float, check_int
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
@@ -38,6 +39,27 @@ def param_groups_weight_decay(model: nn.Module, weight_decay: float) -> list[dic
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def freeze(backbone: nn.Module, trainable: str | int) -> None:
+    """Leave trainable only what `trainable` names (see `ImageClassifier`); the rest gets `requires_grad=False`."""
+    if trainable == "all":
+        return
+    if isinstance(trainable, bool) or not (trainable == "head" or isinstance(trainable, int)):
+        raise ValueError(f"trainable={trainable!r} is not allowed: expected 'all', 'head' or a number of last blocks")
+    if not isinstance(getattr(backbone, "head", None), nn.Module):
+        raise ValueError(f"trainable={trainable!r} needs a backbone with a `head`; {type(backbone).__name__} has none")
+    keep = [backbone.head]
+    if isinstance(trainable, int):
+        blocks = getattr(backbone, "blocks", None)
+        if blocks is None:
+            raise ValueError(f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no `blocks`")
+        check_int("trainable", trainable, 0, len(blocks))
+        keep += list(blocks[len(blocks) - trainable:]) + [getattr(backbone, name) for name in ("norm", "attn_pool")
+                                                           if isinstance(getattr(backbone, name, None), nn.Module)]
+    backbone.requires_grad_(False)
+    for module in keep:
+        module.requires_grad_(True)
+
+
 class ImageClassifier(L.LightningModule):
     """Cross-entropy training of `backbone` with AdamW and a per-step warmup + cosine schedule.
 
@@ -50,6 +72,9 @@ class ImageClassifier(L.LightningModule):
         min_lr_ratio: the cosine ends at `lr * min_lr_ratio`.
         label_smoothing: applied to hard labels and to the soft (Mixup/CutMix) targets alike.
         compile: `torch.compile` the backbone in place (`nn.Module.compile`), so checkpoint keys stay `backbone.*`.
+        trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`);
+            or an int k, the last k blocks with the final norm and the head (k=0 is "head" plus the
+            norm). Frozen parameters get no gradient and are not given to the optimizer.
 
     A batch is `(x, y)`, or `(x, y, y_soft)` when the data module mixes images (Mixup/CutMix):
     then the loss uses the soft targets and the training accuracy the hard labels `y`. The
@@ -68,6 +93,7 @@ class ImageClassifier(L.LightningModule):
         min_lr_ratio: float = 0.0,
         label_smoothing: float = 0.0,
         compile: bool = False,
+        trainable: Literal["all", "head"] | int = "all",
     ) -> None:
         super().__init__()
         check_float("lr", lr, 0.0, low_open=True)
@@ -91,6 +117,7 @@ class ImageClassifier(L.LightningModule):
         if isinstance(self.hparams.get("backbone"), nn.Module):
             self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
+        freeze(backbone, trainable)
         if compile:
             self.backbone.compile()
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

@@ -1,0 +1,222 @@
+"""Your own images: one sub-folder per class (torchvision's `ImageFolder` layout), as a LightningDataModule.
+
+    my_images/cats/001.jpg, my_images/dogs/002.png, ...            a seeded train/val split
+    my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
+
+Images are read with Pillow and converted to RGB (or grayscale for `in_chans=1`), whatever their
+mode (palette, RGBA, 16-bit and float: see `to_input`). Files that cannot be read are skipped and
+listed once; an empty folder, a class folder without a readable image, or a single class is an error.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision import datasets
+from torchvision.transforms import v2
+
+from vit.checks import check_choice, check_float, check_int
+from vit.data.transforms import AutoAugmentName, auto_augment_step
+from vit.training.resumable import ResumableTrainingData
+
+Normalization = Literal["imagenet", "inception", "none"]
+NORMALIZATIONS = {
+    "imagenet": (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),  # most timm ImageNet weights
+    "inception": (IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD),  # (0.5, 0.5): the augreg ViTs
+    "none": None,
+}
+
+
+class ImageFolderDataModule(ResumableTrainingData, L.LightningDataModule):
+    """Train / val / test splits of a folder of class folders, resized to `img_size`.
+
+    Args:
+        root: the folder. With `train/` inside, `train/`, `val/` (else a split of `train/`) and
+            `test/` (else `val/`) are used as given; otherwise `root`'s class folders are split.
+        val_fraction: share of the images held out for validation when the split is made here,
+            seeded by `seed` and stratified by nothing (a random permutation).
+        normalization: the mean/std the pretrained weights expect: "imagenet" (timm's default),
+            "inception" (0.5/0.5, the augreg ViTs), or "none" (pixels in [0, 1]). timm's
+            `resolve_data_config(model=...)` tells which a timm model wants.
+        random_resized_crop, horizontal_flip, auto_augment, randaugment_*, random_erasing: training
+            augmentations (the CIFAR switches; the crop is timm's / torchvision's `RandomResizedCrop`).
+    """
+
+    def __init__(
+        self,
+        *,
+        root: str,
+        img_size: int = 224,
+        in_chans: int = 3,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        batch_size: int = 64,
+        num_workers: int = 4,
+        normalization: Normalization = "imagenet",
+        random_resized_crop: bool = True,
+        horizontal_flip: bool = True,
+        auto_augment: AutoAugmentName = "none",
+        randaugment_num_ops: int = 2,
+        randaugment_magnitude: int = 9,
+        random_erasing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        check_int("img_size", img_size, 8)
+        check_choice("in_chans", in_chans, (1, 3))
+        check_float("val_fraction", val_fraction, 0.0, 1.0, low_open=True, high_open=True)
+        check_int("seed", seed, 0)
+        check_int("batch_size", batch_size, 1)
+        check_int("num_workers", num_workers, 0)
+        check_choice("normalization", normalization, Normalization)
+        check_float("random_erasing", random_erasing, 0.0, 1.0)
+        self.save_hyperparameters()
+        self.root = Path(root)
+        self.num_classes: int | None = None
+        self.classes: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.train_set = self.val_set = self.test_set = None
+        to_tensor = [v2.Grayscale(1) if in_chans == 1 else v2.RGB(), v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
+        norm = [v2.Normalize(*map(list, NORMALIZATIONS[normalization]))] if NORMALIZATIONS[normalization] else []
+        train = [v2.RandomResizedCrop(img_size, antialias=True) if random_resized_crop else v2.Resize((img_size, img_size))]
+        train += [v2.RandomHorizontalFlip()] if horizontal_flip else []
+        train += auto_augment_step(auto_augment, randaugment_num_ops, randaugment_magnitude, v2.AutoAugmentPolicy.IMAGENET)
+        erase = [v2.RandomErasing(p=random_erasing, value=0)] if random_erasing > 0 else []
+        self.train_transform = v2.Compose([*train, *to_tensor, *norm, *erase])
+        self.eval_transform = build_transform(img_size, in_chans, self.normalization)  # what vit.predict uses
+        self._scan_classes()  # fail now, before any training: num_classes is linked into the model
+
+    @property
+    def img_size(self) -> int:
+        return self.hparams.img_size
+
+    @property
+    def in_chans(self) -> int:
+        return self.hparams.in_chans
+
+    @property
+    def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-channel `(mean, std)` applied after scaling pixels to [0, 1] (what `vit.predict` reuses)."""
+        pair = NORMALIZATIONS[self.hparams.normalization]
+        return None if pair is None else (tuple(pair[0]), tuple(pair[1]))
+
+    def _folder(self, split: str) -> Path | None:
+        folder = self.root / split
+        return folder if folder.is_dir() else None
+
+    def _scan_classes(self) -> None:
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"root={str(self.root)!r} is not a folder")
+        base = self._folder("train") or self.root
+        self.classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if not self.classes:
+            raise ValueError(f"{base} holds no class folders: expected one sub-folder of images per class")
+        if len(self.classes) < 2:
+            raise ValueError(f"{base} holds one class folder ({self.classes[0]}): a classifier needs at least two")
+        self.num_classes = len(self.classes)
+
+    def _images(self, folder: Path, transform) -> datasets.ImageFolder:
+        def readable(path: str) -> bool:
+            try:
+                with Image.open(path) as image:
+                    image.verify()  # reads the header and checks the file's structure, without decoding
+                return True
+            except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+                self.skipped[path] = str(err).splitlines()[0] if str(err) else type(err).__name__
+                return False
+
+        try:
+            found = datasets.ImageFolder(str(folder), transform=transform, loader=_load, is_valid_file=readable)
+        except FileNotFoundError as err:  # torchvision: a class folder without a valid file
+            raise ValueError(f"{folder}: {err}; every class folder needs at least one readable image") from None
+        if found.classes != self.classes:
+            raise ValueError(f"{folder} has the classes {found.classes}, but the training folder has {self.classes}")
+        return found
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train_dir, val_dir, test_dir = self._folder("train"), self._folder("val"), self._folder("test")
+        if train_dir is not None and val_dir is not None:
+            self.train_set = self._images(train_dir, self.train_transform)
+            self.val_set = self._images(val_dir, self.eval_transform)
+        else:
+            source = train_dir or self.root
+            train_full, eval_full = self._images(source, self.train_transform), self._images(source, self.eval_transform)
+            n = len(train_full)
+            n_val = max(1, round(self.hparams.val_fraction * n))
+            if n - n_val < 1:
+                raise ValueError(f"{source} has {n} readable image(s): too few to hold out {n_val} for validation")
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed)).tolist()
+            self.train_set, self.val_set = Subset(train_full, order[n_val:]), Subset(eval_full, order[:n_val])
+        self.test_set = self._images(test_dir, self.eval_transform) if test_dir is not None else self.val_set
+        if self.skipped:
+            listed = "; ".join(f"{Path(p).relative_to(self.root)}: {why}" for p, why in sorted(self.skipped.items()))
+            warnings.warn(f"skipped {len(self.skipped)} unreadable file(s) under {self.root}: {listed}", stacklevel=2)
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        batch_size, workers = self.hparams.batch_size, self.hparams.num_workers
+        return DataLoader(dataset, batch_size=batch_size, sampler=self.train_sampler(dataset, batch_size) if train else None,
+                          generator=self.loader_generator(), num_workers=workers, persistent_workers=workers > 0,
+                          pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+
+def _load(path: str) -> Image.Image | torch.Tensor:
+    """Decode one image; 16-bit and float images are scaled by their real range (`to_input`)."""
+    with Image.open(path) as image:
+        image.load()
+        return to_input(image)
+
+
+def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
+    """8-bit images as they are; 16-bit and 32-bit ones as a `(1, H, W)` float tensor in [0, 1], by their real range.
+
+    Pillow's high-bit modes: `I;16*` (16-bit unsigned) are divided by 65535; `I` (32-bit signed,
+    which is how Pillow opens 16-bit PNGs) by 65535 when every value fits in 16 bits, else by
+    2**31 - 1; `F` (32-bit float) is kept when it lies in [0, 1], else min-max scaled over the image.
+    Converting them to 8 bits the usual way would clip them (a 16-bit image reads as nearly white).
+    """
+    if not image.mode.startswith(("I", "F")):
+        return image
+    pixels = np.asarray(image, dtype=np.float64)
+    if image.mode.startswith("I;16"):
+        pixels = pixels / 65535.0
+    elif image.mode == "I":
+        pixels = pixels / (65535.0 if pixels.min() >= 0 and pixels.max() <= 65535 else 2**31 - 1)
+    elif pixels.min() < 0 or pixels.max() > 1:
+        span = pixels.max() - pixels.min()
+        pixels = (pixels - pixels.min()) / span if span > 0 else np.zeros_like(pixels)
+    return torch.from_numpy(pixels.clip(0.0, 1.0).astype(np.float32))[None]  # (1, H, W)
+
+
+def build_transform(img_size: int, in_chans: int, normalization) -> v2.Compose:
+    """PIL image -> float tensor `(in_chans, img_size, img_size)` as the model saw in training."""
+    steps = [
+        v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),  # on PIL images and (C, H, W) tensors
+        v2.ToImage(),
+        v2.Resize((img_size, img_size), antialias=True),
+        v2.ToDtype(torch.float32, scale=True),
+    ]
+    if normalization is not None:
+        mean, std = normalization
+        steps.append(v2.Normalize(list(mean), list(std)))
+    return v2.Compose(steps)
