@@ -348,3 +348,42 @@ def test_trainer_mixes_training_batches_only(make_dm):
     )
     trainer.fit(model, datamodule=dm)
     assert model.seen == {"train": [3, 3], "val": [2, 2]}
+
+
+def test_repeated_augmentation_shows_each_image_k_times_in_an_epoch_of_the_same_length():
+    data = list(range(12))
+    sampler = ResumableSampler(data, seed=5, repeats=3)
+    sampler.set_epoch(2)
+    order = list(sampler)
+    assert len(order) == 12  # the epoch keeps the dataset's length
+    runs = [order[i : i + 3] for i in range(0, 12, 3)]
+    assert all(len(set(r)) == 1 for r in runs) and len({r[0] for r in runs}) == 4  # 4 images, 3 copies each, in a row
+    # The same images as the first quarter of the plain permutation of that epoch (DeiT's RASampler).
+    plain = ResumableSampler(data, seed=5)
+    plain.set_epoch(2)
+    assert [r[0] for r in runs] == list(plain)[:4]
+    # Two processes get the copies of one image alternately: each sees it, augmented on its own.
+    shards = [list(ResumableSampler(data, seed=5, repeats=2, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert shards[0] == shards[1]
+    # Resuming mid-epoch continues exactly.
+    resumed = ResumableSampler(data, seed=5, repeats=3)
+    resumed.resume_at(2, 7)
+    assert list(resumed) == order[7:]
+
+
+def test_upsampling_and_pretrained_normalisation_for_fine_tuning(make_dm):
+    from timm.data import IMAGENET_INCEPTION_MEAN
+
+    dm = make_dm(img_size=64, normalization="inception", random_crop=False, horizontal_flip=False)
+    assert dm.img_size == 64 and dm.normalization[0] == tuple(IMAGENET_INCEPTION_MEAN)
+    dm.setup("fit")
+    x, _ = dm.val_set[0]
+    assert x.shape == (3, 64, 64)
+    plain = make_dm()
+    plain.setup("fit")
+    small, _ = plain.val_set[0]  # the same image, CIFAR-normalised at 32 x 32
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in CIFAR_MEAN_STD["cifar10"])
+    pixels = small * std + mean  # back to [0, 1]
+    up = F.interpolate(pixels[None], size=64, mode="bicubic", align_corners=False, antialias=True)[0]
+    # Upsampled from the 8-bit image (not from the normalised tensor): equal up to rounding.
+    assert (x * 0.5 + 0.5 - up).abs().mean() < 0.02

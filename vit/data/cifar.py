@@ -6,6 +6,7 @@ the device.
 """
 
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -81,6 +82,12 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
 
     The training order is shuffled by the run's seed and restored mid-epoch when a run resumes from
     a checkpoint (`vit.training.resumable`); the random augmentations after a resume are drawn afresh.
+    `repeated_augmentation=k` shows each image k times in a row within an epoch of the same length
+    (Lee et al. 2021 train with k=3), still resumable.
+
+    For a pretrained model: `img_size` upsamples the images (bicubic, after the 32x32 augmentations)
+    to the resolution it expects, and `normalization` uses the statistics it was trained with
+    ("imagenet" or "inception") instead of CIFAR's ("cifar").
     """
 
     def __init__(
@@ -105,6 +112,9 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
         cutmix_alpha: float = 0.0,
         mixup_prob: float = 1.0,
         mixup_switch_prob: float = 0.5,
+        img_size: int = 32,
+        normalization: Literal["cifar", "imagenet", "inception"] = "cifar",
+        repeated_augmentation: int = 1,
     ) -> None:
         super().__init__()
         check_choice("dataset", dataset, DatasetName)
@@ -135,8 +145,13 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
 
+        check_int("img_size", img_size, 32)
+        check_choice("normalization", normalization, ("cifar", "imagenet", "inception"))
+        check_int("repeated_augmentation", repeated_augmentation, 1)
         self.train_transform = build_train_transform(
             dataset,
+            img_size=img_size,
+            mean_std=self.normalization,
             random_crop=random_crop,
             horizontal_flip=horizontal_flip,
             auto_augment=auto_augment,
@@ -144,7 +159,7 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
             randaugment_magnitude=randaugment_magnitude,
             random_erasing=random_erasing,
         )
-        self.eval_transform = build_eval_transform(dataset)
+        self.eval_transform = build_eval_transform(dataset, img_size, self.normalization)
         self.mixup: Mixup | None = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
             self.mixup = Mixup(
@@ -167,7 +182,8 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
 
     @property
     def img_size(self) -> int:
-        return 32
+        """32, or the size the images are upsampled to for a pretrained model (`img_size`)."""
+        return self.hparams.img_size
 
     @property
     def in_chans(self) -> int:
@@ -175,8 +191,15 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Per-channel `(mean, std)` the inputs are normalised with, after scaling pixels to [0, 1]."""
-        return CIFAR_MEAN_STD[self.dataset]
+        """Per-channel `(mean, std)` the inputs are normalised with, after scaling pixels to [0, 1]: the
+        dataset's own statistics, or those a pretrained model was trained with (timm's ImageNet or
+        inception (0.5) values)."""
+        if self.hparams.normalization == "cifar":
+            return CIFAR_MEAN_STD[self.dataset]
+        from vit.data.image_folder import NORMALIZATIONS
+
+        mean, std = NORMALIZATIONS[self.hparams.normalization]
+        return tuple(mean), tuple(std)
 
     @property
     def folder(self) -> Path:
@@ -264,7 +287,7 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=self.train_sampler(dataset, self.batch_size) if train else None,
+            sampler=self.train_sampler(dataset, self.batch_size, self.hparams.repeated_augmentation) if train else None,
             generator=self.loader_generator(),
             drop_last=train,  # also keeps every training batch even-sized for Mixup/CutMix
             num_workers=self.num_workers,

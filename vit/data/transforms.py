@@ -23,6 +23,8 @@ CIFAR_MEAN_STD = {
 def build_train_transform(
     dataset: DatasetName,
     *,
+    img_size: int = 32,
+    mean_std: tuple | None = None,
     random_crop: bool = True,
     horizontal_flip: bool = True,
     auto_augment: AutoAugmentName = "none",
@@ -39,7 +41,7 @@ def build_train_transform(
     if horizontal_flip:
         steps.append(v2.RandomHorizontalFlip())
     steps += auto_augment_step(auto_augment, randaugment_num_ops, randaugment_magnitude)
-    steps += _to_normalised_tensor(dataset)
+    steps += _to_normalised_tensor(dataset, img_size, mean_std)
     if random_erasing > 0:
         # After normalising, so the erased rectangle is 0 = the dataset mean, as in the paper.
         steps.append(v2.RandomErasing(p=random_erasing, value=0))
@@ -64,11 +66,14 @@ def auto_augment_step(
     return []
 
 
-def build_eval_transform(dataset: DatasetName) -> v2.Compose:
-    """Deterministic transform for validation, test and predict: normalisation only."""
-    return v2.Compose(_to_normalised_tensor(dataset))
+def build_eval_transform(dataset: DatasetName, img_size: int = 32, mean_std: tuple | None = None) -> v2.Compose:
+    """Deterministic transform for validation, test and predict: resizing (if asked) and normalisation only."""
+    return v2.Compose(_to_normalised_tensor(dataset, img_size, mean_std))
 
 
-def _to_normalised_tensor(dataset: DatasetName) -> list:
-    mean, std = CIFAR_MEAN_STD[dataset]
-    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+def _to_normalised_tensor(dataset: DatasetName, img_size: int = 32, mean_std: tuple | None = None) -> list:
+    """Upsampling for a pretrained model's resolution (bicubic, after the 32x32 augmentations), then
+    the tensor normalised with `mean_std` (default: the dataset's own statistics)."""
+    mean, std = mean_std or CIFAR_MEAN_STD[dataset]
+    resize = [v2.Resize(img_size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True)] if img_size != 32 else []
+    return [*resize, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]

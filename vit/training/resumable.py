@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data import DistributedSampler
 
+from vit.checks import check_int
+
 
 class ResumableSampler(DistributedSampler):
     """`DistributedSampler` with shuffling that can start mid-epoch after `resume_at`.
@@ -36,10 +38,17 @@ class ResumableSampler(DistributedSampler):
     process `rank` of `num_replicas` takes every `num_replicas`-th index of it. Lightning calls
     `set_epoch` at the start of every epoch. `resume_at(epoch, num_samples)` makes the next
     iteration (only) skip this process's first `num_samples` indices of that epoch.
+
+    `repeats > 1` is repeated augmentation (Hoffer et al. 2020; DeiT's `RASampler`, which Lee et al.
+    2021 train with): each index of the permutation appears `repeats` times in a row, so its
+    copies go to consecutive processes (or batches) and are augmented differently, and the epoch
+    keeps the dataset's length, i.e. it covers the first `1 / repeats` of the permutation.
     """
 
-    def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+    def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0, repeats: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        check_int("repeats", repeats, 1)
+        self.repeats = repeats
         self._skip = 0
 
     def resume_at(self, epoch: int, num_samples: int) -> None:
@@ -50,7 +59,12 @@ class ResumableSampler(DistributedSampler):
         self._skip = num_samples
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
+        if self.repeats == 1:
+            indices = list(super().__iter__())
+        else:
+            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            repeated = order.repeat_interleave(self.repeats)[: self.total_size].tolist()  # (total_size,)
+            indices = repeated[self.rank : self.total_size : self.num_replicas]  # this process's share
         start, self._skip = self._skip, 0
         return iter(indices[start:])
 
@@ -87,12 +101,12 @@ class ResumableTrainingData:
 
     _resume_position: dict[str, int] | None = None
 
-    def train_sampler(self, dataset: Sized, batch_size: int) -> ResumableSampler:
+    def train_sampler(self, dataset: Sized, batch_size: int, repeats: int = 1) -> ResumableSampler:
         """The training sampler: this process's share of the epoch's permutation, from a restored position if any."""
         # Outside a Trainer (a notebook, a test) the data module is one process of one.
         trainer = getattr(self, "trainer", None)
         world_size, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
-        sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=shuffle_seed())
+        sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=shuffle_seed(), repeats=repeats)
         if self._resume_position is not None:
             position, self._resume_position = self._resume_position, None
             sampler.resume_at(position["epoch"], position["batches_done"] * batch_size)
