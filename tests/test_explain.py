@@ -1,0 +1,154 @@
+"""Relevance methods against their formulas written out here, attention flow against a brute-force min cut,
+Grad-CAM against pytorch-grad-cam, and the scores against hand-made cases."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from vit.explain.relevance import METHODS, attention_flow, grad_cam, normalise, relevance, to_pixels
+from vit.explain.scores import average_precision, deletion_insertion, pointing_game, rank_correlation, relevance_mass
+from vit.models import ResNet, VisionTransformer, record_attention
+
+
+def tiny_vit(pool="cls", seed=0):
+    torch.manual_seed(seed)
+    return VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=3, embed_dim=16, depth=2,
+                             num_heads=2, pool=pool).eval()
+
+
+def images(B=2, seed=1):
+    return torch.randn(B, 1, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("pool", ["cls", "mean", "map"])
+def test_every_method_gives_one_distribution_per_image(method, pool):
+    maps = relevance(tiny_vit(pool), images(), method=method)
+    assert maps.shape == (2, 4, 4) and (maps >= 0).all()
+    torch.testing.assert_close(maps.flatten(1).sum(1), torch.ones(2))
+
+
+def test_attention_is_the_last_blocks_cls_row_heads_averaged():
+    model, x = tiny_vit(), images()
+    with torch.no_grad(), record_attention(model) as maps:
+        model(x)
+    expected = maps[-1].mean(1)[:, 0, 1:]  # (B, 16): CLS row over the patches
+    expected = expected / expected.sum(1, keepdim=True)
+    torch.testing.assert_close(relevance(model, x, "attention").flatten(1), expected)
+
+
+def test_chefer_follows_the_published_rule():
+    model, x = tiny_vit(), images()
+    with record_attention(model) as maps:
+        logits = model(x)
+    target = logits.argmax(-1)
+    grads = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), maps)
+    R = torch.eye(17).expand(2, 17, 17)
+    for A, G in zip(maps, grads):  # R <- R + mean_h((grad A * A)^+) R
+        R = R + (G * A).clamp(min=0).mean(1).detach() @ R
+    expected = R[:, 0, 1:] / R[:, 0, 1:].sum(1, keepdim=True)
+    torch.testing.assert_close(relevance(model, x, "chefer").flatten(1), expected)
+
+
+def brute_force_max_flow(capacity: np.ndarray, source: int, sink: int) -> float:
+    """Max flow = min cut (Ford-Fulkerson's theorem), by trying every cut of a small graph."""
+    others = [v for v in range(len(capacity)) if v not in (source, sink)]
+    best = np.inf
+    for k in range(len(others) + 1):
+        for side in itertools.combinations(others, k):
+            S = {source, *side}
+            best = min(best, sum(capacity[u, v] for u in S for v in range(len(capacity)) if v not in S))
+    return best
+
+
+def test_attention_flow_equals_a_brute_force_min_cut_on_a_tiny_graph():
+    torch.manual_seed(0)
+    # Two layers of 3 tokens (CLS + a 1x2 grid of patches), one sample.
+    blocks = [torch.rand(1, 2, 3, 3).softmax(-1) for _ in range(2)]
+    flow = attention_flow(blocks, num_prefix=1, pool_map=None, grid=(1, 2))  # (1, 1, 2)
+    N, L = 3, 2
+    capacity = np.zeros(((L + 1) * N + 1, (L + 1) * N + 1))
+    for layer, attn in enumerate(blocks):
+        a = 0.5 * attn[0].mean(0) + 0.5 * torch.eye(N)
+        a = (a / a.sum(-1, keepdim=True)).numpy()
+        for i in range(N):
+            for j in range(N):
+                capacity[layer * N + j, (layer + 1) * N + i] = a[i, j]
+    capacity[L * N + 0, (L + 1) * N] = 1.0  # the top CLS token feeds the sink
+    for patch in range(2):
+        expected = brute_force_max_flow(capacity, 1 + patch, (L + 1) * N)
+        assert abs(float(flow[0, 0, patch]) - expected) < 1e-5
+
+
+@pytest.mark.parametrize("model", ["vit", "resnet"])
+def test_grad_cam_matches_pytorch_grad_cam(model):
+    import cv2
+    from pytorch_grad_cam import GradCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    torch.manual_seed(0)
+    if model == "vit":
+        net = tiny_vit()
+        layer = net.blocks[-1].norm1
+
+        def reshape(t):
+            return t[:, 1:].reshape(t.shape[0], 4, 4, -1).permute(0, 3, 1, 2)
+    else:
+        net = ResNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 8)).eval()
+        layer, reshape = net.stages[-1], None
+    x = images()
+    target = torch.tensor([0, 2])
+    ours = grad_cam(net, x, target).numpy()  # (B, gh, gw), before any rescaling
+    with GradCAM(model=net, target_layers=[layer], reshape_transform=reshape) as cam:
+        theirs = cam(input_tensor=x, targets=[ClassifierOutputTarget(int(t)) for t in target])  # (B, 16, 16)
+    def min_max(a):
+        a = a - a.min()
+        return a / (a.max() + 1e-7)
+
+    for o, t in zip(ours, theirs):  # pytorch-grad-cam: min-max, resized to the input, min-max again
+        np.testing.assert_allclose(min_max(cv2.resize(min_max(o).astype(np.float32), (16, 16))), t, atol=1e-4)
+
+
+def test_the_cnn_gets_gradcam_and_random_maps_but_no_attention_maps():
+    net = ResNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 8)).eval()
+    assert relevance(net, images(), "gradcam").shape == (2, 8, 8)
+    assert relevance(net, images(), "random").shape == (2, 8, 8)
+    with pytest.raises(ValueError, match="method='rollout' needs a model with attention layers"):
+        relevance(net, images(), "rollout")
+
+
+def test_localisation_scores_on_a_hand_made_case():
+    masks = torch.zeros(2, 8, 8, dtype=torch.bool)
+    masks[:, :4, :4] = True  # the object: the top-left quadrant
+    maps = torch.zeros(2, 2, 2)
+    maps[0, 0, 0], maps[0, 1, 1] = 0.75, 0.25  # mostly on the object
+    maps[1, 1, 1] = 1.0  # all off it
+    torch.testing.assert_close(pointing_game(maps, masks), torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(relevance_mass(maps, masks), torch.tensor([0.75, 0.0]))
+    ap = average_precision(maps, masks)
+    assert ap[0] == pytest.approx(1.0) and ap[1] == pytest.approx(0.25)  # all pixels tie at 0: precision = prevalence
+    torch.testing.assert_close(to_pixels(maps, (8, 8)).flatten(1).sum(1), torch.ones(2))
+
+
+def test_deletion_and_insertion_follow_the_model_written_out():
+    class CountsOnes(torch.nn.Module):  # probability of class 1 = fraction of the image's pixels that are 1
+        def forward(self, x):
+            p = x.flatten(1).mean(1, keepdim=True)
+            return torch.log(torch.cat([1 - p, p], 1).clamp(min=1e-9))
+
+    x = torch.zeros(1, 1, 2, 2)
+    x[0, 0, 0, :] = 1.0  # the top row is the evidence
+    right = torch.tensor([[[1.0, 1.0], [0.0, 0.0]]])  # the relevant cells first
+    deletion, insertion = deletion_insertion(CountsOnes(), x, right, target=torch.tensor([1]))
+    # deletion: 0.5, 0.25, 0, 0, 0 over fractions 0..1; insertion: 0, 0.25, 0.5, 0.5, 0.5
+    assert float(deletion[0]) == pytest.approx(np.trapezoid([0.5, 0.25, 0, 0, 0], np.linspace(0, 1, 5)))
+    assert float(insertion[0]) == pytest.approx(np.trapezoid([0, 0.25, 0.5, 0.5, 0.5], np.linspace(0, 1, 5)))
+
+
+def test_rank_correlation_and_normalise():
+    a = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    assert float(rank_correlation(a, a * 10)[0]) == pytest.approx(1.0)
+    assert float(rank_correlation(a, -a)[0]) == pytest.approx(-1.0)
+    torch.testing.assert_close(normalise(torch.tensor([[0.0, -1.0], [2.0, 0.0]])[None]), torch.tensor([[[0.0, 0.0], [1.0, 0.0]]]))
