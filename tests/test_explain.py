@@ -152,3 +152,26 @@ def test_rank_correlation_and_normalise():
     assert float(rank_correlation(a, a * 10)[0]) == pytest.approx(1.0)
     assert float(rank_correlation(a, -a)[0]) == pytest.approx(-1.0)
     torch.testing.assert_close(normalise(torch.tensor([[0.0, -1.0], [2.0, 0.0]])[None]), torch.tensor([[[0.0, 0.0], [1.0, 0.0]]]))
+
+
+@pytest.mark.parametrize("backbone, methods", [("vit", "attention,rollout,chefer,gradcam"), ("cnn", "gradcam,random")])
+def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods, tmp_path, monkeypatch, capsys):
+    from PIL import Image
+    from robust_helpers import main_in_process, tiny_config
+
+    from vit.explain.__main__ import main
+
+    extra = ["--model.backbone.class_path", "vit.models.ResNet", "--model.backbone.init_args.widths", "[4, 8]"] \
+        if backbone == "cnn" else []
+    main_in_process(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false", *extra],
+                    monkeypatch)
+    [last] = (tmp_path / "runs").glob("tiny/version_0/checkpoints/last.ckpt")
+    out = tmp_path / "maps.png"
+    assert main(["--ckpt_path", str(last), "--method", methods, "--out", str(out), "--num_images", "3"]) == 0
+    width, height = Image.open(out).size
+    assert width / height == pytest.approx((1 + len(methods.split(","))) / 3, rel=0.05)  # 3 rows, image + methods
+    assert main(["--ckpt_path", str(last), "--method", methods, "--out", str(out)]) == 2  # never overwritten
+    assert "already exists" in capsys.readouterr().err
+    if backbone == "cnn":
+        assert main(["--ckpt_path", str(last), "--method", "rollout", "--out", str(tmp_path / "x.png")]) == 2
+        assert "needs attention layers; ResNet has none" in capsys.readouterr().err
