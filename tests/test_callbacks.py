@@ -282,3 +282,26 @@ def test_wandb_mode_is_offline_when_the_server_cannot_be_reached(monkeypatch):
         server.listen()
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
         assert vit.training.loggers.wandb_online(probe_timeout=1.0)[0]
+
+
+def test_relevance_scores_are_logged_and_equal_the_scores_of_the_maps(tmp_path):
+    from vit.explain.callbacks import RelevanceScores
+    from vit.explain.relevance import relevance
+    from vit.explain.scores import pointing_game, relevance_mass
+
+    torch.manual_seed(0)
+    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2)
+    scores = RelevanceScores(methods=["rollout", "gradcam"], num_images=10)
+    trainer = tiny_trainer(tmp_path, [scores], max_epochs=1)
+    data = tiny_data()
+    model = ImageClassifier(backbone, lr=1e-3)
+    trainer.fit(model, data)
+    x = torch.stack([data.val_set[i][0] for i in range(10)])
+    masks = torch.stack([data.val_set.circle_mask(i) for i in range(10)])
+    for method in ("rollout", "gradcam"):
+        maps = relevance(backbone.eval(), x, method)
+        logged = trainer.callback_metrics
+        assert float(logged[f"val/pointing_game/{method}"]) == pytest.approx(float(pointing_game(maps, masks).mean()))
+        assert float(logged[f"val/relevance_mass/{method}"]) == pytest.approx(float(relevance_mass(maps, masks).mean()), abs=1e-6)
+    csv_metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
+    assert "val/pointing_game/rollout" in csv_metrics  # on the dashboard (CSV here; TensorBoard and W&B alike)

@@ -1,4 +1,4 @@
-"""The dashboard callback of interpretation: attention-rollout overlays of fixed validation images."""
+"""The dashboard callbacks of interpretation: rollout overlays of fixed validation images, and relevance scores."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from vit.checks import check_choice, check_int
 from vit.explain.plot import rollout_grid
+from vit.explain.relevance import ATTENTION_METHODS, relevance
+from vit.explain.relevance import Method as RelevanceMethod
 from vit.explain.rollout import HEAD_FUSIONS, METHODS, HeadFusion, Method, patch_relevance
+from vit.explain.scores import pointing_game, relevance_mass
 from vit.training.dashboard import figure_to_array, log_image
 
 METHOD_TITLES = {"rollout": "rollout", "grad_rollout": "grad rollout"}
@@ -160,3 +164,49 @@ class RolloutImages(L.Callback):
 def supports_rollout(model: nn.Module) -> bool:
     """Whether `model` can be rolled out: attention layers that `record_attention` records, and `patch_embed`."""
     return hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())
+
+
+class RelevanceScores(L.Callback):
+    """Score relevance maps against ground truth on the dashboard: `val/pointing_game/<method>`, `val/relevance_mass/<method>`.
+
+    Every `every_n_epochs` epochs (and after the last), the first `num_images` validation images
+    are mapped with each method (`vit.explain.relevance`) and scored against the masks the
+    validation set provides (`circle_mask(i)`, as two-circles does), through `pl_module.log`, so
+    TensorBoard, W&B and CSV all get them. Data without masks, and methods the backbone cannot
+    run (attention methods on a CNN), are skipped with one warning each.
+    """
+
+    def __init__(self, *, methods: Sequence[str] = ("rollout", "chefer", "gradcam"), num_images: int = 64,
+                 every_n_epochs: int = 1) -> None:
+        super().__init__()
+        for method in methods:
+            check_choice("methods", method, RelevanceMethod)
+        check_int("num_images", num_images, 1)
+        check_int("every_n_epochs", every_n_epochs, 1)
+        self.methods, self.num_images, self.every_n_epochs = tuple(methods), num_images, every_n_epochs
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        epoch = trainer.current_epoch + 1
+        if trainer.sanity_checking or (epoch % self.every_n_epochs and epoch != trainer.max_epochs):
+            return
+        val = getattr(trainer.datamodule, "val_set", None) if trainer.datamodule is not None else None
+        if val is None or not hasattr(val, "circle_mask"):
+            self._warn_once("masks", "RelevanceScores: the validation set has no ground-truth masks (circle_mask); nothing is scored.")
+            return
+        n = min(self.num_images, len(val))
+        x = torch.stack([val[i][0] for i in range(n)]).to(pl_module.device)
+        masks = torch.stack([val.circle_mask(i) for i in range(n)])
+        model = getattr(pl_module, "backbone", pl_module)
+        for method in self.methods:
+            if method in ATTENTION_METHODS and not supports_rollout(model):
+                self._warn_once(method, f"RelevanceScores: {type(model).__name__} has no attention layers; '{method}' is skipped.")
+                continue
+            maps = relevance(model, x, method).cpu()
+            pl_module.log(f"val/pointing_game/{method}", pointing_game(maps, masks).mean(), sync_dist=False)
+            pl_module.log(f"val/relevance_mass/{method}", relevance_mass(maps, masks).mean(), sync_dist=False)

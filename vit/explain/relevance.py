@@ -134,20 +134,21 @@ def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = Non
     layer, to_map = gradcam_layer(model)
     store = {}
 
-    def keep(module, inputs, output):
+    def keep(module, inputs, output) -> None:
         store["activation"] = output
-        output.register_hook(lambda grad: store.__setitem__("gradient", grad))
 
     handle = layer.register_forward_hook(keep)
     try:
+        # As in a validation loop: inference mode off, gradients on; only d(logit)/d(activation) is
+        # taken, so the parameters' .grad (and so training) are left alone.
         with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
             x = images.detach().clone().requires_grad_(True)
             logits = model(x)
             chosen = logits.argmax(-1) if target is None else torch.as_tensor(target, device=logits.device).expand(len(x))
-            logits.gather(1, chosen[:, None].long()).sum().backward()
+            [gradient] = torch.autograd.grad(logits.gather(1, chosen[:, None].long()).sum(), store["activation"])
     finally:
         handle.remove()
-    activation, gradient = to_map(store["activation"].detach()), to_map(store["gradient"])  # (B, K, gh, gw)
+    activation, gradient = to_map(store["activation"].detach()), to_map(gradient)  # (B, K, gh, gw)
     weights = gradient.mean(dim=(2, 3), keepdim=True)  # alpha_k: (B, K, 1, 1)
     return F.relu((weights * activation).sum(1))  # (B, gh, gw)
 
