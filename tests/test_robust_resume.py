@@ -23,7 +23,7 @@ from robust_helpers import (
 )
 
 from vit.training.checkpointing import AtomicCheckpointIO, find_last_checkpoint
-from vit.training.cli import _resolve_resume
+from vit.training.preflight import resolve_resume
 from vit.training.resumable import ResumableSampler
 
 
@@ -179,24 +179,24 @@ def test_ckpt_path_last_finds_the_newest_run_and_continues_in_its_folder(tmp_pat
     assert find_last_checkpoint(tmp_path / "runs" / "tiny") == newest
 
     config = _config(tmp_path, "last")
-    _resolve_resume("fit", config)
+    resolve_resume("fit", config)
     assert config.ckpt_path == str(newest) and config.trainer.logger.init_args.version == "version_0"
 
     older = tmp_path / "runs" / "tiny" / "version_1" / "checkpoints" / "epoch00.ckpt"
     older.write_bytes(b"x")
     config = _config(tmp_path, str(older))  # branching from an older checkpoint leaves its run alone
-    _resolve_resume("fit", config)
+    resolve_resume("fit", config)
     assert config.ckpt_path == str(older) and config.trainer.logger.init_args.version is None
 
     config = _config(tmp_path, "last", version=1)  # a fixed version searches only that run
-    _resolve_resume("fit", config)
+    resolve_resume("fit", config)
     assert config.ckpt_path.endswith("version_1/checkpoints/last.ckpt")
 
     config = _config(tmp_path, "last")
-    _resolve_resume("test", config)  # validate/test/predict use the file but log a run of their own
+    resolve_resume("test", config)  # validate/test/predict use the file but log a run of their own
     assert config.ckpt_path == str(newest) and config.trainer.logger.init_args.version is None
 
     empty = _config(tmp_path / "elsewhere", "last")
     with pytest.warns(UserWarning, match="no last.ckpt under .*starting a new run"):
-        _resolve_resume("fit", empty)
+        resolve_resume("fit", empty)
     assert empty.ckpt_path is None
