@@ -10,7 +10,8 @@ default) and that differ from the checkpoint's:
 - the optimisation settings (`model.lr`, `weight_decay`, ...) must match for `fit`, which resumes
   the run as it was (its optimizer and schedule state come from the checkpoint); for `validate`,
   `test` and `predict` they do not matter, and one warning line lists them;
-- for `fit`, the data module's settings must match too (batch size, dataset size, seed, ...):
+- for `fit`, the data module's settings must match too (batch size, dataset size, seed, ...; not
+  where the files are or how many loader workers read them):
   they define where in the data the run is, and a different batch size would skip or repeat part
   of the epoch. The number of processes must also be the same (not recorded in the checkpoint:
   `run_info.json` has it).
@@ -26,6 +27,9 @@ import inspect
 from typing import Any
 
 from vit.training.checkpointing import CheckpointError
+
+# Data settings that say where and how fast the data are read, not which data: free to change on resume.
+NOT_THE_RUN = frozenset({"data_dir", "root", "download", "num_workers", "pin_memory", "persistent_workers"})
 
 
 def differences(subcommand: str, config, checkpoint: dict, model_class: type) -> tuple[list[str], list[str]]:
@@ -56,6 +60,8 @@ def differences(subcommand: str, config, checkpoint: dict, model_class: type) ->
         ours_data = _plain(config.get("data")) or {}
         ours_data = ours_data.get("init_args", ours_data) if isinstance(ours_data, dict) else {}
         for key, value in theirs_data.items():
+            if key in NOT_THE_RUN:
+                continue
             if key in ours_data and _plain(ours_data[key]) != _plain(value):
                 errors.append(f"data.{key}: {value!r} in the checkpoint vs {ours_data[key]!r} given")
     return errors, warnings
