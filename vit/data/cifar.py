@@ -8,7 +8,6 @@ the device.
 from pathlib import Path
 from typing import Literal
 
-import lightning as L
 import torch
 from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -16,6 +15,7 @@ from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 
 from vit.checks import check_choice, check_float, check_int
+from vit.data.base import SplitDataModule
 from vit.data.transforms import (
     CIFAR_MEAN_STD,
     AutoAugmentName,
@@ -23,7 +23,6 @@ from vit.data.transforms import (
     build_eval_transform,
     build_train_transform,
 )
-from vit.training.resumable import ResumableTrainingData
 
 DATASETS: dict[str, type[datasets.CIFAR10]] = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
@@ -50,7 +49,7 @@ class CIFARCorruptedError(CIFARNotFoundError):
     """
 
 
-class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
+class CIFARDataModule(SplitDataModule):
     """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set, and its test set.
 
     Splits: `val_size` images of the official 50,000 training images are held out for validation by
@@ -264,16 +263,10 @@ class CIFARDataModule(ResumableTrainingData, L.LightningDataModule):
             raise ValueError(
                 f"batch_size={self.batch_size} is larger than the {len(self.train_set)} training images"
             )
-        return self._loader(self.train_set, train=True)
+        return super().train_dataloader()
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, train=False)
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, train=False)
 
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, train=False)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Mix training batches on the device: `(x, y)` -> `(x_mixed, y, y_soft)`."""

@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 from typing import Literal
 
-import lightning as L
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -24,8 +23,8 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int
+from vit.data.base import SplitDataModule
 from vit.data.transforms import AutoAugmentName, auto_augment_step
-from vit.training.resumable import ResumableTrainingData
 
 Normalization = Literal["imagenet", "inception", "none"]
 NORMALIZATIONS = {
@@ -35,7 +34,7 @@ NORMALIZATIONS = {
 }
 
 
-class ImageFolderDataModule(ResumableTrainingData, L.LightningDataModule):
+class ImageFolderDataModule(SplitDataModule):
     """Train / val / test splits of a folder of class folders, resized to `img_size`.
 
     Args:
@@ -167,17 +166,9 @@ class ImageFolderDataModule(ResumableTrainingData, L.LightningDataModule):
                           generator=self.loader_generator(), num_workers=workers, persistent_workers=workers > 0,
                           pin_memory=torch.cuda.is_available())
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, train=False)
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, train=False)
 
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, train=False)
 
 
 def _load(path: str) -> Image.Image | torch.Tensor:

@@ -38,13 +38,12 @@ centre positions, and their union is the "all" set.
 
 from typing import Literal, get_args
 
-import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vit.checks import check_choice, check_int
-from vit.training.resumable import ResumableTrainingData
+from vit.data.base import SplitDataModule
 
 Task = Literal["diagonal", "relative"]
 Region = Literal["all", "inner", "border"]
@@ -285,7 +284,7 @@ class TwoCirclesDataset(Dataset):
         return circle_masks(self.centers[i : i + 1], self.radii[i : i + 1], self.img_size)[0]
 
 
-class TwoCirclesDataModule(ResumableTrainingData, L.LightningDataModule):
+class TwoCirclesDataModule(SplitDataModule):
     """Train, val and test splits of ``TwoCirclesDataset``, each from its own derived seed.
 
     The three split seeds are spawned from ``seed`` by ``numpy.random.SeedSequence``, so the
@@ -365,22 +364,12 @@ class TwoCirclesDataModule(ResumableTrainingData, L.LightningDataModule):
         if stage in ("test", "predict", None) and self.test_set is None:
             self.test_set = self._make("test", hp.num_test, hp.test_region)
 
-    def _loader(self, dataset: TwoCirclesDataset | None, shuffle: bool) -> DataLoader:
-        if dataset is None:
-            raise RuntimeError("call setup() with the matching stage before asking for a dataloader")
+    def _loader(self, dataset: TwoCirclesDataset, train: bool) -> DataLoader:
         workers, batch_size = self.hparams.num_workers, self.hparams.batch_size
-        sampler = self.train_sampler(dataset, batch_size) if shuffle else None
+        sampler = self.train_sampler(dataset, batch_size) if train else None
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
                           num_workers=workers, persistent_workers=workers > 0)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
 
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)

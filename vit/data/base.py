@@ -1,0 +1,41 @@
+"""What every data module here shares: train / val / test / predict loaders over its three splits."""
+
+from __future__ import annotations
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+
+from vit.training.resumable import ResumableTrainingData
+
+
+class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
+    """A data module with `train_set`, `val_set` and `test_set` (built by `setup`), served by `_loader`.
+
+    `predict` serves the test split. Subclasses write `setup` and `_loader(dataset, train)`; the
+    training loader takes its sampler from `train_sampler` so that its order survives a resume.
+    """
+
+    train_set: Dataset | None = None
+    val_set: Dataset | None = None
+    test_set: Dataset | None = None
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        raise NotImplementedError
+
+    def _split(self, name: str) -> Dataset:
+        dataset = getattr(self, name)
+        if dataset is None:
+            raise RuntimeError(f"{name} is not set up: call setup() with the matching stage before asking for a loader")
+        return dataset
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._split("train_set"), train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._split("val_set"), train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self._split("test_set"), train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self._split("test_set"), train=False)
