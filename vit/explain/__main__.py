@@ -65,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         confidence, predicted = backbone(x).softmax(-1).max(-1)
     titles = [f"y={int(t)} pred={int(p)} ({c:.2f})" for t, p, c in zip(y, predicted, confidence)]
-    # The overlays show each map min-max scaled, as display; the maps themselves sum to 1.
-    display = {m: v / v.flatten(1).amax(1).clamp(min=1e-12).view(-1, 1, 1) for m, v in maps.items()}
+    # The overlays show each map min-max scaled, for display; the maps themselves sum to 1.
+    display = {}
+    for method, v in maps.items():
+        lo, hi = v.flatten(1).amin(1).view(-1, 1, 1), v.flatten(1).amax(1).view(-1, 1, 1)
+        display[method] = (v - lo) / (hi - lo).clamp(min=1e-12)
     figure = rollout_grid(x, display, titles=titles)
     figure.savefig(args.out, dpi=80)
     print(f"wrote {args.out}: {len(batch)} images x {len(methods)} methods")
