@@ -8,7 +8,7 @@ import nbformat
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NAMES = ["attention_rollout_two_circles.ipynb", "attention_rollout_cifar.ipynb"]
+NAMES = ["attention_rollout_two_circles.ipynb", "attention_rollout_cifar.ipynb", "explain_methods.ipynb"]
 
 
 def test_the_notebooks_are_all_here():
@@ -83,3 +83,16 @@ def test_cifar_notebook_says_it_is_a_demo_and_runs_through(kernel_env):
     assert first_output.startswith("DEMO model: no CHECKPOINT given")
     assert "DEMO images: cifar10 is not in" in first_output and "no-cifar-here" in first_output
     assert images_in(nb) == 2  # one image per class, and the class-mean maps per head fusion
+
+
+def test_explain_notebook_maps_every_method_and_scores_it(kernel_env):
+    from vit.explain.relevance import METHODS
+
+    nb, printed = execute("explain_methods.ipynb")
+    text = "\n".join(printed)
+    assert "trained 2 epochs on 512 images of 'relative'" in text
+    assert images_in(nb) == 1  # the images x methods grid
+    rows = re.findall(r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", text, flags=re.M)
+    assert [r[0] for r in rows] == list(METHODS)
+    for _, pointing, mass, ap, deletion, insertion in rows:
+        assert all(0 <= float(v) <= 1 for v in (pointing, mass, ap, deletion, insertion))
