@@ -234,7 +234,7 @@ def test_cnn_backbone_skips_rollout_with_one_warning_but_logs_confusion_matrix(t
     [
         ({"every_n_epochs": 0}, "every_n_epochs=0"),
         ({"num_images": 0}, "num_images=0"),
-        ({"methods": ["gradcam"]}, r"methods=\['gradcam'\].*rollout.*grad_rollout"),
+        ({"methods": ["saliency"]}, r"methods=\['saliency'\].*rollout.*grad_rollout.*chefer"),
         ({"methods": []}, "non-empty"),
         ({"head_fusion": "median"}, "head_fusion='median'.*mean.*max.*min"),
         ({"discard_ratio": 1.0}, r"discard_ratio=1.0 must be in \[0, 1\)"),
@@ -305,3 +305,16 @@ def test_relevance_scores_are_logged_and_equal_the_scores_of_the_maps(tmp_path):
         assert float(logged[f"val/relevance_mass/{method}"]) == pytest.approx(float(relevance_mass(maps, masks).mean()), abs=1e-6)
     csv_metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
     assert "val/pointing_game/rollout" in csv_metrics  # on the dashboard (CSV here; TensorBoard and W&B alike)
+
+
+def test_rollout_images_draws_any_relevance_method(tmp_path):
+    torch.manual_seed(0)
+    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2)
+    rollout = RolloutImages(every_n_epochs=1, num_images=3, methods=["rollout", "chefer", "gradcam"])
+    trainer = tiny_trainer(tmp_path, [rollout], max_epochs=1)
+    trainer.fit(ImageClassifier(backbone, lr=1e-3), tiny_data())
+    assert rollout.logged_epochs == [0]
+    figure = rollout.render(backbone.eval())
+    assert [ax.get_title() for ax in figure.axes[1:4]] == ["rollout", "chefer", "gradcam"]
+    with pytest.raises(ValueError, match="must be a non-empty list of"):
+        RolloutImages(methods=["saliency"])

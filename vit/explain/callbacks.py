@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 import lightning as L
 import torch
@@ -18,6 +19,8 @@ from vit.explain.scores import pointing_game, relevance_mass
 from vit.training.dashboard import figure_to_array, log_image
 
 METHOD_TITLES = {"rollout": "rollout", "grad_rollout": "grad rollout"}
+# Besides rollout's own two, any method of `vit.explain.relevance` can be drawn.
+IMAGE_METHODS = tuple(dict.fromkeys((*METHODS, *get_args(RelevanceMethod))))
 
 
 class RolloutImages(L.Callback):
@@ -36,7 +39,8 @@ class RolloutImages(L.Callback):
     Args:
         every_n_epochs: log after epochs n, 2n, ... and after the last epoch (`max_epochs`).
         num_images: rows of the grid.
-        methods: "rollout" and/or "grad_rollout" (for the predicted class).
+        methods: "rollout", "grad_rollout" (for the predicted class), or any method of
+            `vit.explain.relevance` ("attention", "flow", "chefer", "gradcam", "random").
         head_fusion, discard_ratio: options of "rollout"; see `vit.explain.rollout.attention_rollout`.
         class_names: names for the titles; by default the class indices.
         tag: the name of the image on the dashboard.
@@ -61,9 +65,9 @@ class RolloutImages(L.Callback):
         if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 1:
             raise ValueError(f"num_images={num_images!r} must be an int >= 1")
         methods = tuple(methods)
-        bad = [m for m in methods if m not in METHODS]
+        bad = [m for m in methods if m not in IMAGE_METHODS]
         if bad or not methods:
-            raise ValueError(f"methods={list(methods)!r} must be a non-empty list of {list(METHODS)}")
+            raise ValueError(f"methods={list(methods)!r} must be a non-empty list of {list(IMAGE_METHODS)}")
         if head_fusion not in HEAD_FUSIONS:
             raise ValueError(f"head_fusion={head_fusion!r} must be one of {list(HEAD_FUSIONS)}")
         if not 0.0 <= discard_ratio < 1.0:
@@ -146,8 +150,13 @@ class RolloutImages(L.Callback):
         x = (self.images if images is None else images).to(next(model.parameters()).device)
         maps = {}
         for method in self.methods:
-            options = {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio} if method == "rollout" else {}
-            maps[METHOD_TITLES[method]] = patch_relevance(model, x, method=method, **options).cpu()
+            if method in METHOD_TITLES:
+                options = {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio} if method == "rollout" else {}
+                maps[METHOD_TITLES[method]] = patch_relevance(model, x, method=method, **options).cpu()
+            else:  # a distribution over the patches, min-max scaled for display
+                m = relevance(model, x, method).cpu()
+                lo, hi = m.amin((1, 2), keepdim=True), m.amax((1, 2), keepdim=True)
+                maps[method] = (m - lo) / (hi - lo).clamp(min=1e-12)
         with torch.no_grad():
             probs = model(x).float().softmax(-1).cpu()  # (B, num_classes)
         confidence, predicted = probs.max(-1)
