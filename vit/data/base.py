@@ -13,11 +13,22 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     `predict` serves the test split. Subclasses write `setup` and `_loader(dataset, train)`; the
     training loader takes its sampler from `train_sampler` so that its order survives a resume.
+    `img_size` and `in_chans` are read from the hyperparameters of the same names unless overridden.
     """
 
     train_set: Dataset | None = None
     val_set: Dataset | None = None
     test_set: Dataset | None = None
+
+    @property
+    def img_size(self) -> int:
+        """The images' side in pixels, linked into the backbone's `img_size` by the CLI."""
+        return self.hparams.img_size
+
+    @property
+    def in_chans(self) -> int:
+        """The images' channels, linked into the backbone's `in_chans` by the CLI."""
+        return self.hparams.in_chans
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         raise NotImplementedError

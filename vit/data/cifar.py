@@ -180,11 +180,6 @@ class CIFARDataModule(SplitDataModule):
         return NUM_CLASSES[self.dataset]
 
     @property
-    def img_size(self) -> int:
-        """32, or the size the images are upsampled to for a pretrained model (`img_size`)."""
-        return self.hparams.img_size
-
-    @property
     def in_chans(self) -> int:
         return 3
 

@@ -93,14 +93,6 @@ class ImageFolderDataModule(SplitDataModule):
         self._scan_classes()  # fail now, before any training: num_classes is linked into the model
 
     @property
-    def img_size(self) -> int:
-        return self.hparams.img_size
-
-    @property
-    def in_chans(self) -> int:
-        return self.hparams.in_chans
-
-    @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """Per-channel `(mean, std)` applied after scaling pixels to [0, 1] (what `vit.predict` reuses)."""
         pair = NORMALIZATIONS[self.hparams.normalization]

@@ -331,14 +331,6 @@ class TwoCirclesDataModule(SplitDataModule):
         return 2
 
     @property
-    def img_size(self) -> int:
-        return self.hparams.img_size
-
-    @property
-    def in_chans(self) -> int:
-        return self.hparams.in_chans
-
-    @property
     def normalization(self) -> None:
         """Per-channel ``(mean, std)`` applied to inputs; ``None``: pixels are raw values (0 background, 1 ink)."""
         return None
