@@ -164,3 +164,30 @@ def test_freezing_options_name_what_is_allowed():
         ImageClassifier(vit, trainable=3)
     with pytest.raises(ValueError, match="trainable=1 counts Transformer blocks; ResNet has no `blocks`"):
         ImageClassifier(ResNet(img_size=16, in_chans=3, num_classes=3, widths=(4,)), trainable=1)
+
+
+def test_non_square_images_load_pretrained_weights_as_timm_does(timm_file):
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=(96, 128), num_classes=4,
+                                  pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
+    ours = VisionTransformer(img_size=(96, 128), num_classes=4, pretrained=str(timm_file), **TINY).eval()
+    assert ours.patch_embed.grid_size == (6, 8)
+    x = torch.randn(2, 3, 96, 128)
+    with torch.no_grad():
+        assert (ours.forward_features(x) - reference.forward_features(x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "sincos1d", "sincos2d", "none"])
+def test_non_square_images_work_with_every_position_encoding_and_rollout(pos_embed):
+    from vit.explain.rollout import patch_relevance
+
+    model = VisionTransformer(img_size=(16, 24), patch_size=8, in_chans=1, num_classes=3, embed_dim=16, depth=2,
+                              num_heads=2, pos_embed=pos_embed).eval()
+    x = torch.randn(2, 1, 16, 24)
+    assert model(x).shape == (2, 3)
+    assert patch_relevance(model, x).shape == (2, 2, 3)
+    maps = model.forward_intermediates(x, indices=1, intermediates_only=True)
+    assert maps[0].shape == (2, 16, 2, 3)
+    with pytest.raises(ValueError, match=r"expected input of shape \(B, 1, 16, 24\), got \(2, 1, 24, 16\)"):
+        model(torch.randn(2, 1, 24, 16))
+    with pytest.raises(ValueError, match=r"img_size=\(16, 0\) is not allowed"):
+        VisionTransformer(img_size=(16, 0), patch_size=8)

@@ -1,18 +1,28 @@
-"""The input contract every backbone shares: `(B, in_chans, img_size, img_size)` floats of the weights' dtype."""
+"""The input contract every backbone shares: `(B, in_chans, H, W)` floats of the weights' dtype, `img_size = (H, W)`."""
 
 from __future__ import annotations
 
 import torch
 
 
-def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: int, dtype: torch.dtype | None = None) -> None:
+def to_2tuple(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """`(H, W)` from a side or a pair; a pair of anything but two ints >= 1 is an error naming it."""
+    sides = (img_size, img_size) if isinstance(img_size, int) and not isinstance(img_size, bool) else tuple(img_size)
+    if len(sides) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sides):
+        raise ValueError(f"img_size={img_size!r} is not allowed: expected an int >= 1 or a pair (H, W) of them")
+    return sides
+
+
+def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: int | tuple[int, int],
+                      dtype: torch.dtype | None = None) -> None:
     """Raise a ValueError naming what was expected and what came when `x` does not fit the model.
 
     `dtype` is the weights' dtype: inputs must have it, except under autocast, which casts them
     (Lightning's `bf16-mixed` keeps float32 inputs and autocasts the layers).
     """
-    if x.ndim != 4 or x.shape[1] != in_chans or x.shape[2:] != (img_size, img_size):
-        raise ValueError(f"expected input of shape (B, {in_chans}, {img_size}, {img_size}), got {tuple(x.shape)}")
+    H, W = to_2tuple(img_size)
+    if x.ndim != 4 or x.shape[1] != in_chans or x.shape[2:] != (H, W):
+        raise ValueError(f"expected input of shape (B, {in_chans}, {H}, {W}), got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"expected a floating-point input, got {x.dtype}: images as integers must be scaled first, "
                          "e.g. x.float() / 255 for 8-bit pixels")

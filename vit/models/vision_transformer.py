@@ -53,13 +53,14 @@ class VisionTransformer(nn.Module):
     adapted to this config (`vit.models.pretrained`).
 
     timm's model API is there too: `forward_intermediates`, `get_classifier`, `reset_classifier`,
-    `set_grad_checkpointing`, `num_features`.
+    `set_grad_checkpointing`, `num_features`. Non-square images: `img_size=(H, W)`; the patch grid is
+    then `(H / P, W / P)` and every position encoding follows it.
     """
 
     def __init__(
         self,
         *,
-        img_size: int = 32,
+        img_size: int | tuple[int, int] = 32,
         patch_size: int = 4,
         in_chans: int = 3,
         num_classes: int = 10,
