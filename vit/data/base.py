@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from vit.training.resumable import ResumableTrainingData
@@ -11,8 +12,9 @@ from vit.training.resumable import ResumableTrainingData
 class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     """A data module with `train_set`, `val_set` and `test_set` (built by `setup`), served by `_loader`.
 
-    `predict` serves the test split. Subclasses write `setup` and `_loader(dataset, train)`; the
-    training loader takes its sampler from `train_sampler` so that its order survives a resume.
+    `predict` serves the test split. Subclasses write `setup` (and `_loader(dataset, train)` when the
+    default one does not fit); the training loader takes its sampler from `train_sampler` so that its
+    order survives a resume.
     `img_size` and `in_chans` are read from the hyperparameters of the same names unless overridden.
     """
 
@@ -30,8 +32,19 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         """The images' channels, linked into the backbone's `in_chans` by the CLI."""
         return self.hparams.in_chans
 
+    def split_seeds(self) -> dict[str, int]:
+        """The seed of each split, spawned from the ``seed`` hyperparameter by ``numpy.random.SeedSequence``:
+        independent draws, so the splits of a synthetic data set never share an image."""
+        children = np.random.SeedSequence(self.hparams.seed).spawn(3)
+        return {split: int(child.generate_state(1)[0]) for split, child in zip(("train", "val", "test"), children)}
+
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        raise NotImplementedError
+        """A loader over ``dataset`` with the ``batch_size`` and ``num_workers`` hyperparameters; the
+        training loader takes its order from ``train_sampler`` (restored on resume)."""
+        workers, batch_size = self.hparams.num_workers, self.hparams.batch_size
+        sampler = self.train_sampler(dataset, batch_size) if train else None
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
+                          num_workers=workers, persistent_workers=workers > 0)
 
     def _split(self, name: str) -> Dataset:
         dataset = getattr(self, name)

@@ -40,7 +40,7 @@ from typing import Literal, get_args
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from vit.checks import check_choice, check_int
 from vit.data.base import SplitDataModule
@@ -335,12 +335,6 @@ class TwoCirclesDataModule(SplitDataModule):
         """Per-channel ``(mean, std)`` applied to inputs; ``None``: pixels are raw values (0 background, 1 ink)."""
         return None
 
-    def split_seeds(self) -> dict[str, int]:
-        """The seed of each split, derived from ``seed``."""
-        children = np.random.SeedSequence(self.hparams.seed).spawn(3)
-        return {split: int(child.generate_state(1)[0])
-                for split, child in zip(("train", "val", "test"), children)}
-
     def _make(self, split: str, num_samples: int, region: str) -> TwoCirclesDataset:
         hp = self.hparams
         return TwoCirclesDataset(num_samples=num_samples, img_size=hp.img_size,
@@ -355,13 +349,3 @@ class TwoCirclesDataModule(SplitDataModule):
             self.val_set = self._make("val", hp.num_val, hp.train_region)
         if stage in ("test", "predict", None) and self.test_set is None:
             self.test_set = self._make("test", hp.num_test, hp.test_region)
-
-    def _loader(self, dataset: TwoCirclesDataset, train: bool) -> DataLoader:
-        workers, batch_size = self.hparams.num_workers, self.hparams.batch_size
-        sampler = self.train_sampler(dataset, batch_size) if train else None
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
-                          num_workers=workers, persistent_workers=workers > 0)
-
-
-
-

@@ -11,7 +11,16 @@ from pathlib import Path
 import yaml
 
 from vit.checks import check_choice
-from vit.data.two_circles import Region, Task
+from vit.data import two_circles
+
+# Every task the study can run: its data module and the placement regions it knows.
+TASK_DATA = {
+    **{task: ("vit.data.TwoCirclesDataModule", two_circles.REGIONS) for task in two_circles.TASKS},
+    "same_different": ("vit.data.SameDifferentDataModule", ("all", "left", "right")),
+}
+
+
+CALIBRATE = "calibrate"  # the experiment name of the learning-rate calibration runs
 
 
 @dataclass(frozen=True)
@@ -28,10 +37,12 @@ class Run:
     epochs: int
     overrides: dict
     base_digest: str  # of the base config's text: editing it changes every run
+    lr: float | None = None  # None: the base config's learning rate
 
     @property
     def key(self) -> str:
-        return f"{self.experiment}-{self.task}-{self.model}-n{self.num_train}-s{self.seed}"
+        lr = f"-lr{self.lr:g}" if self.experiment == CALIBRATE else ""
+        return f"{self.experiment}-{self.task}-{self.model}{lr}-n{self.num_train}-s{self.seed}"
 
     @property
     def fingerprint(self) -> str:
@@ -85,7 +96,8 @@ def load_config(path: str | Path) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"{where}: expected a mapping at the top level, got " + ("an empty file" if cfg is None else type(cfg).__name__))
     allowed = {"base_config", "out_dir", "log_dir", "seeds", "batch_size", "train_samples", "num_val_checks",
-               "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments"}
+               "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments", "families",
+               "calibration", "shortcuts"}
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -120,22 +132,101 @@ def load_config(path: str | Path) -> dict:
         name = _require(exp, "name", str, w)
         if not name or "-" in name:
             raise ValueError(f"{w}: name={name!r} is not allowed: expected a non-empty name without '-'")
-        for task in _require(exp, "tasks", list, w):
-            check_choice(f"{w}.tasks", task, Task)
+        tasks = _require(exp, "tasks", list, w)
+        for task in tasks:
+            check_choice(f"{w}.tasks", task, tuple(TASK_DATA))
         for model in _require(exp, "models", list, w):
             check_choice(f"{w}.models", model, tuple(models))
         sizes = _require(exp, "num_train", list, w)
         if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
             raise ValueError(f"{w}: num_train={sizes!r} is not allowed: expected a list of ints >= 1")
         for region in ("train_region", "test_region"):
-            check_choice(f"{w}.{region}", exp.setdefault(region, "all"), Region)
+            for task in tasks:
+                check_choice(f"{w}.{region} (task {task})", exp.setdefault(region, "all"), TASK_DATA[task][1])
         # Entries may share a name (e.g. all models at one size, a few models at more sizes): they
         # fill one table, so they must agree on the regions.
         regions = (exp["train_region"], exp["test_region"])
         if seen.setdefault(name, regions) != regions:
             raise ValueError(f"{w}: experiment {name!r} is listed with regions {seen[name]} and {regions}; "
                              f"entries that share a name must share train_region and test_region")
+        if name == CALIBRATE:
+            raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
+    _check_calibration(cfg, where)
+    if "shortcuts" in cfg:
+        sc = _require(cfg, "shortcuts", dict, where)
+        extra = set(sc) - {"num_train", "num_test"}
+        if extra:
+            raise ValueError(f"{where}: shortcuts: unknown keys {sorted(extra)}; allowed: ['num_test', 'num_train']")
+        for name in ("num_train", "num_test"):
+            if _require(sc, name, int, f"{where}: shortcuts") < 100:
+                raise ValueError(f"{where}: shortcuts.{name}={sc[name]!r} is not allowed: expected an int >= 100")
     return cfg
+
+
+def _check_calibration(cfg: dict, where: str) -> None:
+    """``families`` (family -> models) and ``calibration`` (task, num_train, seed, lrs, one model per
+    family) come together; every model of the study must then be in exactly one family."""
+    if ("families" in cfg) != ("calibration" in cfg):
+        raise ValueError(f"{where}: 'families' and 'calibration' go together: give both or neither")
+    if "families" not in cfg:
+        return
+    families = _require(cfg, "families", dict, where)
+    owner: dict[str, str] = {}
+    for family, members in families.items():
+        if not isinstance(members, list) or not members:
+            raise ValueError(f"{where}: families.{family}={members!r} is not allowed: expected a list of model names")
+        for model in members:
+            check_choice(f"{where}: families.{family}", model, tuple(cfg["models"]))
+            if owner.setdefault(model, family) != family:
+                raise ValueError(f"{where}: model {model!r} is in families {owner[model]!r} and {family!r}")
+    used = {m for exp in cfg["experiments"] for m in exp["models"]}
+    if used - set(owner):
+        raise ValueError(f"{where}: models {sorted(used - set(owner))} are in no family, so no learning rate "
+                         f"would be calibrated for them; add them to 'families'")
+    cal = _require(cfg, "calibration", dict, where)
+    w = f"{where}: calibration"
+    extra = set(cal) - {"task", "num_train", "seed", "lrs", "models"}
+    if extra:
+        raise ValueError(f"{w}: unknown keys {sorted(extra)}")
+    check_choice(f"{w}.task", _require(cal, "task", str, w), tuple(TASK_DATA))
+    if _require(cal, "num_train", int, w) < 1 or _require(cal, "seed", int, w) < 0:
+        raise ValueError(f"{w}: num_train must be >= 1 and seed >= 0")
+    if cal["seed"] in cfg["seeds"]:
+        raise ValueError(f"{w}: seed={cal['seed']} is one of the study's seeds {cfg['seeds']}; calibrate on "
+                         f"other data than the study is scored on")
+    lrs = _require(cal, "lrs", list, w)
+    if not lrs or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 for v in lrs):
+        raise ValueError(f"{w}: lrs={lrs!r} is not allowed: expected a non-empty list of floats in (0, 1)")
+    models = _require(cal, "models", dict, w)
+    if set(models) != set(families):
+        raise ValueError(f"{w}.models names {sorted(models)}, expected one model for each family {sorted(families)}")
+    for family, model in models.items():
+        if model not in families[family]:
+            raise ValueError(f"{w}.models.{family}={model!r} is not allowed: expected one of {families[family]}")
+
+
+def family_of(cfg: dict, model: str) -> str | None:
+    """The family a model's learning rate is calibrated with (None without calibration)."""
+    return next((f for f, members in cfg.get("families", {}).items() if model in members), None)
+
+
+def choose_lr(cfg: dict, rows: list[dict]) -> dict[str, float]:
+    """``{family: lr}``: the calibration run with the best ``val_acc`` per family (ties: the smaller lr).
+
+    Raises if a calibration run is missing from ``rows``.
+    """
+    cal = cfg["calibration"]
+    chosen = {}
+    for family, model in cal["models"].items():
+        scores = {}
+        for lr in cal["lrs"]:
+            key = Run(CALIBRATE, cal["task"], model, cal["num_train"], cal["seed"], "all", "all", 0, {}, "", lr).key
+            row = next((r for r in rows if r["key"] == key), None)
+            if row is None:
+                raise ValueError(f"calibration run {key} has not finished")
+            scores[lr] = float(row["val_acc"])
+        chosen[family] = max(sorted(scores), key=lambda lr: scores[lr])  # max keeps the first (smallest) on ties
+    return chosen
 
 
 def experiments(cfg: dict) -> list[dict]:
@@ -151,17 +242,34 @@ def experiments(cfg: dict) -> list[dict]:
     return list(merged.values())
 
 
-def plan(cfg: dict) -> list[Run]:
+def calibration_plan(cfg: dict) -> list[Run]:
+    """The learning-rate calibration runs: each family's model at each lr, scored on the validation split."""
+    if "calibration" not in cfg:
+        return []
+    cal = cfg["calibration"]
+    exp = {"name": CALIBRATE, "tasks": [cal["task"]], "models": list(cal["models"].values()),
+           "num_train": [cal["num_train"]], "train_region": "all", "test_region": "all"}
+    return [run for lr in cal["lrs"] for run in _runs(cfg, [exp], [cal["seed"]], lambda model: lr)]
+
+
+def plan(cfg: dict, lrs: dict[str, float] | None = None) -> list[Run]:
     """Every run of the study, in the order they are run: entry by entry as listed, and within an
     entry seed by seed (every cell of the entry with the first seed, then with the next).
 
     So a study stopped early holds the entries listed first, each cell with the same number of
-    seeds (give or take one): list the most important entries first.
+    seeds (give or take one): list the most important entries first. With a calibration, ``lrs``
+    (``{family: lr}``, from ``choose_lr``) sets every model's learning rate.
     """
+    if "calibration" in cfg and lrs is None:
+        raise ValueError("this study calibrates its learning rates: pass lrs (choose_lr) to plan it")
+    return _runs(cfg, cfg["experiments"], cfg["seeds"], lambda model: lrs[family_of(cfg, model)] if lrs else None)
+
+
+def _runs(cfg: dict, entries: list[dict], seeds: list[int], lr_of) -> list[Run]:
     base_digest = hashlib.sha256(Path(cfg["base_config"]).read_bytes()).hexdigest()[:12]
     runs, keys = [], set()
-    for exp in cfg["experiments"]:
-        for seed in cfg["seeds"]:
+    for exp in entries:
+        for seed in seeds:
             for task in exp["tasks"]:
                 for num_train in exp["num_train"]:
                     for model in exp["models"]:
@@ -171,18 +279,25 @@ def plan(cfg: dict) -> list[Run]:
                         trainer = {"max_epochs": epochs, "check_val_every_n_epoch": val_every}
                         if val_batches:  # only then: the other runs keep their settings fingerprint
                             trainer["val_check_interval"] = val_batches
+                        data_class, _ = TASK_DATA[task]
+                        init_args = {"num_train": num_train, "num_val": cfg["num_val"], "num_test": cfg["num_test"],
+                                     "batch_size": cfg["batch_size"], "seed": seed,
+                                     "train_region": exp["train_region"], "test_region": exp["test_region"]}
+                        if task != "same_different":
+                            init_args["task"] = task
+                        lr = lr_of(model)
+                        model_args = {"backbone": cfg["models"][model],
+                                      "warmup_epochs": round(cfg["warmup_fraction"] * epochs, 4)}
+                        if lr is not None:
+                            model_args["lr"] = lr
                         overrides = {
                             "seed_everything": seed,
                             "trainer": trainer,
-                            "model": {"backbone": cfg["models"][model],
-                                      "warmup_epochs": round(cfg["warmup_fraction"] * epochs, 4)},
-                            "data": {"init_args": {
-                                "task": task, "num_train": num_train, "num_val": cfg["num_val"],
-                                "num_test": cfg["num_test"], "batch_size": cfg["batch_size"], "seed": seed,
-                                "train_region": exp["train_region"], "test_region": exp["test_region"]}},
+                            "model": model_args,
+                            "data": {"class_path": data_class, "init_args": init_args},
                         }
                         run = Run(exp["name"], task, model, num_train, seed, exp["train_region"],
-                                  exp["test_region"], epochs, overrides, base_digest)
+                                  exp["test_region"], epochs, overrides, base_digest, lr)
                         if run.key not in keys:
                             keys.add(run.key)
                             runs.append(run)

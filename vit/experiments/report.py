@@ -1,153 +1,279 @@
-"""The study's reports, from its `runs.csv` alone: summary tables (Markdown, CSV) and plots."""
+"""The study's reports, from its `runs.csv` (and `shortcuts.csv`) alone: tables and figures.
+
+* ``summary.md`` / ``summary.csv``: per cell (experiment, task, model, training-set size) every run's
+  test accuracy, the median, and the success count ``k/n`` with its 95% Clopper-Pearson interval,
+  where success means beating the task's best shortcut (``shortcuts.csv``) by 5 points; with the
+  learning rate, parameters, FLOPs per image and the median wall time of a run.
+* ``calibration.md``: the learning-rate grid of each model family and the rate chosen.
+* ``comparisons.md``: every pair of models within an experiment, seed-paired (exact permutation and
+  sign tests on the accuracy differences) and by success counts (Fisher's exact test).
+* ``<experiment>_runs.png``: a dot per run and the median per model.
+* ``<experiment>_by_distance.png``: test accuracy against the distance between the two parts, one
+  curve per model (all seeds' test images pooled), each CNN's receptive field marked: the study's
+  headline figure.
+"""
 
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
 
-from vit.experiments.grid import experiments
+from vit.experiments.grid import CALIBRATE, experiments
+from vit.experiments.stats import clopper_pearson, fisher_p, paired_permutation_p, sign_test_p
+from vit.models.cnn import receptive_field
 
 PERCENT = 100.0
+MARGIN = 0.05  # success: the best shortcut's accuracy plus this
 
 
-def per_cell(rows: list[dict], metric: str = "test_acc") -> dict[tuple, list[float]]:
-    """``{(experiment, task, model, num_train): [metric of each seed's run]}``."""
-    groups: dict[tuple, list[float]] = {}
+def per_cell(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """``{(experiment, task, model, num_train): [rows, by seed]}`` of the study's runs (calibration left out)."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["experiment"], r["task"], r["model"], int(r["num_train"])), []).append(float(r[metric]))
-    return groups
+        if r["experiment"] != CALIBRATE:
+            groups.setdefault((r["experiment"], r["task"], r["model"], int(r["num_train"])), []).append(r)
+    return {k: sorted(v, key=lambda r: int(r["seed"])) for k, v in groups.items()}
 
 
-def aggregate(rows: list[dict], metric: str = "test_acc") -> dict[tuple, tuple[float, float, int]]:
-    """``{(experiment, task, model, num_train): (mean, std, n)}`` of ``metric`` over seeds (std with ddof=1, 0 if n=1)."""
-    return {k: (float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, len(v))
-            for k, v in per_cell(rows, metric).items()}
+def read_shortcuts(out_dir: Path) -> dict[str, dict[str, float]]:
+    """``{task: {baseline: accuracy}}`` from ``shortcuts.csv`` (empty if there is none)."""
+    path = out_dir / "shortcuts.csv"
+    table: dict[str, dict[str, float]] = {}
+    if path.exists():
+        with path.open(newline="") as f:
+            for r in csv.DictReader(f):
+                table.setdefault(r["task"], {})[r["baseline"]] = float(r["accuracy"])
+    return table
 
 
-def format_cell(mean: float, std: float, n: int) -> str:
-    """Accuracy in percent as ``mean ± std (n)``."""
-    return f"{mean * PERCENT:.1f} ± {std * PERCENT:.1f} ({n})"
+def success_threshold(shortcuts: dict[str, dict[str, float]], task: str) -> float | None:
+    """Accuracy a run must exceed to count as a success: the task's best shortcut + 5 points (None: no audit)."""
+    return max(shortcuts[task].values()) + MARGIN if task in shortcuts else None
+
+
+def model_rf(cfg: dict, model: str) -> int | None:
+    """The exact receptive field of a ``ConvNet`` model of the config (None for other models)."""
+    spec = cfg["models"][model]
+    if not spec["class_path"].endswith("ConvNet"):
+        return None
+    args = spec.get("init_args", {})
+    widths = args.get("widths", (32, 32, 32))
+    strides = args.get("strides") or (1,) * len(widths)
+    return receptive_field((args.get("kernel_size", 3),) * len(widths), tuple(strides))
+
+
+def successes(accs: list[float], threshold: float | None) -> tuple[int, float, float] | None:
+    """``(k, ci_low, ci_high)``: runs above ``threshold`` and the 95% Clopper-Pearson interval."""
+    if threshold is None or threshold >= 1:
+        return None
+    k = sum(a > threshold for a in accs)
+    return (k, *clopper_pearson(k, len(accs)))
 
 
 def write_reports(rows: list[dict], out_dir: Path, cfg: dict) -> None:
-    """``summary.md``, ``summary.csv`` and the plots from the rows of ``runs.csv``."""
-    test, val = aggregate(rows, "test_acc"), aggregate(rows, "val_acc")
+    """Every table and figure of the study from the rows of ``runs.csv`` (see the module doc)."""
+    shortcuts = read_shortcuts(out_dir)
+    cells = per_cell(rows)
+    _summary(cells, shortcuts, out_dir, cfg)
+    _calibration(rows, out_dir, cfg)
+    _comparisons(cells, shortcuts, out_dir, cfg)
+    _figures(cells, shortcuts, out_dir, cfg)
+
+
+def _summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
+    header = ["experiment", "task", "model", "num_train", "train_region", "test_region", "receptive_field", "n_seeds",
+              "test_acc_median", "test_acc_min", "test_acc_max", "test_acc_runs", "success_threshold", "successes",
+              "success_ci_low", "success_ci_high", "lr", "params", "flops_per_image", "train_time_median_s",
+              "revisions"]
+    table = []
+    for (exp, task, model, n), runs in cells.items():
+        accs = [float(r["test_acc"]) for r in runs]
+        thr = success_threshold(shortcuts, task)
+        succ = successes(accs, thr)
+        table.append({
+            "experiment": exp, "task": task, "model": model, "num_train": n,
+            "train_region": runs[0]["train_region"], "test_region": runs[0]["test_region"],
+            "receptive_field": model_rf(cfg, model) if model in cfg["models"] else None, "n_seeds": len(accs),
+            "test_acc_median": f"{np.median(accs):.4f}", "test_acc_min": f"{min(accs):.4f}",
+            "test_acc_max": f"{max(accs):.4f}", "test_acc_runs": " ".join(f"{a:.4f}" for a in accs),
+            "success_threshold": "" if thr is None else f"{thr:.4f}",
+            "successes": "" if succ is None else succ[0],
+            "success_ci_low": "" if succ is None else f"{succ[1]:.3f}",
+            "success_ci_high": "" if succ is None else f"{succ[2]:.3f}",
+            "lr": runs[0].get("lr", ""), "params": runs[0].get("params", ""),
+            "flops_per_image": runs[0].get("flops_per_image", ""),
+            "train_time_median_s": f"{np.median([float(r['train_time_s']) for r in runs]):.1f}",
+            "revisions": " ".join(sorted({r.get("revision", "") for r in runs})),
+        })
     with (out_dir / "summary.csv").open("w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(["experiment", "task", "model", "num_train", "n_seeds", "test_acc_mean", "test_acc_std",
-                    "val_acc_mean", "val_acc_std"])
-        for k, (m, s, n) in test.items():
-            w.writerow([*k, n, f"{m:.4f}", f"{s:.4f}", f"{val[k][0]:.4f}", f"{val[k][1]:.4f}"])
-    lines = ["# Two-circles study: test accuracy (%), mean ± std over seeds (number of seeds)", "",
-             "Generated by `python -m vit.experiments.study`; one row per model, one column per training-set size. "
-             "`runs.csv` holds every run.", ""]
+        w = csv.DictWriter(f, fieldnames=header, lineterminator="\n")
+        w.writeheader()
+        w.writerows(table)
+    revisions = sorted({r["revisions"] for r in table})
+    lines = ["# Study summary: test accuracy (%) of every run", "",
+             "Generated by `python -m vit.experiments.study` from `runs.csv`. Runs are listed by seed. Success: "
+             f"above the task's best shortcut (`shortcuts.md`) + {MARGIN * PERCENT:.0f} points, with a 95% "
+             "Clopper-Pearson interval; `–` where the shortcuts already reach 100%.",
+             f"Code revision of the rows: {', '.join(revisions) if revisions else 'none yet'}.", ""]
     for exp in experiments(cfg):
-        name = exp["name"]
         for task in exp["tasks"]:
-            sizes = [n for n in exp["num_train"] if any(k[:2] == (name, task) and k[3] == n for k in test)]
-            if not sizes:
+            sel = [t for t in table if t["experiment"] == exp["name"] and t["task"] == task]
+            if not sel:
                 continue
-            lines += [f"## {name}: task `{task}`, train region `{exp['train_region']}`, "
-                      f"test region `{exp['test_region']}`", ""]
-            shift = exp["train_region"] != exp["test_region"]
-            head = [f"n={n}" for n in sizes]
-            if shift:
-                head = [f"n={n} test ({exp['test_region']})" for n in sizes] + \
-                       [f"n={n} val ({exp['train_region']})" for n in sizes]
-            lines += ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
-            for model in exp["models"]:
-                cells = [format_cell(*test[(name, task, model, n)]) if (name, task, model, n) in test else "–"
-                         for n in sizes]
-                if shift:
-                    cells += [format_cell(*val[(name, task, model, n)]) if (name, task, model, n) in val else "–"
-                              for n in sizes]
-                lines.append(f"| {model} | " + " | ".join(cells) + " |")
+            thr = success_threshold(shortcuts, task)
+            lines += [f"## {exp['name']}: task `{task}`, train region `{exp['train_region']}`, test region "
+                      f"`{exp['test_region']}`" + (f" (success > {thr * PERCENT:.1f}%)" if thr and thr < 1 else ""), "",
+                      "| model | RF (px) | n | median | runs | success k/n [95% CI] | lr | params | MFLOPs/image | s/run |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for t in sel:
+                runs = " ".join(f"{float(a) * PERCENT:.1f}" for a in t["test_acc_runs"].split())
+                succ = "–" if t["successes"] == "" else \
+                    f"{t['successes']}/{t['n_seeds']} [{float(t['success_ci_low']):.2f}, {float(t['success_ci_high']):.2f}]"
+                flops = f"{int(t['flops_per_image']) / 1e6:.1f}" if t["flops_per_image"] else ""
+                lines.append(f"| {t['model']} | {t['receptive_field'] or '–'} | {t['n_seeds']} | "
+                             f"{float(t['test_acc_median']) * PERCENT:.1f} | {runs} | {succ} | {t['lr']} | "
+                             f"{t['params']} | {flops} | {t['train_time_median_s']} |")
             lines.append("")
     (out_dir / "summary.md").write_text("\n".join(lines))
-    _plots(test, val, per_cell(rows, "test_acc"), per_cell(rows, "val_acc"), out_dir, cfg)
 
 
-def _bars(ax, models: list[str], series: list[tuple[str | None, dict, dict]], key) -> None:
-    """Grouped bars: one group per model, one bar per (label, cells, runs) series, error bars = std,
-    and a dot per run (seed): a cell whose seeds split between chance and success shows it."""
-    x = np.arange(len(models))
-    width = 0.8 / len(series)
-    for i, (label, cells, runs) in enumerate(series):
-        v = [cells.get(key(m), (np.nan, 0.0, 0)) for m in models]
-        pos = x + (i - (len(series) - 1) / 2) * width
-        ax.bar(pos, [c[0] * PERCENT for c in v], width, yerr=[c[1] * PERCENT for c in v], capsize=3, label=label)
-        for p, m in zip(pos, models):
-            seeds = runs.get(key(m), [])
-            ax.plot([p] * len(seeds), [a * PERCENT for a in seeds], "k.", ms=4, zorder=3)
-    ax.set_xticks(x, models, rotation=30, ha="right")
+def _calibration(rows: list[dict], out_dir: Path, cfg: dict) -> None:
+    if "calibration" not in cfg:
+        return
+    cal = cfg["calibration"]
+    got = {(r["model"], float(r["lr"])): float(r["val_acc"]) for r in rows if r["experiment"] == CALIBRATE}
+    lines = ["# Learning-rate calibration: validation accuracy (%)", "",
+             f"Task `{cal['task']}`, {cal['num_train']} training images, data seed {cal['seed']} (not a study seed), "
+             "the study's schedule. The best rate of each family (ties: the smaller) is used for all its models.", "",
+             "| family (model) | " + " | ".join(f"lr {lr:g}" for lr in cal["lrs"]) + " | chosen |",
+             "|---" * (len(cal["lrs"]) + 2) + "|"]
+    for family, model in cal["models"].items():
+        scores = {lr: got.get((model, float(lr))) for lr in cal["lrs"]}
+        done = {lr: s for lr, s in scores.items() if s is not None}
+        chosen = f"{max(sorted(done), key=lambda lr: done[lr]):g}" if len(done) == len(scores) else "(unfinished)"
+        cells = [f"{s * PERCENT:.1f}" if s is not None else "–" for s in scores.values()]
+        lines.append(f"| {family} ({model}) | " + " | ".join(cells) + f" | {chosen} |")
+    (out_dir / "calibration.md").write_text("\n".join(lines) + "\n")
 
 
-def _plots(test: dict, val: dict, test_runs: dict, val_runs: dict, out_dir: Path, cfg: dict) -> None:
-    """Per experiment: accuracy vs training-set size (lines), and all models at one size (bars).
+def _comparisons(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
+    lines = ["# Seed-paired comparisons", "",
+             "Each pair of models of an experiment on the seeds both have. `diff`: median over seeds of the "
+             "accuracy difference (first minus second, points). `perm p`: exact two-sided paired permutation test; "
+             "`sign p`: exact sign test; both cannot go below 0.0625 with 5 seeds. `Fisher p`: success counts.", ""]
+    for exp in experiments(cfg):
+        for task in exp["tasks"]:
+            models = [m for m in exp["models"] if (exp["name"], task, m, exp["num_train"][-1]) in cells]
+            if len(models) < 2:
+                continue
+            thr = success_threshold(shortcuts, task)
+            lines += [f"## {exp['name']}: task `{task}`", "",
+                      "| first | second | seeds | diff | perm p | sign p | successes | Fisher p |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for i, a in enumerate(models):
+                for b in models[i + 1:]:
+                    ra = {r["seed"]: float(r["test_acc"]) for r in cells[(exp["name"], task, a, exp["num_train"][-1])]}
+                    rb = {r["seed"]: float(r["test_acc"]) for r in cells[(exp["name"], task, b, exp["num_train"][-1])]}
+                    seeds = sorted(set(ra) & set(rb), key=int)
+                    if not seeds:
+                        continue
+                    xa, xb = [ra[s] for s in seeds], [rb[s] for s in seeds]
+                    diff = np.median(np.subtract(xa, xb)) * PERCENT
+                    sa, sb = successes(xa, thr), successes(xb, thr)
+                    succ, fp = ("–", "–") if sa is None else \
+                        (f"{sa[0]}/{len(seeds)} vs {sb[0]}/{len(seeds)}",
+                         f"{fisher_p(sa[0], len(seeds), sb[0], len(seeds)):.3f}")
+                    lines.append(f"| {a} | {b} | {len(seeds)} | {diff:+.1f} | {paired_permutation_p(xa, xb):.3f} | "
+                                 f"{sign_test_p(xa, xb):.3f} | {succ} | {fp} |")
+            lines.append("")
+    (out_dir / "comparisons.md").write_text("\n".join(lines))
 
-    Means with std error bars, and a dot per run. For an experiment whose test region differs from
-    its train region (a placement shift), the bars show the shifted test accuracy beside the
-    in-distribution validation accuracy.
-    """
+
+def pooled_by_distance(runs: list[dict], edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(accuracy, count)`` per distance bin ``[edges[i], edges[i+1])``, the test images of all runs pooled."""
+    correct, total = np.zeros(len(edges) - 1), np.zeros(len(edges) - 1)
+    for r in runs:
+        for d, (c, t) in json.loads(r["test_by_distance"]).items():
+            i = np.searchsorted(edges, int(d), side="right") - 1
+            if 0 <= i < len(total):
+                correct[i] += c
+                total[i] += t
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return correct / total, total
+
+
+def _figures(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullLocator
-
-    def finish(fig, axes, title: str, path: Path) -> None:
-        for ax in axes:
-            ax.axhline(50, color="grey", lw=0.8, ls="--")
-            ax.set_ylim(40, 102)
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("accuracy (%): mean ± std over seeds, dot = one run")
-        labelled = [ax for ax in axes if ax.get_legend_handles_labels()[0]]
-        if labelled:  # a partial study may have no curve yet
-            labelled[-1].legend(fontsize=8, loc="best")
-        fig.suptitle(title)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
 
     for exp in experiments(cfg):
-        name, tasks = exp["name"], exp["tasks"]
-        cells = {k: v for k, v in test.items() if k[0] == name}
-        if not cells:
-            continue
-        shift = exp["train_region"] != exp["test_region"]
-        where = f"train {exp['train_region']} → test {exp['test_region']}"
-        sizes = sorted({k[3] for k in cells})
-        # Lines: the models measured at two sizes or more.
-        curves = {t: [m for m in exp["models"] if len({k[3] for k in cells if k[1:3] == (t, m)}) > 1] for t in tasks}
-        if any(curves.values()):
-            fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4), squeeze=False, sharey=True)
-            for ax, task in zip(axes[0], tasks):
-                for model in curves[task]:
-                    pts = [(n, *cells[(name, task, model, n)][:2]) for n in sizes if (name, task, model, n) in cells]
-                    n_, m_, s_ = (np.array(c) for c in zip(*pts))
-                    line = ax.errorbar(n_, m_ * PERCENT, yerr=s_ * PERCENT, marker="o", capsize=3, label=model)
-                    for n in n_:
-                        seeds = test_runs[(name, task, model, n)]
-                        ax.plot([n] * len(seeds), [a * PERCENT for a in seeds], ".", ms=4, alpha=0.6,
-                                color=line[0].get_color())
-                ax.set_xscale("log")
-                ax.set_xticks(sizes, [f"{n:,}" for n in sizes])  # the measured sizes, written out
-                ax.xaxis.set_minor_locator(NullLocator())
-                ax.set_xlabel("training-set size (log scale)")
-                ax.set_title(task)
-            finish(fig, list(axes[0]), f"{name}: test accuracy vs training-set size ({where})",
-                   out_dir / f"{name}_vs_size.png")
-        # Bars: every model at the size where the most models were run (the largest such size).
-        fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4), squeeze=False, sharey=True)
-        for ax, task in zip(axes[0], tasks):
-            count = {n: sum((name, task, m, n) in cells for m in exp["models"]) for n in sizes}
-            n = max(sizes, key=lambda s: (count[s], s))
-            models = [m for m in exp["models"] if (name, task, m, n) in cells]
-            series = [(f"test ({exp['test_region']})", cells, test_runs)]
-            if shift:
-                series.append((f"val ({exp['train_region']}, in distribution)", val, val_runs))
-            _bars(ax, models, series, lambda m: (name, task, m, n))
-            ax.set_title(f"{task}, n={n}")
-        finish(fig, list(axes[0]), f"{name}: test accuracy per model ({where})", out_dir / f"{name}_models.png")
+        for task in exp["tasks"]:
+            models = [m for m in exp["models"] if any(k[:3] == (exp["name"], task, m) for k in cells)]
+            if not models:
+                continue
+            runs = {m: [r for k, v in cells.items() if k[:3] == (exp["name"], task, m) for r in v] for m in models}
+            colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(models)}
+            where = f"train {exp['train_region']}, test {exp['test_region']}"
+            ceiling = max(shortcuts[task].values()) if task in shortcuts else None
+            # Dots: every run, and the median.
+            fig, ax = plt.subplots(figsize=(1.1 * len(models) + 2.5, 4))
+            for i, m in enumerate(models):
+                accs = [float(r["test_acc"]) * PERCENT for r in runs[m]]
+                ax.plot(np.full(len(accs), i) + np.linspace(-0.12, 0.12, len(accs)), accs, "o", color=colors[m], ms=5)
+                ax.plot([i - 0.3, i + 0.3], [np.median(accs)] * 2, "k-", lw=2)
+            if ceiling is not None:
+                ax.axhline(ceiling * PERCENT, color="crimson", ls=":", lw=1, label="best shortcut")
+                ax.legend(fontsize=8, loc="lower right")
+            ax.axhline(50, color="grey", lw=0.8, ls="--")
+            ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
+            ax.set_ylabel("test accuracy (%): dot = one seed, bar = median")
+            ax.set_ylim(40, 101)
+            ax.grid(alpha=0.3, axis="y")
+            ax.set_title(f"{exp['name']}: {task} ({where})", fontsize=10)
+            fig.tight_layout()
+            fig.savefig(out_dir / f"{exp['name']}_{task}_runs.png", dpi=110)
+            plt.close(fig)
+            # Accuracy against the distance between the parts.
+            dists = [int(d) for m in models for r in runs[m] if r.get("test_by_distance")
+                     for d in json.loads(r["test_by_distance"])]
+            if not dists:
+                continue
+            lo, hi = min(dists), max(dists)
+            edges = np.arange(lo, hi + 4, 3)
+            centres = (edges[:-1] + np.minimum(edges[1:], hi + 1) - 1) / 2
+            fig, ax = plt.subplots(figsize=(7.5, 4.5))
+            for m in models:
+                acc, count = pooled_by_distance(runs[m], edges)
+                rf = model_rf(cfg, m) if m in cfg["models"] else None
+                ls = "-" if rf is not None else "--"
+                ax.plot(centres, acc * PERCENT, ls, marker="o", ms=4, color=colors[m],
+                        label=f"{m} (RF {rf})" if rf else m)
+                if rf is not None:
+                    x = min(rf, hi + 1.5)
+                    ax.axvline(x, color=colors[m], ls=":", lw=1.2)
+                    ax.annotate(f"RF {rf}" + ("→" if rf > hi + 1.5 else ""), (x, 41), rotation=90, fontsize=7,
+                                color=colors[m], ha="right", va="bottom")
+            if task in shortcuts:
+                local = shortcuts[task].get("bag_of_shapes")
+                best = max(v for k, v in shortcuts[task].items() if k != "bag_of_shapes")
+                ax.axhline(best * PERCENT, color="crimson", ls=":", lw=1, label=f"best shortcut ({best * PERCENT:.0f}%)")
+                if local is not None:
+                    ax.axhline(local * PERCENT, color="black", ls="-.", lw=1,
+                               label=f"local-view ceiling ({local * PERCENT:.1f}%)")
+            ax.axhline(50, color="grey", lw=0.8, ls="--")
+            xlabel = ("span of the pair (px): side of the smallest square holding both shapes"
+                      if task == "same_different" else "distance between the circle centres (px)")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("test accuracy (%), all seeds pooled")
+            ax.set_ylim(40, 101)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+            ax.set_title(f"{exp['name']}: {task} ({where}); dotted line: a CNN's receptive field", fontsize=9)
+            fig.tight_layout()
+            fig.savefig(out_dir / f"{exp['name']}_{task}_by_distance.png", dpi=110)
+            plt.close(fig)

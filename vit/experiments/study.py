@@ -29,21 +29,24 @@ import io
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
+import submitit
 import yaml
 
-from vit.experiments.grid import Run, load_config, plan
+from vit.experiments.grid import Run, calibration_plan, choose_lr, load_config, plan
 from vit.experiments.report import write_reports
 
 COLUMNS = (
-    "key", "experiment", "task", "model", "num_train", "seed", "train_region", "test_region",
-    "params", "epochs", "steps", "batch_size", "train_time_s", "train_acc", "val_acc", "test_acc",
-    "fingerprint", "finished_at",
+    "key", "experiment", "task", "model", "num_train", "seed", "train_region", "test_region", "lr",
+    "params", "flops_per_image", "epochs", "steps", "batch_size", "train_time_s", "train_acc", "val_acc", "test_acc",
+    "test_by_distance", "fingerprint", "revision", "finished_at",
 )
+EXECUTORS = ("local", "debug", "slurm")
 
 
 # ----------------------------------------------------------------------------- running
@@ -91,13 +94,10 @@ def _last_train_acc(log_dir: Path) -> float:
     return float(values[-1]) if values else float("nan")
 
 
-def run_one(run: Run, *, base_config: str, log_dir: Path) -> dict:
-    """Train and test one grid point through ``vit.training.cli.main``; return its CSV row."""
-    from vit.training.cli import main  # imported here so that `--help` and planning stay fast
-
-    run_dir = log_dir / run.key
-    if run_dir.exists():  # no row in the CSV, so this is what a killed run left behind
-        _move_aside(run_dir)
+def run_overrides(run: Run, log_dir: Path, environ: dict | None = None) -> dict:
+    """The run's train.py overrides, with its loggers; under a submitit SLURM job, Lightning's own
+    SLURM auto-requeue is switched off, so that only submitit requeues a preempted run."""
+    environ = os.environ if environ is None else environ
     logger_args = {"save_dir": str(log_dir), "name": run.key, "version": ""}
     overrides = json.loads(json.dumps(run.overrides))
     overrides["trainer"].update({
@@ -109,6 +109,57 @@ def run_one(run: Run, *, base_config: str, log_dir: Path) -> dict:
         "enable_progress_bar": False,
         "enable_model_summary": False,
     })
+    if environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        overrides["trainer"]["plugins"] = [{"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
+                                           "init_args": {"auto_requeue": False}}]
+    return overrides
+
+
+def flops_per_image(backbone, in_chans: int, img_size: int) -> int:
+    """Forward FLOPs of one image, counted by ``torch.utils.flop_counter.FlopCounterMode`` (a multiply-add is 2)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = backbone.training
+    backbone.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        backbone(torch.zeros(1, in_chans, img_size, img_size))
+    backbone.train(was_training)
+    return int(counter.get_total_flops())
+
+
+def part_distance(dataset):
+    """The distance between the two parts of every sample, in whole pixels: ``span`` for
+    same-different (the side of the square holding both shapes), the rounded centre distance otherwise."""
+    import torch
+
+    if hasattr(dataset, "span"):
+        return dataset.span.long()
+    d = dataset.centers[:, 1] - dataset.centers[:, 0]
+    return torch.round(torch.hypot(d[:, 0], d[:, 1])).long()
+
+
+def accuracy_by_distance(backbone, dataset, batch_size: int = 500) -> dict[str, list[int]]:
+    """``{distance: [correct, total]}`` of ``backbone`` on ``dataset`` (see ``part_distance``)."""
+    import torch
+
+    backbone.eval()
+    with torch.no_grad():
+        preds = torch.cat([backbone(dataset.images[i:i + batch_size]).argmax(1)
+                           for i in range(0, len(dataset), batch_size)])
+    correct = preds == dataset.labels
+    dist = part_distance(dataset)
+    return {str(int(d)): [int(correct[dist == d].sum()), int((dist == d).sum())] for d in dist.unique()}
+
+
+def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "") -> dict:
+    """Train and test one grid point through ``vit.training.cli.main``; return its CSV row."""
+    from vit.training.cli import main  # imported here so that `--help` and planning stay fast
+
+    run_dir = log_dir / run.key
+    if run_dir.exists():  # no row in the CSV, so this is what a killed run left behind
+        _move_aside(run_dir)
+    overrides = run_overrides(run, log_dir)
     run_dir.mkdir(parents=True)
     overrides_path = run_dir / "study_overrides.yaml"
     overrides_path.write_text(yaml.safe_dump(overrides, sort_keys=False))
@@ -125,23 +176,130 @@ def run_one(run: Run, *, base_config: str, log_dir: Path) -> dict:
         raise RuntimeError(f"run {run.key} did not finish (interrupted={trainer.interrupted}); "
                            f"its logs are in {run_dir}")
     best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
+    backbone, data = cli.model.backbone, cli.datamodule
+    test_acc = float(trainer.callback_metrics["test/acc"])
+    # The tested (best) weights are in the model now; score them again per distance between the parts.
+    by_distance = accuracy_by_distance(backbone, data.test_set)
+    recount = sum(c for c, _ in by_distance.values()) / sum(n for _, n in by_distance.values())
+    if abs(recount - test_acc) > 1e-4:
+        raise RuntimeError(f"run {run.key}: accuracy by distance adds up to {recount:.4f}, test/acc is {test_acc:.4f}")
     return {
         "key": run.key, "experiment": run.experiment, "task": run.task, "model": run.model,
         "num_train": run.num_train, "seed": run.seed, "train_region": run.train_region,
-        "test_region": run.test_region,
-        "params": sum(p.numel() for p in cli.model.backbone.parameters()),
+        "test_region": run.test_region, "lr": cli.model.hparams.lr,
+        "params": sum(p.numel() for p in backbone.parameters()),
+        "flops_per_image": flops_per_image(backbone, data.in_chans, data.img_size),
         "epochs": trainer.current_epoch, "steps": trainer.global_step,
         "batch_size": run.overrides["data"]["init_args"]["batch_size"],
         "train_time_s": f"{seconds:.1f}", "train_acc": f"{_last_train_acc(run_dir):.4f}",
         "val_acc": f"{float(best) if best is not None else float('nan'):.4f}",
-        "test_acc": f"{float(trainer.callback_metrics['test/acc']):.4f}",
-        "fingerprint": run.fingerprint, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "test_acc": f"{test_acc:.4f}", "test_by_distance": json.dumps(by_distance, separators=(",", ":")),
+        "fingerprint": run.fingerprint, "revision": revision, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
-def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool = True) -> list[dict]:
-    """Run every unfinished grid point of the study (at most ``max_runs`` of them), then write the reports."""
-    import torch
+def code_revision() -> str:
+    """The git commit of the code, ``-dirty`` if the package, configs or train.py differ from it ("" outside git)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vit", "configs", "train.py"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("-dirty" if dirty else "")
+
+
+class StudyJob(submitit.helpers.Checkpointable):
+    """One run as a submitit job: train with ``threads`` torch threads, return the CSV row.
+
+    Checkpointable: on preemption or timeout under SLURM, submitit requeues the same call, and
+    ``run_one`` moves the unfinished run directory aside and starts the run again.
+    """
+
+    def __init__(self, run: Run, base_config: str, log_dir: str, threads: int, revision: str) -> None:
+        self.run, self.base_config, self.log_dir = run, base_config, log_dir
+        self.threads, self.revision = threads, revision
+
+    def __call__(self) -> dict:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        for name in ("lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        return run_one(self.run, base_config=self.base_config, log_dir=Path(self.log_dir), revision=self.revision)
+
+
+def slurm_parameters(*, partition: str | None, time_min: int, gpus: int, cpus: int, parallel: int) -> dict:
+    """The ``submitit.SlurmExecutor`` parameters of ``--executor slurm``: one array, ``parallel`` tasks at a time."""
+    params = {"job_name": "vit-study", "time": time_min, "gpus_per_node": gpus, "cpus_per_task": cpus,
+              "array_parallelism": parallel, "nodes": 1, "ntasks_per_node": 1}
+    if partition:
+        params["partition"] = partition
+    return params
+
+
+def make_executor(kind: str, folder: Path, *, timeout_min: int, slurm: dict | None = None):
+    """A submitit executor: ``local`` (subprocesses here), ``debug`` (in this process), ``slurm`` (a job array)."""
+    if kind == "slurm":
+        executor = submitit.SlurmExecutor(folder=folder)
+        executor.update_parameters(**(slurm or {}))
+        return executor
+    executor = submitit.AutoExecutor(folder=folder, cluster=kind)
+    executor.update_parameters(timeout_min=timeout_min)
+    return executor
+
+
+def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, poll_s: float = 1.0) -> list[tuple[str, str]]:
+    """Run ``jobs`` with at most ``parallel`` in flight, calling ``on_done(job, row)`` in the order they finish.
+
+    Only this process writes ``runs.csv`` (in ``on_done``), so two runs never write it at once. A run
+    that fails is reported and skipped; the others go on. Returns ``[(run key, error)]`` of the failures.
+    """
+    failures: list[tuple[str, str]] = []
+    pending, running = list(jobs), []
+
+    def collect(job: StudyJob, handle) -> None:
+        try:
+            row = handle.result()
+        except Exception as err:  # noqa: BLE001 - every failure is reported at the end, with its log
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            failures.append((job.run.key, lines[-1]))
+            print(f"FAILED {job.run.key}: {lines[-1]} (log: {getattr(handle, 'paths', None) and handle.paths.stderr})",
+                  file=sys.stderr, flush=True)
+            return
+        on_done(job, row)
+
+    if isinstance(executor, submitit.SlurmExecutor):  # one array; SLURM keeps `array_parallelism` running
+        with executor.batch():
+            handles = [executor.submit(job) for job in jobs]
+        pending, running = [], list(zip(jobs, handles))
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            handle = executor.submit(job)
+            if getattr(executor, "cluster", None) == "debug":
+                collect(job, handle)  # a debug job runs when its result is asked for
+                continue
+            running.append((job, handle))
+        finished = [(job, handle) for job, handle in running if handle.done()]
+        for job, handle in finished:
+            running.remove((job, handle))
+            collect(job, handle)
+        if running and not finished:
+            time.sleep(poll_s)
+    return failures
+
+
+def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool = True, executor: str = "local",
+              parallel: int = 2, slurm: dict | None = None, timeout_min: int = 120) -> list[dict]:
+    """Run every unfinished run of the study (at most ``max_runs`` of them) through a submitit
+    executor, ``parallel`` at a time, then write the reports.
+
+    With a calibration in the config, its runs come first; the learning rate of each family is then
+    chosen on their validation accuracy (``choose_lr``) and fixed for the study's runs.
+    """
     from tqdm.auto import tqdm
 
     cfg = load_config(config)
@@ -149,30 +307,55 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "runs.csv"
-    runs = plan(cfg)
-    done = {row["key"]: row for row in read_rows(csv_path)}
-    for run in runs:
-        row = done.get(run.key)
-        if row is not None and row["fingerprint"] != run.fingerprint:
-            raise ValueError(f"{csv_path} holds run {run.key} made with other settings (fingerprint "
-                             f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
-                             f"out_dir/log_dir for the new settings, or move the old results away")
-    todo = [run for run in runs if run.key not in done]
-    if max_runs is not None:
-        todo = todo[:max_runs]
-    torch.set_num_threads(cfg["threads"])
-    # One line per run from the study; Lightning's per-run banners would bury the progress bar.
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    bar = tqdm(todo, desc="study runs", unit="run", disable=not progress,
-               initial=len(runs) - len(todo) if max_runs is None else 0,
-               total=len(runs) if max_runs is None else len(todo))
-    for run in bar:
-        bar.set_postfix_str(run.key)
-        row = run_one(run, base_config=cfg["base_config"], log_dir=log_dir)
-        append_row(csv_path, row)
-        bar.write(f"{run.key}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
-    bar.close()
+    revision = code_revision()
+    pool = make_executor(executor, log_dir / "submitit", timeout_min=timeout_min, slurm=slurm)
+    budget = [max_runs]
+
+    def todo_of(runs: list[Run]) -> list[Run]:
+        done = {row["key"]: row for row in read_rows(csv_path)}
+        for run in runs:
+            row = done.get(run.key)
+            if row is not None and row["fingerprint"] != run.fingerprint:
+                raise ValueError(f"{csv_path} holds run {run.key} made with other settings (fingerprint "
+                                 f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
+                                 f"out_dir/log_dir for the new settings, or move the old results away")
+        todo = [run for run in runs if run.key not in done]
+        if budget[0] is not None:
+            todo, budget[0] = todo[:budget[0]], budget[0] - min(budget[0], len(todo))
+        return todo
+
+    def execute(runs: list[Run], desc: str) -> None:
+        todo = todo_of(runs)
+        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=not progress)
+
+        def on_done(job: StudyJob, row: dict) -> None:
+            append_row(csv_path, row)
+            bar.update()
+            bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
+
+        jobs = [StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision) for run in todo]
+        failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done)
+        bar.close()
+        if failures:
+            raise RuntimeError(f"{len(failures)} runs failed (rerun the same command to retry them): "
+                               + "; ".join(f"{k}: {e}" for k, e in failures))
+
+    if "shortcuts" in cfg and not (out_dir / "shortcuts.csv").exists():
+        # Measure the shortcuts before the models: every task, on fresh draws.
+        from vit.experiments import shortcuts
+
+        shortcuts.write([r for t in shortcuts.TASKS for r in shortcuts.audit(t, **cfg["shortcuts"])], out_dir)
+        print(f"shortcut audit written to {out_dir / 'shortcuts.md'}", flush=True)
+    lrs = None
+    if "calibration" in cfg:
+        execute(calibration_plan(cfg), "calibration runs")
+        rows = read_rows(csv_path)
+        try:
+            lrs = choose_lr(cfg, rows)
+        except ValueError:  # stopped by --max-runs before the calibration finished
+            write_reports(rows, out_dir, cfg)
+            return rows
+    execute(plan(cfg, lrs), "study runs")
     rows = read_rows(csv_path)
     write_reports(rows, out_dir, cfg)
     return rows
@@ -186,7 +369,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
     parser.add_argument("--report-only", action="store_true", help="rewrite summary and plots from runs.csv, run nothing")
     parser.add_argument("--list", action="store_true", help="print the planned runs and whether each is done")
+    parser.add_argument("--executor", choices=EXECUTORS, default="local",
+                        help="submitit executor: local subprocesses (default), debug (in this process), slurm (a job array)")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2: one per core here)")
+    parser.add_argument("--timeout-min", type=int, default=120, help="wall-time limit of one run, in minutes")
+    slurm = parser.add_argument_group("slurm", "with --executor slurm")
+    slurm.add_argument("--partition", default=None, help="SLURM partition")
+    slurm.add_argument("--gpus", type=int, default=1, help="GPUs per run")
+    slurm.add_argument("--cpus", type=int, default=8, help="CPU cores per run")
     args = parser.parse_args(argv)
+    for name in ("parallel", "timeout_min", "cpus"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: expected an int >= 1")
+    if args.gpus < 0:
+        parser.error(f"--gpus={args.gpus} is not allowed: expected an int >= 0")
     if args.max_runs is not None and args.max_runs < 0:
         parser.error(f"--max-runs={args.max_runs} is not allowed: expected an int >= 0")
     try:
@@ -198,14 +394,21 @@ def main(argv: list[str] | None = None) -> None:
         rows = read_rows(Path(cfg["out_dir"]) / "runs.csv")
         if args.list:
             keys = {r["key"] for r in rows}
-            runs = plan(cfg)
+            runs = calibration_plan(cfg)
+            try:
+                runs += plan(cfg, choose_lr(cfg, rows) if "calibration" in cfg else None)
+            except ValueError:
+                print("(the study's runs are planned once the calibration has finished)")
             for run in runs:
                 print(f"{'done' if run.key in keys else 'todo'}  {run.key}  epochs={run.epochs}")
             print(f"{sum(r.key in keys for r in runs)}/{len(runs)} runs done")
         if args.report_only:
             write_reports(rows, Path(cfg["out_dir"]), cfg)
         return
-    run_study(args.config, max_runs=args.max_runs)
+    slurm_params = slurm_parameters(partition=args.partition, time_min=args.timeout_min, gpus=args.gpus,
+                                    cpus=args.cpus, parallel=args.parallel)
+    run_study(args.config, max_runs=args.max_runs, executor=args.executor, parallel=args.parallel,
+              slurm=slurm_params, timeout_min=args.timeout_min)
 
 
 if __name__ == "__main__":

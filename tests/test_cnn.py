@@ -1,0 +1,66 @@
+"""The receptive-field CNN: the exact receptive field against a gradient, padding semantics, errors."""
+
+import pytest
+import torch
+
+from vit.models import ConvNet
+from vit.models.cnn import receptive_field
+
+
+def test_receptive_field_recurrence_by_hand():
+    assert receptive_field((3, 3, 3), (1, 1, 1)) == 7  # 1 + 2 + 2 + 2
+    assert receptive_field((3,) * 5, (1, 2, 1, 2, 1)) == 21  # 3, 5 (j=2), 9, 13 (j=4), 21
+    assert receptive_field((5, 3), (2, 1)) == 9  # 5 (j=2), 5 + 2 * 2
+    assert receptive_field((), ()) == 1
+
+
+def _gradient_support(model: ConvNet, size: int) -> tuple[int, int]:
+    """Rows and columns of the input that reach the centre unit of the last feature map, measured by autograd."""
+    with torch.no_grad():  # positive weights and inputs keep every ReLU open, so no path is cut by an activation
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                m.weight.fill_(0.1)
+    model.eval()
+    x = torch.ones(1, model.in_chans, size, size, requires_grad=True)
+    fmap = model.forward_features(x)
+    h, w = fmap.shape[-2:]
+    fmap[0, :, h // 2, w // 2].sum().backward()
+    support = x.grad[0].abs().sum(0) > 0
+    rows, cols = support.any(1).nonzero().flatten(), support.any(0).nonzero().flatten()
+    return int(rows.max() - rows.min() + 1), int(cols.max() - cols.min() + 1)
+
+
+@pytest.mark.parametrize("strides,kernel", [((1, 1, 1), 3), ((1, 2, 1, 2, 1), 3), ((2, 1, 2), 5), ((1, 2, 1, 2, 1, 2, 1), 3)])
+def test_receptive_field_equals_the_gradient_support(strides, kernel):
+    model = ConvNet(img_size=96, in_chans=1, num_classes=2, widths=(2,) * len(strides), strides=strides,
+                    kernel_size=kernel)
+    # a 96 px input is wide enough that the centre unit's field lies inside it, away from the padding
+    assert _gradient_support(model, 96) == (model.receptive_field, model.receptive_field)
+
+
+def test_circular_padding_is_blind_to_circular_shifts_and_zero_padding_is_not():
+    torch.manual_seed(0)
+    x = torch.rand(2, 1, 16, 16)
+    shifted = torch.roll(x, shifts=(4, 8), dims=(2, 3))  # a multiple of the total stride (4)
+    circular = ConvNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2), padding="circular").eval()
+    torch.testing.assert_close(circular(shifted), circular(x), rtol=1e-4, atol=1e-5)
+    zero = ConvNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2), padding="zero").eval()
+    assert not torch.allclose(zero(shifted), zero(x), rtol=1e-4, atol=1e-5)
+
+
+def test_valid_padding_shrinks_the_map_and_refuses_an_empty_one():
+    model = ConvNet(img_size=32, in_chans=1, num_classes=2, widths=(4, 4), padding="valid")
+    assert model.forward_features(torch.zeros(1, 1, 32, 32)).shape[-2:] == (28, 28)
+    with pytest.raises(ValueError, match="padding='valid' leaves no output for img_size=8"):
+        ConvNet(img_size=8, in_chans=1, widths=(4,) * 5, padding="valid")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"padding": "reflect"}, "padding='reflect' is not allowed"),
+    ({"strides": (1, 2)}, r"strides=\(1, 2\) is not allowed: expected 3 ints"),
+    ({"kernel_size": 4}, "kernel_size=4 is not allowed: expected an odd int"),
+    ({"widths": ()}, r"widths=\(\) is not allowed"),
+])
+def test_bad_options_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ConvNet(**kwargs)

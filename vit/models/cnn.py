@@ -1,0 +1,110 @@
+"""A plain CNN whose receptive field is a parameter: the local view of the study, made measurable.
+
+``conv (k x k, stride s) -> BatchNorm -> ReLU`` layers, then global average pooling and a linear
+head, so the classifier sees a sum of local features and nothing else. The receptive field of the
+last layer (``receptive_field``) follows from the layers alone, by the recurrence over layers
+
+    r <- r + (k - 1) * j,    j <- j * s        (starting from r = 1, j = 1)
+
+where ``j`` is the distance in input pixels between two neighbouring units (the product of the
+strides so far). Every output unit sees an ``r x r`` input square and nothing outside it;
+``tests/test_cnn.py`` checks the formula against the support of a gradient. The *effective*
+receptive field, where most of the gradient mass lies, is smaller (Luo et al. 2016).
+
+Padding (``padding``), which decides what the network can know about absolute position:
+
+* ``"zero"``: zero padding. Units near the border see the padding, so the border is visible and
+  a deep enough network can read absolute position from it (Islam et al. 2020; Kayhan & van
+  Gemert 2020).
+* ``"circular"``: the image wraps around. Every unit sees a full neighbourhood and the network is
+  equivariant to circular shifts: with global average pooling its output cannot depend on where
+  the content is, only on its arrangement modulo the image size.
+* ``"valid"``: no padding; each layer shrinks the map by ``k - 1`` (then divides it by the stride).
+  No unit sees past the border, but units near it see fewer shifted copies of the content.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from vit.checks import check_choice
+from vit.models.inputs import check_image_batch, to_2tuple
+
+Padding = Literal["zero", "circular", "valid"]
+
+
+def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """Side in input pixels of the square that one unit of the last layer sees (see the module doc)."""
+    r, j = 1, 1
+    for k, s in zip(kernel_sizes, strides, strict=True):
+        r += (k - 1) * j
+        j *= s
+    return r
+
+
+class ConvNet(nn.Module):
+    """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global average pooling, linear head.
+
+    Args:
+        widths: output channels of each layer.
+        strides: stride of each layer (default all 1).
+        kernel_size: the side of every kernel (odd).
+        padding: "zero", "circular" or "valid" (see the module doc).
+    """
+
+    def __init__(
+        self,
+        *,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        widths: tuple[int, ...] = (32, 32, 32),
+        strides: tuple[int, ...] | None = None,
+        kernel_size: int = 3,
+        padding: Padding = "zero",
+    ) -> None:
+        super().__init__()
+        check_choice("padding", padding, Padding)
+        widths = tuple(widths)
+        strides = tuple(strides) if strides is not None else (1,) * len(widths)
+        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ValueError(f"widths={widths!r} is not allowed: expected a non-empty tuple of ints >= 1")
+        if len(strides) != len(widths) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in strides):
+            raise ValueError(f"strides={strides!r} is not allowed: expected {len(widths)} ints >= 1, one per width")
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size={kernel_size!r} is not allowed: expected an odd int >= 1")
+        self.img_size, self.in_chans, self.num_classes = to_2tuple(img_size), in_chans, num_classes
+        self.widths, self.strides, self.kernel_size, self.padding = widths, strides, kernel_size, padding
+        self.receptive_field = receptive_field((kernel_size,) * len(widths), strides)
+        if padding == "valid":
+            h, w = self.img_size
+            for s in strides:
+                h, w = (h - kernel_size) // s + 1, (w - kernel_size) // s + 1
+            if min(h, w) < 1:
+                raise ValueError(f"padding='valid' leaves no output for img_size={img_size!r} with kernel_size="
+                                 f"{kernel_size} and strides={strides}: use fewer layers or padding 'zero'/'circular'")
+        layers, in_chs = [], in_chans
+        for width, stride in zip(widths, strides):
+            layers += [
+                nn.Conv2d(in_chs, width, kernel_size, stride=stride, bias=False,
+                          padding=0 if padding == "valid" else kernel_size // 2,
+                          padding_mode="circular" if padding == "circular" else "zeros"),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+            ]
+            in_chs = width
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.num_features = in_chs
+        self.head = nn.Linear(in_chs, num_classes)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's feature map ``(B, widths[-1], H', W')``, before pooling."""
+        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size, dtype=self.head.weight.dtype)
+        return self.features(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.forward_features(x)).flatten(1))  # (B, num_classes)
