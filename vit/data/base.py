@@ -63,3 +63,33 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self._split("test_set"), train=False)
+
+
+class SyntheticDataModule(SplitDataModule):
+    """A generated two-class task: each split drawn by ``make_split(split, num_samples, region)`` from its
+    own seed (``split_seeds``); train and val placed in ``train_region``, test in ``test_region``.
+
+    Subclasses save ``num_train``, ``num_val``, ``num_test``, ``train_region``, ``test_region`` and
+    ``seed`` as hyperparameters and write ``make_split``. Pixels are raw values: no normalisation.
+    """
+
+    @property
+    def num_classes(self) -> int:
+        return 2
+
+    @property
+    def normalization(self) -> None:
+        """Per-channel ``(mean, std)`` applied to inputs; ``None``: pixels are raw values (0 background, 1 ink)."""
+        return None
+
+    def make_split(self, split: str, num_samples: int, region: str) -> Dataset:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        hp = self.hparams
+        if stage in ("fit", None) and self.train_set is None:
+            self.train_set = self.make_split("train", hp.num_train, hp.train_region)
+        if stage in ("fit", "validate", None) and self.val_set is None:
+            self.val_set = self.make_split("val", hp.num_val, hp.train_region)
+        if stage in ("test", "predict", None) and self.test_set is None:
+            self.test_set = self.make_split("test", hp.num_test, hp.test_region)

@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vit.checks import check_choice, check_int
-from vit.data.base import SplitDataModule
+from vit.data.base import SyntheticDataModule
 
 Region = Literal["all", "left", "right"]
 
@@ -166,7 +166,7 @@ def check_options(*, img_size: int, in_chans: int, noise: float, region: str) ->
         raise ValueError(f"noise={noise!r} is not allowed: expected a finite float >= 0 (pixel std)")
 
 
-class SameDifferentDataModule(SplitDataModule):
+class SameDifferentDataModule(SyntheticDataModule):
     """Train, val and test splits of ``SameDifferentDataset``, each from its own seed derived from ``seed``.
 
     Train and val are placed in ``train_region``, test in ``test_region`` (the translation test).
@@ -184,24 +184,7 @@ class SameDifferentDataModule(SplitDataModule):
             check_int(name, value, minimum)
         self.save_hyperparameters()
 
-    @property
-    def num_classes(self) -> int:
-        return 2
-
-    @property
-    def normalization(self) -> None:
-        return None
-
-    def _make(self, split: str, num_samples: int, region: str) -> SameDifferentDataset:
+    def make_split(self, split: str, num_samples: int, region: str) -> SameDifferentDataset:
         hp = self.hparams
         return SameDifferentDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans,
                                     noise=hp.noise, region=region, seed=self.split_seeds()[split])
-
-    def setup(self, stage: str | None = None) -> None:
-        hp = self.hparams
-        if stage in ("fit", None) and self.train_set is None:
-            self.train_set = self._make("train", hp.num_train, hp.train_region)
-        if stage in ("fit", "validate", None) and self.val_set is None:
-            self.val_set = self._make("val", hp.num_val, hp.train_region)
-        if stage in ("test", "predict", None) and self.test_set is None:
-            self.test_set = self._make("test", hp.num_test, hp.test_region)

@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vit.checks import check_choice, check_int
-from vit.data.base import SplitDataModule
+from vit.data.base import SyntheticDataModule
 
 Task = Literal["diagonal", "relative"]
 Region = Literal["all", "inner", "border"]
@@ -284,7 +284,7 @@ class TwoCirclesDataset(Dataset):
         return circle_masks(self.centers[i : i + 1], self.radii[i : i + 1], self.img_size)[0]
 
 
-class TwoCirclesDataModule(SplitDataModule):
+class TwoCirclesDataModule(SyntheticDataModule):
     """Train, val and test splits of ``TwoCirclesDataset``, each from its own derived seed.
 
     The three split seeds are spawned from ``seed`` by ``numpy.random.SeedSequence``, so the
@@ -326,26 +326,8 @@ class TwoCirclesDataModule(SplitDataModule):
         self.val_set: TwoCirclesDataset | None = None
         self.test_set: TwoCirclesDataset | None = None
 
-    @property
-    def num_classes(self) -> int:
-        return 2
-
-    @property
-    def normalization(self) -> None:
-        """Per-channel ``(mean, std)`` applied to inputs; ``None``: pixels are raw values (0 background, 1 ink)."""
-        return None
-
-    def _make(self, split: str, num_samples: int, region: str) -> TwoCirclesDataset:
+    def make_split(self, split: str, num_samples: int, region: str) -> TwoCirclesDataset:
         hp = self.hparams
         return TwoCirclesDataset(num_samples=num_samples, img_size=hp.img_size,
                                  in_chans=hp.in_chans, radius=tuple(hp.radius), noise=hp.noise,
                                  task=hp.task, region=region, seed=self.split_seeds()[split])
-
-    def setup(self, stage: str | None = None) -> None:
-        hp = self.hparams
-        if stage in ("fit", None) and self.train_set is None:
-            self.train_set = self._make("train", hp.num_train, hp.train_region)
-        if stage in ("fit", "validate", None) and self.val_set is None:
-            self.val_set = self._make("val", hp.num_val, hp.train_region)
-        if stage in ("test", "predict", None) and self.test_set is None:
-            self.test_set = self._make("test", hp.num_test, hp.test_region)

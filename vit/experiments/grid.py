@@ -7,16 +7,17 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import yaml
 
 from vit.checks import check_choice
-from vit.data import two_circles
+from vit.data import same_different, two_circles
 
 # Every task the study can run: its data module and the placement regions it knows.
 TASK_DATA = {
     **{task: ("vit.data.TwoCirclesDataModule", two_circles.REGIONS) for task in two_circles.TASKS},
-    "same_different": ("vit.data.SameDifferentDataModule", ("all", "left", "right")),
+    "same_different": ("vit.data.SameDifferentDataModule", get_args(same_different.Region)),
 }
 
 
@@ -38,6 +39,7 @@ class Run:
     overrides: dict
     base_digest: str  # of the base config's text: editing it changes every run
     lr: float | None = None  # None: the base config's learning rate
+    shift_region: str | None = None  # a second test placement, scored after the test (the translation test)
 
     @property
     def key(self) -> str:
@@ -46,7 +48,8 @@ class Run:
 
     @property
     def fingerprint(self) -> str:
-        text = json.dumps([self.overrides, self.base_digest], sort_keys=True)
+        text = json.dumps([self.overrides, self.base_digest] + ([self.shift_region] if self.shift_region else []),
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -121,12 +124,13 @@ def load_config(path: str | Path) -> dict:
             raise ValueError(f"{where}: models.{name} must be a backbone mapping with a class_path "
                              f"(and init_args), as under model.backbone in a train.py config")
     experiments = _require(cfg, "experiments", list, where)
-    seen: dict[str, tuple[str, str]] = {}
+    seen: dict[str, tuple] = {}
     for i, exp in enumerate(experiments):
         w = f"{where}: experiments[{i}]"
         if not isinstance(exp, dict):
             raise ValueError(f"{w}: expected a mapping")
-        extra = set(exp) - {"name", "tasks", "models", "num_train", "train_region", "test_region"}
+        extra = set(exp) - {"name", "tasks", "models", "num_train", "train_region", "test_region", "shift_region",
+                            "train_samples"}
         if extra:
             raise ValueError(f"{w}: unknown keys {sorted(extra)}")
         name = _require(exp, "name", str, w)
@@ -143,12 +147,18 @@ def load_config(path: str | Path) -> dict:
         for region in ("train_region", "test_region"):
             for task in tasks:
                 check_choice(f"{w}.{region} (task {task})", exp.setdefault(region, "all"), TASK_DATA[task][1])
+        if exp.setdefault("shift_region", None) is not None:
+            for task in tasks:
+                check_choice(f"{w}.shift_region (task {task})", exp["shift_region"], TASK_DATA[task][1])
+        samples = exp.setdefault("train_samples", cfg.get("train_samples"))
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"{w}: train_samples={samples!r} is not allowed: expected an int >= 1")
         # Entries may share a name (e.g. all models at one size, a few models at more sizes): they
-        # fill one table, so they must agree on the regions.
-        regions = (exp["train_region"], exp["test_region"])
-        if seen.setdefault(name, regions) != regions:
-            raise ValueError(f"{w}: experiment {name!r} is listed with regions {seen[name]} and {regions}; "
-                             f"entries that share a name must share train_region and test_region")
+        # fill one table, so they must agree on the placements and the budget.
+        settings = (exp["train_region"], exp["test_region"], exp["shift_region"], exp["train_samples"])
+        if seen.setdefault(name, settings) != settings:
+            raise ValueError(f"{w}: experiment {name!r} is listed with (train_region, test_region, shift_region, "
+                             f"train_samples) {seen[name]} and {settings}; entries that share a name must share them")
         if name == CALIBRATE:
             raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
     _check_calibration(cfg, where)
@@ -234,7 +244,8 @@ def experiments(cfg: dict) -> list[dict]:
     merged: dict[str, dict] = {}
     for exp in cfg["experiments"]:
         m = merged.setdefault(exp["name"], {"name": exp["name"], "tasks": [], "models": [], "num_train": [],
-                                            "train_region": exp["train_region"], "test_region": exp["test_region"]})
+                                            **{k: exp[k] for k in ("train_region", "test_region", "shift_region",
+                                                                   "train_samples")}})
         for key in ("tasks", "models", "num_train"):
             m[key] += [v for v in exp[key] if v not in m[key]]
     for m in merged.values():
@@ -248,7 +259,8 @@ def calibration_plan(cfg: dict) -> list[Run]:
         return []
     cal = cfg["calibration"]
     exp = {"name": CALIBRATE, "tasks": [cal["task"]], "models": list(cal["models"].values()),
-           "num_train": [cal["num_train"]], "train_region": "all", "test_region": "all"}
+           "num_train": [cal["num_train"]], "train_region": "all", "test_region": "all", "shift_region": None,
+           "train_samples": cfg["train_samples"]}
     return [run for lr in cal["lrs"] for run in _runs(cfg, [exp], [cal["seed"]], lambda model: lr)]
 
 
@@ -274,7 +286,7 @@ def _runs(cfg: dict, entries: list[dict], seeds: list[int], lr_of) -> list[Run]:
                 for num_train in exp["num_train"]:
                     for model in exp["models"]:
                         epochs, val_every, val_batches = schedule(
-                            num_train, train_samples=cfg["train_samples"], num_val_checks=cfg["num_val_checks"],
+                            num_train, train_samples=exp["train_samples"], num_val_checks=cfg["num_val_checks"],
                             batch_size=cfg["batch_size"])
                         trainer = {"max_epochs": epochs, "check_val_every_n_epoch": val_every}
                         if val_batches:  # only then: the other runs keep their settings fingerprint
@@ -297,7 +309,7 @@ def _runs(cfg: dict, entries: list[dict], seeds: list[int], lr_of) -> list[Run]:
                             "data": {"class_path": data_class, "init_args": init_args},
                         }
                         run = Run(exp["name"], task, model, num_train, seed, exp["train_region"],
-                                  exp["test_region"], epochs, overrides, base_digest, lr)
+                                  exp["test_region"], epochs, overrides, base_digest, lr, exp["shift_region"])
                         if run.key not in keys:
                             keys.add(run.key)
                             runs.append(run)

@@ -8,6 +8,7 @@
 * ``comparisons.md``: every pair of models within an experiment, seed-paired (exact permutation and
   sign tests on the accuracy differences) and by success counts (Fisher's exact test).
 * ``<experiment>_runs.png``: a dot per run and the median per model.
+* ``by_distance.md``: the same per distance bin, and for each CNN within and beyond its receptive field.
 * ``<experiment>_by_distance.png``: test accuracy against the distance between the two parts, one
   curve per model (all seeds' test images pooled), each CNN's receptive field marked: the study's
   headline figure.
@@ -80,6 +81,7 @@ def write_reports(rows: list[dict], out_dir: Path, cfg: dict) -> None:
     _summary(cells, shortcuts, out_dir, cfg)
     _calibration(rows, out_dir, cfg)
     _comparisons(cells, shortcuts, out_dir, cfg)
+    _by_distance(cells, out_dir, cfg)
     _figures(cells, shortcuts, out_dir, cfg)
 
 
@@ -120,7 +122,8 @@ def _summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
              f"Code revision of the rows: {', '.join(revisions) if revisions else 'none yet'}.", ""]
     for exp in experiments(cfg):
         for task in exp["tasks"]:
-            sel = [t for t in table if t["experiment"] == exp["name"] and t["task"] == task]
+            sel = sorted((t for t in table if t["experiment"] == exp["name"] and t["task"] == task),
+                         key=lambda t: exp["models"].index(t["model"]) if t["model"] in exp["models"] else len(exp["models"]))
             if not sel:
                 continue
             thr = success_threshold(shortcuts, task)
@@ -192,6 +195,55 @@ def _comparisons(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None
     (out_dir / "comparisons.md").write_text("\n".join(lines))
 
 
+def within_and_beyond(runs: list[dict], rf: int) -> tuple[tuple[float, int], tuple[float, int]]:
+    """``((accuracy, images) with distance <= rf, (accuracy, images) beyond rf)``, all runs' test images pooled."""
+    acc, count = pooled_by_distance(runs, np.array([0, rf + 1, 10**9]))
+    return (float(acc[0]), int(count[0])), (float(acc[1]), int(count[1]))
+
+
+def _by_distance(cells: dict, out_dir: Path, cfg: dict) -> None:
+    lines = ["# Test accuracy (%) against the distance between the parts", "",
+             "All seeds' test images pooled per bin of the distance (`span` for same_different: the side of the "
+             "smallest square holding both shapes; the rounded centre distance for the circle tasks). For each CNN, "
+             "`<= RF` pools the images whose distance its receptive field covers, `> RF` the others.", ""]
+    for exp in experiments(cfg):
+        for task in exp["tasks"]:
+            runs = {m: [r for k, v in cells.items() if k[:3] == (exp["name"], task, m) for r in v
+                        if r.get("test_by_distance")] for m in exp["models"]}
+            runs = {m: v for m, v in runs.items() if v}
+            if not runs:
+                continue
+            dists = [int(d) for v in runs.values() for r in v for d in json.loads(r["test_by_distance"])]
+            edges = distance_edges(dists)
+            heads = [f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
+            lines += [f"## {exp['name']}: task `{task}`", "",
+                      "| model | RF | <= RF | > RF | " + " | ".join(heads) + " |", "|---" * (len(heads) + 4) + "|"]
+            for m, v in runs.items():
+                acc, count = pooled_by_distance(v, edges)
+                rf = model_rf(cfg, m) if m in cfg["models"] else None
+                near = far = "–"
+                if rf is not None:
+                    (a_in, n_in), (a_out, n_out) = within_and_beyond(v, rf)
+                    near = f"{a_in * PERCENT:.1f} ({n_in})" if n_in else "–"
+                    far = f"{a_out * PERCENT:.1f} ({n_out})" if n_out else "–"
+                bins = [f"{a * PERCENT:.1f}" if c else "–" for a, c in zip(acc, count)]
+                lines.append(f"| {m} | {rf or '–'} | {near} | {far} | " + " | ".join(bins) + " |")
+            lines.append("")
+    (out_dir / "by_distance.md").write_text("\n".join(lines))
+
+
+def distance_edges(dists: list[int], width: int = 3) -> np.ndarray:
+    """Bin edges of ``width`` px from the smallest to the largest distance; a last bin narrower than 2 px joins the one before."""
+    lo, hi = min(dists), max(dists)
+    edges = list(range(lo, hi + 2, width))
+    if edges[-1] != hi + 1:
+        if hi + 1 - edges[-1] < 2 and len(edges) > 1:
+            edges[-1] = hi + 1
+        else:
+            edges.append(hi + 1)
+    return np.array(edges)
+
+
 def pooled_by_distance(runs: list[dict], edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(accuracy, count)`` per distance bin ``[edges[i], edges[i+1])``, the test images of all runs pooled."""
     correct, total = np.zeros(len(edges) - 1), np.zeros(len(edges) - 1)
@@ -243,9 +295,9 @@ def _figures(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
                      for d in json.loads(r["test_by_distance"])]
             if not dists:
                 continue
-            lo, hi = min(dists), max(dists)
-            edges = np.arange(lo, hi + 4, 3)
-            centres = (edges[:-1] + np.minimum(edges[1:], hi + 1) - 1) / 2
+            hi = max(dists)
+            edges = distance_edges(dists)
+            centres = (edges[:-1] + edges[1:] - 1) / 2
             fig, ax = plt.subplots(figsize=(7.5, 4.5))
             for m in models:
                 acc, count = pooled_by_distance(runs[m], edges)
@@ -253,6 +305,9 @@ def _figures(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
                 ls = "-" if rf is not None else "--"
                 ax.plot(centres, acc * PERCENT, ls, marker="o", ms=4, color=colors[m],
                         label=f"{m} (RF {rf})" if rf else m)
+                for r in runs[m]:  # each seed, thin: a cell whose seeds split shows it
+                    seed_acc, _ = pooled_by_distance([r], edges)
+                    ax.plot(centres, seed_acc * PERCENT, ls, color=colors[m], lw=0.6, alpha=0.35)
                 if rf is not None:
                     x = min(rf, hi + 1.5)
                     ax.axvline(x, color=colors[m], ls=":", lw=1.2)
@@ -269,7 +324,7 @@ def _figures(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             xlabel = ("span of the pair (px): side of the smallest square holding both shapes"
                       if task == "same_different" else "distance between the circle centres (px)")
             ax.set_xlabel(xlabel)
-            ax.set_ylabel("test accuracy (%), all seeds pooled")
+            ax.set_ylabel("test accuracy (%): thick = seeds pooled, thin = one seed")
             ax.set_ylim(40, 101)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))

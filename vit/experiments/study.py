@@ -1,24 +1,36 @@
-"""The spatial-relation study: a resumable grid of train.py runs, and its tables and plots.
+"""The relation study: a resumable grid of train.py runs fanned out by submitit, and its reports.
 
-    python -m vit.experiments.study --config configs/study/two_circles.yaml
+    python -m vit.experiments.study --config configs/study/relation.yaml
 
 The study config (YAML) names a base train.py config, the models (backbone blocks as in any
 train.py config), the seeds, the training budget, and a list of experiments; each experiment is a
-grid ``task x model x num_train x seed`` with one train/test placement region. Every grid point
-is one ``vit.training.cli.main(["fit", "--config", base, "--config", overrides])`` call, the same Lightning
-code as ``python train.py fit``: the best checkpoint (by ``val/acc``) is tested after fit. Logs
-(TensorBoard and CSV) and checkpoints go to ``<log_dir>/<run key>/``.
+grid ``task x model x num_train x seed`` with one train/test placement region. One invocation:
 
-Outputs in ``out_dir``: ``runs.csv`` (one row per finished run), ``summary.md`` and
-``summary.csv`` (test accuracy mean +- std over seeds), and PNG plots.
+1. the shortcut audit (``vit.experiments.shortcuts``) into ``out_dir``, if the config asks for it;
+2. the learning-rate calibration runs, if the config has ``families`` and ``calibration``; the
+   best rate of each family on the validation split is then fixed for its models (``choose_lr``);
+3. every run of the grid;
+4. the reports (``vit.experiments.report``).
 
-Resuming. A run is keyed by its grid coordinates (experiment, task, model, num_train, seed). Its
-row is appended to ``runs.csv`` in one write, only after it has finished, so the CSV never holds a
-partial run. On start, every key already in the CSV is skipped. A run that was killed midway has no
-row: it is redone from scratch, and its unfinished log directory is moved aside first (to
-``<run key>.unfinished-N``), never deleted or overwritten. A row records a fingerprint of the
-run's settings; if the config changed since (other epochs, other model widths), the study stops
-with an error instead of mixing the two in one table.
+Every run is one ``vit.training.cli.main(["fit", "--config", base, "--config", overrides])`` call,
+the same Lightning code as ``python train.py fit``: the best checkpoint (by ``val/acc``) is tested
+after fit, then scored again per distance between the two parts. Logs (TensorBoard and CSV) and
+checkpoints go to ``<log_dir>/<run key>/``.
+
+Executors (submitit; ``--executor``): ``local`` runs each run in a subprocess, ``--parallel`` (2)
+at a time with ``threads`` torch threads each; ``debug`` runs them one by one in this process (the
+tests); ``slurm`` submits one job array (``--partition``, ``--gpus``, ``--cpus``, ``--timeout-min``;
+at most ``--parallel`` tasks at a time), in which Lightning's own SLURM auto-requeue is off and
+submitit requeues a preempted run (``StudyJob`` is checkpointable). Only this process writes
+``runs.csv``, as the runs finish.
+
+Resuming. A run is keyed by its grid coordinates (experiment, task, model, num_train, seed; the
+learning rate too for calibration runs). Its row is appended to ``runs.csv`` in one write, only
+after it has finished, so the CSV never holds a partial run. On start, every key already in the
+CSV is skipped. A run that was killed midway has no row: it is redone from scratch, and its
+unfinished log directory is moved aside first (to ``<run key>.unfinished-N``), never deleted or
+overwritten. A row records a fingerprint of the run's settings and the code revision; if the
+config changed since, the study stops with an error instead of mixing the two in one table.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ from vit.experiments.report import write_reports
 COLUMNS = (
     "key", "experiment", "task", "model", "num_train", "seed", "train_region", "test_region", "lr",
     "params", "flops_per_image", "epochs", "steps", "batch_size", "train_time_s", "train_acc", "val_acc", "test_acc",
-    "test_by_distance", "fingerprint", "revision", "finished_at",
+    "test_by_distance", "shift_region", "shift_acc", "shift_by_distance", "fingerprint", "revision", "finished_at",
 )
 EXECUTORS = ("local", "debug", "slurm")
 
@@ -95,8 +107,9 @@ def _last_train_acc(log_dir: Path) -> float:
 
 
 def run_overrides(run: Run, log_dir: Path, environ: dict | None = None) -> dict:
-    """The run's train.py overrides, with its loggers; under a submitit SLURM job, Lightning's own
-    SLURM auto-requeue is switched off, so that only submitit requeues a preempted run."""
+    """The run's train.py overrides, with its loggers. Under a submitit SLURM job, Lightning's own
+    SLURM auto-requeue is switched off, so that only submitit requeues a preempted run, and the
+    accelerator is Lightning's choice (the GPU the job was given), not the base config's CPU."""
     environ = os.environ if environ is None else environ
     logger_args = {"save_dir": str(log_dir), "name": run.key, "version": ""}
     overrides = json.loads(json.dumps(run.overrides))
@@ -110,6 +123,7 @@ def run_overrides(run: Run, log_dir: Path, environ: dict | None = None) -> dict:
         "enable_model_summary": False,
     })
     if environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        overrides["trainer"]["accelerator"] = "auto"
         overrides["trainer"]["plugins"] = [{"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
                                            "init_args": {"auto_requeue": False}}]
     return overrides
@@ -183,6 +197,13 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "") ->
     recount = sum(c for c, _ in by_distance.values()) / sum(n for _, n in by_distance.values())
     if abs(recount - test_acc) > 1e-4:
         raise RuntimeError(f"run {run.key}: accuracy by distance adds up to {recount:.4f}, test/acc is {test_acc:.4f}")
+    shift = {}
+    if run.shift_region:  # the translation test: the same weights on pairs placed in another region
+        shifted = data.make_split("test", data.hparams.num_test, run.shift_region)
+        shift_by_distance = accuracy_by_distance(backbone, shifted)
+        shift = {"shift_region": run.shift_region,
+                 "shift_acc": f"{sum(c for c, _ in shift_by_distance.values()) / len(shifted):.4f}",
+                 "shift_by_distance": json.dumps(shift_by_distance, separators=(",", ":"))}
     return {
         "key": run.key, "experiment": run.experiment, "task": run.task, "model": run.model,
         "num_train": run.num_train, "seed": run.seed, "train_region": run.train_region,
@@ -193,7 +214,7 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "") ->
         "batch_size": run.overrides["data"]["init_args"]["batch_size"],
         "train_time_s": f"{seconds:.1f}", "train_acc": f"{_last_train_acc(run_dir):.4f}",
         "val_acc": f"{float(best) if best is not None else float('nan'):.4f}",
-        "test_acc": f"{test_acc:.4f}", "test_by_distance": json.dumps(by_distance, separators=(",", ":")),
+        "test_acc": f"{test_acc:.4f}", "test_by_distance": json.dumps(by_distance, separators=(",", ":")), **shift,
         "fingerprint": run.fingerprint, "revision": revision, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
@@ -365,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m vit.experiments.study`. A config it cannot use is one `error:` line and exit status 2,
     before anything runs; an error during the runs keeps its traceback."""
     parser = argparse.ArgumentParser(prog="python -m vit.experiments.study", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="study config YAML, e.g. configs/study/two_circles.yaml")
+    parser.add_argument("--config", required=True, help="study config YAML, e.g. configs/study/relation.yaml")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
     parser.add_argument("--report-only", action="store_true", help="rewrite summary and plots from runs.csv, run nothing")
     parser.add_argument("--list", action="store_true", help="print the planned runs and whether each is done")
