@@ -1,8 +1,8 @@
 """The spatial-relation study: CoordConv channels, the schedule, and a tiny resumable study end to end."""
 
 import csv
+import json
 import math
-import re
 import statistics
 from pathlib import Path
 
@@ -77,47 +77,85 @@ def _tiny_config(tmp_path: Path, **changes) -> Path:
     return path
 
 
+LRS = {"vit": 1e-3, "cnn": 3e-3}
+
+
 def test_plan_covers_the_grid_with_unique_keys(tmp_path):
     cfg = grid.load_config(_tiny_config(tmp_path))
-    runs = grid.plan(cfg)
-    # sweep: 1 task x 2 models x 2 sizes, shift: 1 x 1 x 1; times 2 seeds
-    assert len(runs) == (1 * 2 * 2 + 1) * 2
-    assert len({r.key for r in runs}) == len(runs)
+    calibration = grid.calibration_plan(cfg)
+    # each family's model at each of the 2 rates, on the calibration seed
+    assert [(r.model, r.lr, r.seed) for r in calibration] == [
+        ("vit-learned", 1e-3, 100), ("cnn-rf5", 1e-3, 100), ("vit-learned", 3e-3, 100), ("cnn-rf5", 3e-3, 100)]
+    runs = grid.plan(cfg, LRS)
+    # rf: 1 task x 2 models, shift: 1 x 1; times 2 seeds
+    assert len(runs) == (1 * 2 + 1) * 2
+    assert len({r.key for r in runs + calibration}) == len(runs) + len(calibration)
     shift = [r for r in runs if r.experiment == "shift"]
     assert {(r.train_region, r.test_region) for r in shift} == {("inner", "border")}
-    assert shift[0].overrides["data"]["init_args"]["test_region"] == "border"
+    assert shift[0].overrides["data"] == {"class_path": "vit.data.TwoCirclesDataModule", "init_args": {
+        "num_train": 32, "num_val": 32, "num_test": 32, "batch_size": 32, "seed": 0, "train_region": "inner",
+        "test_region": "border", "task": "diagonal"}}
+    rf = [r for r in runs if r.experiment == "rf"]
+    assert {r.overrides["data"]["class_path"] for r in rf} == {"vit.data.SameDifferentDataModule"}
+    assert {(r.model, r.overrides["model"]["lr"]) for r in runs} == {("vit-learned", 1e-3), ("cnn-rf5", 3e-3)}
+    with pytest.raises(ValueError, match="calibrates its learning rates: pass lrs"):
+        grid.plan(cfg)
+
+
+def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ties(tmp_path):
+    cfg = grid.load_config(_tiny_config(tmp_path))
+    val = {("vit-learned", 1e-3): "0.60", ("vit-learned", 3e-3): "0.75", ("cnn-rf5", 1e-3): "0.70",
+           ("cnn-rf5", 3e-3): "0.70"}
+    rows = [{"key": r.key, "val_acc": val[(r.model, r.lr)]} for r in grid.calibration_plan(cfg)]
+    assert grid.choose_lr(cfg, rows) == {"vit": 3e-3, "cnn": 1e-3}
+    with pytest.raises(ValueError, match="calibration run calibrate-same_different-cnn-rf5-lr0.003-n32-s100 has not"):
+        grid.choose_lr(cfg, rows[:-1])
 
 
 def test_default_study_is_the_documented_grid():
-    # The shipped study: 3 seeds, both tasks in every entry, the four encodings and both CNNs at
-    # n=2000, sizes from hundreds to tens of thousands, and validation settings Lightning accepts.
-    cfg = grid.load_config(ROOT / "configs/study/two_circles.yaml")
-    runs = grid.plan(cfg)
-    assert len(runs) == 78 and len({r.key for r in runs}) == 78
-    assert {r.seed for r in runs} == {0, 1, 2}
-    assert {r.task for r in runs} == {"diagonal", "relative"}
-    at_2000 = {r.model for r in runs if r.experiment == "sweep" and r.num_train == 2000}
-    assert at_2000 == {"vit-learned", "vit-sincos1d", "vit-sincos2d", "vit-none", "cnn", "coordconv"}
-    assert {r.num_train for r in runs if r.model == "vit-learned"} == {500, 2000, 20000}
+    # The shipped study: 5 seeds in every cell, one learning rate per family from a 3-point grid,
+    # the same 1000 optimiser steps of 64 images for every run, calibration included.
+    cfg = grid.load_config(ROOT / "configs/study/relation.yaml")
+    calibration = grid.calibration_plan(cfg)
+    assert len(calibration) == 6 and {r.seed for r in calibration}.isdisjoint(cfg["seeds"])
+    runs = grid.plan(cfg, LRS)
+    assert len(runs) == 16 * 5 and len({r.key for r in runs}) == 80
+    cells: dict[tuple, set] = {}
     for r in runs:
+        cells.setdefault((r.experiment, r.task, r.model), set()).add(r.seed)
+    assert all(seeds == {0, 1, 2, 3, 4} for seeds in cells.values())
+    rf = {m for (e, t, m) in cells if e == "rf"}
+    assert {m for m in rf if m.startswith("cnn")} == {"cnn-rf7", "cnn-rf15", "cnn-rf21", "cnn-rf45", "cnn-rf45-circular"}
+    assert {m for (e, t, m) in cells if e == "position" and m.startswith("vit")} == {
+        "vit-learned", "vit-sincos1d", "vit-sincos2d", "vit-none"}
+    assert [report.model_rf(cfg, m) for m in ("cnn-rf7", "cnn-rf15", "cnn-rf21", "cnn-rf45")] == [7, 15, 21, 45]
+    for r in runs + calibration:
         trainer = r.overrides["trainer"]
-        batches = math.ceil(r.num_train / cfg["batch_size"])
-        assert r.epochs * r.num_train >= cfg["train_samples"] * 0.95  # the equal-compute floor
+        assert r.epochs * r.num_train // cfg["batch_size"] == 1000  # equal steps for every model
         assert trainer["max_epochs"] % trainer["check_val_every_n_epoch"] == 0
-        assert batches % trainer.get("val_check_interval", batches) == 0
+        assert r.overrides["model"]["lr"] in (LRS["vit"], LRS["cnn"], *cfg["calibration"]["lrs"])
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         ({"seeds": []}, r"seeds=\[\] is not allowed"),
-        ({"experiments": [{"name": "a", "tasks": ["diagonl"], "models": ["coordconv"], "num_train": [8]}]},
-         r"tasks='diagonl' is not allowed: expected one of \['diagonal', 'relative'\]"),
+        ({"experiments": [{"name": "a", "tasks": ["diagonl"], "models": ["cnn-rf5"], "num_train": [8]}]},
+         r"tasks='diagonl' is not allowed: expected one of \['diagonal', 'relative', 'same_different'\]"),
         ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["resnet"], "num_train": [8]}]},
-         r"models='resnet' is not allowed: expected one of \['vit-learned', 'coordconv'\]"),
-        ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["coordconv"], "num_train": [8],
-                           "test_region": "edge"}]}, r"test_region='edge' is not allowed"),
+         r"models='resnet' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]"),
+        ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
+                           "test_region": "border"}]},
+         r"test_region \(task same_different\)='border' is not allowed: expected one of \['all', 'left', 'right'\]"),
         ({"epochs": 3}, r"unknown keys \['epochs'\]"),
+        ({"families": {"vit": ["vit-learned"]}},
+         r"models \['cnn-rf5'\] are in no family, so no learning rate would be calibrated"),
+        ({"calibration": {"task": "same_different", "num_train": 32, "seed": 0, "lrs": [1e-3],
+                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}},
+         r"calibration: seed=0 is one of the study's seeds \[0, 1\]"),
+        ({"calibration": {"task": "same_different", "num_train": 32, "seed": 100, "lrs": [2.0],
+                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}}, r"lrs=\[2.0\] is not allowed"),
+        ({"shortcuts": {"num_train": 10, "num_test": 200}}, r"shortcuts.num_train=10 is not allowed"),
     ],
 )
 def test_bad_study_config_is_reported_with_the_value(tmp_path, change, message):
@@ -135,18 +173,20 @@ def _rows(path: Path) -> list[dict]:
 
 def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkeypatch):
     config = _tiny_config(tmp_path)
-    runs = grid.plan(grid.load_config(config))
+    cfg = grid.load_config(config)
+    calibration = grid.calibration_plan(cfg)
     results, logs = tmp_path / "results", tmp_path / "runs"
     csv_path = results / "runs.csv"
 
-    # 1. A partial study: two runs, then stop.
-    study.run_study(config, max_runs=2, progress=False)
+    # 1. A partial study: the shortcut audit, then two runs, then stop.
+    study.run_study(config, max_runs=2, progress=False, executor="debug")
     first = _rows(csv_path)
-    assert [r["key"] for r in first] == [r.key for r in runs[:2]]
+    assert [r["key"] for r in first] == [r.key for r in calibration[:2]]
+    assert {r["task"] for r in _rows(results / "shortcuts.csv")} == {"diagonal", "relative", "same_different"}
 
     # 2. A run killed midway: it left a log directory but no row. Then an interruption during the
     #    next-but-one run: the run in between finishes and is recorded, the interrupted one is not.
-    killed = logs / runs[2].key
+    killed = logs / calibration[2].key
     (killed / "marker").parent.mkdir(parents=True)
     (killed / "marker").write_text("partial")
     real_run_one, calls = study.run_one, []
@@ -159,24 +199,33 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
 
     monkeypatch.setattr(study, "run_one", interrupted_on_second_call)
     with pytest.raises(KeyboardInterrupt):
-        study.run_study(config, progress=False)
+        study.run_study(config, progress=False, executor="debug")
     monkeypatch.setattr(study, "run_one", real_run_one)
     second = _rows(csv_path)
     assert second[:2] == first  # finished rows untouched
-    assert [r["key"] for r in second] == [r.key for r in runs[:3]]
+    assert [r["key"] for r in second] == [r.key for r in calibration[:3]]
     # The killed run's directory was moved aside, not deleted, and the run was redone from scratch.
-    assert (logs / f"{runs[2].key}.unfinished-1" / "marker").read_text() == "partial"
-    assert (logs / runs[2].key / "metrics.csv").exists()
+    assert (logs / f"{calibration[2].key}.unfinished-1" / "marker").read_text() == "partial"
+    assert (logs / calibration[2].key / "metrics.csv").exists()
 
-    # 3. Resume: the rest of the grid runs, each key exactly once, old rows byte-identical.
+    # 3. Resume: the calibration finishes, the rates are chosen, the study's runs follow, each key once.
     before = csv_path.read_text()
-    study.run_study(config, progress=False)
+    study.run_study(config, progress=False, executor="debug")
     rows = _rows(csv_path)
+    lrs = grid.choose_lr(cfg, rows)
+    runs = calibration + grid.plan(cfg, lrs)
     assert csv_path.read_text().startswith(before)
     assert sorted(r["key"] for r in rows) == sorted(r.key for r in runs)
+    revision = study.code_revision()
     for r in rows:
         assert 0.0 <= float(r["test_acc"]) <= 1.0 and 0.0 <= float(r["val_acc"]) <= 1.0
-        assert int(r["params"]) > 0 and int(r["epochs"]) >= 1 and float(r["train_time_s"]) > 0
+        assert int(r["params"]) > 0 and int(r["flops_per_image"]) > 0 and float(r["train_time_s"]) > 0
+        assert r["revision"] == revision
+        by_distance = json.loads(r["test_by_distance"])
+        assert sum(n for _, n in by_distance.values()) == cfg["num_test"]
+        assert sum(c for c, _ in by_distance.values()) / cfg["num_test"] == pytest.approx(float(r["test_acc"]), abs=1e-4)
+        if r["experiment"] != grid.CALIBRATE:
+            assert float(r["lr"]) == lrs[grid.family_of(cfg, r["model"])]
 
     # 4. A rerun of a finished study computes nothing and rewrites no row.
     mtime, text = csv_path.stat().st_mtime_ns, csv_path.read_text()
@@ -185,49 +234,87 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         raise AssertionError(f"finished run {run.key} was recomputed")
 
     monkeypatch.setattr(study, "run_one", must_not_run)
-    study.run_study(config, progress=False)
+    study.run_study(config, progress=False, executor="debug")
     assert csv_path.stat().st_mtime_ns == mtime and csv_path.read_text() == text
 
-    # 5. Reports: plots are PNGs, and the summary cells are the mean ± std (ddof=1) of the CSV rows.
-    for name in ("sweep_vs_size.png", "sweep_models.png", "shift_models.png"):
+    # 5. Reports: the figures are PNGs; every cell's median and runs are those of the CSV.
+    for name in ("rf_same_different_runs.png", "rf_same_different_by_distance.png", "shift_diagonal_runs.png"):
         assert (results / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    summary = (results / "summary.md").read_text()
-    groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        groups.setdefault((r["experiment"], r["task"], r["model"], r["num_train"]), []).append(float(r["test_acc"]))
-    assert len(groups) == 5
-    for (experiment, task, model, n), accs in groups.items():
-        expected = f"{100 * statistics.mean(accs):.1f} ± {100 * statistics.stdev(accs):.1f} ({len(accs)})"
-        section = summary.split(f"## {experiment}: task `{task}`")[1].split("##")[0]
-        line = next(line for line in section.splitlines() if line.startswith(f"| {model} |"))
-        sizes = re.findall(r"n=(\d+) test|n=(\d+)", section.splitlines()[2])
-        columns = [a or b for a, b in sizes]
-        assert line.split(" | ")[1 + columns.index(n)].rstrip(" |") == expected
+    with (results / "summary.csv").open() as f:
+        summary = {(r["experiment"], r["model"]): r for r in csv.DictReader(f)}
+    for (experiment, model), cell in summary.items():
+        accs = [float(r["test_acc"]) for r in rows if (r["experiment"], r["model"]) == (experiment, model)]
+        assert float(cell["test_acc_median"]) == pytest.approx(statistics.median(accs), abs=1e-4)
+        assert int(cell["n_seeds"]) == 2
+    chosen = (results / "calibration.md").read_text()
+    assert "| vit (vit-learned) | " in chosen and chosen.count(f" | {lrs['vit']:g} |") >= 1
 
     # 6. Changing the settings of finished runs is refused rather than mixed into the same table.
     changed = _tiny_config(tmp_path, train_samples=128)
     with pytest.raises(ValueError, match="made with other settings"):
-        study.run_study(changed, progress=False)
+        study.run_study(changed, progress=False, executor="debug")
 
 
-def test_summary_cells_are_mean_and_sample_std_of_rows(tmp_path):
+def test_local_executor_resumes_a_partly_finished_study(tmp_path):
+    # Three runs in this process, then the rest as subprocesses two at a time (submitit's local
+    # executor): the finished rows are kept byte for byte and no run is done twice.
+    config = _tiny_config(tmp_path)
+    csv_path = tmp_path / "results" / "runs.csv"
+    study.run_study(config, max_runs=3, progress=False, executor="debug")
+    before = csv_path.read_text()
+    study.run_study(config, progress=False, executor="local", parallel=2)
+    rows = _rows(csv_path)
+    cfg = grid.load_config(config)
+    expected = grid.calibration_plan(cfg) + grid.plan(cfg, grid.choose_lr(cfg, rows))
+    assert csv_path.read_text().startswith(before)
+    assert sorted(r["key"] for r in rows) == sorted(r.key for r in expected)
+    assert len(list((tmp_path / "runs" / "submitit").glob("*_result.pkl"))) == len(expected) - 3
+
+
+def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    class Handle:
+        def __init__(self, job):
+            self.job = job
+
+        def done(self):
+            return True
+
+        def result(self):
+            if self.job.run.key.endswith("s100") and "cnn" in self.job.run.key:
+                raise RuntimeError("boom\nlast line of the error")
+            return {"key": self.job.run.key}
+
+    class Executor:
+        def submit(self, job):
+            return Handle(job)
+
     cfg = grid.load_config(_tiny_config(tmp_path))
-    rows = [{"experiment": "sweep", "task": "diagonal", "model": "coordconv", "num_train": "32", "test_acc": a,
-             "val_acc": "1.0"} for a in ("0.5", "0.75", "1.0")]
-    rows.append({"experiment": "sweep", "task": "diagonal", "model": "vit-learned", "num_train": "64",
-                 "test_acc": "0.6", "val_acc": "0.6"})
-    out = tmp_path / "out"
-    out.mkdir()
-    report.write_reports(rows, out, cfg)
-    summary = (out / "summary.md").read_text()
-    # mean 0.75, sample std sqrt(((-.25)^2 + 0 + .25^2) / 2) = 0.25; one seed: std 0.
-    assert "| coordconv | 75.0 ± 25.0 (3) | – |" in summary
-    assert "| vit-learned | – | 60.0 ± 0.0 (1) |" in summary
-    with (out / "summary.csv").open() as f:
-        table = {(r["model"], r["num_train"]): r for r in csv.DictReader(f)}
-    assert table[("coordconv", "32")]["test_acc_mean"] == "0.7500"
-    assert table[("coordconv", "32")]["test_acc_std"] == "0.2500"
-    assert (out / "sweep_models.png").exists() and not (out / "sweep_vs_size.png").exists()
+    jobs = [study.StudyJob(run, "", "", 1, "") for run in grid.calibration_plan(cfg)]
+    done = []
+    failures = study.fan_out(Executor(), jobs, parallel=2, on_done=lambda job, row: done.append(row["key"]))
+    assert [k for k, _ in failures] == [r.key for r in grid.calibration_plan(cfg) if "cnn" in r.key]
+    assert {e for _, e in failures} == {"last line of the error"}
+    assert done == [r.key for r in grid.calibration_plan(cfg) if "vit" in r.key]
+
+
+def test_slurm_parameters_make_a_job_array_script_and_lightning_does_not_requeue(tmp_path):
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = study.slurm_parameters(partition="gpu", time_min=30, gpus=1, cpus=8, parallel=16)
+    script = _make_sbatch_string(command="python -m submitit.core._submit", folder=str(tmp_path), **params)
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --time=30", "#SBATCH --gpus-per-node=1",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --job-name=vit-study", "#SBATCH --signal=USR2@90"):
+        assert line in script
+    run = grid.plan(grid.load_config(_tiny_config(tmp_path)), LRS)[0]
+    under_slurm = study.run_overrides(run, tmp_path, environ={"SUBMITIT_EXECUTOR": "slurm"})
+    plugin = under_slurm["trainer"]["plugins"][0]
+    assert plugin == {"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
+                      "init_args": {"auto_requeue": False}}
+    assert under_slurm["trainer"]["accelerator"] == "auto"
+    assert "plugins" not in study.run_overrides(run, tmp_path, environ={})["trainer"]
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    assert SLURMEnvironment(auto_requeue=False).auto_requeue is False
 
 
 @pytest.mark.parametrize(("content", "message"), [
