@@ -11,6 +11,7 @@ def test_receptive_field_recurrence_by_hand():
     assert receptive_field((3, 3, 3), (1, 1, 1)) == 7  # 1 + 2 + 2 + 2
     assert receptive_field((3,) * 5, (1, 2, 1, 2, 1)) == 21  # 3, 5 (j=2), 9, 13 (j=4), 21
     assert receptive_field((5, 3), (2, 1)) == 9  # 5 (j=2), 5 + 2 * 2
+    assert receptive_field((3, 3, 3), (2, 1, 1)) == 11  # 3 (j=2), 7, 11: the study's cnn-rf11
     assert receptive_field((), ()) == 1
 
 
@@ -30,7 +31,7 @@ def _gradient_support(model: ConvNet, size: int) -> tuple[int, int]:
     return int(rows.max() - rows.min() + 1), int(cols.max() - cols.min() + 1)
 
 
-@pytest.mark.parametrize("strides,kernel", [((1, 1, 1), 3), ((1, 2, 1, 2, 1), 3), ((2, 1, 2), 5), ((1, 2, 1, 2, 1, 2, 1), 3)])
+@pytest.mark.parametrize("strides,kernel", [((1, 1, 1), 3), ((2, 1, 1), 3), ((1, 2, 1, 2, 1), 3), ((2, 1, 2), 5), ((1, 2, 1, 2, 1, 2, 1), 3)])
 def test_receptive_field_equals_the_gradient_support(strides, kernel):
     model = ConvNet(img_size=96, in_chans=1, num_classes=2, widths=(2,) * len(strides), strides=strides,
                     kernel_size=kernel)

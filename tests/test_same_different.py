@@ -76,6 +76,17 @@ def test_same_seed_same_images_and_regions_are_respected():
     assert left.images[..., 20:].abs().max() < 0.5 and right.images[..., :12].abs().max() < 0.5
 
 
+def test_the_right_test_set_is_the_left_one_moved_12_pixels():
+    # The study's translation test scores the same weights on both: image for image the same pair,
+    # 12 px further right, so the two accuracies are paired.
+    left = SameDifferentDataset(num_samples=300, region="left", noise=0.0, seed=3)
+    right = SameDifferentDataset(num_samples=300, region="right", noise=0.0, seed=3)
+    assert torch.equal(right.positions, left.positions + torch.tensor([0, 12]))
+    assert torch.equal(right.labels, left.labels) and torch.equal(right.shape_ids, left.shape_ids)
+    assert torch.equal(right.span, left.span)
+    assert torch.equal(right.images[..., 12:], left.images[..., :20]) and not right.images[..., :12].any()
+
+
 def test_bag_of_shapes_ceiling_matches_a_brute_force():
     # Best accuracy over every score table h in {-1, 0, 1}^K and threshold t of "same iff h(a) + h(b) > t"
     # (and its mirror), on balanced pairs: same pairs 1/(2K) each, ordered different pairs 1/(2K(K-1)) each.

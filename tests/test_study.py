@@ -87,17 +87,23 @@ def test_plan_covers_the_grid_with_unique_keys(tmp_path):
     assert [(r.model, r.lr, r.seed) for r in calibration] == [
         ("vit-learned", 1e-3, 100), ("cnn-rf5", 1e-3, 100), ("vit-learned", 3e-3, 100), ("cnn-rf5", 3e-3, 100)]
     runs = grid.plan(cfg, LRS)
-    # rf: 1 task x 2 models, shift: 1 x 1; times 2 seeds
+    # relation: 1 task x 2 models, position: 1 x 1; times 2 seeds
     assert len(runs) == (1 * 2 + 1) * 2
     assert len({r.key for r in runs + calibration}) == len(runs) + len(calibration)
-    shift = [r for r in runs if r.experiment == "shift"]
-    assert {(r.train_region, r.test_region) for r in shift} == {("inner", "border")}
-    assert shift[0].overrides["data"] == {"class_path": "vit.data.TwoCirclesDataModule", "init_args": {
-        "num_train": 32, "num_val": 32, "num_test": 32, "batch_size": 32, "seed": 0, "train_region": "inner",
-        "test_region": "border", "task": "diagonal"}}
-    rf = [r for r in runs if r.experiment == "rf"]
-    assert {r.overrides["data"]["class_path"] for r in rf} == {"vit.data.SameDifferentDataModule"}
+    relation = [r for r in runs if r.experiment == "relation"]
+    assert {(r.train_region, r.test_region, r.shift_region) for r in relation} == {("left", "left", "right")}
+    assert relation[0].overrides["data"] == {"class_path": "vit.data.SameDifferentDataModule", "init_args": {
+        "num_train": 32, "num_val": 32, "num_test": 32, "batch_size": 32, "seed": 0, "train_region": "left",
+        "test_region": "left"}}
+    position = [r for r in runs if r.experiment == "position"]
+    assert {(r.task, r.shift_region, r.overrides["data"]["class_path"]) for r in position} == {
+        ("diagonal", None, "vit.data.TwoCirclesDataModule")}
+    # The experiment's own budget: 32 images (1 epoch) against the study's 64 (2 epochs).
+    assert {r.epochs for r in position} == {1} and {r.epochs for r in relation + calibration} == {2}
     assert {(r.model, r.overrides["model"]["lr"]) for r in runs} == {("vit-learned", 1e-3), ("cnn-rf5", 3e-3)}
+    # The second test placement is part of what a finished row was made with.
+    moved = grid.Run(**{**relation[0].__dict__, "shift_region": "all"})
+    assert moved.key == relation[0].key and moved.fingerprint != relation[0].fingerprint
     with pytest.raises(ValueError, match="calibrates its learning rates: pass lrs"):
         grid.plan(cfg)
 
@@ -113,27 +119,33 @@ def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ti
 
 
 def test_default_study_is_the_documented_grid():
-    # The shipped study: 5 seeds in every cell, one learning rate per family from a 3-point grid,
-    # the same 1000 optimiser steps of 64 images for every run, calibration included.
+    # The shipped study (docs/study.md): 5 seeds in every cell, one learning rate per family from a
+    # 3-point grid; 2000 optimiser steps of 64 images for every relation and calibration run, 500
+    # for every run of the absolute-position task.
     cfg = grid.load_config(ROOT / "configs/study/relation.yaml")
     calibration = grid.calibration_plan(cfg)
     assert len(calibration) == 6 and {r.seed for r in calibration}.isdisjoint(cfg["seeds"])
     runs = grid.plan(cfg, LRS)
-    assert len(runs) == 16 * 5 and len({r.key for r in runs}) == 80
+    assert len(runs) == 13 * 5 and len({r.key for r in runs}) == 65
     cells: dict[tuple, set] = {}
     for r in runs:
         cells.setdefault((r.experiment, r.task, r.model), set()).add(r.seed)
     assert all(seeds == {0, 1, 2, 3, 4} for seeds in cells.values())
-    rf = {m for (e, t, m) in cells if e == "rf"}
-    assert {m for m in rf if m.startswith("cnn")} == {"cnn-rf7", "cnn-rf15", "cnn-rf21", "cnn-rf45", "cnn-rf45-circular"}
-    assert {m for (e, t, m) in cells if e == "position" and m.startswith("vit")} == {
-        "vit-learned", "vit-sincos1d", "vit-sincos2d", "vit-none"}
-    assert [report.model_rf(cfg, m) for m in ("cnn-rf7", "cnn-rf15", "cnn-rf21", "cnn-rf45")] == [7, 15, 21, 45]
+    relation = {m for (e, t, m) in cells if e == "relation"}
+    assert relation == {"vit-learned", "vit-sincos2d", "vit-none", "cnn-rf11", "cnn-rf21", "cnn-rf45"}
+    assert {m for (e, t, m) in cells if e == "position"} == {
+        "vit-learned", "vit-sincos1d", "vit-sincos2d", "vit-none", "cnn-rf21", "cnn-rf21-circular", "cnn-rf21-valid"}
+    assert [report.model_rf(cfg, m) for m in ("cnn-rf11", "cnn-rf21", "cnn-rf45")] == [11, 21, 45]
+    assert all(cfg["models"][m]["init_args"].get("pool") == "mean" for m in cfg["models"] if m.startswith("vit"))
+    steps = {"relation": 2000, "position": 500, grid.CALIBRATE: 2000}
     for r in runs + calibration:
         trainer = r.overrides["trainer"]
-        assert r.epochs * r.num_train // cfg["batch_size"] == 1000  # equal steps for every model
+        assert r.epochs * r.num_train // cfg["batch_size"] == steps[r.experiment]  # equal steps within an experiment
         assert trainer["max_epochs"] % trainer["check_val_every_n_epoch"] == 0
         assert r.overrides["model"]["lr"] in (LRS["vit"], LRS["cnn"], *cfg["calibration"]["lrs"])
+        assert r.shift_region == ("right" if r.experiment == "relation" else None)
+        if r.experiment == "relation":
+            assert (r.train_region, r.test_region) == ("left", "left")
 
 
 @pytest.mark.parametrize(
@@ -156,6 +168,15 @@ def test_default_study_is_the_documented_grid():
         ({"calibration": {"task": "same_different", "num_train": 32, "seed": 100, "lrs": [2.0],
                           "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}}, r"lrs=\[2.0\] is not allowed"),
         ({"shortcuts": {"num_train": 10, "num_test": 200}}, r"shortcuts.num_train=10 is not allowed"),
+        ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
+                           "shift_region": "inner"}]},
+         r"shift_region \(task same_different\)='inner' is not allowed: expected one of \['all', 'left', 'right'\]"),
+        ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [8],
+                           "train_samples": 0}]}, r"train_samples=0 is not allowed: expected an int >= 1"),
+        ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [8]},
+                          {"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [16],
+                           "train_samples": 16}]},
+         r"experiment 'a' is listed with .* entries that share a name must share them"),
     ],
 )
 def test_bad_study_config_is_reported_with_the_value(tmp_path, change, message):
@@ -226,6 +247,12 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         assert sum(c for c, _ in by_distance.values()) / cfg["num_test"] == pytest.approx(float(r["test_acc"]), abs=1e-4)
         if r["experiment"] != grid.CALIBRATE:
             assert float(r["lr"]) == lrs[grid.family_of(cfg, r["model"])]
+        if r["experiment"] == "relation":  # the translation test: the same weights on the moved test set
+            shifted = json.loads(r["shift_by_distance"])
+            assert r["shift_region"] == "right" and sum(n for _, n in shifted.values()) == cfg["num_test"]
+            assert sum(c for c, _ in shifted.values()) / cfg["num_test"] == pytest.approx(float(r["shift_acc"]))
+        else:
+            assert r["shift_region"] == r["shift_acc"] == r["shift_by_distance"] == ""
 
     # 4. A rerun of a finished study computes nothing and rewrites no row.
     mtime, text = csv_path.stat().st_mtime_ns, csv_path.read_text()
@@ -238,7 +265,8 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
     assert csv_path.stat().st_mtime_ns == mtime and csv_path.read_text() == text
 
     # 5. Reports: the figures are PNGs; every cell's median and runs are those of the CSV.
-    for name in ("rf_same_different_runs.png", "rf_same_different_by_distance.png", "shift_diagonal_runs.png"):
+    for name in ("relation_same_different_runs.png", "relation_same_different_by_distance.png",
+                 "relation_same_different_shift.png", "position_diagonal_runs.png"):
         assert (results / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with (results / "summary.csv").open() as f:
         summary = {(r["experiment"], r["model"]): r for r in csv.DictReader(f)}
@@ -246,6 +274,12 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         accs = [float(r["test_acc"]) for r in rows if (r["experiment"], r["model"]) == (experiment, model)]
         assert float(cell["test_acc_median"]) == pytest.approx(statistics.median(accs), abs=1e-4)
         assert int(cell["n_seeds"]) == 2
+        moved = [float(r["shift_acc"]) for r in rows if (r["experiment"], r["model"]) == (experiment, model)
+                 and r["shift_acc"]]
+        assert cell["shift_acc_median"] == ("" if not moved else f"{statistics.median(moved):.4f}")
+    translation = (results / "translation.md").read_text()
+    assert "## relation: task `same_different`, trained in `left`, moved to `right`" in translation
+    assert "position" not in translation
     chosen = (results / "calibration.md").read_text()
     assert "| vit (vit-learned) | " in chosen and chosen.count(f" | {lrs['vit']:g} |") >= 1
 

@@ -244,8 +244,8 @@ def experiments(cfg: dict) -> list[dict]:
     merged: dict[str, dict] = {}
     for exp in cfg["experiments"]:
         m = merged.setdefault(exp["name"], {"name": exp["name"], "tasks": [], "models": [], "num_train": [],
-                                            **{k: exp[k] for k in ("train_region", "test_region", "shift_region",
-                                                                   "train_samples")}})
+                                            **{k: exp.get(k) for k in ("train_region", "test_region", "shift_region",
+                                                                       "train_samples")}})
         for key in ("tasks", "models", "num_train"):
             m[key] += [v for v in exp[key] if v not in m[key]]
     for m in merged.values():

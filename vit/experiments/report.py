@@ -8,8 +8,10 @@
 * ``comparisons.md``: every pair of models within an experiment, seed-paired (exact permutation and
   sign tests on the accuracy differences) and by success counts (Fisher's exact test).
 * ``<experiment>_runs.png``: a dot per run and the median per model.
+* ``translation.md`` and ``<experiment>_<task>_shift.png`` (experiments with a ``shift_region``):
+  each run's accuracy in its own region and on the moved test set, and the seed-paired tests.
 * ``by_distance.md``: the same per distance bin, and for each CNN within and beyond its receptive field.
-* ``<experiment>_by_distance.png``: test accuracy against the distance between the two parts, one
+* ``<experiment>_<task>_by_distance.png``: test accuracy against the distance between the two parts, one
   curve per model (all seeds' test images pooled), each CNN's receptive field marked: the study's
   headline figure.
 """
@@ -81,6 +83,7 @@ def write_reports(rows: list[dict], out_dir: Path, cfg: dict) -> None:
     _summary(cells, shortcuts, out_dir, cfg)
     _calibration(rows, out_dir, cfg)
     _comparisons(cells, shortcuts, out_dir, cfg)
+    _translation(cells, shortcuts, out_dir, cfg)
     _by_distance(cells, out_dir, cfg)
     _figures(cells, shortcuts, out_dir, cfg)
 
@@ -88,13 +91,14 @@ def write_reports(rows: list[dict], out_dir: Path, cfg: dict) -> None:
 def _summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
     header = ["experiment", "task", "model", "num_train", "train_region", "test_region", "receptive_field", "n_seeds",
               "test_acc_median", "test_acc_min", "test_acc_max", "test_acc_runs", "success_threshold", "successes",
-              "success_ci_low", "success_ci_high", "lr", "params", "flops_per_image", "train_time_median_s",
-              "revisions"]
+              "success_ci_low", "success_ci_high", "shift_region", "shift_acc_median", "shift_acc_runs", "lr",
+              "params", "flops_per_image", "train_time_median_s", "revisions"]
     table = []
     for (exp, task, model, n), runs in cells.items():
         accs = [float(r["test_acc"]) for r in runs]
         thr = success_threshold(shortcuts, task)
         succ = successes(accs, thr)
+        shifted = [float(r["shift_acc"]) for r in runs if r.get("shift_acc")]
         table.append({
             "experiment": exp, "task": task, "model": model, "num_train": n,
             "train_region": runs[0]["train_region"], "test_region": runs[0]["test_region"],
@@ -105,6 +109,9 @@ def _summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             "successes": "" if succ is None else succ[0],
             "success_ci_low": "" if succ is None else f"{succ[1]:.3f}",
             "success_ci_high": "" if succ is None else f"{succ[2]:.3f}",
+            "shift_region": runs[0].get("shift_region", ""),
+            "shift_acc_median": f"{np.median(shifted):.4f}" if shifted else "",
+            "shift_acc_runs": " ".join(f"{a:.4f}" for a in shifted),
             "lr": runs[0].get("lr", ""), "params": runs[0].get("params", ""),
             "flops_per_image": runs[0].get("flops_per_image", ""),
             "train_time_median_s": f"{np.median([float(r['train_time_s']) for r in runs]):.1f}",
@@ -127,17 +134,21 @@ def _summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             if not sel:
                 continue
             thr = success_threshold(shortcuts, task)
+            moved = exp.get("shift_region")
             lines += [f"## {exp['name']}: task `{task}`, train region `{exp['train_region']}`, test region "
                       f"`{exp['test_region']}`" + (f" (success > {thr * PERCENT:.1f}%)" if thr and thr < 1 else ""), "",
-                      "| model | RF (px) | n | median | runs | success k/n [95% CI] | lr | params | MFLOPs/image | s/run |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| model | RF (px) | n | median | runs | success k/n [95% CI] | "
+                      + (f"median moved to `{moved}` | " if moved else "") + "lr | params | MFLOPs/image | s/run |",
+                      "|---" * (10 + bool(moved)) + "|"]
             for t in sel:
                 runs = " ".join(f"{float(a) * PERCENT:.1f}" for a in t["test_acc_runs"].split())
                 succ = "–" if t["successes"] == "" else \
                     f"{t['successes']}/{t['n_seeds']} [{float(t['success_ci_low']):.2f}, {float(t['success_ci_high']):.2f}]"
                 flops = f"{int(t['flops_per_image']) / 1e6:.1f}" if t["flops_per_image"] else ""
+                shift = (f"{float(t['shift_acc_median']) * PERCENT:.1f} | " if t["shift_acc_median"] else "– | ") \
+                    if moved else ""
                 lines.append(f"| {t['model']} | {t['receptive_field'] or '–'} | {t['n_seeds']} | "
-                             f"{float(t['test_acc_median']) * PERCENT:.1f} | {runs} | {succ} | {t['lr']} | "
+                             f"{float(t['test_acc_median']) * PERCENT:.1f} | {runs} | {succ} | {shift}{t['lr']} | "
                              f"{t['params']} | {flops} | {t['train_time_median_s']} |")
             lines.append("")
     (out_dir / "summary.md").write_text("\n".join(lines))
@@ -193,6 +204,38 @@ def _comparisons(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None
                                  f"{sign_test_p(xa, xb):.3f} | {succ} | {fp} |")
             lines.append("")
     (out_dir / "comparisons.md").write_text("\n".join(lines))
+
+
+def _translation(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
+    exps = [e for e in experiments(cfg) if e.get("shift_region")]
+    if not exps:
+        return
+    lines = ["# Translation: the same weights on the test set moved to another region", "",
+             "Each run is tested in its training region, then on a test set drawn in the shift region "
+             "(for same_different: the same draws, moved right by 3/8 of the width: 12 px at 32 px). Accuracy (%) per seed; `drop`: median over "
+             "seeds of in-region minus moved (points); `perm p` / `sign p`: exact seed-paired tests of no drop "
+             "(they cannot go below 0.0625 with 5 seeds); successes in both placements.", ""]
+    for exp in exps:
+        for task in exp["tasks"]:
+            thr = success_threshold(shortcuts, task)
+            lines += [f"## {exp['name']}: task `{task}`, trained in `{exp['train_region']}`, moved to "
+                      f"`{exp['shift_region']}`", "",
+                      "| model | in region | moved | drop | perm p | sign p | successes in region / moved |",
+                      "|---|---|---|---|---|---|---|"]
+            for m in exp["models"]:
+                runs = [r for k, v in cells.items() if k[:3] == (exp["name"], task, m) for r in v if r.get("shift_acc")]
+                if not runs:
+                    continue
+                a = [float(r["test_acc"]) for r in runs]
+                b = [float(r["shift_acc"]) for r in runs]
+                sa, sb = successes(a, thr), successes(b, thr)
+                succ = "–" if sa is None else f"{sa[0]}/{len(a)} / {sb[0]}/{len(b)}"
+                lines.append(f"| {m} | {' '.join(f'{x * PERCENT:.1f}' for x in a)} | "
+                             f"{' '.join(f'{x * PERCENT:.1f}' for x in b)} | "
+                             f"{np.median(np.subtract(a, b)) * PERCENT:+.1f} | {paired_permutation_p(a, b):.3f} | "
+                             f"{sign_test_p(a, b):.3f} | {succ} |")
+            lines.append("")
+    (out_dir / "translation.md").write_text("\n".join(lines))
 
 
 def within_and_beyond(runs: list[dict], rf: int) -> tuple[tuple[float, int], tuple[float, int]]:
@@ -290,6 +333,8 @@ def _figures(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             fig.tight_layout()
             fig.savefig(out_dir / f"{exp['name']}_{task}_runs.png", dpi=110)
             plt.close(fig)
+            if exp.get("shift_region"):
+                _shift_figure(runs, models, colors, ceiling, exp, task, out_dir)
             # Accuracy against the distance between the parts.
             dists = [int(d) for m in models for r in runs[m] if r.get("test_by_distance")
                      for d in json.loads(r["test_by_distance"])]
@@ -332,3 +377,29 @@ def _figures(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             fig.tight_layout()
             fig.savefig(out_dir / f"{exp['name']}_{task}_by_distance.png", dpi=110)
             plt.close(fig)
+
+
+def _shift_figure(runs: dict, models: list[str], colors: dict, ceiling: float | None, exp: dict, task: str,
+                  out_dir: Path) -> None:
+    """Each run's accuracy in its region and moved, joined by a line: the translation test at a glance."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.3 * len(models) + 2.5, 4))
+    for i, m in enumerate(models):
+        for r in runs[m]:
+            if r.get("shift_acc"):
+                ax.plot([i - 0.18, i + 0.18], [float(r["test_acc"]) * PERCENT, float(r["shift_acc"]) * PERCENT],
+                        "-o", color=colors[m], ms=4, lw=1, alpha=0.8)
+    if ceiling is not None:
+        ax.axhline(ceiling * PERCENT, color="crimson", ls=":", lw=1, label="best shortcut or local-view ceiling")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.axhline(50, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
+    ax.set_ylabel("test accuracy (%): left dot in region, right dot moved")
+    ax.set_ylim(40, 101)
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title(f"{exp['name']}: {task}, trained in {exp['train_region']}, tested in {exp['train_region']} "
+                 f"and moved to {exp['shift_region']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{exp['name']}_{task}_shift.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,74 @@
+"""The study's numbers: exact statistics, the shortcut baselines and the report's cells."""
+
+import csv
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from vit.experiments import report, shortcuts
+from vit.experiments.stats import clopper_pearson, fisher_p, paired_permutation_p, sign_test_p
+
+
+@pytest.mark.parametrize("k,n", [(0, 5), (1, 5), (3, 5), (5, 5), (7, 20)])
+def test_clopper_pearson_matches_scipy(k, n):
+    expected = scipy_stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    assert clopper_pearson(k, n) == pytest.approx((expected.low, expected.high), abs=1e-9)
+
+
+def test_paired_tests_by_enumeration():
+    # differences 1, 2, 3: of the 8 sign patterns only +6 and -6 are as extreme as the observed sum
+    assert paired_permutation_p([1, 2, 3], [0, 0, 0]) == pytest.approx(2 / 8)
+    assert sign_test_p([1, 2, 3], [0, 0, 0]) == pytest.approx(2 / 8)
+    # five seeds all in one direction: the smallest two-sided p-value five pairs can give
+    assert paired_permutation_p([0.9] * 5, [0.5] * 5) == pytest.approx(0.0625)
+    assert paired_permutation_p([0.5, 0.6], [0.5, 0.6]) == 1.0 and sign_test_p([0.5], [0.5]) == 1.0
+    assert fisher_p(5, 5, 0, 5) == pytest.approx(2 / 252)
+    with pytest.raises(ValueError, match="same length"):
+        paired_permutation_p([1, 2], [1])
+
+
+def test_bayes_accuracy_is_the_majority_label_per_key():
+    train_keys, train_y = np.array([0, 0, 0, 1, 1, 2, 2]), np.array([1, 1, 0, 0, 0, 1, 1])
+    test_keys, test_y = np.array([0, 1, 2, 3]), np.array([1, 1, 1, 0])
+    # key 0 -> 1 (right), key 1 -> 0 (wrong), key 2 -> 1 (right), unseen key 3 -> the training majority (4 of 7 are 1), 1 (wrong)
+    assert shortcuts.bayes_accuracy(train_keys, train_y, test_keys, test_y) == 0.5
+
+
+def test_audit_finds_the_known_shortcuts_and_none_on_same_different():
+    diagonal = {r["baseline"]: r["accuracy"] for r in shortcuts.audit("diagonal", num_train=3000, num_test=1000)}
+    assert diagonal["quadrants"] == 1.0  # the label is a function of the two quadrants
+    relative = {r["baseline"]: r["accuracy"] for r in shortcuts.audit("relative", num_train=6000, num_test=2000)}
+    assert relative["position_circle_a"] > 0.75  # the disc's position alone (about 86% with 20,000 samples)
+    same = {r["baseline"]: r["accuracy"] for r in shortcuts.audit("same_different", num_train=3000, num_test=2000)}
+    for name in ("pixels_logreg", "ink", "position_shape_a", "position_shape_b", "quadrants", "span"):
+        assert same[name] <= 0.56, name
+    assert same["bag_of_shapes"] == pytest.approx(2 / 3, abs=1e-4)  # rounded to 4 places in the table
+
+
+def test_summary_cells_count_successes_above_the_best_shortcut(tmp_path):
+    with (tmp_path / "shortcuts.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["task", "baseline", "accuracy", "what"])
+        w.writeheader()
+        w.writerows([{"task": "same_different", "baseline": "bag_of_shapes", "accuracy": 0.6667, "what": ""},
+                     {"task": "same_different", "baseline": "ink", "accuracy": 0.5, "what": ""}])
+    cfg = {"models": {"cnn-rf7": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8, 8, 8]}}},
+           "experiments": [{"name": "rf", "tasks": ["same_different"], "models": ["cnn-rf7"], "num_train": [100],
+                            "train_region": "all", "test_region": "all"}]}
+    accs = [0.5, 0.95, 0.72, 0.70, 0.99]  # threshold 0.7167: 3 successes
+    rows = [{"experiment": "rf", "task": "same_different", "model": "cnn-rf7", "num_train": "100", "seed": str(s),
+             "train_region": "all", "test_region": "all", "test_acc": str(a), "train_time_s": "1.0",
+             "test_by_distance": '{"11": [3, 4], "20": [1, 4]}'} for s, a in enumerate(accs)]
+    report.write_reports(rows, tmp_path, cfg)
+    with (tmp_path / "summary.csv").open() as f:
+        cell = next(csv.DictReader(f))
+    low, high = clopper_pearson(3, 5)
+    assert (cell["successes"], cell["success_threshold"], cell["receptive_field"]) == ("3", "0.7167", "7")
+    assert (float(cell["success_ci_low"]), float(cell["success_ci_high"])) == pytest.approx((low, high), abs=1e-3)
+    assert cell["test_acc_median"] == "0.7200"
+    assert "| cnn-rf7 | 7 | 5 | 72.0 | 50.0 95.0 72.0 70.0 99.0 | 3/5 [0.15, 0.95] |" in (tmp_path / "summary.md").read_text()
+    acc, count = report.pooled_by_distance(rows, np.array([11, 14, 17, 20, 23]))
+    assert count.tolist() == [20, 0, 0, 20] and acc[0] == 0.75 and acc[3] == 0.25
+    assert report.within_and_beyond(rows, 15) == ((0.75, 20), (0.25, 20))
+    assert "| cnn-rf7 | 7 | – | 50.0 (40) |" in (tmp_path / "by_distance.md").read_text()
+    assert (tmp_path / "rf_same_different_by_distance.png").exists()
