@@ -321,15 +321,8 @@ def _figures(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
                 accs = [float(r["test_acc"]) * PERCENT for r in runs[m]]
                 ax.plot(np.full(len(accs), i) + np.linspace(-0.12, 0.12, len(accs)), accs, "o", color=colors[m], ms=5)
                 ax.plot([i - 0.3, i + 0.3], [np.median(accs)] * 2, "k-", lw=2)
-            if ceiling is not None:
-                ax.axhline(ceiling * PERCENT, color="crimson", ls=":", lw=1, label="best shortcut")
-                ax.legend(fontsize=8, loc="lower right")
-            ax.axhline(50, color="grey", lw=0.8, ls="--")
-            ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
-            ax.set_ylabel("test accuracy (%): dot = one seed, bar = median")
-            ax.set_ylim(40, 101)
-            ax.grid(alpha=0.3, axis="y")
-            ax.set_title(f"{exp['name']}: {task} ({where})", fontsize=10)
+            _per_model_axes(ax, models, ceiling, "test accuracy (%): dot = one seed, bar = median",
+                            f"{exp['name']}: {task} ({where})")
             fig.tight_layout()
             fig.savefig(out_dir / f"{exp['name']}_{task}_runs.png", dpi=110)
             plt.close(fig)
@@ -390,16 +383,22 @@ def _shift_figure(runs: dict, models: list[str], colors: dict, ceiling: float | 
             if r.get("shift_acc"):
                 ax.plot([i - 0.18, i + 0.18], [float(r["test_acc"]) * PERCENT, float(r["shift_acc"]) * PERCENT],
                         "-o", color=colors[m], ms=4, lw=1, alpha=0.8)
+    _per_model_axes(ax, models, ceiling, "test accuracy (%): left dot in region, right dot moved",
+                    f"{exp['name']}: {task}, trained and tested in {exp['train_region']}, then moved to "
+                    f"{exp['shift_region']}")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{exp['name']}_{task}_shift.png", dpi=110)
+    plt.close(fig)
+
+
+def _per_model_axes(ax, models: list[str], ceiling: float | None, ylabel: str, title: str) -> None:
+    """One column per model on a 40-100% axis, with chance and the best shortcut (or local-view ceiling) drawn."""
     if ceiling is not None:
         ax.axhline(ceiling * PERCENT, color="crimson", ls=":", lw=1, label="best shortcut or local-view ceiling")
         ax.legend(fontsize=8, loc="lower right")
     ax.axhline(50, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
-    ax.set_ylabel("test accuracy (%): left dot in region, right dot moved")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(40, 101)
     ax.grid(alpha=0.3, axis="y")
-    ax.set_title(f"{exp['name']}: {task}, trained in {exp['train_region']}, tested in {exp['train_region']} "
-                 f"and moved to {exp['shift_region']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out_dir / f"{exp['name']}_{task}_shift.png", dpi=110)
-    plt.close(fig)
+    ax.set_title(title, fontsize=9)
