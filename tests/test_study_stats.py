@@ -1,6 +1,7 @@
 """The study's numbers: exact statistics, the shortcut baselines and the report's cells."""
 
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -72,3 +73,22 @@ def test_summary_cells_count_successes_above_the_best_shortcut(tmp_path):
     assert report.within_and_beyond(rows, 15) == ((0.75, 20), (0.25, 20))
     assert "| cnn-rf7 | 7 | – | 50.0 (40) |" in (tmp_path / "by_distance.md").read_text()
     assert (tmp_path / "rf_same_different_by_distance.png").exists()
+
+
+def test_every_model_is_split_at_each_receptive_field_inside_the_distances(tmp_path):
+    cfg = {"models": {"cnn-rf15": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8] * 7}},
+                      "vit": {"class_path": "vit.models.VisionTransformer", "init_args": {}}},
+           "experiments": [{"name": "rel", "tasks": ["same_different"], "models": ["cnn-rf15", "vit"],
+                            "num_train": [100], "train_region": "all", "test_region": "all"}]}
+    # per seed, (correct, total) at span 11 (within RF 15) and 20 (beyond)
+    counts = {"cnn-rf15": [((9, 10), (5, 10)), ((8, 10), (6, 10))], "vit": [((9, 10), (9, 10)), ((7, 10), (8, 10))]}
+    rows = [{"experiment": "rel", "task": "same_different", "model": m, "num_train": "100", "seed": str(s),
+             "train_region": "all", "test_region": "all", "test_acc": "0.7", "train_time_s": "1.0",
+             "test_by_distance": json.dumps({"11": near, "20": far})}
+            for m, per_seed in counts.items() for s, (near, far) in enumerate(per_seed)]
+    report.write_reports(rows, tmp_path, cfg)
+    text = (tmp_path / "by_distance.md").read_text()
+    assert "### Split at 15 px (the receptive field of cnn-rf15)" in text
+    # drops 40 and 20 points: median 30; both seeds the same sign, so the permutation p is 2/4
+    assert "| cnn-rf15 | 90.0/50.0 80.0/60.0 | +30.0 | 0.500 |" in text
+    assert "| vit | 90.0/90.0 70.0/80.0 | -5.0 | 1.000 |" in text  # drops 0 and -10: every sign pattern is as far

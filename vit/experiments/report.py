@@ -272,7 +272,29 @@ def _by_distance(cells: dict, out_dir: Path, cfg: dict) -> None:
                 bins = [f"{a * PERCENT:.1f}" if c else "–" for a, c in zip(acc, count)]
                 lines.append(f"| {m} | {rf or '–'} | {near} | {far} | " + " | ".join(bins) + " |")
             lines.append("")
+            lines += _split_at_receptive_fields(runs, cfg, min(dists), max(dists))
     (out_dir / "by_distance.md").write_text("\n".join(lines))
+
+
+def _split_at_receptive_fields(runs: dict[str, list[dict]], cfg: dict, lo: int, hi: int) -> list[str]:
+    """Every model's accuracy within and beyond each CNN's receptive field that falls inside the
+    distances, seed by seed: the claim predicts a drop beyond the RF for that CNN and none for a ViT."""
+    rfs = sorted({rf for m in runs if m in cfg["models"] and (rf := model_rf(cfg, m)) is not None and lo <= rf < hi})
+    lines = []
+    for rf in rfs:
+        owners = ", ".join(m for m in runs if m in cfg["models"] and model_rf(cfg, m) == rf)
+        lines += [f"### Split at {rf} px (the receptive field of {owners})", "",
+                  "Per seed: accuracy (%) at distance <= RF / beyond it. `drop`: median over seeds of the difference "
+                  "(points); `perm p`: exact seed-paired permutation test of no drop.", "",
+                  "| model | per seed (<= RF / > RF) | drop | perm p |", "|---|---|---|---|"]
+        for m, v in runs.items():
+            pairs = [within_and_beyond([r], rf) for r in v]
+            near, far = [a for (a, _), _ in pairs], [b for _, (b, _) in pairs]
+            seeds = " ".join(f"{a * PERCENT:.1f}/{b * PERCENT:.1f}" for a, b in zip(near, far))
+            lines.append(f"| {m} | {seeds} | {np.median(np.subtract(near, far)) * PERCENT:+.1f} | "
+                         f"{paired_permutation_p(near, far):.3f} |")
+        lines.append("")
+    return lines
 
 
 def distance_edges(dists: list[int], width: int = 3) -> np.ndarray:
