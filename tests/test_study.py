@@ -108,6 +108,25 @@ def test_plan_covers_the_grid_with_unique_keys(tmp_path):
         grid.plan(cfg)
 
 
+def test_fixed_rates_replace_the_calibration(tmp_path):
+    cfg = yaml.safe_load(_tiny_config(tmp_path).read_text())
+    del cfg["calibration"]
+    path = tmp_path / "fixed.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "lrs": LRS}))
+    fixed = grid.load_config(path)
+    assert grid.calibration_plan(fixed) == []
+    assert {(r.model, r.overrides["model"]["lr"]) for r in grid.plan(fixed)} == {("vit-learned", 1e-3), ("cnn-rf5", 3e-3)}
+    path.write_text(yaml.safe_dump({**cfg, "lrs": {"vit": 1e-3}}))
+    with pytest.raises(ValueError, match=r"lrs=\{'vit': 0.001\} is not allowed: expected one rate in \(0, 1\) for each family"):
+        grid.load_config(path)
+    # The shipped side check: the study's relation experiment for two models, twice the steps, fixed rates.
+    long = grid.load_config(ROOT / "configs/study/relation_long.yaml")
+    runs = grid.plan(long)
+    assert len(runs) == 10 and {r.overrides["model"]["lr"] for r in runs} == {1e-3}
+    assert {r.epochs * r.num_train // long["batch_size"] for r in runs} == {4000}
+    assert {(r.train_region, r.test_region, r.shift_region) for r in runs} == {("left", "left", "right")}
+
+
 def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ties(tmp_path):
     cfg = grid.load_config(_tiny_config(tmp_path))
     val = {("vit-learned", 1e-3): "0.60", ("vit-learned", 3e-3): "0.75", ("cnn-rf5", 1e-3): "0.70",
@@ -168,6 +187,8 @@ def test_default_study_is_the_documented_grid():
         ({"calibration": {"task": "same_different", "num_train": 32, "seed": 100, "lrs": [2.0],
                           "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}}, r"lrs=\[2.0\] is not allowed"),
         ({"shortcuts": {"num_train": 10, "num_test": 200}}, r"shortcuts.num_train=10 is not allowed"),
+        ({"lrs": {"vit": 1e-3, "cnn": 1e-3}},
+         r"'families' goes with either 'calibration' or fixed 'lrs' \(one of them\), got \['families', 'calibration', 'lrs'\]"),
         ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
                            "shift_region": "inner"}]},
          r"shift_region \(task same_different\)='inner' is not allowed: expected one of \['all', 'left', 'right'\]"),

@@ -100,7 +100,7 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"{where}: expected a mapping at the top level, got " + ("an empty file" if cfg is None else type(cfg).__name__))
     allowed = {"base_config", "out_dir", "log_dir", "seeds", "batch_size", "train_samples", "num_val_checks",
                "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments", "families",
-               "calibration", "shortcuts"}
+               "calibration", "lrs", "shortcuts"}
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -174,10 +174,13 @@ def load_config(path: str | Path) -> dict:
 
 
 def _check_calibration(cfg: dict, where: str) -> None:
-    """``families`` (family -> models) and ``calibration`` (task, num_train, seed, lrs, one model per
-    family) come together; every model of the study must then be in exactly one family."""
-    if ("families" in cfg) != ("calibration" in cfg):
-        raise ValueError(f"{where}: 'families' and 'calibration' go together: give both or neither")
+    """``families`` (family -> models) come with either ``calibration`` (task, num_train, seed, lrs,
+    one model per family), or ``lrs`` (family -> a fixed rate, e.g. one an earlier calibration
+    chose); every model of the study must then be in exactly one family."""
+    given = [k for k in ("calibration", "lrs") if k in cfg]
+    if ("families" in cfg) != bool(given) or len(given) > 1:
+        raise ValueError(f"{where}: 'families' goes with either 'calibration' or fixed 'lrs' (one of them), "
+                         f"got {['families'] * ('families' in cfg) + given}")
     if "families" not in cfg:
         return
     families = _require(cfg, "families", dict, where)
@@ -193,6 +196,13 @@ def _check_calibration(cfg: dict, where: str) -> None:
     if used - set(owner):
         raise ValueError(f"{where}: models {sorted(used - set(owner))} are in no family, so no learning rate "
                          f"would be calibrated for them; add them to 'families'")
+    if "lrs" in cfg:
+        fixed = _require(cfg, "lrs", dict, where)
+        if set(fixed) != set(families) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                              or not 0 < v < 1 for v in fixed.values()):
+            raise ValueError(f"{where}: lrs={fixed!r} is not allowed: expected one rate in (0, 1) for each "
+                             f"family {sorted(families)}")
+        return
     cal = _require(cfg, "calibration", dict, where)
     w = f"{where}: calibration"
     extra = set(cal) - {"task", "num_train", "seed", "lrs", "models"}
@@ -270,10 +280,12 @@ def plan(cfg: dict, lrs: dict[str, float] | None = None) -> list[Run]:
 
     So a study stopped early holds the entries listed first, each cell with the same number of
     seeds (give or take one): list the most important entries first. With a calibration, ``lrs``
-    (``{family: lr}``, from ``choose_lr``) sets every model's learning rate.
+    (``{family: lr}``, from ``choose_lr``) sets every model's learning rate; a config's fixed ``lrs``
+    do without one.
     """
     if "calibration" in cfg and lrs is None:
         raise ValueError("this study calibrates its learning rates: pass lrs (choose_lr) to plan it")
+    lrs = cfg.get("lrs", lrs)
     return _runs(cfg, cfg["experiments"], cfg["seeds"], lambda model: lrs[family_of(cfg, model)] if lrs else None)
 
 
