@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from vit.models import ConvNet
+from vit.data.two_circles import TwoCirclesDataset, render_circles
 from vit.models.cnn import receptive_field
 
 
@@ -65,3 +66,26 @@ def test_valid_padding_shrinks_the_map_and_refuses_an_empty_one():
 def test_bad_options_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ConvNet(**kwargs)
+
+
+def test_circular_padding_cannot_tell_the_diagonal_pair_from_the_anti_diagonal_one():
+    # On `diagonal`, a positive (discs top-left and bottom-right) rolled 16 px to the right is a
+    # negative (top-right and bottom-left) drawn by the same generator, and 16 is a multiple of
+    # cnn-rf21's total stride (4): the circularly padded network scores both the same. The two
+    # pairs are half the data and a tenth of it, so no such network beats 50 + 40 = 90%
+    # (docs/study.md). With zero padding the two scores differ.
+    ds = TwoCirclesDataset(num_samples=64, task="diagonal", noise=0.0, seed=5)
+    pos = ds.labels == 1
+    images, centers, radii = ds.images[pos], ds.centers[pos], ds.radii[pos]
+    rolled = torch.roll(images, shifts=16, dims=3)
+    moved = centers + torch.tensor([0.0, 16.0])
+    moved[..., 1] %= 32
+    quadrant = (moved[..., 0] >= 16).long() * 2 + (moved[..., 1] >= 16).long()  # TL 0, TR 1, BL 2, BR 3
+    assert torch.equal(quadrant.sort(dim=1).values, torch.tensor([[1, 2]]).expand(len(moved), 2))
+    torch.testing.assert_close(rolled[:, 0], render_circles(moved, radii, 32, "diagonal"), rtol=0, atol=1e-5)
+    torch.manual_seed(0)
+    kwargs = dict(img_size=32, in_chans=1, num_classes=2, widths=(8,) * 5, strides=(1, 2, 1, 2, 1))
+    circular = ConvNet(**kwargs, padding="circular").eval()
+    torch.testing.assert_close(circular(rolled), circular(images), rtol=1e-4, atol=1e-5)
+    zero = ConvNet(**kwargs, padding="zero").eval()
+    assert not torch.allclose(zero(rolled), zero(images), rtol=1e-4, atol=1e-5)
