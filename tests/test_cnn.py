@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vit.models import ConvNet
 from vit.data.two_circles import TwoCirclesDataset, render_circles
+from vit.models import ConvNet
 from vit.models.cnn import receptive_field
 
 
