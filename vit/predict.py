@@ -39,7 +39,7 @@ from torchvision.transforms import v2
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
 from vit.data.image_folder import build_transform, to_input
 from vit.training.callbacks import NonFiniteError, check_finite_weights
-from vit.training.checkpointing import CheckpointError, read_checkpoint
+from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
 from vit.training.classifier import ImageClassifier
 
 
@@ -48,7 +48,8 @@ class PredictError(ValueError):
 
 
 def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, v2.Compose]:
-    """The model (eval mode, CPU) and the input transform recorded in a LightningCLI checkpoint."""
+    """The model (eval mode, CPU) and the input transform recorded in a LightningCLI checkpoint (a path or URL)."""
+    ckpt_path = fetch_checkpoint(ckpt_path)
     checkpoint = read_checkpoint(ckpt_path)
     try:
         check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import pickle
 import re
 import secrets
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
@@ -41,7 +43,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Remote paths (`s3://...`) keep Lightning's behaviour. A temporary file left by a killed process
     is named `.<name>.<random>.tmp`: it never matches `*.ckpt`, so `--ckpt_path last` ignores it.
+    Every load is `weights_only=True`, whatever the caller asks: Lightning's own default for a URL is
+    `weights_only=False`, which runs any code pickled into the file.
     """
+
+    def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict[str, Any]:
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
@@ -83,6 +90,45 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def is_named_checkpoint(ckpt_path) -> bool:
+    """True for the names Lightning resolves itself to a checkpoint of the current trainer ("best", "hpc", ...)."""
+    return str(ckpt_path) in ("best", "last", "hpc")
+
+
+def fetch_checkpoint(ckpt_path: str | os.PathLike) -> str:
+    """A local file for `ckpt_path`: a plain path as it is, `file://` as its path, any other URL downloaded.
+
+    Every checkpoint then goes through the same checks (`read_checkpoint`: `weights_only=True`,
+    layout; the CLI's config, world-size and finite-weights checks) before Lightning loads it.
+    A URL (`http(s)://`, or any fsspec scheme such as `s3://`) is downloaded afresh on every call
+    into `<torch hub dir>/checkpoints/readable-vit/<hash of the whole URL>/<file name>`: keyed by the
+    whole URL, two URLs that end in the same file name never share a file (torch hub's cache keys by
+    the name alone), and a `last.ckpt` that changed since the last resume is not read stale.
+    """
+    text = str(ckpt_path)
+    try:
+        fs, path = fsspec.core.url_to_fs(text)
+    except (ImportError, ValueError) as err:  # an unknown scheme, or one whose package is not installed
+        raise CheckpointError(f"checkpoint {text} cannot be read: {_first_line(err)}") from err
+    if isinstance(fs, LocalFileSystem):
+        return path if "://" in text else text
+    folder = Path(torch.hub.get_dir()) / "checkpoints" / "readable-vit" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    target = folder / (PurePosixPath(path).name or "checkpoint.ckpt")
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{target.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        if text.startswith(("http://", "https://")):
+            torch.hub.download_url_to_file(text, str(tmp), progress=False)
+        else:
+            fs.get_file(path, str(tmp))
+        os.replace(tmp, target)
+    except Exception as err:  # noqa: BLE001  (network, permissions, a missing object: all one line)
+        raise CheckpointError(f"checkpoint {text} could not be downloaded: {type(err).__name__}: {_first_line(err)}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(target)
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

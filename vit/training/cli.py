@@ -30,6 +30,7 @@ from vit.training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
     check_checkpoint,
+    fetch_checkpoint,
     read_checkpoint,
 )
 from vit.training.classifier import ImageClassifier
@@ -106,6 +107,11 @@ class ViTCLI(LightningCLI):
                     check_int("seed_everything", seed, 0, 2**32 - 1)  # numpy's range; `true` draws one
                 except ValueError as err:
                     raise ConfigError(str(err)) from None
+            if is_local_file(config.get("ckpt_path")):
+                # A URL (http, file://, s3://, ...) becomes a local file here, so that every scheme
+                # passes the same checks before Lightning sees it (Lightning would load a URL with
+                # weights_only=False, and skip these checks).
+                config.ckpt_path = fetch_checkpoint(config.ckpt_path)
             resolve_resume(subcommand, config)
             if is_local_file(config.get("ckpt_path")):
                 checkpoint = read_checkpoint(config.ckpt_path)

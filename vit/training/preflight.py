@@ -14,7 +14,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from vit.training.callbacks import NonFiniteError, check_finite_weights
-from vit.training.checkpointing import CheckpointError, find_last_checkpoint, remove_partial_writes
+from vit.training.checkpointing import (
+    CheckpointError,
+    find_last_checkpoint,
+    is_named_checkpoint,
+    remove_partial_writes,
+)
 
 
 class ConfigError(ValueError):
@@ -84,8 +89,8 @@ def first_line(err: BaseException) -> str:
 
 
 def is_local_file(ckpt_path) -> bool:
-    """False for None, for the names Lightning resolves itself ("best", "hpc", ...) and for URLs."""
-    return ckpt_path is not None and ckpt_path not in ("best", "last", "hpc") and "://" not in str(ckpt_path)
+    """False for None and for the names Lightning resolves itself ("best", "last", "hpc")."""
+    return ckpt_path is not None and not is_named_checkpoint(ckpt_path)
 
 
 def resolve_resume(subcommand: str, config) -> None:
