@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit.checks import check_int
-from vit.models.masks import attention_bias
+from vit.models.masks import attention_bias, to_additive
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
 # Scores that are a (rescaled) dot product of projected queries with keys, and so can run through
@@ -52,6 +52,7 @@ class Attention(nn.Module):
         attn_dim: int | None = None,
         out_dim: int | None = None,
         qkv_bias: bool = True,
+        qk_norm: bool = False,
         attn_score: Score = "scaled_dot",
         score_dim: int = 16,
         attn_drop: float = 0.0,
@@ -76,11 +77,16 @@ class Attention(nn.Module):
             self.q = nn.Linear(dim, inner, bias=qkv_bias)
             self.k = nn.Linear(self.kdim, inner, bias=qkv_bias)
             self.v = nn.Linear(self.vdim, inner, bias=qkv_bias)
+        # QK-norm (Dehghani et al. 2023): a LayerNorm over each head's queries and keys bounds the
+        # logits by the norms' gains, which are learned; timm's names, Identity (no parameters) when off.
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.score = build_score(attn_score, num_heads=num_heads, head_dim=self.head_dim, score_dim=score_dim)
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(inner, out_dim or dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.recorder: list[torch.Tensor] | None = None  # set by `vit.models.record_attention`
+        self.extra_mask: torch.Tensor | None = None  # set by `vit.models.masks.mask_attention`
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         B, L, _ = t.shape
@@ -121,7 +127,10 @@ class Attention(nn.Module):
         if value is not None and context is None:
             raise ValueError("value was given without context: pass the keys' input as context")
         q, k, v = self._project(x, context, value)  # (B, H, M, d), (B, H, N, d), (B, H, N, d)
+        q, k = self.q_norm(q), self.k_norm(k)
         B, H, M, _ = q.shape
+        if self.extra_mask is not None:
+            mask = self.extra_mask if mask is None else to_additive(mask) + to_additive(self.extra_mask)
         bias = None
         if mask is not None or key_mask is not None or causal:
             bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=k.shape[2], mask=mask,

@@ -7,7 +7,11 @@ allowed; a float mask is added to the scores (0 / -inf, or any finite bias). Sha
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch import nn
 
 
 def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
@@ -63,3 +67,24 @@ def attention_bias(
         cb = to_additive(causal_mask(num_queries, num_keys, device), dtype)  # (M, N)
         bias = cb if bias is None else bias + cb
     return bias
+
+
+@contextlib.contextmanager
+def mask_attention(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
+    """While open, every attention layer of `model` also applies `mask` (bool or additive, as above).
+
+    For experiments on a trained model without changing it: e.g. forbid the tokens of one object
+    to attend to those of another, in every layer, and see what the logits lose. `mask` must
+    broadcast to each layer's `(B, H, M, N)`; it is combined with the layer's own masks. Layers
+    take part through their `extra_mask` attribute (None when idle).
+    """
+    layers = [m for m in model.modules() if hasattr(m, "extra_mask")]
+    if any(layer.extra_mask is not None for layer in layers):
+        raise RuntimeError("mask_attention is already open on this model; nested masks are not supported")
+    for layer in layers:
+        layer.extra_mask = mask
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.extra_mask = None

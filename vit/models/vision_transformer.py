@@ -20,6 +20,7 @@ from vit.models.scores import Score
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
 MAX_WIDTH, MAX_DEPTH, MAX_MLP_RATIO = 65536, 1024, 64.0
 Pool = Literal["cls", "mean", "map"]
+Stem = Literal["patch", "conv"]
 
 
 class VisionTransformer(nn.Module):
@@ -69,6 +70,9 @@ class VisionTransformer(nn.Module):
         num_heads: int = 3,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
+        qk_norm: bool = False,
+        patch_kernel: int | None = None,
+        stem: Stem = "patch",
         drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
@@ -82,6 +86,7 @@ class VisionTransformer(nn.Module):
         super().__init__()
         check_choice("pos_embed", pos_embed, PosEmbed)
         check_choice("pool", pool, Pool)
+        check_choice("stem", stem, Stem)
         # Upper bounds far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo
         # fails here instead of allocating for hours.
         check_int("embed_dim", embed_dim, 1, MAX_WIDTH)
@@ -105,7 +110,8 @@ class VisionTransformer(nn.Module):
         self.pool = pool
         self.num_prefix_tokens = 1 if pool == "cls" else 0  # the CLS token, when there is one
 
-        self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
+                                      kernel_size=patch_kernel, stem=stem)
         num_patches = self.patch_embed.num_patches
         num_tokens = self.num_prefix_tokens + num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pool == "cls" else None
@@ -128,6 +134,7 @@ class VisionTransformer(nn.Module):
                 num_heads=num_heads,
                 mlp_ratio=mlp_ratio,
                 qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
                 attn_score=attn_score,
                 score_dim=score_dim,
                 proj_drop=proj_drop_rate,

@@ -1,0 +1,111 @@
+"""The ViT's recipe options (QK-norm, overlapping patches, convolutional stem) and the attention-blocking mask."""
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+from vit.models import VisionTransformer, record_attention
+from vit.models.masks import mask_attention
+from vit.models.patch_embed import PatchEmbed
+
+CFG = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=2, num_heads=3)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def test_qk_norm_loads_timms_qk_norm_vit_with_the_same_logits():
+    ref = timm.models.VisionTransformer(**CFG, qk_norm=True).eval()
+    for name, p in ref.named_parameters():  # LayerNorm gains start at 1: make them matter
+        if "q_norm" in name or "k_norm" in name:
+            p.data.normal_(1.0, 0.3)
+    ours = VisionTransformer(**CFG, qk_norm=True).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-5)
+        with record_attention(ours):  # the explicit path normalises too
+            torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-5)
+
+
+def test_the_default_options_keep_timms_state_dict():
+    assert VisionTransformer(**CFG).state_dict().keys() == timm.models.VisionTransformer(**CFG).state_dict().keys()
+
+
+def test_overlapping_patches_are_a_linear_map_of_each_padded_window():
+    embed = PatchEmbed(img_size=16, patch_size=4, in_chans=2, embed_dim=5, kernel_size=8)
+    x = torch.randn(3, 2, 16, 16)
+    windows = F.unfold(x, kernel_size=8, stride=4, padding=2).transpose(1, 2)  # (B, N, C * 8 * 8)
+    expected = windows @ embed.proj.weight.flatten(1).T + embed.proj.bias
+    torch.testing.assert_close(embed(x), expected, rtol=0, atol=1e-5)
+    assert embed.grid_size == (4, 4)
+
+
+def _input_window(embed: PatchEmbed, token: tuple[int, int], img: int = 32) -> torch.Tensor:
+    """The pixels whose value changes the token (by its gradient), as a bool (H, W) map."""
+    x = torch.randn(1, embed.in_chans, img, img, requires_grad=True)
+    gw = embed.grid_size[1]
+    embed(x)[0, token[0] * gw + token[1]].sum().backward()
+    return x.grad[0].abs().sum(0) > 0
+
+
+def test_a_token_sees_exactly_its_receptive_field():
+    plain = PatchEmbed(img_size=32, patch_size=4, in_chans=1, embed_dim=8).eval()
+    assert _input_window(plain, (2, 3)).nonzero().tolist() == [[r, c] for r in range(8, 12) for c in range(12, 16)]
+    overlap = PatchEmbed(img_size=32, patch_size=4, in_chans=1, embed_dim=8, kernel_size=8).eval()
+    assert _input_window(overlap, (2, 3)).nonzero().tolist() == [[r, c] for r in range(6, 14) for c in range(10, 18)]
+    # the convolutional stem: 3x3 stride 2, 3x3 stride 2, 1x1: a 7x7 window (3 + 2 * 2), stride 4
+    conv = PatchEmbed(img_size=32, patch_size=4, in_chans=1, embed_dim=8, stem="conv").eval()
+    assert _input_window(conv, (2, 3)).nonzero().tolist() == [[r, c] for r in range(5, 12) for c in range(9, 16)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kernel_size=5), "expected patch_size=4 plus an even number"),
+    (dict(kernel_size=2), "kernel_size=2 is not allowed"),
+    (dict(stem="conv", kernel_size=8), "applies to stem='patch' only"),
+    (dict(stem="conv", patch_size=6, img_size=36), "needs patch_size a power of 2"),
+    (dict(stem="convnext"), "stem='convnext' is not allowed"),
+])
+def test_bad_patch_options_name_the_value(kwargs, message):
+    args = dict(img_size=32, patch_size=4, in_chans=1, embed_dim=8) | kwargs
+    with pytest.raises(ValueError, match=message):
+        PatchEmbed(**args)
+
+
+def test_a_mask_that_blocks_nothing_leaves_the_logits_unchanged():
+    model = VisionTransformer(**CFG, pool="mean").eval()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        plain = model(x)
+        with mask_attention(model, torch.ones(4, 1, 64, 64, dtype=torch.bool)):
+            masked = model(x)
+    torch.testing.assert_close(masked, plain, rtol=0, atol=0)
+
+
+def test_blocked_pairs_get_zero_weight_and_the_fused_path_agrees():
+    model = VisionTransformer(**CFG, pool="mean").eval()
+    x = torch.randn(2, 3, 32, 32)
+    allowed = torch.rand(2, 1, 64, 64) > 0.3
+    allowed |= torch.eye(64, dtype=torch.bool)  # every query keeps itself
+    with torch.no_grad(), mask_attention(model, allowed):
+        fused = model(x)
+        with record_attention(model) as maps:
+            explicit = model(x)
+    torch.testing.assert_close(fused, explicit, rtol=0, atol=1e-5)
+    for weights in maps:  # (B, H, N, N)
+        assert (weights.masked_select(~allowed.expand_as(weights)) == 0).all()
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    with torch.no_grad():
+        assert (fused - model(x)).abs().max() > 1e-5  # the mask did change the output (float noise is ~1e-7)
+
+
+def test_masks_do_not_nest_and_are_removed_on_exit():
+    model = VisionTransformer(**CFG)
+    with mask_attention(model, torch.ones(1, 1, 65, 65, dtype=torch.bool)):
+        with pytest.raises(RuntimeError, match="already open"):
+            with mask_attention(model, torch.ones(1, 1, 65, 65, dtype=torch.bool)):
+                pass
+    assert all(block.attn.extra_mask is None for block in model.blocks)
