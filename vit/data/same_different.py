@@ -152,6 +152,18 @@ class SameDifferentDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def token_labels(self, patch_size: int) -> torch.Tensor:
+        """`(N, num_patches)` int64: each stroke's pattern id at the patch that holds its centre pixel, -1 elsewhere.
+
+        Patches are row-major `patch_size` cells (a ViT's tokens); what a probe of the tokens reads.
+        """
+        grid = self.img_size // patch_size
+        labels = torch.full((len(self), grid * grid), -1, dtype=torch.long)
+        centres = self.positions + SHAPE_SIZE // 2  # (N, 2, 2): (row, col) of each stroke's centre
+        tokens = (centres[..., 0] // patch_size) * grid + centres[..., 1] // patch_size  # (N, 2)
+        labels.scatter_(1, tokens, self.shape_ids)
+        return labels
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[i], self.labels[i]
 
