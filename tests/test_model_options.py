@@ -109,3 +109,17 @@ def test_masks_do_not_nest_and_are_removed_on_exit():
             with mask_attention(model, torch.ones(1, 1, 65, 65, dtype=torch.bool)):
                 pass
     assert all(block.attn.extra_mask is None for block in model.blocks)
+
+
+@pytest.mark.parametrize("std", [0.02, 0.125])
+def test_qk_init_std_sets_the_attention_logits_std_to_width_times_its_square(std):
+    """q = W_q x with x layer-normalised (unit variance): var(q_i) = D std^2; q.k / sqrt(d) then has std D std^2."""
+    model = VisionTransformer(img_size=32, patch_size=4, in_chans=3, num_classes=2, embed_dim=64, depth=1,
+                              num_heads=4, qk_init_std=std)
+    w = model.blocks[0].attn.qkv.weight
+    assert w[:128].std().item() == pytest.approx(std, rel=0.05)  # q and k rows
+    assert w[128:].std().item() == pytest.approx(0.02, rel=0.05)  # v rows keep timm's std
+    tokens = torch.nn.functional.layer_norm(torch.randn(16, 65, 64), (64,))
+    q, k, _ = torch.nn.functional.linear(tokens, w).reshape(16, 65, 3, 4, 16).permute(2, 0, 3, 1, 4)
+    logits = q @ k.transpose(-1, -2) / 4.0
+    assert logits.std().item() == pytest.approx(64 * std**2, rel=0.2)

@@ -29,7 +29,7 @@ from vit.models import VisionTransformer
 from vit.training.diagnostics import attention_stats, grad_norms, token_probe
 from timm.optim import param_groups_weight_decay
 
-COLUMNS = ("candidate", "seed", "lr", "steps", "test_acc", "left_plateau_at", "final_train_loss", "s_per_step", "settings")
+COLUMNS = ("candidate", "seed", "lr", "steps", "steps_done", "test_acc", "left_plateau_at", "final_train_loss", "s_per_step", "settings")
 PLATEAU = 0.6  # a running mean loss below this (ln 2 = 0.693) has left the chance plateau
 
 
@@ -90,6 +90,9 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
         losses.append(loss.item())
         if left_at is None and len(losses) >= 50 and sum(losses[-50:]) / 50 < PLATEAU:
             left_at = step + 1
+        if settings.get("stop_loss") and len(losses) >= 50 and sum(losses[-50:]) / 50 < settings["stop_loss"]:
+            break  # a screen needs to know that the run learned, not its last decimal
+    steps_done = len(losses)
     seconds = time.perf_counter() - start - diagnostics_s
     if curve_path is not None:
         curve_path.write_text(json.dumps(curve))
@@ -98,7 +101,8 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
         x_test, y_test = data.test_set.images, data.test_set.labels
         predicted = torch.cat([model(x_test[i:i + 500]).argmax(-1) for i in range(0, len(y_test), 500)])
     return {"test_acc": f"{(predicted == y_test).float().mean().item():.4f}", "left_plateau_at": left_at or "",
-            "final_train_loss": f"{sum(losses[-50:]) / 50:.4f}", "s_per_step": f"{seconds / steps:.4f}"}
+            "final_train_loss": f"{sum(losses[-50:]) / 50:.4f}", "s_per_step": f"{seconds / steps_done:.4f}",
+            "steps_done": steps_done}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,6 +71,7 @@ class VisionTransformer(nn.Module):
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
         qk_norm: bool = False,
+        qk_init_std: float = 0.02,
         patch_kernel: int | None = None,
         stem: Stem = "patch",
         drop_rate: float = 0.0,
@@ -94,6 +95,8 @@ class VisionTransformer(nn.Module):
         check_int("depth", depth, 1, MAX_DEPTH)
         check_float("mlp_ratio", mlp_ratio, 0.0, MAX_MLP_RATIO, low_open=True)
         check_int("score_dim", score_dim, 1, MAX_WIDTH)
+        check_float("qk_init_std", qk_init_std, 0.0, 10.0, low_open=True)
+        self.qk_init_std = qk_init_std
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
@@ -156,7 +159,14 @@ class VisionTransformer(nn.Module):
             load_pretrained(self, pretrained)
 
     def init_weights(self) -> None:
-        """timm's scheme: truncated normal (std 0.02) for linear layers and learned positions."""
+        """timm's scheme: truncated normal (std 0.02) for linear layers and learned positions.
+
+        The query and key rows of every `qkv` get std `qk_init_std` instead. At timm's 0.02 the
+        attention logits start with a std of about 0.02 at width 64: every row is near uniform, and
+        each token reads the average of all the others. At `1 / sqrt(embed_dim)` a query's entries
+        have unit variance (its input is layer-normalised), so the scaled logits start with a std of
+        about 1: attention depends on content from the first step.
+        """
         if isinstance(self.pos_embed, nn.Parameter):
             trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
@@ -166,6 +176,10 @@ class VisionTransformer(nn.Module):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if self.qk_init_std != 0.02:
+            for block in self.blocks:
+                qkv = block.attn.qkv.weight  # (3 * D, D): the q rows, then k, then v
+                trunc_normal_(qkv.data[: 2 * qkv.shape[0] // 3], std=self.qk_init_std)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
