@@ -123,3 +123,19 @@ def test_qk_init_std_sets_the_attention_logits_std_to_width_times_its_square(std
     q, k, _ = torch.nn.functional.linear(tokens, w).reshape(16, 65, 3, 4, 16).permute(2, 0, 3, 1, 4)
     logits = q @ k.transpose(-1, -2) / 4.0
     assert logits.std().item() == pytest.approx(64 * std**2, rel=0.2)
+
+
+def test_mimetic_init_makes_w_q_transposed_times_w_k_alpha_z_plus_beta_i():
+    from vit.models.vision_transformer import MIMETIC_BETA
+
+    torch.manual_seed(1)
+    model = VisionTransformer(img_size=32, patch_size=4, in_chans=3, num_classes=2, embed_dim=64, depth=2,
+                              num_heads=4, qk_init="mimetic")
+    for block in model.blocks:
+        w_q, w_k, _ = block.attn.qkv.weight.chunk(3)
+        product = w_q.T @ w_k  # (D, D)
+        residual = product - MIMETIC_BETA * torch.eye(64)  # alpha Z: no diagonal structure, entries of std 0.7/8
+        assert residual.std().item() == pytest.approx(0.7 / 8, rel=0.1)
+        assert residual.diagonal().mean().abs().item() < 0.05
+    with pytest.raises(ValueError, match="qk_init='orthogonal' is not allowed"):
+        VisionTransformer(qk_init="orthogonal")

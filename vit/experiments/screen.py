@@ -105,13 +105,45 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
             "steps_done": steps_done}
 
 
+def plateau_figure(curves: dict[str, Path], out: Path) -> None:
+    """Loss, block-0 attention entropy, q/k gradient norm and token probe against the step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("loss", "training loss (50-step mean)", False), ("attn/block0_entropy", "block 0 attention entropy (nats)", False),
+              ("grad/qk", "|grad| of the q/k projections", True), ("probe/block0_acc", "token probe after block 0", False)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for label, path in curves.items():
+        points = [p for p in json.loads(path.read_text()) if p["step"] > 0]
+        steps = [p["step"] for p in points]
+        for ax, (key, title, log) in zip(axes, panels):
+            ax.plot(steps, [max(p.get(key, float("nan")), 1e-8) if log else p.get(key) for p in points], label=label)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+            if log:
+                ax.set_yscale("log")
+    axes[0].axhline(math.log(2), color="grey", lw=0.6, ls=":")
+    axes[1].axhline(math.log(64), color="grey", lw=0.6, ls=":")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vit.experiments.screen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--candidates", required=True, help="comma-separated names from the config's candidates")
     parser.add_argument("--seeds", required=True, help="comma-separated ints")
+    parser.add_argument("--figure", type=Path, help="instead of training: plot the diagnostics of these runs to this PNG")
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
+    if args.figure:
+        paths = {f"{c} seed {s}": Path(config["out_dir"]) / "curves" / f"{c}-s{s}.json"
+                 for c in args.candidates.split(",") for s in args.seeds.split(",")}
+        plateau_figure({label: path for label, path in paths.items() if path.exists()}, args.figure)
+        return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     out = Path(config["out_dir"])
     out.mkdir(parents=True, exist_ok=True)

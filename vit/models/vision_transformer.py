@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -21,6 +22,8 @@ PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
 MAX_WIDTH, MAX_DEPTH, MAX_MLP_RATIO = 65536, 1024, 64.0
 Pool = Literal["cls", "mean", "map"]
 Stem = Literal["patch", "conv"]
+QKInit = Literal["normal", "mimetic"]
+MIMETIC_ALPHA, MIMETIC_BETA = 0.7, 0.7  # W_q^T W_k = alpha Z + beta I at init (qk_init="mimetic")
 
 
 class VisionTransformer(nn.Module):
@@ -72,6 +75,7 @@ class VisionTransformer(nn.Module):
         qkv_bias: bool = True,
         qk_norm: bool = False,
         qk_init_std: float = 0.02,
+        qk_init: QKInit = "normal",
         patch_kernel: int | None = None,
         stem: Stem = "patch",
         drop_rate: float = 0.0,
@@ -96,7 +100,8 @@ class VisionTransformer(nn.Module):
         check_float("mlp_ratio", mlp_ratio, 0.0, MAX_MLP_RATIO, low_open=True)
         check_int("score_dim", score_dim, 1, MAX_WIDTH)
         check_float("qk_init_std", qk_init_std, 0.0, 10.0, low_open=True)
-        self.qk_init_std = qk_init_std
+        check_choice("qk_init", qk_init, QKInit)
+        self.qk_init_std, self.qk_init = qk_init_std, qk_init
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
@@ -165,7 +170,12 @@ class VisionTransformer(nn.Module):
         attention logits start with a std of about 0.02 at width 64: every row is near uniform, and
         each token reads the average of all the others. At `1 / sqrt(embed_dim)` a query's entries
         have unit variance (its input is layer-normalised), so the scaled logits start with a std of
-        about 1: attention depends on content from the first step.
+        about 1: attention depends on content from the first step. `qk_init="mimetic"` (after
+        Trockman & Kolter 2023, "Mimetic initialization of self-attention layers") sets the query
+        and key projections so that `W_q^T W_k = alpha Z + beta I` (Z Gaussian with std
+        1/sqrt(D), alpha = beta = 0.7): each token's query then matches keys of tokens like
+        itself, so from the first step tokens read similar tokens (ink reads ink) rather than the
+        average of all.
         """
         if isinstance(self.pos_embed, nn.Parameter):
             trunc_normal_(self.pos_embed, std=0.02)
@@ -176,7 +186,15 @@ class VisionTransformer(nn.Module):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        if self.qk_init_std != 0.02:
+        if self.qk_init == "mimetic":
+            width = self.embed_dim
+            for block in self.blocks:
+                z = torch.randn(width, width) / math.sqrt(width)
+                u, s, vh = torch.linalg.svd(MIMETIC_ALPHA * z + MIMETIC_BETA * torch.eye(width))
+                qkv = block.attn.qkv.weight.data  # (3 * D, D): rows of W_q, then W_k, then W_v
+                qkv[:width] = (u * s.sqrt()).T  # W_q = sqrt(S) U^T
+                qkv[width:2 * width] = s.sqrt()[:, None] * vh  # W_k = sqrt(S) V^T, so W_q^T W_k = U S V^T
+        elif self.qk_init_std != 0.02:
             for block in self.blocks:
                 qkv = block.attn.qkv.weight  # (3 * D, D): the q rows, then k, then v
                 trunc_normal_(qkv.data[: 2 * qkv.shape[0] // 3], std=self.qk_init_std)
