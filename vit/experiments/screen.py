@@ -131,14 +131,39 @@ def plateau_figure(curves: dict[str, Path], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def summary(csv_path: Path, config: dict) -> str:
+    """The ablation table: per candidate, what changed, successes (test >= 95%) / seeds, steps to leave the plateau."""
+    rows = list(csv.DictReader(csv_path.open()))
+    lines = ["| candidate | what changed (from the defaults) | seeds | test acc. (%) | success (>= 95%) | left the plateau at step |",
+             "|---|---|---|---|---|---|"]
+    for name, changes in config["candidates"].items():
+        runs = sorted((r for r in rows if r["candidate"] == name), key=lambda r: int(r["seed"]))
+        if not runs:
+            continue
+        accs = [float(r["test_acc"]) for r in runs]
+        left = [r["left_plateau_at"] or "never" for r in runs]
+        what = ", ".join(f"{k}={v}" for k, v in {**changes.get("model", {}), **{k: v for k, v in changes.items()
+                                                                               if k != "model"}}.items()) or "-"
+        lines.append(f"| {name} | {what} | {', '.join(r['seed'] for r in runs)} | "
+                     f"{' '.join(f'{100 * a:.1f}' for a in accs)} | {sum(a >= 0.95 for a in accs)}/{len(runs)} | "
+                     f"{' '.join(left)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vit.experiments.screen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, type=Path)
-    parser.add_argument("--candidates", required=True, help="comma-separated names from the config's candidates")
-    parser.add_argument("--seeds", required=True, help="comma-separated ints")
+    parser.add_argument("--candidates", required=True,
+                        help="comma-separated names from the config's candidates; 'report' writes summary.md")
+    parser.add_argument("--seeds", default="", help="comma-separated ints")
     parser.add_argument("--figure", type=Path, help="instead of training: plot the diagnostics of these runs to this PNG")
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
+    if args.candidates == "report":
+        table = summary(Path(config["out_dir"]) / "runs.csv", config)
+        (Path(config["out_dir"]) / "summary.md").write_text(table)
+        print(table)
+        return
     if args.figure:
         paths = {f"{c} seed {s}": Path(config["out_dir"]) / "curves" / f"{c}-s{s}.json"
                  for c in args.candidates.split(",") for s in args.seeds.split(",")}
