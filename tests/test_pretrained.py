@@ -1,17 +1,22 @@
 """Pretrained weights: ours loads a timm file exactly as timm itself does at a new image size; timm's model API."""
 
 import logging
+import pickle
+import re
 
+import huggingface_hub.constants
 import numpy as np
 import pytest
 import timm
+import timm.models._hub
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from vit.models import VisionTransformer
 from vit.models.pretrained import PretrainedError
 
 TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)  # vit_tiny_patch16_224
+SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)  # where the weights are refused before use
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +70,160 @@ def test_weights_that_do_not_fit_name_the_tensors(timm_file):
         VisionTransformer(img_size=32, pretrained=str(timm_file), **{**TINY, "embed_dim": 96})
 
 
-def test_a_name_that_cannot_be_downloaded_says_how_to_pass_a_file(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+HUB_ID = "timm/vit_tiny_patch16_224.augreg_in21k"  # where timm finds vit_tiny_patch16_224.augreg_in21k
+IN21K = 21843  # the classes of its head
+
+
+def serve_hub(monkeypatch, folder=None) -> list[tuple[str, str]]:
+    """timm's Hub download replaced: files come from `folder` (or none exist); returns the (repo, file) pairs asked for."""
+    asked = []
+
+    def download(repo_id, filename, **kwargs):
+        asked.append((repo_id, filename))
+        if folder is None or not (folder / filename).is_file():
+            raise FileNotFoundError(f"{filename} is not in {repo_id}")
+        return str(folder / filename)
+
+    monkeypatch.setattr(timm.models._hub, "hf_hub_download", download)
+    return asked
+
+
+@pytest.fixture(scope="module")
+def hub_repo(tmp_path_factory):
+    """What the Hub holds for HUB_ID (config.json and model.safetensors, random weights), and its state dict."""
+    torch.manual_seed(1)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=IN21K)
+    folder = tmp_path_factory.mktemp("hub")
+    timm.models.save_for_hf(model, folder, safe_serialization=True)
+    return folder, model.state_dict()
+
+
+@pytest.mark.parametrize("source", [f"hf-hub:{HUB_ID}", HUB_ID, "vit_tiny_patch16_224.augreg_in21k"])
+def test_hub_ids_and_names_are_downloaded_by_timm(hub_repo, monkeypatch, source):
+    folder, reference = hub_repo
+    asked = serve_hub(monkeypatch, folder)
+    model = VisionTransformer(img_size=224, num_classes=IN21K, pretrained=source, **TINY)
+    assert (HUB_ID, "model.safetensors") in asked and {repo for repo, _ in asked} == {HUB_ID}
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("source", ["vit_tiny_patch16_224.augreg_in21k", f"hf-hub:{HUB_ID}", HUB_ID])
+def test_a_name_that_cannot_be_downloaded_says_how_to_pass_a_file(monkeypatch, tmp_path, source):
+    # Offline as huggingface_hub is with HF_HUB_OFFLINE=1 (it reads the variable once, at import), with an
+    # empty cache: it fails at once, where the network's absence costs ~45 s of retries.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(PretrainedError) as err:
-        VisionTransformer(img_size=32, pretrained="vit_tiny_patch16_224.augreg_in21k", **TINY)
+        VisionTransformer(pretrained=source, **SMALL)
     message = str(err.value)
-    assert "the weights of 'vit_tiny_patch16_224.augreg_in21k' could not be downloaded" in message
-    assert "pretrained=/path/to/model.safetensors" in message
-    with pytest.raises(PretrainedError, match="there is no such file"):
-        VisionTransformer(img_size=32, pretrained="missing/model.safetensors", **TINY)
+    assert message.startswith(f"the weights of {source!r}") and "could not be downloaded (LocalEntryNotFoundError" in message
+    assert message.endswith(f"(`hf download {HUB_ID} model.safetensors --local-dir weights`) and pass the file "
+                            "instead: pretrained=weights/model.safetensors")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("source", ["./weights/x.safetensors", "weights/x.pth", "missing/model.safetensors",
+                                    "/nonexistent/model.bin", "../weights/x", "~/no/such/weights"])
+def test_a_missing_file_is_named_as_a_file(monkeypatch, source):
+    asked = serve_hub(monkeypatch)
+    with pytest.raises(PretrainedError, match=re.escape(f"pretrained={source!r}: there is no such file")):
+        VisionTransformer(pretrained=source, **SMALL)
+    assert asked == []  # a path is never looked up on the Hub
+
+
+def test_a_wrong_tag_lists_the_tags_timm_has():
+    with pytest.raises(PretrainedError, match=r"pretrained='vit_tiny_patch16_224\.in1k': timm has no pretrained tag "
+                                              r"'in1k' for vit_tiny_patch16_224; it has \['augreg_in21k'"):
+        VisionTransformer(pretrained="vit_tiny_patch16_224.in1k", **SMALL)
+
+
+class WritesAMarker:
+    """Unpickles as a call to `exec` that creates `marker`: what a malicious .pth file does when it is loaded."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def write_bad_file(folder, kind: str, timm_file) -> tuple[object, str]:
+    """A broken weights file of `kind` in `folder`; returns its path and the regex its error must match."""
+    state = {"w": torch.arange(1000.0)}
+    good_pth = folder / "good.pth"
+    torch.save(state, good_pth)
+    path = folder / kind
+    if kind == "empty.safetensors" or kind == "empty.pth":
+        path.write_bytes(b"")
+        return path, r"is empty \(0 bytes\)"
+    if kind == "truncated.safetensors":
+        path.write_bytes(timm_file.read_bytes()[:50_000])
+        return path, r"is truncated: it starts like a safetensors file but its end is missing \(50000 bytes;"
+    if kind == "truncated.pth":
+        path.write_bytes(good_pth.read_bytes()[:2000])
+        return path, r"is truncated: it starts like a torch.save file but its end is missing \(2000 bytes;"
+    if kind in ("garbage.safetensors", "garbage.pth"):
+        path.write_bytes(b"these are not weights\n" * 10)
+        return path, (r"is not a safetensors file, or it is corrupted \(header too large\)" if kind.endswith("tensors")
+                      else r"is not a PyTorch weights file \(neither the zip archive torch.save writes nor a pickle\)")
+    if kind in ("malicious.pth", "malicious_pickle.pth"):
+        if kind == "malicious.pth":
+            torch.save({"w": torch.zeros(3), "payload": WritesAMarker(folder / "marker")}, path)
+        else:  # a bare pickle, the format of torch.save before PyTorch 1.6
+            path.write_bytes(pickle.dumps({"payload": WritesAMarker(folder / "marker")}, protocol=2))
+        return path, r"holds Python objects, not only tensors \(it asks for exec\); loading it could run arbitrary code"
+    if kind == "list.pth":
+        torch.save([torch.zeros(2)], path)
+        return path, r"does not hold a state dict \(a mapping of names to tensors\)"
+    raise AssertionError(kind)
+
+
+BAD_FILES = ["empty.safetensors", "truncated.safetensors", "garbage.safetensors", "empty.pth", "truncated.pth",
+             "garbage.pth", "malicious.pth", "malicious_pickle.pth", "list.pth"]
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_a_broken_or_unsafe_file_is_named_with_what_is_wrong(tmp_path, timm_file, kind):
+    path, expected = write_bad_file(tmp_path, kind, timm_file)
+    with pytest.raises(PretrainedError, match=re.escape(f"pretrained={str(path)!r} ") + expected) as err:
+        VisionTransformer(pretrained=str(path), **SMALL)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "marker").exists()  # the malicious payload never ran
+    if kind.startswith("malicious"):  # ... and it would have: run by hand, it makes its marker
+        call, args = WritesAMarker(tmp_path / "control").__reduce__()
+        call(*args)
+        assert (tmp_path / "control").exists()
+
+
+@pytest.mark.parametrize("key, value", [("blocks.3.mlp.fc1.weight", float("nan")), ("pos_embed", float("-inf"))])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(timm_file, tmp_path, key, value):
+    state = load_file(str(timm_file))
+    state[key].view(-1)[5] = value
+    path = tmp_path / "broken.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(PretrainedError, match=re.escape(f"pretrained={str(path)!r} is unusable: {key} holds NaN or "
+                                                        f"infinite values (1 of {state[key].numel()})")):
+        VisionTransformer(pretrained=str(path), **SMALL)
+
+
+def test_the_cli_reports_bad_weights_in_one_line_and_writes_nothing(tmp_path, timm_file, monkeypatch, capsys):
+    from robust_helpers import main_in_process, tiny_config
+
+    nan = tmp_path / "nan.safetensors"
+    save_file({"pos_embed": torch.tensor([[[0.0, float("nan")]]])}, str(nan))
+    cases = [write_bad_file(tmp_path, kind, timm_file) for kind in ("malicious.pth", "truncated.safetensors")]
+    cases.append((nan, r"is unusable: pos_embed holds NaN or infinite values \(1 of 2\)"))
+    config = tiny_config(tmp_path / "run")
+    for path, expected in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main_in_process(["fit", "--config", str(config), "--model.backbone.init_args.pretrained", str(path)],
+                            monkeypatch)
+        stderr = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in stderr
+        [line] = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert re.fullmatch("error: " + re.escape(f"pretrained={str(path)!r} ") + expected + ".*", line), line
+        assert not (tmp_path / "run" / "runs").exists() and not (tmp_path / "marker").exists()
 
 
 def test_forward_intermediates_are_the_blocks_outputs():
