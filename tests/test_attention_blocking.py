@@ -44,6 +44,9 @@ def test_each_condition_blocks_the_pairs_it_names():
     assert sorted(blocked["cross"]) == shift([(0, 4), (1, 4), (4, 0), (4, 1)])
     assert sorted(blocked["within"]) == shift([(0, 1), (1, 0)])
     assert len(blocked["random"]) == 4 and all(q != k and q > 0 and k > 0 for q, k in blocked["random"])
+    assert sorted(blocked["isolate"]) == shift([(4, k) for k in (0, 1, 2, 3, 5)] + [(q, 4) for q in (0, 1, 2, 3, 5)])
+    [isolated] = set.intersection(*(set(pair) for pair in blocked["isolate_random"]))  # in every blocked pair
+    assert len(blocked["isolate_random"]) == 10 and isolated - 1 in (2, 3, 5)  # a token that sees no stroke
     assert len(blocked["self_only"]) == 6 * 5  # every pair of distinct patches; the CLS token is left alone
     with pytest.raises(ValueError, match="condition='all' is not allowed"):
         allowed_pairs("all", sees, prefix=0, generator=g)

@@ -13,6 +13,10 @@ pixels; likewise for B. Then, in every attention layer at once (`vit.models.mask
 * `random`: as many (query, key) pairs as `cross` blocks in that image, drawn at random among all
   pairs of distinct tokens (the control for blocking that many pairs);
 * `within`: each stroke's tokens may not attend to the other tokens of the same stroke;
+* `isolate`: B's tokens attend only to each other, and no other token attends to them: B's
+  information never leaves B's tokens and nothing enters them, so no token ever holds both
+  strokes (the mean pooling then adds a part that knows A to a part that knows B);
+* `isolate_random`: the same for as many tokens that see neither stroke (its control);
 * `self_only`: every token attends only to itself, which makes the model a bag of local
   features (no token ever reads another).
 
@@ -37,12 +41,17 @@ from vit.models.masks import mask_attention
 from vit.training.checkpointing import read_checkpoint
 from vit.training.classifier import ImageClassifier
 
-CONDITIONS = ("none", "cross", "random", "within", "self_only")
+CONDITIONS = ("none", "cross", "random", "within", "isolate", "isolate_random", "self_only")
 
 
 def receptive_windows(model, img_size: int, in_chans: int) -> torch.Tensor:
     """`(num_patches, H, W)` bool: the pixels each token's patch embedding reads (nonzero gradient)."""
     embed = model.patch_embed
+    return _windows(embed, img_size, in_chans)
+
+
+@torch.enable_grad()
+def _windows(embed, img_size: int, in_chans: int) -> torch.Tensor:
     was_training = embed.training
     embed.eval()
     x = torch.randn(1, in_chans, img_size, img_size, dtype=torch.float64, requires_grad=True)
@@ -79,6 +88,14 @@ def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: to
         blocked = (a[:, :, None] & b[:, None, :]) | (b[:, :, None] & a[:, None, :])
     elif condition == "within":
         blocked = ((a[:, :, None] & a[:, None, :]) | (b[:, :, None] & b[:, None, :])) & ~eye
+    elif condition in ("isolate", "isolate_random"):
+        group = b
+        if condition == "isolate_random":
+            group = torch.zeros_like(b)
+            for i, count in enumerate(b.sum(1).tolist()):
+                free = (~(a[i] | b[i])).nonzero().squeeze(1)
+                group[i, free[torch.randperm(len(free), generator=generator)[:count]]] = True
+        blocked = group[:, :, None] ^ group[:, None, :]  # in the group to outside it, and outside to in
     elif condition == "self_only":
         blocked = ~eye.expand(n, -1, -1)
     elif condition == "random":
