@@ -1,5 +1,6 @@
 """The notebooks: committed without outputs, and executable top to bottom (short versions)."""
 
+import math
 import os
 import re
 from pathlib import Path
@@ -8,7 +9,12 @@ import nbformat
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NAMES = ["attention_rollout_two_circles.ipynb", "attention_rollout_cifar.ipynb", "explain_methods.ipynb"]
+NAMES = [
+    "attention_explained.ipynb",
+    "attention_rollout_two_circles.ipynb",
+    "attention_rollout_cifar.ipynb",
+    "explain_methods.ipynb",
+]
 
 
 def test_the_notebooks_are_all_here():
@@ -96,3 +102,18 @@ def test_explain_notebook_maps_every_method_and_scores_it(kernel_env):
     assert [r[0] for r in rows] == list(METHODS)
     for _, pointing, mass, ap, deletion, insertion in rows:
         assert all(0 <= float(v) <= 1 for v in (pointing, mass, ap, deletion, insertion))
+
+
+def test_attention_notebook_passes_its_checks_and_compares_every_score(kernel_env):
+    from vit.models.scores import SCORES
+
+    # Its claims are asserts in its cells: a false one stops the run with CellExecutionError.
+    nb, printed = execute("attention_explained.ipynb")
+    text = "\n".join(printed)
+    assert images_in(nb) == 12  # image, Q/K/V, scores 2, masks 2, heads 2, cross-attention, MAP, positions 2
+    rows = re.findall(r"^(\w+)\s+([\d.]+)\s+([\d.]+)$", text, flags=re.M)  # score, max weight, entropy
+    assert [r[0] for r in rows] == list(SCORES)
+    entropy = {name: float(e) for name, _, e in rows}
+    assert entropy["dot"] < entropy["scaled_dot"] == entropy["general"] < math.log(64)  # uniform over 64 patches
+    assert "padding: weight on the 16 padding keys = 0.0" in text
+    assert "attend [0.0, 0.0, 0.0]" in text  # the query with no key left: zeros, not NaN
