@@ -40,6 +40,14 @@ def write_folder(root: Path, per_class: int = 12, seed: int = 0) -> Path:
     return root
 
 
+def write_truncated_jpeg(path: Path) -> Path:
+    """A real JPEG written by Pillow, then cut to half its bytes (an interrupted copy or download)."""
+    pixels = np.random.default_rng(1).integers(0, 256, size=(48, 48, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, quality=90)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
 @pytest.fixture
 def weights(tmp_path) -> Path:
     """A timm ViT (random weights, no download) of the tiny test architecture, as a .safetensors file."""
@@ -53,7 +61,8 @@ def weights(tmp_path) -> Path:
 
 def test_fine_tune_from_safetensors_then_test_then_predict(tmp_path, weights, monkeypatch, capsys):
     images = write_folder(tmp_path / "my images", per_class=24)
-    with pytest.warns(UserWarning, match=r"skipped 2 unreadable file\(s\)"):
+    write_truncated_jpeg(images / "blue" / "cut.jpg")  # would stop training mid-epoch if it were not found at setup
+    with pytest.warns(UserWarning, match=r"skipped 3 unreadable file\(s\).*blue/cut.jpg: image file is truncated"):
         main_in_process(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"),
                          "--data.root", str(images), "--data.img_size", "32", "--data.batch_size", "8",
                          "--data.num_workers", "0", "--data.val_fraction", "0.25", "--data.normalization", "imagenet",
@@ -122,3 +131,82 @@ def test_a_class_folder_without_a_readable_image_is_named(tmp_path):
     dm = ImageFolderDataModule(root=str(root), img_size=32)
     with pytest.raises(ValueError, match="empty_class.*every class folder needs at least one readable image"):
         dm.setup("fit")
+
+
+def test_a_truncated_jpeg_is_found_at_setup_not_mid_epoch(tmp_path):
+    root = write_folder(tmp_path / "data", per_class=4)
+    cut = write_truncated_jpeg(root / "red" / "cut.jpg")
+    with Image.open(cut) as image:
+        image.verify()  # the check that let it through: verify() reads none of a JPEG's image data
+    dm = ImageFolderDataModule(root=str(root), img_size=32, val_fraction=0.25)
+    with pytest.warns(UserWarning, match=r"skipped 3 unreadable file\(s\) under .*: .*red/cut\.jpg: image file is truncated"):
+        dm.setup("fit")
+    assert str(cut) in dm.skipped
+    # Every image the splits hold decodes: training does not meet the cut file (the 8 good ones, 2 held out).
+    assert len(dm.train_set) + len(dm.val_set) == 8
+    assert all(x.shape == (3, 32, 32) for split in (dm.train_set, dm.val_set) for x, _ in split)
+
+
+def test_hidden_entries_are_ignored_everywhere(tmp_path):
+    """Jupyter's .ipynb_checkpoints, a .git folder, macOS's .DS_Store and ._ files, at every level of both layouts."""
+    def add_hidden(folder: Path) -> None:
+        (folder / ".ipynb_checkpoints").mkdir()
+        Image.new("RGB", (40, 40)).save(folder / ".ipynb_checkpoints" / "00-checkpoint.png")  # a readable image
+        (folder / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+
+    root = write_folder(tmp_path / "flat", per_class=4)
+    (root / ".git").mkdir()
+    for folder in (root, root / "red", root / "blue"):
+        add_hidden(folder)
+    (root / "red" / "._00.png").write_bytes(b"\0\5\26\7 AppleDouble")
+    dm = ImageFolderDataModule(root=str(root), img_size=32, val_fraction=0.25)
+    with pytest.warns(UserWarning, match=r"skipped 2 unreadable file\(s\)"):  # broken.png and notes.txt only
+        dm.setup("fit")
+    assert dm.classes == ["blue", "red"] and len(dm.train_set) + len(dm.val_set) == 8
+    assert sorted(Path(p).name for p in dm.skipped) == ["broken.png", "notes.txt"]
+
+    given = tmp_path / "given"
+    for split in ("train", "val"):
+        write_folder(given / split, per_class=3)
+        add_hidden(given / split)
+        add_hidden(given / split / "red")
+    add_hidden(given)
+    dm = ImageFolderDataModule(root=str(given), img_size=32)
+    with pytest.warns(UserWarning, match=r"skipped 4 unreadable file\(s\)"):
+        dm.setup("fit")
+    assert (dm.classes, len(dm.train_set), len(dm.val_set)) == (["blue", "red"], 6, 6)
+
+
+@pytest.mark.parametrize(("splits", "named"), [
+    (["val"], "val/ but no train/"),
+    (["test"], "test/ but no train/"),
+    (["val", "test"], "val/ and test/ but no train/"),
+    (["train", "valid"], r"train/ beside other folders \(valid/\)"),
+])
+def test_a_root_that_fits_neither_layout_is_refused_in_one_line(tmp_path, splits, named):
+    root = tmp_path / "data"
+    write_folder(root, per_class=2)  # class folders blue/ and red/ at the root
+    for split in splits:
+        write_folder(root / split, per_class=2)
+    if "train" in splits:  # train/ beside a validation split named valid/, without the class folders
+        for label in ("blue", "red"):
+            for f in (root / label).iterdir():
+                f.unlink()
+            (root / label).rmdir()
+    with pytest.raises(ValueError) as error:
+        ImageFolderDataModule(root=str(root))
+    message = str(error.value)
+    assert "\n" not in message and re.match(rf"{re.escape(str(root))} has {named}, so it fits neither layout: expected "
+                                             r"root/<class>/<image> \(split into train and val by val_fraction\) or "
+                                             r"root/train/<class>/<image> with optional root/val/ and root/test/", message)
+
+
+def test_non_square_images_keep_their_height_and_width(tmp_path):
+    root = write_folder(tmp_path / "data", per_class=3)
+    for crop in (True, False):
+        dm = ImageFolderDataModule(root=str(root), img_size=(32, 48), random_resized_crop=crop)
+        with pytest.warns(UserWarning):
+            dm.setup("fit")
+        assert dm.train_set[0][0].shape == dm.val_set[0][0].shape == (3, 32, 48)
+    with pytest.raises(ValueError, match=r"img_size=\(32, 4\) is not allowed: expected an int >= 8 \(a square\) or a pair"):
+        ImageFolderDataModule(root=str(root), img_size=(32, 4))

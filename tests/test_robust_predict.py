@@ -23,7 +23,7 @@ def checkpoint(tmp_path_factory, monkeypatch) -> Path:
 
 @pytest.fixture
 def images(tmp_path) -> Path:
-    """Two-circles test images as 8-bit grayscale PNGs, an RGB copy at twice the size, and two bad files."""
+    """Two-circles test images as 8-bit grayscale PNGs, an RGB copy at twice the size, two bad files and two hidden ones."""
     folder = tmp_path / "my images"
     folder.mkdir()
     dataset = TwoCirclesDataset(num_samples=6, noise=0.0, seed=11)
@@ -33,6 +33,8 @@ def images(tmp_path) -> Path:
     Image.fromarray(pixels).convert("RGB").resize((64, 64), Image.NEAREST).save(folder / "big_rgb.png")
     (folder / "cut.png").write_bytes((folder / "circles_0.png").read_bytes()[:70])
     (folder / "notes.txt").write_text("not an image")
+    (folder / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")  # hidden files are ignored, not listed as unreadable
+    Image.fromarray(pixels).save(folder / ".circles_copy.png")
     return folder
 
 
@@ -48,6 +50,7 @@ def test_predictions_csv_matches_the_model_on_the_same_pixels(checkpoint, images
 
     err = capsys.readouterr().err
     assert "skipped cut.png: not a readable image" in err and "skipped notes.txt: not a readable image" in err
+    assert ".DS_Store" not in err
     rows = list(csv.DictReader(output.open()))
     assert [r["file"] for r in rows] == ["big_rgb.png", *[f"circles_{i}.png" for i in range(6)]]
 

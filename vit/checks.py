@@ -70,3 +70,15 @@ def _interval(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f"<= {maximum}"
     return ""
+
+
+def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
+    """`(H, W)` from an image size given as one int (a square) or a pair `[H, W]`; `ValueError` unless each side
+    is an int >= `minimum`."""
+    square = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    sides = (value, value) if square else tuple(value) if isinstance(value, (tuple, list)) else ()
+    if len(sides) != 2 or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= minimum
+                                  for s in sides):
+        raise ValueError(f"{name}={value!r} is not allowed: expected an int >= {minimum} (a square) "
+                         f"or a pair [H, W] of them")
+    return int(sides[0]), int(sides[1])

@@ -11,12 +11,13 @@ normalisation the model was trained with. Each image is converted the same way:
    are scaled to [0, 1] by their real range (`vit.data.image_folder.to_input`), not clipped;
 2. converted to RGB (3 channels) or to grayscale (1 channel, ITU-R 601 luma), per the model's
    `in_chans`; an alpha channel is dropped;
-3. resized to `img_size x img_size` (bilinear, antialiased; the aspect ratio is not kept, so
-   nothing is cropped away);
+3. resized to the data module's `img_size`, a side or `[H, W]` (bilinear, antialiased; the aspect
+   ratio is not kept, so nothing is cropped away);
 4. scaled to [0, 1] and normalised with the data module's `(mean, std)` (CIFAR) or left as is
    (two-circles, whose training pixels are raw values in [0, 1]).
 
-Files that cannot be read as images are reported by name and skipped. The CSV has one row per
+Files that cannot be read as images are reported by name and skipped; hidden files (a name starting
+with '.', such as `.DS_Store`) are ignored. The CSV has one row per
 image: `file` (relative to the input folder), `class` (index) and `probability` (softmax of that
 class). Nothing in the input folder is written; an existing output file is kept unless
 `--overwrite` is given, and the CSV is written to a temporary file first, then renamed.
@@ -78,11 +79,14 @@ def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, 
 def read_images(input_dir: Path, transform: v2.Compose) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
     """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
 
-    Sub-folders are not searched; a broken symbolic link, a link loop and an image over Pillow's
-    decompression-bomb limit are skipped with the reason, like unreadable files.
+    Sub-folders are not searched and hidden files (`.DS_Store`, `._photo.jpg`) are ignored; a broken
+    symbolic link, a link loop and an image over Pillow's decompression-bomb limit are skipped with
+    the reason, like unreadable files.
     """
     names, images, skipped = [], [], {}
     for path in sorted(input_dir.iterdir()):
+        if path.name.startswith("."):
+            continue
         if path.is_symlink():
             try:
                 path.resolve(strict=True)

@@ -23,8 +23,8 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     test_set: Dataset | None = None
 
     @property
-    def img_size(self) -> int:
-        """The images' side in pixels, linked into the backbone's `img_size` by the CLI."""
+    def img_size(self) -> int | tuple[int, int]:
+        """The images' size in pixels, a side or `(H, W)`, linked into the backbone's `img_size` by the CLI."""
         return self.hparams.img_size
 
     @property

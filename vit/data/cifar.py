@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 
-from vit.checks import check_choice, check_float, check_int
+from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.base import SplitDataModule
 from vit.data.transforms import (
     CIFAR_MEAN_STD,
@@ -85,7 +85,7 @@ class CIFARDataModule(SplitDataModule):
     (Lee et al. 2021 train with k=3), still resumable.
 
     For a pretrained model: `img_size` upsamples the images (bicubic, after the 32x32 augmentations)
-    to the resolution it expects, and `normalization` uses the statistics it was trained with
+    to the resolution it expects (a side, or `[H, W]`, stretched: the aspect ratio is not kept), and `normalization` uses the statistics it was trained with
     ("imagenet" or "inception") instead of CIFAR's ("cifar").
     """
 
@@ -111,7 +111,7 @@ class CIFARDataModule(SplitDataModule):
         cutmix_alpha: float = 0.0,
         mixup_prob: float = 1.0,
         mixup_switch_prob: float = 0.5,
-        img_size: int = 32,
+        img_size: int | tuple[int, int] = 32,
         normalization: Literal["cifar", "imagenet", "inception"] = "cifar",
         repeated_augmentation: int = 1,
     ) -> None:
@@ -144,7 +144,7 @@ class CIFARDataModule(SplitDataModule):
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
 
-        check_int("img_size", img_size, 32)
+        check_size("img_size", img_size, 32)  # a side or [H, W]: the 32x32 images are only upsampled
         check_choice("normalization", normalization, ("cifar", "imagenet", "inception"))
         check_int("repeated_augmentation", repeated_augmentation, 1)
         self.train_transform = build_train_transform(

@@ -3,14 +3,20 @@
     my_images/cats/001.jpg, my_images/dogs/002.png, ...            a seeded train/val split
     my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
 
-Images are read with Pillow and converted to RGB (or grayscale for `in_chans=1`), whatever their
-mode (palette, RGBA, 16-bit and float: see `to_input`). Files that cannot be read are skipped and
-listed once; an empty folder, a class folder without a readable image, or a single class is an error.
+A root with `val/` or `test/` but no `train/`, or with `train/` beside other folders, fits neither
+layout and is an error. Hidden entries (`.ipynb_checkpoints/`, `.git/`, `.DS_Store`: any name
+starting with '.') are ignored at every level. Images are read with Pillow and converted to RGB
+(or grayscale for `in_chans=1`), whatever their mode (palette, RGBA, 16-bit and float: see
+`to_input`). Every file is decoded once at `setup`, so a truncated or corrupt one is skipped and
+listed then, not met mid-epoch; an empty folder, a class folder without a readable image, or a
+single class is an error.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from vit.checks import check_choice, check_float, check_int
+from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.base import SplitDataModule
 from vit.data.transforms import AutoAugmentName, auto_augment_step
 
@@ -32,10 +38,13 @@ NORMALIZATIONS = {
     "inception": (IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD),  # (0.5, 0.5): the augreg ViTs
     "none": None,
 }
+SPLITS = ("train", "val", "test")
+LAYOUTS = ("root/<class>/<image> (split into train and val by val_fraction) or "
+           "root/train/<class>/<image> with optional root/val/ and root/test/ beside it")
 
 
 class ImageFolderDataModule(SplitDataModule):
-    """Train / val / test splits of a folder of class folders, resized to `img_size`.
+    """Train / val / test splits of a folder of class folders, resized to `img_size` (a side, or `[H, W]`).
 
     Args:
         root: the folder. With `train/` inside, `train/`, `val/` (else a split of `train/`) and
@@ -53,7 +62,7 @@ class ImageFolderDataModule(SplitDataModule):
         self,
         *,
         root: str,
-        img_size: int = 224,
+        img_size: int | tuple[int, int] = 224,
         in_chans: int = 3,
         val_fraction: float = 0.1,
         seed: int = 0,
@@ -68,7 +77,7 @@ class ImageFolderDataModule(SplitDataModule):
         random_erasing: float = 0.0,
     ) -> None:
         super().__init__()
-        check_int("img_size", img_size, 8)
+        size = check_size("img_size", img_size, 8)  # (H, W)
         check_choice("in_chans", in_chans, (1, 3))
         check_float("val_fraction", val_fraction, 0.0, 1.0, low_open=True, high_open=True)
         check_int("seed", seed, 0)
@@ -81,10 +90,11 @@ class ImageFolderDataModule(SplitDataModule):
         self.num_classes: int | None = None
         self.classes: list[str] = []
         self.skipped: dict[str, str] = {}
+        self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
         self.train_set = self.val_set = self.test_set = None
         to_tensor = [v2.Grayscale(1) if in_chans == 1 else v2.RGB(), v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
         norm = [v2.Normalize(*map(list, NORMALIZATIONS[normalization]))] if NORMALIZATIONS[normalization] else []
-        train = [v2.RandomResizedCrop(img_size, antialias=True) if random_resized_crop else v2.Resize((img_size, img_size))]
+        train = [v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)]
         train += [v2.RandomHorizontalFlip()] if horizontal_flip else []
         train += auto_augment_step(auto_augment, randaugment_num_ops, randaugment_magnitude, v2.AutoAugmentPolicy.IMAGENET)
         erase = [v2.RandomErasing(p=random_erasing, value=0)] if random_erasing > 0 else []
@@ -105,8 +115,19 @@ class ImageFolderDataModule(SplitDataModule):
     def _scan_classes(self) -> None:
         if not self.root.is_dir():
             raise FileNotFoundError(f"root={str(self.root)!r} is not a folder")
+        folders = visible_folders(self.root)
+        # A class named val/ or test/ beside the others, or a validation split named valid/, would
+        # otherwise train silently on the wrong labels: refuse what fits neither layout.
+        splits = [name for name in SPLITS if name in folders]
+        if splits and "train" not in splits:
+            raise ValueError(f"{self.root} has {' and '.join(s + '/' for s in splits)} but no train/, so it fits "
+                             f"neither layout: expected {LAYOUTS}")
+        others = [name for name in folders if name not in SPLITS]
+        if "train" in folders and others:
+            raise ValueError(f"{self.root} has train/ beside other folders ({', '.join(o + '/' for o in others)}), "
+                             f"so it fits neither layout: expected {LAYOUTS}")
         base = self._folder("train") or self.root
-        self.classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+        self.classes = visible_folders(base)
         if not self.classes:
             raise ValueError(f"{base} holds no class folders: expected one sub-folder of images per class")
         if len(self.classes) < 2:
@@ -114,17 +135,23 @@ class ImageFolderDataModule(SplitDataModule):
         self.num_classes = len(self.classes)
 
     def _images(self, folder: Path, transform) -> datasets.ImageFolder:
-        def readable(path: str) -> bool:
-            try:
-                with Image.open(path) as image:
-                    image.verify()  # reads the header and checks the file's structure, without decoding
-                return True
-            except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-                self.skipped[path] = str(err).splitlines()[0] if str(err) else type(err).__name__
+        # Decode every file once, now (threads: Pillow's decoders release the GIL), so that a broken
+        # file is listed before training instead of stopping it mid-epoch; the splits share the results.
+        todo = [path for path in visible_files(folder) if path not in self._unreadable]
+        with ThreadPoolExecutor(max(1, self.hparams.num_workers)) as pool:
+            self._unreadable.update(zip(todo, pool.map(why_unreadable, todo)))
+
+        def valid(path: str) -> bool:
+            if any(part.startswith(".") for part in Path(path).relative_to(folder).parts):
                 return False
+            if path not in self._unreadable:  # not met by visible_files: decode it here
+                self._unreadable[path] = why_unreadable(path)
+            if self._unreadable[path] is not None:
+                self.skipped[path] = self._unreadable[path]
+            return self._unreadable[path] is None
 
         try:
-            found = datasets.ImageFolder(str(folder), transform=transform, loader=_load, is_valid_file=readable)
+            found = _VisibleImageFolder(str(folder), transform=transform, loader=_load, is_valid_file=valid)
         except FileNotFoundError as err:  # torchvision: a class folder without a valid file
             raise ValueError(f"{folder}: {err}; every class folder needs at least one readable image") from None
         if found.classes != self.classes:
@@ -159,8 +186,42 @@ class ImageFolderDataModule(SplitDataModule):
                           pin_memory=torch.cuda.is_available())
 
 
+def visible_folders(folder: Path) -> list[str]:
+    """Sorted names of the sub-folders of `folder`, without hidden ones (`.ipynb_checkpoints`, `.git`)."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def visible_files(folder: Path) -> list[str]:
+    """Paths of the files under `folder`'s class folders, spelled as torchvision's `ImageFolder` spells them,
+    without hidden files or anything inside a hidden folder."""
+    paths = []
+    for name in visible_folders(folder):
+        for top, dirs, files in os.walk(os.path.join(folder, name), followlinks=True):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # os.walk descends only into what is left
+            paths += [os.path.join(top, f) for f in files if not f.startswith(".")]
+    return paths
+
+
+def why_unreadable(path: str) -> str | None:
+    """Why Pillow cannot decode the image at `path` to its last pixel, or None when it can.
+
+    A full decode: `Image.verify()` checks a PNG's checksums but reads none of a JPEG's data, so a
+    JPEG cut short passes it and fails only when a training step loads it.
+    """
+    try:
+        with Image.open(path) as image:
+            image.load()
+        return None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+class _VisibleImageFolder(datasets.ImageFolder):
+    """torchvision's `ImageFolder`, which does not take a hidden folder (`.ipynb_checkpoints`) for a class."""
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        classes = visible_folders(Path(directory))
+        return classes, {name: i for i, name in enumerate(classes)}
 
 
 def _load(path: str) -> Image.Image | torch.Tensor:
@@ -191,12 +252,12 @@ def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
     return torch.from_numpy(pixels.clip(0.0, 1.0).astype(np.float32))[None]  # (1, H, W)
 
 
-def build_transform(img_size: int, in_chans: int, normalization) -> v2.Compose:
-    """PIL image -> float tensor `(in_chans, img_size, img_size)` as the model saw in training."""
+def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization) -> v2.Compose:
+    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training; `img_size` is a side or `(H, W)`."""
     steps = [
         v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),  # on PIL images and (C, H, W) tensors
         v2.ToImage(),
-        v2.Resize((img_size, img_size), antialias=True),
+        v2.Resize(check_size("img_size", img_size), antialias=True),  # to (H, W): the aspect ratio is not kept
         v2.ToDtype(torch.float32, scale=True),
     ]
     if normalization is not None:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.checks import check_choice, check_int
+from vit.checks import check_choice, check_int, check_size
 from vit.data.base import SyntheticDataModule
 
 Region = Literal["all", "left", "right"]
@@ -76,24 +76,26 @@ def bag_of_shapes_ceiling(num_shapes: int = NUM_SHAPES) -> float:
     return max(0.5, *(m / (2 * k) + (1 - m * (m - 1) / (k * (k - 1))) / 2 for m in range(1, k + 1)))
 
 
-def _column_range(region: str, img_size: int, size: int) -> tuple[int, int]:
-    """Inclusive range of a box's left column for ``region``."""
-    band = img_size * 5 // 8
-    return {"all": (0, img_size - size), "left": (0, band - size), "right": (img_size - band, img_size - size)}[region]
+def _column_range(region: str, width: int, size: int) -> tuple[int, int]:
+    """Inclusive range of a box's left column for ``region`` in an image ``width`` columns wide."""
+    band = width * 5 // 8
+    return {"all": (0, width - size), "left": (0, band - size), "right": (width - band, width - size)}[region]
 
 
-def sample_positions(rng: np.random.Generator, n: int, img_size: int, region: str = "all",
+def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int, int], region: str = "all",
                      size: int = SHAPE_SIZE) -> np.ndarray:
     """Top-left corners ``(n, 2, 2)`` (sample, shape, (row, col)) of two boxes that do not touch.
 
-    Uniform over the allowed placements; independent of any label (drawn before it).
+    Uniform over the allowed placements; independent of any label (drawn before it). ``img_size`` is a
+    side or ``(H, W)``.
     """
-    c_lo, c_hi = _column_range(region, img_size, size)
+    height, width = check_size("img_size", img_size)
+    c_lo, c_hi = _column_range(region, width, size)
     out = np.empty((n, 2, 2), dtype=np.int64)
     todo = np.arange(n)
     for _ in range(1000):
         m = len(todo)
-        rows = rng.integers(0, img_size - size + 1, size=(m, 2))
+        rows = rng.integers(0, height - size + 1, size=(m, 2))
         cols = rng.integers(c_lo, c_hi + 1, size=(m, 2))
         d = np.stack([np.abs(rows[:, 1] - rows[:, 0]), np.abs(cols[:, 1] - cols[:, 0])], axis=1)
         ok = d.max(axis=1) >= size + GAP
@@ -101,13 +103,14 @@ def sample_positions(rng: np.random.Generator, n: int, img_size: int, region: st
         todo = todo[~ok]
         if len(todo) == 0:
             return out
-    raise ValueError(f"could not place two {size}x{size} shapes in region={region!r} of a {img_size}px image")
+    raise ValueError(f"could not place two {size}x{size} shapes in region={region!r} of a {height}x{width} image")
 
 
-def render(positions: np.ndarray, shape_ids: np.ndarray, shapes: np.ndarray, img_size: int) -> np.ndarray:
-    """Noiseless images ``(n, H, W)`` float32: 1 where a shape is on, 0 elsewhere."""
+def render(positions: np.ndarray, shape_ids: np.ndarray, shapes: np.ndarray,
+           img_size: int | tuple[int, int]) -> np.ndarray:
+    """Noiseless images ``(n, H, W)`` float32: 1 where a shape is on, 0 elsewhere; ``img_size`` is a side or ``(H, W)``."""
     n, size = len(positions), shapes.shape[-1]
-    images = np.zeros((n, img_size, img_size), dtype=np.float32)
+    images = np.zeros((n, *check_size("img_size", img_size)), dtype=np.float32)
     idx = np.arange(n)[:, None, None]
     offs = np.arange(size)
     for k in range(2):
@@ -125,8 +128,8 @@ class SameDifferentDataset(Dataset):
     corners, ``shape_ids`` ``(N, 2)``, ``span`` ``(N,)`` (see the module doc).
     """
 
-    def __init__(self, *, num_samples: int, img_size: int = 32, in_chans: int = 1, noise: float = 0.05,
-                 region: Region = "all", seed: int = 0) -> None:
+    def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
+                 noise: float = 0.05, region: Region = "all", seed: int = 0) -> None:
         check_int("num_samples", num_samples, 1)
         check_int("seed", seed, 0)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
@@ -168,10 +171,10 @@ class SameDifferentDataset(Dataset):
         return self.images[i], self.labels[i]
 
 
-def check_options(*, img_size: int, in_chans: int, noise: float, region: str) -> None:
+def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: float, region: str) -> None:
     """Validate the image options (ValueError naming the value and what is allowed)."""
     check_choice("region", region, Region)
-    check_int("img_size", img_size, 4 * SHAPE_SIZE)
+    check_size("img_size", img_size, 4 * SHAPE_SIZE)  # a side, or [H, W]
     if isinstance(in_chans, bool) or in_chans not in (1, 3):
         raise ValueError(f"in_chans={in_chans!r} is not allowed: expected 1 or 3")
     if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < np.inf:
@@ -184,7 +187,8 @@ class SameDifferentDataModule(SyntheticDataModule):
     Train and val are placed in ``train_region``, test in ``test_region`` (the translation test).
     """
 
-    def __init__(self, *, img_size: int = 32, in_chans: int = 1, noise: float = 0.05, num_train: int = 10_000,
+    def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 1, noise: float = 0.05,
+                 num_train: int = 10_000,
                  num_val: int = 1_000, num_test: int = 2_000, train_region: Region = "all",
                  test_region: Region = "all", seed: int = 0, batch_size: int = 128, num_workers: int = 0) -> None:
         super().__init__()

@@ -5,7 +5,7 @@ from typing import Literal, get_args
 import torch
 from torchvision.transforms import v2
 
-from vit.checks import check_choice
+from vit.checks import check_choice, check_size
 
 DatasetName = Literal["cifar10", "cifar100"]
 AutoAugmentName = Literal["none", "randaugment", "trivialaugment", "autoaugment"]
@@ -23,7 +23,7 @@ CIFAR_MEAN_STD = {
 def build_train_transform(
     dataset: DatasetName,
     *,
-    img_size: int = 32,
+    img_size: int | tuple[int, int] = 32,
     mean_std: tuple | None = None,
     random_crop: bool = True,
     horizontal_flip: bool = True,
@@ -66,14 +66,15 @@ def auto_augment_step(
     return []
 
 
-def build_eval_transform(dataset: DatasetName, img_size: int = 32, mean_std: tuple | None = None) -> v2.Compose:
+def build_eval_transform(dataset: DatasetName, img_size: int | tuple[int, int] = 32, mean_std: tuple | None = None) -> v2.Compose:
     """Deterministic transform for validation, test and predict: resizing (if asked) and normalisation only."""
     return v2.Compose(_to_normalised_tensor(dataset, img_size, mean_std))
 
 
-def _to_normalised_tensor(dataset: DatasetName, img_size: int = 32, mean_std: tuple | None = None) -> list:
-    """Upsampling for a pretrained model's resolution (bicubic, after the 32x32 augmentations), then
-    the tensor normalised with `mean_std` (default: the dataset's own statistics)."""
+def _to_normalised_tensor(dataset: DatasetName, img_size: int | tuple[int, int] = 32, mean_std: tuple | None = None) -> list:
+    """Upsampling for a pretrained model's resolution, a side or `(H, W)` (bicubic, after the 32x32
+    augmentations), then the tensor normalised with `mean_std` (default: the dataset's own statistics)."""
     mean, std = mean_std or CIFAR_MEAN_STD[dataset]
-    resize = [v2.Resize(img_size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True)] if img_size != 32 else []
+    size = check_size("img_size", img_size)
+    resize = [v2.Resize(size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True)] if size != (32, 32) else []
     return [*resize, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.checks import check_choice, check_int
+from vit.checks import check_choice, check_int, check_size
 from vit.data.base import SyntheticDataModule
 
 Task = Literal["diagonal", "relative"]
@@ -61,13 +61,23 @@ NEGATIVE_SIGNS = ((1, -1), (-1, 1), (-1, -1))
 _MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is declared infeasible
 
 
+def square_side(img_size: int | tuple[int, int]) -> int:
+    """The side of a square image given as an int or `[H, H]`; a non-square `[H, W]` is refused (ValueError)."""
+    height, width = check_size("img_size", img_size, 8)
+    if height != width:
+        raise ValueError(f"img_size={img_size!r} is not allowed for two-circles: expected a square (one int), because "
+                         "its quadrants and inner/border regions are defined on a square image; same_different and "
+                         "image folders take [H, W]")
+    return height
+
+
 def check_options(
-    *, task: str, img_size: int, in_chans: int, radius: tuple[int, int], noise: float, region: str
+    *, task: str, img_size: int | tuple[int, int], in_chans: int, radius: tuple[int, int], noise: float, region: str
 ) -> None:
     """Validate the image options shared by the dataset and the datamodule (ValueError if bad)."""
     check_choice("task", task, Task)
     check_choice("region", region, Region)
-    check_int("img_size", img_size, 8)
+    img_size = square_side(img_size)
     if img_size % 2:
         raise ValueError(f"img_size={img_size!r} is not allowed: expected an even int, so that "
                          "the midlines fall between pixels and each quadrant is unambiguous")
@@ -233,6 +243,7 @@ class TwoCirclesDataset(Dataset):
     circles of a sample share it), and ``circle_mask(i)``.
 
     Args:
+        img_size: the side of the square images (an int, or `[H, H]`; the task is defined on a square).
         radius: inclusive range of integer radii, drawn uniformly per sample.
         noise: std of the additive Gaussian pixel noise.
         region: where circle centres may be drawn: "all", "inner" or "border".
@@ -242,7 +253,7 @@ class TwoCirclesDataset(Dataset):
         self,
         *,
         num_samples: int,
-        img_size: int = 32,
+        img_size: int | tuple[int, int] = 32,
         in_chans: int = 1,
         radius: tuple[int, int] = (3, 5),
         noise: float = 0.05,
@@ -254,6 +265,7 @@ class TwoCirclesDataset(Dataset):
         check_int("seed", seed, 0)
         check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
                       region=region)
+        img_size = square_side(img_size)  # [32, 32] -> 32
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
         self.radius, self.noise, self.seed = tuple(radius), float(noise), seed
 
@@ -298,7 +310,7 @@ class TwoCirclesDataModule(SyntheticDataModule):
         self,
         *,
         task: Task = "diagonal",
-        img_size: int = 32,
+        img_size: int | tuple[int, int] = 32,
         in_chans: int = 1,
         radius: tuple[int, int] = (3, 5),
         noise: float = 0.05,

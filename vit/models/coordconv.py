@@ -12,14 +12,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vit.models.inputs import check_image_batch
+from vit.models.inputs import check_image_batch, to_2tuple
 from vit.models.resnet import ResNet
 
 
-def coord_channels(img_size: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """`(2, H, W)` pixel-centre coordinates scaled to [-1, 1]: channel 0 the row (y), channel 1 the column (x)."""
-    centres = (torch.arange(img_size, dtype=dtype, device=device) + 0.5) / img_size * 2 - 1  # (H,)
-    rows, cols = torch.meshgrid(centres, centres, indexing="ij")  # (H, W) each
+def coord_channels(img_size: int | tuple[int, int], *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """`(2, H, W)` pixel-centre coordinates scaled to [-1, 1]: channel 0 the row (y), channel 1 the column (x).
+
+    `img_size` is a side or `(H, W)`; each axis is scaled by its own length, so both span [-1, 1].
+    """
+    H, W = to_2tuple(img_size)
+    y = (torch.arange(H, dtype=dtype, device=device) + 0.5) / H * 2 - 1  # (H,)
+    x = (torch.arange(W, dtype=dtype, device=device) + 0.5) / W * 2 - 1  # (W,)
+    rows, cols = torch.meshgrid(y, x, indexing="ij")  # (H, W) each
     return torch.stack([rows, cols])  # (2, H, W)
 
 
@@ -33,14 +38,14 @@ class CoordConvResNet(nn.Module):
     def __init__(
         self,
         *,
-        img_size: int = 32,
+        img_size: int | tuple[int, int] = 32,
         in_chans: int = 3,
         num_classes: int = 10,
         widths: tuple[int, ...] = (32, 64, 128),
         blocks_per_stage: int = 1,
     ) -> None:
         super().__init__()
-        self.img_size = img_size
+        self.img_size = to_2tuple(img_size)  # (H, W)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.resnet = ResNet(img_size=img_size, in_chans=in_chans + 2, num_classes=num_classes, widths=widths,

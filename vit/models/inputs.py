@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from vit.checks import check_size
+
 
 def to_2tuple(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     """`(H, W)` from a side or a pair; a pair of anything but two ints >= 1 is an error naming it."""
-    sides = (img_size, img_size) if isinstance(img_size, int) and not isinstance(img_size, bool) else tuple(img_size)
-    if len(sides) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sides):
-        raise ValueError(f"img_size={img_size!r} is not allowed: expected an int >= 1 or a pair (H, W) of them")
-    return sides
+    return check_size("img_size", img_size, 1)
 
 
 def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: int | tuple[int, int],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vit.models.inputs import check_image_batch
+from vit.models.inputs import check_image_batch, to_2tuple
 
 
 class BasicBlock(nn.Module):
@@ -36,13 +36,13 @@ class ResNet(nn.Module):
     Global average pooling makes the classifier blind to *where* a feature was found, except
     through what the receptive fields (and zero padding at the borders) encode.
 
-    `img_size` and `in_chans` fix the input contract (checked in `forward`, as for the ViT).
+    `img_size` (a side, or `(H, W)`) and `in_chans` fix the input contract (checked in `forward`, as for the ViT).
     """
 
     def __init__(
         self,
         *,
-        img_size: int = 32,
+        img_size: int | tuple[int, int] = 32,
         in_chans: int = 3,
         num_classes: int = 10,
         widths: tuple[int, ...] = (32, 64, 128),
@@ -51,11 +51,11 @@ class ResNet(nn.Module):
         super().__init__()
         if not widths or any(w < 1 for w in widths):
             raise ValueError(f"widths={widths} must be a non-empty tuple of positive ints")
-        for name, value in (("img_size", img_size), ("in_chans", in_chans), ("num_classes", num_classes),
+        for name, value in (("in_chans", in_chans), ("num_classes", num_classes),
                             ("blocks_per_stage", blocks_per_stage)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
-        self.img_size = img_size
+        self.img_size = to_2tuple(img_size)  # (H, W)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.stem = nn.Sequential(
