@@ -160,10 +160,11 @@ class SameDifferentDataset(Dataset):
 
         Patches are row-major `patch_size` cells (a ViT's tokens); what a probe of the tokens reads.
         """
-        grid = self.img_size // patch_size
-        labels = torch.full((len(self), grid * grid), -1, dtype=torch.long)
+        height, width = check_size("img_size", self.img_size)
+        rows, cols = height // patch_size, width // patch_size
+        labels = torch.full((len(self), rows * cols), -1, dtype=torch.long)
         centres = self.positions + SHAPE_SIZE // 2  # (N, 2, 2): (row, col) of each stroke's centre
-        tokens = (centres[..., 0] // patch_size) * grid + centres[..., 1] // patch_size  # (N, 2)
+        tokens = (centres[..., 0] // patch_size) * cols + centres[..., 1] // patch_size  # (N, 2)
         labels.scatter_(1, tokens, self.shape_ids)
         return labels
 

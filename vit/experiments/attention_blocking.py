@@ -36,6 +36,7 @@ import lightning as L
 import torch
 import yaml
 
+from vit.checks import check_size
 from vit.data.same_different import make_shapes, render
 from vit.models.masks import mask_attention
 from vit.training.checkpointing import read_checkpoint
@@ -44,17 +45,17 @@ from vit.training.classifier import ImageClassifier
 CONDITIONS = ("none", "cross", "random", "within", "isolate", "isolate_random", "self_only")
 
 
-def receptive_windows(model, img_size: int, in_chans: int) -> torch.Tensor:
+def receptive_windows(model, img_size: int | tuple[int, int], in_chans: int) -> torch.Tensor:
     """`(num_patches, H, W)` bool: the pixels each token's patch embedding reads (nonzero gradient)."""
     embed = model.patch_embed
     return _windows(embed, img_size, in_chans)
 
 
 @torch.enable_grad()
-def _windows(embed, img_size: int, in_chans: int) -> torch.Tensor:
+def _windows(embed, img_size: int | tuple[int, int], in_chans: int) -> torch.Tensor:
     was_training = embed.training
     embed.eval()
-    x = torch.randn(1, in_chans, img_size, img_size, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, in_chans, *check_size("img_size", img_size), dtype=torch.float64, requires_grad=True)
     embed64 = embed.double()
     tokens = embed64(x)[0]  # (N, D)
     windows = []
@@ -66,7 +67,7 @@ def _windows(embed, img_size: int, in_chans: int) -> torch.Tensor:
 
 
 def stroke_tokens(windows: torch.Tensor, positions: torch.Tensor, shape_ids: torch.Tensor,
-                  img_size: int) -> torch.Tensor:
+                  img_size: int | tuple[int, int]) -> torch.Tensor:
     """`(n, 2, num_patches)` bool: for each image and stroke, the tokens whose window touches its ink."""
     shapes = make_shapes()
     out = []
