@@ -119,6 +119,34 @@ def test_the_cnn_gets_gradcam_and_random_maps_but_no_attention_maps():
         relevance(net, images(), "rollout")
 
 
+def test_record_attention_with_grad_checkpointing_records_each_map_once_and_backpropagates():
+    model, x = tiny_vit(), images()
+    plain_maps, plain_grads = [], []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        model.zero_grad()
+        with record_attention(model) as maps:
+            logits = model(x)
+        assert len(maps) == 2  # one per block, not one more per recomputation
+        map_grads = torch.autograd.grad(logits[:, 0].sum(), maps, retain_graph=True)
+        logits.sum().backward()  # outside the context, as a training step would
+        assert model.grad_checkpointing is checkpointing  # the setting is given back
+        grads = [p.grad.clone() for p in model.parameters()]
+        if not checkpointing:
+            plain_maps, plain_map_grads, plain_grads = maps, map_grads, grads
+    for a, b in zip([*plain_maps, *plain_map_grads, *plain_grads], [*maps, *map_grads, *grads]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_unchanged_by_grad_checkpointing(method):
+    model, x = tiny_vit("map"), images()
+    plain = relevance(model, x, method)
+    model.set_grad_checkpointing(True)
+    torch.testing.assert_close(relevance(model, x, method), plain)
+    assert model.grad_checkpointing  # still on for training
+
+
 def test_localisation_scores_on_a_hand_made_case():
     masks = torch.zeros(2, 8, 8, dtype=torch.bool)
     masks[:, :4, :4] = True  # the object: the top-left quadrant
