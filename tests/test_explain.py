@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vit.explain.relevance import METHODS, attention_flow, grad_cam, normalise, relevance, to_pixels
+from vit.explain.relevance import ATTENTION_METHODS, METHODS, attention_flow, grad_cam, normalise, relevance, to_pixels
 from vit.explain.scores import average_precision, deletion_insertion, pointing_game, rank_correlation, relevance_mass
 from vit.models import ResNet, VisionTransformer, record_attention
 
@@ -67,7 +67,7 @@ def test_attention_flow_equals_a_brute_force_min_cut_on_a_tiny_graph():
     torch.manual_seed(0)
     # Two layers of 3 tokens (CLS + a 1x2 grid of patches), one sample.
     blocks = [torch.rand(1, 2, 3, 3).softmax(-1) for _ in range(2)]
-    flow = attention_flow(blocks, num_prefix=1, pool_map=None, grid=(1, 2))  # (1, 1, 2)
+    flow = attention_flow(blocks, pool="cls", pool_attn=None, grid=(1, 2))  # (1, 1, 2)
     N, L = 3, 2
     capacity = np.zeros(((L + 1) * N + 1, (L + 1) * N + 1))
     for layer, attn in enumerate(blocks):
@@ -119,6 +119,60 @@ def test_the_cnn_gets_gradcam_and_random_maps_but_no_attention_maps():
         relevance(net, images(), "rollout")
 
 
+@pytest.mark.parametrize("method", ATTENTION_METHODS)
+def test_attention_methods_on_the_cnn_say_it_has_no_attention_layers_and_what_works(method):
+    net = ResNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 8)).eval()
+    with pytest.raises(ValueError) as caught:
+        relevance(net, images(), method)
+    assert str(caught.value) == (f"method={method!r} needs a model with attention layers (a ViT); "
+                                 "ResNet has none: use 'gradcam' or 'random'")
+
+
+@pytest.mark.parametrize("method, options, message", [
+    ("chefer", {"start_layer": 1}, "start_layer applies to method='rollout' and 'grad_rollout' only; "
+                                   "got method='chefer', start_layer=1"),
+    ("attention", {"discard_ratio": 0.5}, "head_fusion and discard_ratio apply to method='rollout' only; "
+                                          "got method='attention', head_fusion='mean', discard_ratio=0.5"),
+    ("flow", {"target": 1}, "target=1 applies to the class-specific methods ['grad_rollout', 'chefer', 'gradcam'] "
+                            "only; method='flow' is class-agnostic"),
+    ("rollout", {"head_fusion": "median"}, "head_fusion='median' is not allowed: expected one of ['mean', 'max', 'min']"),
+])
+def test_options_a_method_does_not_take_are_refused_before_the_model_runs(method, options, message):
+    model = tiny_vit()
+    model.forward = None  # calling the model would fail with a TypeError
+    with pytest.raises(ValueError) as caught:
+        relevance(model, images(), method, **options)
+    assert str(caught.value) == message
+
+
+def test_record_attention_with_grad_checkpointing_records_each_map_once_and_backpropagates():
+    model, x = tiny_vit(), images()
+    plain_maps, plain_grads = [], []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        model.zero_grad()
+        with record_attention(model) as maps:
+            logits = model(x)
+        assert len(maps) == 2  # one per block, not one more per recomputation
+        map_grads = torch.autograd.grad(logits[:, 0].sum(), maps, retain_graph=True)
+        logits.sum().backward()  # outside the context, as a training step would
+        assert model.grad_checkpointing is checkpointing  # the setting is given back
+        grads = [p.grad.clone() for p in model.parameters()]
+        if not checkpointing:
+            plain_maps, plain_map_grads, plain_grads = maps, map_grads, grads
+    for a, b in zip([*plain_maps, *plain_map_grads, *plain_grads], [*maps, *map_grads, *grads]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_unchanged_by_grad_checkpointing(method):
+    model, x = tiny_vit("map"), images()
+    plain = relevance(model, x, method)
+    model.set_grad_checkpointing(True)
+    torch.testing.assert_close(relevance(model, x, method), plain)
+    assert model.grad_checkpointing  # still on for training
+
+
 def test_localisation_scores_on_a_hand_made_case():
     masks = torch.zeros(2, 8, 8, dtype=torch.bool)
     masks[:, :4, :4] = True  # the object: the top-left quadrant
@@ -152,6 +206,20 @@ def test_rank_correlation_and_normalise():
     assert float(rank_correlation(a, a * 10)[0]) == pytest.approx(1.0)
     assert float(rank_correlation(a, -a)[0]) == pytest.approx(-1.0)
     torch.testing.assert_close(normalise(torch.tensor([[0.0, -1.0], [2.0, 0.0]])[None]), torch.tensor([[[0.0, 0.0], [1.0, 0.0]]]))
+
+
+@pytest.mark.parametrize("out", ["maps.txt", "maps"])
+def test_the_explain_command_refuses_an_output_format_before_any_work(out, tmp_path, capsys):
+    from vit.explain.__main__ import main
+
+    # The checkpoint does not exist either: the format is checked first, before anything is loaded.
+    assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / out)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    suffix = ".txt" if out == "maps.txt" else "no extension"
+    assert line.startswith(f"error: --out {tmp_path / out}: {suffix} is not an image format matplotlib writes: "
+                           "expected a name ending in one of ")
+    assert ".png" in line and ".pdf" in line and ".svg" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("backbone, methods", [("vit", "attention,rollout,chefer,gradcam"), ("cnn", "gradcam,random")])

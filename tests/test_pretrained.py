@@ -328,13 +328,13 @@ def test_non_square_images_load_pretrained_weights_as_timm_does(timm_file):
 
 @pytest.mark.parametrize("pos_embed", ["learned", "sincos1d", "sincos2d", "none"])
 def test_non_square_images_work_with_every_position_encoding_and_rollout(pos_embed):
-    from vit.explain.rollout import patch_relevance
+    from vit.explain.relevance import relevance
 
     model = VisionTransformer(img_size=(16, 24), patch_size=8, in_chans=1, num_classes=3, embed_dim=16, depth=2,
                               num_heads=2, pos_embed=pos_embed).eval()
     x = torch.randn(2, 1, 16, 24)
     assert model(x).shape == (2, 3)
-    assert patch_relevance(model, x).shape == (2, 2, 3)
+    assert relevance(model, x, "rollout").shape == (2, 2, 3)
     maps = model.forward_intermediates(x, indices=1, intermediates_only=True)
     assert maps[0].shape == (2, 16, 2, 3)
     with pytest.raises(ValueError, match=r"expected input of shape \(B, 1, 16, 24\), got \(2, 1, 24, 16\)"):

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from vit.explain.plot import overlay, rollout_grid
+from vit.explain.relevance import attention_gradients, relevance
 from vit.explain.rollout import (
     attention_rollout,
     discard_lowest,
     gradient_rollout,
-    patch_relevance,
+    minmax,
     rollout_to_patch_map,
 )
 from vit.models import record_attention
@@ -275,7 +276,7 @@ def test_grad_rollout_is_identity_where_the_gradient_is_zero():
     # One block, logit read from the CLS token only: rows 1.. of the attention get zero gradient,
     # so after the residual and normalisation those rows are identity rows.
     model, x = tiny_model(depth=1), images().double()
-    grad = gradient_rollout(model, x)
+    grad = gradient_rollout(*attention_gradients(model, x))
     plain = attention_rollout(logits_and_maps(model, x)[1])
     eye = torch.eye(7, dtype=torch.float64)
     torch.testing.assert_close(grad[:, 1:], eye[1:].expand(2, 6, 7))
@@ -294,19 +295,19 @@ def test_grad_rollout_matches_written_out_formula_and_unused_layer_is_identity()
     assert grads[2] is None or (grads[2] == 0).all()
     weighted = [(g * a).clamp(min=0).mean(1) for g, a in zip(grads[:2], attentions[:2])]
     expected = residual_normalise(weighted[1]) @ residual_normalise(weighted[0])  # block 3: I
-    torch.testing.assert_close(gradient_rollout(model, x, target=target), expected.detach())
-    from_second = gradient_rollout(model, x, target=target, start_layer=1)
+    torch.testing.assert_close(gradient_rollout(*attention_gradients(model, x, target)), expected.detach())
+    from_second = gradient_rollout(*attention_gradients(model, x, target), start_layer=1)
     torch.testing.assert_close(from_second, residual_normalise(weighted[1]).detach())
 
 
 def test_grad_rollout_target_defaults_to_prediction_and_accepts_int():
     model, x = tiny_model(), images().double()
     predicted = model(x).argmax(-1)
-    by_default = gradient_rollout(model, x)
-    torch.testing.assert_close(by_default, gradient_rollout(model, x, target=predicted))
-    as_int = gradient_rollout(model, x, target=1)
-    torch.testing.assert_close(as_int, gradient_rollout(model, x, target=torch.tensor([1, 1])))
-    assert not torch.allclose(as_int, gradient_rollout(model, x, target=2))
+    by_default = gradient_rollout(*attention_gradients(model, x))
+    torch.testing.assert_close(by_default, gradient_rollout(*attention_gradients(model, x, predicted)))
+    as_int = gradient_rollout(*attention_gradients(model, x, 1))
+    torch.testing.assert_close(as_int, gradient_rollout(*attention_gradients(model, x, torch.tensor([1, 1]))))
+    assert not torch.allclose(as_int, gradient_rollout(*attention_gradients(model, x, 2)))
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -316,9 +317,9 @@ def test_grad_rollout_leaves_grads_and_modes_alone(training):
     model.head.eval()  # a mixed state must come back as it was, module by module
     before = {m: m.training for m in model.modules()}
     model.head.weight.grad = torch.full_like(model.head.weight, 3.0)
-    gradient_rollout(model, x)
-    patch_relevance(model, x, method="grad_rollout")
-    patch_relevance(model, x, method="rollout")
+    attention_gradients(model, x)
+    relevance(model, x, "grad_rollout")
+    relevance(model, x, "rollout")
     assert model.training_in_forward is False  # explained in eval mode
     assert {m: m.training for m in model.modules()} == before
     assert (model.head.weight.grad == 3.0).all()
@@ -331,35 +332,35 @@ def test_grad_rollout_works_under_inference_mode_and_frozen_params():
     with torch.inference_mode():
         x = images().double()
         expected_shape = (2, 7, 7)
-        assert gradient_rollout(model, x).shape == expected_shape
-        assert patch_relevance(model, x, method="grad_rollout").shape == (2, 2, 3)
+        assert gradient_rollout(*attention_gradients(model, x)).shape == expected_shape
+        assert relevance(model, x, "grad_rollout").shape == (2, 2, 3)
 
 
-# --- patch_relevance --------------------------------------------------------------------------
+# --- relevance(model, x, "rollout" | "grad_rollout"), drawn min-max scaled ----------------------
 
 
 @pytest.mark.parametrize("method", ["rollout", "grad_rollout"])
 @pytest.mark.parametrize("pool", ["cls", "mean", "map"])
-def test_patch_relevance_per_pool(pool, method):
+def test_rollout_relevance_per_pool(pool, method):
     model, x = tiny_model(pool=pool, grid_size=(2, 3)), images().double()
-    relevance = patch_relevance(model, x, method=method)
-    assert relevance.shape == (2, 2, 3)
-    assert relevance.min() >= 0 and relevance.max() <= 1
-    peak = relevance.flatten(1).max(1).values
+    maps = minmax(relevance(model, x, method))
+    assert maps.shape == (2, 2, 3)
+    assert maps.min() >= 0 and maps.max() <= 1
+    peak = maps.flatten(1).max(1).values
     torch.testing.assert_close(peak, torch.ones(2, dtype=torch.float64))
 
 
-def test_patch_relevance_map_pool_rollout_formula():
+def test_rollout_relevance_map_pool_rollout_formula():
     model, x = tiny_model(pool="map"), images().double()
     with torch.no_grad():
         _, attentions = logits_and_maps(model, x)
     rollout = attention_rollout(attentions[:-1], head_fusion="max", keep_cls_self=False)
     a_pool = attentions[-1].amax(1)  # (B, 1, N)
     expected = min_max((a_pool[:, 0, :, None] * rollout).sum(1)).view(2, 2, 3)
-    torch.testing.assert_close(patch_relevance(model, x, head_fusion="max"), expected)
+    torch.testing.assert_close(minmax(relevance(model, x, "rollout", head_fusion="max")), expected)
 
 
-def test_patch_relevance_map_pool_grad_rollout_formula():
+def test_rollout_relevance_map_pool_grad_rollout_formula():
     model, x = tiny_model(pool="map"), images().double()
     logits, attentions = logits_and_maps(model, x)
     score = logits.max(-1).values.sum()  # predicted class
@@ -367,20 +368,22 @@ def test_patch_relevance_map_pool_grad_rollout_formula():
     weighted = [(g * a).clamp(min=0).mean(1).detach() for g, a in zip(grads, attentions)]
     rollout = residual_normalise(weighted[1]) @ residual_normalise(weighted[0])
     expected = min_max((weighted[2][:, 0, :, None] * rollout).sum(1)).view(2, 2, 3)
-    torch.testing.assert_close(patch_relevance(model, x, method="grad_rollout"), expected)
+    torch.testing.assert_close(minmax(relevance(model, x, "grad_rollout")), expected)
 
 
-def test_patch_relevance_rejects_options_that_do_not_apply():
+def test_rollout_relevance_rejects_options_that_do_not_apply():
     model, x = tiny_model(), images().double()
-    with pytest.raises(ValueError, match="'gradcam'"):
-        patch_relevance(model, x, method="gradcam")
+    with pytest.raises(ValueError, match="'saliency'"):
+        relevance(model, x, "saliency")
+    with pytest.raises(ValueError, match="'gradcam'"):  # this stand-in has neither a ViT's blocks nor a ResNet's stages
+        relevance(model, x, "gradcam")
     with pytest.raises(ValueError, match="head_fusion='max'"):
-        patch_relevance(model, x, method="grad_rollout", head_fusion="max")
+        relevance(model, x, "grad_rollout", head_fusion="max")
     with pytest.raises(ValueError, match="target=3"):
-        patch_relevance(model, x, method="rollout", target=3)
+        relevance(model, x, "rollout", target=3)
     model.pool = "avg"
     with pytest.raises(ValueError, match="'avg'"):
-        patch_relevance(model, x)
+        relevance(model, x)
 
 
 # --- overlays ---------------------------------------------------------------------------------
@@ -443,10 +446,10 @@ def test_patch_map_sum_scale_leaves_a_map_without_relevance_at_zero():
 
 def test_model_without_pool_attribute_is_read_as_cls():
     model, x = tiny_model(pool="cls"), images().double()
-    expected = {m: patch_relevance(model, x, method=m) for m in ("rollout", "grad_rollout")}
+    expected = {m: relevance(model, x, m) for m in ("rollout", "grad_rollout")}
     del model.pool
-    for method, relevance in expected.items():
-        torch.testing.assert_close(patch_relevance(model, x, method=method), relevance)
+    for method, maps in expected.items():
+        torch.testing.assert_close(relevance(model, x, method), maps)
 
 
 # --- gradient rollout on a trained ViT --------------------------------------------------------
@@ -490,7 +493,8 @@ def test_grad_rollout_of_trained_vit_differs_from_rollout_and_between_targets(tr
     grid = model.patch_embed.grid_size
     with torch.no_grad():
         plain = rollout_to_patch_map(attention_rollout(logits_and_maps(model, x)[1]), grid, scale="sum")
-    for_neg, for_pos = (rollout_to_patch_map(gradient_rollout(model, x, target=t), grid, scale="sum") for t in (0, 1))
+    for_neg, for_pos = (rollout_to_patch_map(gradient_rollout(*attention_gradients(model, x, t)), grid, scale="sum")
+                        for t in (0, 1))
 
     def total_variation(p, q):  # per image, between two distributions over the patches
         return 0.5 * (p - q).abs().sum((1, 2))
@@ -511,10 +515,10 @@ def test_grad_rollout_of_trained_vit_is_identity_where_the_gradient_is_zero(trai
     assert (last_grad[:, :, 1:] == 0).all() and (last_grad[:, :, 0] != 0).any()
     weighted = (last_grad * last_attn).clamp(min=0).mean(1)  # (B, N, N)
     assert (weighted[:, 1:] == 0).all()
-    last_only = gradient_rollout(model, x, target=labels, start_layer=len(attentions) - 1)
+    last_only = gradient_rollout(*attention_gradients(model, x, labels), start_layer=len(attentions) - 1)
     torch.testing.assert_close(last_only, residual_normalise(weighted))
     N = last_attn.shape[-1]
     torch.testing.assert_close(last_only[:, 1:], torch.eye(N)[1:].expand(len(x), N - 1, N))
     # Every block, chained: the written-out product of the gradient-weighted maps.
     per_block = [residual_normalise((g * a.detach()).clamp(min=0).mean(1)) for g, a in zip(grads, attentions)]
-    torch.testing.assert_close(gradient_rollout(model, x, target=labels), per_block[1] @ per_block[0])
+    torch.testing.assert_close(gradient_rollout(*attention_gradients(model, x, labels)), per_block[1] @ per_block[0])

@@ -1,4 +1,4 @@
-"""`python -m vit.explain`: relevance maps of a checkpoint's test images, one column per method, as a PNG.
+"""`python -m vit.explain`: relevance maps of a checkpoint's test images, one column per method, as an image.
 
     python -m vit.explain --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt \\
         --method rollout,chefer,gradcam --out maps.png
@@ -19,7 +19,7 @@ import torch
 
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
 from vit.explain.plot import rollout_grid
-from vit.explain.relevance import ATTENTION_METHODS, METHODS, relevance
+from vit.explain.relevance import ATTENTION_METHODS, METHODS, has_attention, relevance
 from vit.training.checkpointing import CheckpointError, read_checkpoint
 from vit.training.classifier import ImageClassifier
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vit.explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py")
     parser.add_argument("--method", default="rollout,chefer,gradcam", help=f"comma-separated, from {list(METHODS)}")
-    parser.add_argument("--out", required=True, type=Path, help="PNG file to write")
+    parser.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
     parser.add_argument("--num_images", type=int, default=6)
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--method {args.method!r}: {bad or 'nothing'} is not allowed: expected names from {list(METHODS)}")
         if args.num_images < 1:
             raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
+        check_image_format(args.out)
         if args.out.exists() and not args.overwrite:
             raise ValueError(f"--out {args.out} already exists; pass --overwrite to replace it")
         if not args.out.parent.is_dir():
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "trained with train.py), so there are no test images to explain")
         model = ImageClassifier.load_from_checkpoint(args.ckpt_path, map_location="cpu", weights_only=True).eval()
         backbone = model.backbone
-        if not hasattr(backbone, "patch_embed"):
+        if not has_attention(backbone):
             unusable = [m for m in methods if m in ATTENTION_METHODS]
             if unusable:
                 raise ValueError(f"--method {','.join(unusable)} needs attention layers; "
@@ -65,15 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         confidence, predicted = backbone(x).softmax(-1).max(-1)
     titles = [f"y={int(t)} pred={int(p)} ({c:.2f})" for t, p, c in zip(y, predicted, confidence)]
-    # The overlays show each map min-max scaled, for display; the maps themselves sum to 1.
-    display = {}
-    for method, v in maps.items():
-        lo, hi = v.flatten(1).amin(1).view(-1, 1, 1), v.flatten(1).amax(1).view(-1, 1, 1)
-        display[method] = (v - lo) / (hi - lo).clamp(min=1e-12)
-    figure = rollout_grid(x, display, titles=titles)
+    figure = rollout_grid(x, maps, titles=titles)  # each map drawn min-max scaled
     figure.savefig(args.out, dpi=80)
     print(f"wrote {args.out}: {len(batch)} images x {len(methods)} methods")
     return 0
+
+
+def check_image_format(out: Path) -> None:
+    """Raise `ValueError` unless matplotlib can write `out` in the format its extension names.
+
+    Without an extension matplotlib would append one and write another file than `out`.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if out.suffix.lower().lstrip(".") not in formats:
+        raise ValueError(f"--out {out}: {out.suffix or 'no extension'} is not an image format matplotlib writes: "
+                         f"expected a name ending in one of {', '.join('.' + f for f in formats)}")
 
 
 if __name__ == "__main__":

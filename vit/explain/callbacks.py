@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import get_args
 
 import lightning as L
 import torch
@@ -12,15 +11,12 @@ from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int
 from vit.explain.plot import rollout_grid
-from vit.explain.relevance import ATTENTION_METHODS, relevance
-from vit.explain.relevance import Method as RelevanceMethod
-from vit.explain.rollout import HEAD_FUSIONS, METHODS, HeadFusion, Method, patch_relevance
+from vit.explain.relevance import ATTENTION_METHODS, METHODS, Method, has_attention, relevance
+from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
 from vit.training.dashboard import figure_to_array, log_image
 
-METHOD_TITLES = {"rollout": "rollout", "grad_rollout": "grad rollout"}
-# Besides rollout's own two, any method of `vit.explain.relevance` can be drawn.
-IMAGE_METHODS = tuple(dict.fromkeys((*METHODS, *get_args(RelevanceMethod))))
+METHOD_TITLES = {"grad_rollout": "grad rollout"}  # a column's title; the others are titled by their name
 
 
 class RolloutImages(L.Callback):
@@ -30,8 +26,8 @@ class RolloutImages(L.Callback):
     class seen there shows up (positives and negatives on two-circles), and stay the same for the
     whole run, so the dashboard shows how one set of maps changes with training. Each logged image
     is a grid: one row per image (titled with label, prediction and its probability) and one
-    column per method in `methods`, computed with `vit.explain.rollout.patch_relevance` on the backbone
-    (`pl_module.backbone`, else the module itself), whatever its `pool`.
+    column per method in `methods`, computed with `vit.explain.relevance.relevance` on the backbone
+    (`pl_module.backbone`, else the module itself), whatever its `pool`, and drawn min-max scaled.
 
     Backbones without attention layers or `patch_embed` (the CNN) are skipped with a single
     warning.
@@ -39,8 +35,8 @@ class RolloutImages(L.Callback):
     Args:
         every_n_epochs: log after epochs n, 2n, ... and after the last epoch (`max_epochs`).
         num_images: rows of the grid.
-        methods: "rollout", "grad_rollout" (for the predicted class), or any method of
-            `vit.explain.relevance` ("attention", "flow", "chefer", "gradcam", "random").
+        methods: any method of `vit.explain.relevance` ("attention", "rollout", "grad_rollout",
+            "flow", "chefer", "gradcam", "random"); the class-specific ones explain the prediction.
         head_fusion, discard_ratio: options of "rollout"; see `vit.explain.rollout.attention_rollout`.
         class_names: names for the titles; by default the class indices.
         tag: the name of the image on the dashboard.
@@ -65,9 +61,9 @@ class RolloutImages(L.Callback):
         if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 1:
             raise ValueError(f"num_images={num_images!r} must be an int >= 1")
         methods = tuple(methods)
-        bad = [m for m in methods if m not in IMAGE_METHODS]
+        bad = [m for m in methods if m not in METHODS]
         if bad or not methods:
-            raise ValueError(f"methods={list(methods)!r} must be a non-empty list of {list(IMAGE_METHODS)}")
+            raise ValueError(f"methods={list(methods)!r} must be a non-empty list of {list(METHODS)}")
         if head_fusion not in HEAD_FUSIONS:
             raise ValueError(f"head_fusion={head_fusion!r} must be one of {list(HEAD_FUSIONS)}")
         if not 0.0 <= discard_ratio < 1.0:
@@ -126,7 +122,7 @@ class RolloutImages(L.Callback):
         if not trainer.is_global_zero:
             return
         model = getattr(pl_module, "backbone", pl_module)
-        if not supports_rollout(model):
+        if not has_attention(model):
             if not self._warned:
                 rank_zero_warn(
                     f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, "
@@ -148,15 +144,13 @@ class RolloutImages(L.Callback):
         if self.images is None:
             raise RuntimeError("no images chosen yet: they are taken from the first validation batches")
         x = (self.images if images is None else images).to(next(model.parameters()).device)
-        maps = {}
-        for method in self.methods:
-            if method in METHOD_TITLES:
-                options = {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio} if method == "rollout" else {}
-                maps[METHOD_TITLES[method]] = patch_relevance(model, x, method=method, **options).cpu()
-            else:  # a distribution over the patches, min-max scaled for display
-                m = relevance(model, x, method).cpu()
-                lo, hi = m.amin((1, 2), keepdim=True), m.amax((1, 2), keepdim=True)
-                maps[method] = (m - lo) / (hi - lo).clamp(min=1e-12)
+        rollout_options = {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio}
+        maps = {
+            METHOD_TITLES.get(method, method): relevance(
+                model, x, method, **(rollout_options if method == "rollout" else {})
+            ).cpu()
+            for method in self.methods
+        }
         with torch.no_grad():
             probs = model(x).float().softmax(-1).cpu()  # (B, num_classes)
         confidence, predicted = probs.max(-1)
@@ -168,11 +162,6 @@ class RolloutImages(L.Callback):
 
     def _name(self, index: int) -> str:
         return self.class_names[index] if self.class_names is not None else str(index)
-
-
-def supports_rollout(model: nn.Module) -> bool:
-    """Whether `model` can be rolled out: attention layers that `record_attention` records, and `patch_embed`."""
-    return hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())
 
 
 class RelevanceScores(L.Callback):
@@ -189,7 +178,7 @@ class RelevanceScores(L.Callback):
                  every_n_epochs: int = 1) -> None:
         super().__init__()
         for method in methods:
-            check_choice("methods", method, RelevanceMethod)
+            check_choice("methods", method, Method)
         check_int("num_images", num_images, 1)
         check_int("every_n_epochs", every_n_epochs, 1)
         self.methods, self.num_images, self.every_n_epochs = tuple(methods), num_images, every_n_epochs
@@ -213,7 +202,7 @@ class RelevanceScores(L.Callback):
         masks = torch.stack([val.circle_mask(i) for i in range(n)])
         model = getattr(pl_module, "backbone", pl_module)
         for method in self.methods:
-            if method in ATTENTION_METHODS and not supports_rollout(model):
+            if method in ATTENTION_METHODS and not has_attention(model):
                 self._warn_once(method, f"RelevanceScores: {type(model).__name__} has no attention layers; '{method}' is skipped.")
                 continue
             maps = relevance(model, x, method).cpu()

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vit.explain.rollout import minmax
+
 if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
-
 
 
 def overlay(
@@ -23,9 +24,10 @@ def overlay(
 ) -> np.ndarray:
     """Blend a patch map `(gh, gw)` over an image `(C, H, W)`; returns `(H, W, 3)` floats in [0, 1].
 
-    The map is upsampled bilinearly to the image size and coloured with `cmap`; values are clipped
-    to [0, 1], the range `rollout_to_patch_map` produces. The image is min-max scaled for display,
-    so normalised network inputs can be passed as they are; one channel is shown as grayscale.
+    The map is min-max scaled (`vit.explain.rollout.minmax`: where the relevance is, relative to the
+    rest of this image), upsampled bilinearly to the image size and coloured with `cmap`, so the
+    maps of `relevance` (which sum to 1) can be passed as they are. The image is min-max scaled
+    too, so normalised network inputs can be passed as they are; one channel is shown as grayscale.
     """
     import matplotlib
 
@@ -37,9 +39,9 @@ def overlay(
     rgb = _display_image(image)  # (H, W, 3)
     H, W, _ = rgb.shape
     heat = F.interpolate(
-        patch_map.detach().cpu().float()[None, None], size=(H, W), mode="bilinear",
+        minmax(patch_map.detach().cpu().float()[None, None]), size=(H, W), mode="bilinear",
         align_corners=False,
-    )[0, 0].clamp(0.0, 1.0)  # (H, W)
+    )[0, 0].clamp(0.0, 1.0)  # (H, W); bilinear stays in [0, 1] up to rounding
     colours = matplotlib.colormaps[cmap](heat.numpy())[..., :3]  # (H, W, 3), drop alpha channel
     return ((1.0 - alpha) * rgb + alpha * colours).astype("float32")
 
@@ -51,7 +53,8 @@ def rollout_grid(
 
     Args:
         images: `(B, C, H, W)`.
-        maps: column name -> patch maps `(B, gh, gw)`, e.g. {"rollout": ..., "grad rollout": ...}.
+        maps: column name -> patch maps `(B, gh, gw)`, e.g. {"rollout": ..., "grad rollout": ...};
+            each map is drawn min-max scaled (`overlay`).
         titles: optional per-row title shown above each image (e.g. label and prediction).
 
     Built on `matplotlib.figure.Figure`, not pyplot, so it needs no display and leaves no global

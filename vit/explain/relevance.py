@@ -1,4 +1,4 @@
-"""Relevance maps behind one interface: which parts of the image a prediction draws on.
+"""Relevance maps, every method behind one call: which parts of the image a prediction draws on.
 
     maps = relevance(model, images, method="chefer")   # (B, gh, gw), each map summing to 1
     pixels = to_pixels(maps, images.shape[-2:])         # (B, H, W), the same mass spread over pixels
@@ -6,7 +6,10 @@
 Methods (`Method`), each a published rule:
 - "attention": the last block's attention of the pooled token (the CLS row, the MAP query, or the
   mean over rows for mean pooling) over the patches, heads averaged.
-- "rollout": Abnar & Zuidema 2020, attention rollout (`vit.explain.rollout`).
+- "rollout": Abnar & Zuidema 2020, attention rollout (options `head_fusion`, `discard_ratio`,
+  `start_layer`; `vit.explain.rollout.attention_rollout`).
+- "grad_rollout": rollout of the gradient-weighted maps `mean_h((dy/dA * A)^+)`, Chefer et al.'s
+  weighting in rollout's chain (option `start_layer`); class-specific.
 - "flow": Abnar & Zuidema 2020, attention flow: the maximum flow from each input patch to the
   pooled output through the layer graph whose capacities are the residual-mixed attention
   `0.5 A + 0.5 I`, heads averaged (scipy's max-flow on integer capacities).
@@ -19,11 +22,16 @@ Methods (`Method`), each a published rule:
 - "random": a seeded uniform map, the baseline every table needs.
 
 Every map is returned normalised to sum 1 over its grid (all zeros stays zeros), so that shares of
-relevance compare across methods. The class explained is `target` (default: the prediction).
+relevance compare across methods; the overlays of `vit.explain.plot` scale them for display. The
+class explained is `target` (default: the prediction). This module runs the model (in eval mode,
+every module's train/eval flag restored afterwards, parameters' `.grad` untouched); the formulas
+are functions of tensors in `vit.explain.rollout`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Literal, get_args
 
 import numpy as np
@@ -31,75 +39,121 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vit.checks import check_choice
-from vit.explain.rollout import _eval_mode, _gradient_weighted_maps, _model_pool, fuse_heads, patch_relevance
+from vit.checks import check_choice, check_int
+from vit.explain.rollout import (
+    HeadFusion,
+    attention_rollout,
+    chefer_rollout,
+    fuse_heads,
+    gradient_rollout,
+    gradient_weighted,
+    normalise,
+    readout_weights,
+    residual,
+    rollout_to_patch_map,
+)
 from vit.models.record import record_attention
+from vit.models.vision_transformer import Pool
 
-Method = Literal["attention", "rollout", "flow", "chefer", "gradcam", "random"]
+Method = Literal["attention", "rollout", "grad_rollout", "flow", "chefer", "gradcam", "random"]
 METHODS = get_args(Method)
-ATTENTION_METHODS = ("attention", "rollout", "flow", "chefer")
+ATTENTION_METHODS = ("attention", "rollout", "grad_rollout", "flow", "chefer")
+CLASS_METHODS = ("grad_rollout", "chefer", "gradcam")  # they explain `target`; the others are class-agnostic
 
 
-def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", target: Tensor | int | None = None,
+def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", target: Tensor | int | None = None, *,
+              head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0, start_layer: int = 0,
               seed: int = 0) -> Tensor:
-    """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1."""
-    check_choice("method", method, Method)
-    if method in ATTENTION_METHODS and not hasattr(model, "patch_embed"):
-        raise ValueError(f"method={method!r} needs a model with attention layers (a ViT); "
-                         f"{type(model).__name__} has none: use 'gradcam' or 'random'")
+    """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1.
+
+    `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and
+    "grad_rollout", `target` to the class-specific methods (`CLASS_METHODS`), `seed` to "random";
+    an option given to a method it does not apply to is refused (except `seed`).
+    """
+    _check_method(model, method, target=target, head_fusion=head_fusion, discard_ratio=discard_ratio,
+                  start_layer=start_layer)
     if method == "random":
-        grid = _grid(model, images)
         generator = torch.Generator().manual_seed(seed)
-        return normalise(torch.rand(images.shape[0], *grid, generator=generator))
-    if method == "rollout":
-        if target is not None:
-            raise ValueError("method='rollout' is class-agnostic: it takes no target")
-        return normalise(patch_relevance(model, images, method="rollout", scale="sum"))
+        return normalise(torch.rand(images.shape[0], *_grid(model, images), generator=generator))
     if method == "gradcam":
         return normalise(grad_cam(model, images, target))
-    grid = tuple(model.patch_embed.grid_size)
-    if method == "chefer":
-        layers, pool_map = _gradient_weighted_maps(model, images, target)
-        return normalise(_read_pooled(model, chefer_chain(layers), pool_map, grid))
-    if target is not None:
-        raise ValueError(f"method={method!r} is class-agnostic: it takes no target")
-    with torch.no_grad(), _eval_mode(model), record_attention(model) as maps:
-        model(images)
     pool = _model_pool(model)
-    blocks, pool_query = (maps[:-1], maps[-1]) if pool == "map" else (maps, None)
-    pool_map = fuse_heads(pool_query) if pool_query is not None else None  # (B, 1, N)
-    if method == "attention":
-        last = fuse_heads(blocks[-1])  # (B, N, N)
-        return normalise(_read_pooled(model, last, pool_map, grid))
-    return normalise(attention_flow(blocks, model.num_prefix_tokens, pool_map, grid))
+    grid = tuple(model.patch_embed.grid_size)
+    if method in CLASS_METHODS:  # grad_rollout, chefer
+        maps, grads = attention_gradients(model, images, target)
+        (blocks, pool_query), (block_grads, pool_grad) = _split_pool(maps, pool), _split_pool(grads, pool)
+        pool_attn = None if pool_query is None else gradient_weighted(pool_query, pool_grad)  # (B, 1, N)
+        if method == "grad_rollout":
+            tokens = gradient_rollout(blocks, block_grads, start_layer)  # (B, N, N)
+        else:
+            tokens = chefer_rollout(blocks, block_grads)
+    else:
+        with torch.no_grad(), _eval_mode(model), record_attention(model) as maps:
+            model(images)
+        _check_recorded(model, maps)
+        blocks, pool_query = _split_pool(maps, pool)
+        pool_attn = None if pool_query is None else fuse_heads(pool_query, head_fusion)  # (B, 1, N)
+        if method == "flow":
+            return normalise(attention_flow(blocks, pool, pool_attn, grid))
+        if method == "attention":
+            tokens = fuse_heads(blocks[-1])  # (B, N, N)
+        else:
+            tokens = attention_rollout(blocks, head_fusion, discard_ratio, start_layer,
+                                       keep_cls_self=model.num_prefix_tokens > 0)
+    return rollout_to_patch_map(tokens, grid, pool, pool_attn, scale="sum")
 
 
-def chefer_chain(layers: list[Tensor]) -> Tensor:
-    """Chefer et al.'s rule for self-attention: `R = I`, then `R <- R + A_l R` per block, first block first.
+def has_attention(model: nn.Module) -> bool:
+    """Whether `model` has what the attention methods read: layers `record_attention` records, and `patch_embed`."""
+    return hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())
 
-    `layers` are the per-block `mean_h((dy/dA * A)^+)` maps `(B, N, N)`.
+
+def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int | None = None
+                        ) -> tuple[list[Tensor], list[Tensor]]:
+    """The attention maps of one forward pass of `images` and the gradient of the target logit w.r.t. each.
+
+    Both lists are detached, one entry per recorded map (`(B, H, N, N)` per block, then for
+    `pool="map"` the query's `(B, H, 1, N)`); a map that does not reach the logit gets a zero
+    gradient. `target` is a class index or a `(B,)` tensor of them; by default the predicted class.
+    Gradients are taken with `torch.autograd.grad` w.r.t. the maps only, so parameter `.grad`s are
+    left as they were. Works under `torch.no_grad()` / `torch.inference_mode()`, as in a Lightning
+    validation loop, and with frozen parameters.
     """
-    B, N, _ = layers[0].shape
-    R = torch.eye(N, dtype=layers[0].dtype, device=layers[0].device).expand(B, N, N)
-    for A in layers:
-        R = R + A @ R
-    return R
+    # Lightning validation runs under inference_mode; autograd needs it off and an ordinary
+    # (non-inference) copy of the input. The input requires grad so the graph exists even when
+    # every parameter is frozen.
+    with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
+        x = images.detach().clone().requires_grad_(True)
+        with record_attention(model) as maps:
+            logits = model(x)  # (B, num_classes); maps [(B, H, N, N), ...]
+        _check_recorded(model, maps)
+        if not all(attn.requires_grad for attn in maps):
+            raise ValueError(
+                "the model's attention maps are not in the autograd graph; "
+                "its attention layers must record the softmax maps that multiply the values"
+            )
+        grads = torch.autograd.grad(_target_score(logits, target), maps, allow_unused=True)
+    grads = [torch.zeros_like(a) if g is None else g for a, g in zip(maps, grads)]
+    return [a.detach() for a in maps], grads
 
 
-def attention_flow(blocks: list[Tensor], num_prefix: int, pool_map: Tensor | None, grid: tuple[int, int]) -> Tensor:
-    """Attention flow `(B, gh, gw)`: for each input patch, the max flow from it to the pooled output.
+def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, grid: tuple[int, int]) -> Tensor:
+    """Attention flow `(B, gh, gw)` of per-block maps `(B, H, N, N)`: for each input patch, the max flow
+    from it to the pooled output.
 
     Nodes: every token at every layer (layer 0 the input). An edge from token j at layer l to token i
     at layer l + 1 has the capacity `0.5 A_l[i, j] + 0.5 [i == j]` (rows re-normalised), as for
-    rollout. The sink is the CLS token at the top; for mean pooling every top token, for MAP pooling
-    the query, each joined to a super-sink with the weight the pooling gives it.
+    rollout. The top tokens feed a super-sink with the weight the pooling gives them
+    (`readout_weights`: the CLS token, every token equally, or the MAP query's attention `pool_attn`).
     """
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import maximum_flow
 
-    fused = [_residual(fuse_heads(a)) for a in blocks]  # (B, N, N) each
+    fused = [residual(fuse_heads(a)) for a in blocks]  # (B, N, N) each
     B, N, _ = fused[0].shape
     L = len(fused)
+    num_prefix = 1 if pool == "cls" else 0
+    readout = readout_weights(pool, N, pool_attn).expand(B, N).double().cpu().numpy()
     scale = 10**6  # scipy's max-flow takes integer capacities
     out = torch.zeros(B, grid[0] * grid[1], dtype=torch.float64)
     for b in range(B):
@@ -111,17 +165,10 @@ def attention_flow(blocks: list[Tensor], num_prefix: int, pool_map: Tensor | Non
             cols.append((layer + 1) * N + i)
             caps.append(np.round(a[i, j] * scale).astype(np.int64))
         sink = (L + 1) * N  # a super-sink fed by the top tokens the pooling reads
-        if pool_map is None and num_prefix > 0:
-            readout = np.zeros(N)
-            readout[0] = 1.0
-        elif pool_map is None:
-            readout = np.full(N, 1.0 / N)
-        else:
-            readout = pool_map[b].reshape(-1).double().cpu().numpy()
-        top = np.nonzero(readout > 0)[0]
+        top = np.nonzero(readout[b] > 0)[0]
         rows.append(L * N + top)
         cols.append(np.full(len(top), sink))
-        caps.append(np.round(readout[top] * scale).astype(np.int64))
+        caps.append(np.round(readout[b, top] * scale).astype(np.int64))
         graph = csr_matrix((np.concatenate(caps), (np.concatenate(rows), np.concatenate(cols))),
                            shape=(sink + 1, sink + 1))
         for p in range(grid[0] * grid[1]):
@@ -135,17 +182,16 @@ def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = Non
     store = {}
 
     def keep(module, inputs, output) -> None:
-        store["activation"] = output
+        # The forward pass's activation; a checkpointed layer runs again in the backward pass.
+        store.setdefault("activation", output)
 
     handle = layer.register_forward_hook(keep)
     try:
         # As in a validation loop: inference mode off, gradients on; only d(logit)/d(activation) is
         # taken, so the parameters' .grad (and so training) are left alone.
         with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
-            x = images.detach().clone().requires_grad_(True)
-            logits = model(x)
-            chosen = logits.argmax(-1) if target is None else torch.as_tensor(target, device=logits.device).expand(len(x))
-            [gradient] = torch.autograd.grad(logits.gather(1, chosen[:, None].long()).sum(), store["activation"])
+            logits = model(images.detach().clone().requires_grad_(True))
+            [gradient] = torch.autograd.grad(_target_score(logits, target), store["activation"])
     finally:
         handle.remove()
     activation, gradient = to_map(store["activation"].detach()), to_map(gradient)  # (B, K, gh, gw)
@@ -165,7 +211,8 @@ def gradcam_layer(model: nn.Module):
         return model.blocks[-1].norm1, tokens_to_map
     stages = getattr(model, "stages", None) or getattr(getattr(model, "resnet", None), "stages", None)
     if stages is None:
-        raise ValueError(f"{type(model).__name__}: no Grad-CAM layer known (a ViT's blocks or a ResNet's stages)")
+        raise ValueError(f"method='gradcam' needs a ViT's blocks or a ResNet's stages; "
+                         f"{type(model).__name__} has neither")
     return stages[-1], lambda t: t
 
 
@@ -177,29 +224,79 @@ def to_pixels(maps: Tensor, size: tuple[int, int]) -> Tensor:
     return pixels * (gh * gw) / (H * W)
 
 
-def normalise(maps: Tensor) -> Tensor:
-    """Clamp at 0 and divide each map by its sum (an all-zero map stays all zeros)."""
-    maps = maps.detach().float().clamp(min=0)
-    total = maps.flatten(1).sum(1).view(-1, *([1] * (maps.ndim - 1)))
-    return maps / torch.where(total > 0, total, torch.ones_like(total))
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
 
 
-def _residual(fused: Tensor) -> Tensor:
-    eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
-    mixed = 0.5 * fused + 0.5 * eye
-    return mixed / mixed.sum(-1, keepdim=True)
+def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None, head_fusion: str,
+                  discard_ratio: float, start_layer: int) -> None:
+    """Raise `ValueError` unless `relevance` can run `method` with these options on `model`; nothing runs."""
+    check_choice("method", method, Method)
+    check_choice("head_fusion", head_fusion, HeadFusion)
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"discard_ratio={discard_ratio} is not allowed: expected a number in [0, 1)")
+    check_int("start_layer", start_layer, 0)
+    if method != "rollout" and (head_fusion != "mean" or discard_ratio != 0.0):
+        raise ValueError("head_fusion and discard_ratio apply to method='rollout' only; got "
+                         f"method={method!r}, head_fusion={head_fusion!r}, discard_ratio={discard_ratio}")
+    if method not in ("rollout", "grad_rollout") and start_layer != 0:
+        raise ValueError(f"start_layer applies to method='rollout' and 'grad_rollout' only; got method={method!r}, "
+                         f"start_layer={start_layer}")
+    if method not in CLASS_METHODS and target is not None:
+        raise ValueError(f"target={target!r} applies to the class-specific methods {list(CLASS_METHODS)} only; "
+                         f"method={method!r} is class-agnostic")
+    if method in ATTENTION_METHODS and not has_attention(model):
+        raise ValueError(f"method={method!r} needs a model with attention layers (a ViT); "
+                         f"{type(model).__name__} has none: use 'gradcam' or 'random'")
 
 
-def _read_pooled(model: nn.Module, R: Tensor, pool_map: Tensor | None, grid: tuple[int, int]) -> Tensor:
-    """Row(s) of an `(B, N, N)` token-to-token map that the pooling reads, over the patches: `(B, gh, gw)`."""
-    pool = _model_pool(model)
-    if pool == "cls":
-        rel = R[:, 0, 1:]
-    elif pool == "mean":
-        rel = R.mean(1)
-    else:
-        rel = (pool_map.reshape(R.shape[0], 1, -1).to(R.dtype) @ R)[:, 0]
-    return rel.reshape(R.shape[0], *grid)
+def _target_score(logits: Tensor, target: Tensor | int | None) -> Tensor:
+    """The sum over the batch of each sample's target logit (by default its predicted class).
+
+    Samples are independent, so the gradient of the sum gives each sample its own gradient.
+    """
+    B = logits.shape[0]
+    target = logits.argmax(dim=-1) if target is None else target
+    target = torch.as_tensor(target, device=logits.device).long().expand(B)  # (B,)
+    return logits.gather(1, target[:, None]).sum()
+
+
+def _split_pool(maps: list[Tensor], pool: str) -> tuple[list[Tensor], Tensor | None]:
+    """`(block maps, the pooling query's map)`: for `pool="map"` the last recorded map is the query's."""
+    if pool != "map":
+        return maps, None
+    *blocks, query = maps
+    if query.shape[-2] != 1:
+        raise ValueError(f"pool='map' needs a last attention entry of shape (B, H, 1, N), got {tuple(query.shape)}")
+    return blocks, query
+
+
+def _check_recorded(model: nn.Module, attentions: list[Tensor]) -> None:
+    if not attentions:
+        raise ValueError(
+            f"{type(model).__name__} recorded no attention maps: rollout needs a model with attention layers "
+            "(a ViT); for a CNN use a gradient method such as Grad-CAM"
+        )
+
+
+def _model_pool(model: nn.Module) -> str:
+    """`model.pool`, checked; a model without the attribute pools its CLS token (the classic ViT)."""
+    pool = getattr(model, "pool", "cls")
+    check_choice("model.pool", pool, Pool)
+    return pool
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Run in eval mode, then give every submodule back its own train/eval flag."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _grid(model: nn.Module, images: Tensor) -> tuple[int, int]:

@@ -1,49 +1,37 @@
-"""Attention rollout: which input patches a ViT's prediction draws on.
+"""Attention rollout and its relatives, as functions of tensors: which input tokens an output reads.
 
-Everything here is a function of tensors, except the two entry points that run a model
-(`gradient_rollout`, `patch_relevance`). They get the attention maps the one way the models give
-them:
-
-    with record_attention(model) as attentions:
-        logits = model(x)
-
-where `attentions` holds one softmax map `(B, H, N, N)` per block, still in the autograd graph.
-With `model.pool == "map"` the list ends with one extra `(B, H, 1, N)` entry: the pooling query's
-attention over the tokens. The model also exposes `pool` ("cls" | "mean" | "map"; a model without
-the attribute is read as "cls", the classic ViT),
-`patch_embed.grid_size` (gh, gw) and `num_prefix_tokens` (1 for a CLS token, else 0).
+Nothing here runs a model. `vit.explain.relevance.relevance` does, and passes what it records
+(`record_attention`): one softmax map `(B, H, N, N)` per block, first block first, and for the
+gradient methods the gradient of the explained logit with respect to each. The chains below turn
+the per-block maps into one token-to-token map `R` `(B, N, N)` (row i: how much output token i
+draws on each input token), and `rollout_to_patch_map` reads the row(s) the pooling uses over the
+patches.
 
 References:
     Abnar & Zuidema, "Quantifying Attention Flow in Transformers", ACL 2020 (attention rollout).
     Chefer, Gur & Wolf, "Generic Attention-model Explainability for Interpreting Bi-Modal and
-    Encoder-Decoder Transformers", ICCV 2021 (gradient-weighted rollout).
-
-The overlays that draw these maps are in `vit.explain.plot`.
+    Encoder-Decoder Transformers", ICCV 2021 (gradient-weighted maps and their relevance rule).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from vit.checks import check_choice
-from vit.models.record import record_attention
 from vit.models.vision_transformer import Pool
 
 HeadFusion = Literal["mean", "max", "min"]
-Method = Literal["rollout", "grad_rollout"]
 Scale = Literal["minmax", "sum"]
 
 HEAD_FUSIONS = get_args(HeadFusion)
-METHODS = get_args(Method)
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure functions of attention tensors
+# One block's map
 # ---------------------------------------------------------------------------------------------
 
 
@@ -57,6 +45,11 @@ def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
     if head_fusion == "max":
         return attn.amax(dim=1)
     return attn.amin(dim=1)
+
+
+def gradient_weighted(attn: Tensor, grad: Tensor) -> Tensor:
+    """Chefer et al.'s head-averaged positive part of gradient x attention: `(B, H, ...)` -> `(B, ...)`."""
+    return fuse_heads((grad * attn).clamp(min=0), "mean")
 
 
 def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = True) -> Tensor:
@@ -78,6 +71,28 @@ def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = Tr
     # discard_ratio < 1 keeps num_discard <= N*N - 1, so the protected entry is never reached.
     lowest = ranking.topk(num_discard, dim=1, largest=False).indices  # (B, num_discard)
     return flat.scatter(1, lowest, 0.0).view(B, N, N)
+
+
+def residual(fused: Tensor) -> Tensor:
+    """`0.5 * A + 0.5 * I` with every row re-normalised to sum to 1, for `(B, N, N)` maps: the
+    residual connection passes each token on as much as the attention mixes it."""
+    eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
+    with_residual = 0.5 * fused + 0.5 * eye  # (B, N, N); every row sums to at least 0.5
+    return with_residual / with_residual.sum(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chains over the blocks: (B, N, N) token-to-token maps
+# ---------------------------------------------------------------------------------------------
+
+
+def chain(steps: Sequence[Tensor]) -> Tensor:
+    """`M_L ... M_2 M_1` for per-block `(B, N, N)` maps given first block first (later blocks act on the left)."""
+    B, N, _ = steps[0].shape
+    product = torch.eye(N, dtype=steps[0].dtype, device=steps[0].device).expand(B, N, N)
+    for step in steps:
+        product = step @ product
+    return product
 
 
 def attention_rollout(
@@ -105,11 +120,48 @@ def attention_rollout(
     _check_attentions(attentions)
     _check_discard_ratio(discard_ratio)
     _check_start_layer(start_layer, len(attentions))
-    fused = [
-        discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self)  # (B, N, N)
+    return chain([
+        residual(discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self))  # (B, N, N)
         for attn in attentions[start_layer:]
-    ]
-    return _chain(fused)
+    ])
+
+
+def gradient_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor], start_layer: int = 0) -> Tensor:
+    """Gradient-weighted rollout (Chefer et al. 2021 style) of per-block maps `(B, H, N, N)` -> `(B, N, N)`.
+
+    Per block the attention is weighted by the gradient of the explained logit, `grads`,
+    `mean_heads((dy/dA * A).clamp(min=0))`, then chained exactly like `attention_rollout`
+    (residual `0.5 * A + 0.5 * I`, row normalisation, first block rightmost). A block whose
+    attention gets no gradient therefore contributes the identity.
+    """
+    _check_attentions(attentions)
+    _check_start_layer(start_layer, len(attentions))
+    return chain([residual(gradient_weighted(a, g)) for a, g in zip(attentions[start_layer:], grads[start_layer:])])
+
+
+def chefer_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor:
+    """Chefer et al.'s rule for self-attention: `R = I`, then `R <- R + Ā R` per block, first block first,
+    with `Ā = mean_heads((dy/dA * A).clamp(min=0))`. Written as the chain of `I + Ā`; no row normalisation."""
+    _check_attentions(attentions)
+    weighted = [gradient_weighted(a, g) for a, g in zip(attentions, grads)]  # (B, N, N) each
+    eye = torch.eye(weighted[0].shape[-1], dtype=weighted[0].dtype, device=weighted[0].device)
+    return chain([eye + w for w in weighted])
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-out: the pooled output's relevance over the patches
+# ---------------------------------------------------------------------------------------------
+
+
+def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None) -> Tensor:
+    """How much the pooled vector takes from each output token: `(1, N)`, or `(B, N)` for "map".
+
+    "cls": all from the CLS token; "mean": 1/N from each; "map": the pooling query's head-fused
+    attention `pool_attn` `(B, 1, N)` (no residual: the query is a learned vector, not a token).
+    """
+    if pool == "map":
+        return pool_attn.flatten(1)  # (B, N)
+    return torch.eye(1, num_tokens) if pool == "cls" else torch.full((1, num_tokens), 1.0 / num_tokens)
 
 
 def rollout_to_patch_map(
@@ -119,23 +171,21 @@ def rollout_to_patch_map(
     pool_attn: Tensor | None = None,
     scale: Scale = "minmax",
 ) -> Tensor:
-    """Turn a rollout `(B, N, N)` into one relevance value per patch, `(B, gh, gw)`, in [0, 1].
+    """Turn a token-to-token map `(B, N, N)` (a rollout, Chefer's R, one block's attention) into
+    one relevance value per patch, `(B, gh, gw)`.
 
-    What the prediction reads depends on how the tokens are pooled:
-        "cls":  the CLS row of the rollout over the patch tokens (column 0, the CLS token, dropped).
+    What the prediction reads depends on how the tokens are pooled (`readout_weights`):
+        "cls":  the CLS row over the patch tokens (column 0, the CLS token, dropped).
         "mean": the mean of all rows; the pooled vector is the average of the output tokens, so
-                its relevance is the average of their rollout rows.
+                its relevance is the average of their rows.
         "map":  the pooling query's head-fused attention `pool_attn` `(B, 1, N)` (or `(B, N)`)
-                pushed through the rollout, `pool_attn @ R`. No residual is added: the query is
-                a learned vector, not one of the tokens.
+                pushed through the map, `pool_attn @ R`.
 
     `scale` sets how each sample's values are scaled:
-        "minmax": to [0, 1] by min-max (a constant map becomes all zeros), for display: the map
-                  shows where relevance is relative to the rest of that image.
-        "sum":    divided by their sum over the patches, so the map is a distribution over the
-                  patches and the sum over any set of patches is that set's share of the relevance
-                  (for "cls" the CLS token's own column is left out before dividing). A sample
-                  with no relevance on any patch stays all zeros.
+        "minmax": to [0, 1] by min-max (`minmax`), for display.
+        "sum":    divided by their sum over the patches (`normalise`), so the map is a distribution
+                  over the patches and the sum over any set of patches is that set's share of the
+                  relevance. A sample with no relevance on any patch stays all zeros.
     Patches are laid out row-major, as a conv patch embedding's `flatten(2)` orders them.
     """
     check_choice("pool", pool, Pool)
@@ -152,114 +202,41 @@ def rollout_to_patch_map(
             f"rollout has N={N} tokens but pool={pool!r} with grid_size={tuple(grid_size)} "
             f"needs {num_prefix + gh * gw}"
         )
-
-    if pool == "cls":
-        relevance = rollout[:, 0, 1:]  # (B, gh*gw)
-    elif pool == "mean":
-        relevance = rollout.mean(dim=1)  # (B, N)
-    else:
-        if pool_attn.ndim == 3:
-            pool_attn = pool_attn.squeeze(1)
-        if pool_attn.shape != (B, N):
-            raise ValueError(
-                f"pool_attn must have shape (B, 1, N) = ({B}, 1, {N}) after fusing heads, "
-                f"got {tuple(pool_attn.shape)}"
-            )
-        relevance = (pool_attn.unsqueeze(1).to(rollout.dtype) @ rollout).squeeze(1)  # (B, N)
-
-    if scale == "sum":
-        total = relevance.sum(dim=1, keepdim=True)
-        relevance = relevance / torch.where(total > 0, total, torch.ones_like(total))
-    else:
-        lo = relevance.amin(dim=1, keepdim=True)
-        span = relevance.amax(dim=1, keepdim=True) - lo
-        relevance = (relevance - lo) / torch.where(span > 0, span, torch.ones_like(span))
+    if pool == "map" and pool_attn.flatten(1).shape != (B, N):
+        raise ValueError(
+            f"pool_attn must have shape (B, 1, N) = ({B}, 1, {N}) after fusing heads, got {tuple(pool_attn.shape)}"
+        )
+    weights = readout_weights(pool, N, pool_attn).to(rollout)  # (1, N) or (B, N)
+    relevance = (weights.unsqueeze(1) @ rollout).squeeze(1)[:, num_prefix:]  # (B, gh*gw)
+    relevance = normalise(relevance) if scale == "sum" else minmax(relevance)
     return relevance.reshape(B, gh, gw)
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry points that run a model
+# Scaling: one for shares, one for display
 # ---------------------------------------------------------------------------------------------
 
 
-def gradient_rollout(
-    model: nn.Module, x: Tensor, target: int | Tensor | None = None, start_layer: int = 0
-) -> Tensor:
-    """Gradient-weighted rollout (Chefer et al. 2021 style) for images `x` -> `(B, N, N)`.
-
-    Per block the attention is weighted by the gradient of the target logit,
-    `mean_heads((dy/dA * A).clamp(min=0))`, then chained exactly like `attention_rollout`
-    (residual `0.5 * A + 0.5 * I`, row normalisation, first block rightmost). A block whose
-    attention gets no gradient therefore contributes the identity.
-
-    `target` is a class index or a `(B,)` tensor of them; by default the predicted class. The model
-    runs in eval mode (dropout off) and every module's train/eval flag is restored afterwards.
-    Gradients are taken with `torch.autograd.grad` w.r.t. the attention maps only, so parameter
-    `.grad`s are left as they were. Works under `torch.no_grad()` / `torch.inference_mode()`, as in
-    a Lightning validation loop. For `pool="map"` the pooling query's map is not part of the
-    result; `patch_relevance` uses it.
-    """
-    layers, _ = _gradient_weighted_maps(model, x, target)
-    _check_start_layer(start_layer, len(layers))
-    return _chain(layers[start_layer:])
+def normalise(maps: Tensor) -> Tensor:
+    """Clamp at 0 and divide each map `(B, ...)` by its sum (an all-zero map stays all zeros); at least float32."""
+    maps = maps.clamp(min=0)
+    maps = maps.to(torch.promote_types(maps.dtype, torch.float32))
+    total = maps.flatten(1).sum(1).view(-1, *([1] * (maps.ndim - 1)))
+    return maps / torch.where(total > 0, total, torch.ones_like(total))
 
 
-def patch_relevance(
-    model: nn.Module,
-    x: Tensor,
-    method: Method = "rollout",
-    head_fusion: HeadFusion = "mean",
-    discard_ratio: float = 0.0,
-    target: int | Tensor | None = None,
-    start_layer: int = 0,
-    scale: Scale = "minmax",
-) -> Tensor:
-    """Per-patch relevance `(B, gh, gw)` in [0, 1] for images `x`, whatever `model.pool` is.
-
-    method="rollout" is class-agnostic and uses `head_fusion` and `discard_ratio`;
-    method="grad_rollout" explains `target` (default: the predicted class) and always averages
-    heads. Options that do not apply to the chosen method raise instead of being ignored.
-    For `pool="map"` the pooling query's attention is pushed through the rollout: head-fused (never
-    discarded) for "rollout", weighted by its gradient like the blocks for "grad_rollout".
-    `scale` is "minmax" (for display) or "sum" (shares of the relevance), as in
-    `rollout_to_patch_map`.
-    """
-    check_choice("method", method, Method)  # `scale` is checked by rollout_to_patch_map
-    pool = _model_pool(model)
-    grid_size = tuple(model.patch_embed.grid_size)
-
-    if method == "grad_rollout":
-        if head_fusion != "mean" or discard_ratio != 0.0:
-            raise ValueError(
-                "head_fusion and discard_ratio apply to method='rollout' only; got "
-                f"head_fusion={head_fusion!r}, discard_ratio={discard_ratio}"
-            )
-        layers, pool_map = _gradient_weighted_maps(model, x, target)
-        _check_start_layer(start_layer, len(layers))
-        rollout = _chain(layers[start_layer:])  # (B, N, N)
-        return rollout_to_patch_map(rollout, grid_size, pool, pool_map, scale=scale)
-
-    if target is not None:
-        raise ValueError(f"target applies to method='grad_rollout' only; got target={target!r}")
-    with torch.no_grad(), _eval_mode(model), record_attention(model) as attentions:
-        model(x)
-    _check_recorded(model, attentions)
-    pool_attn = None
-    if pool == "map":
-        *attentions, pool_query = attentions
-        pool_attn = fuse_heads(pool_query, head_fusion)  # (B, 1, N)
-    rollout = attention_rollout(
-        attentions,
-        head_fusion=head_fusion,
-        discard_ratio=discard_ratio,
-        start_layer=start_layer,
-        keep_cls_self=model.num_prefix_tokens > 0,
-    )  # (B, N, N)
-    return rollout_to_patch_map(rollout, grid_size, pool, pool_attn, scale=scale)
+def minmax(maps: Tensor) -> Tensor:
+    """Each map `(B, ...)` scaled to [0, 1] by its own min and max, for display: where the relevance is
+    relative to the rest of that image (a constant map becomes all zeros)."""
+    flat = maps.flatten(1)
+    shape = (-1, *([1] * (maps.ndim - 1)))
+    lo = flat.amin(1).view(shape)
+    span = flat.amax(1).view(shape) - lo
+    return (maps - lo) / torch.where(span > 0, span, torch.ones_like(span))
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers
+# Checks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -285,93 +262,3 @@ def _check_attentions(attentions: Sequence[Tensor]) -> None:
             raise ValueError(f"attentions[{i}] must be square (B, H, N, N), got shape {shape}")
         if shape != first:
             raise ValueError(f"attentions[{i}] has shape {shape} but attentions[0] has {first}")
-
-
-def _residual_and_normalise(fused: Tensor) -> Tensor:
-    """`0.5 * A + 0.5 * I` with every row re-normalised to sum to 1, for `(B, N, N)` maps."""
-    eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
-    with_residual = 0.5 * fused + 0.5 * eye  # (B, N, N); every row sums to at least 0.5
-    return with_residual / with_residual.sum(dim=-1, keepdim=True)
-
-
-def _chain(fused_layers: Sequence[Tensor]) -> Tensor:
-    """`Â_L ... Â_1` for head-fused maps `(B, N, N)` given first block first."""
-    B, N, _ = fused_layers[0].shape
-    rollout = torch.eye(N, dtype=fused_layers[0].dtype, device=fused_layers[0].device)
-    rollout = rollout.expand(B, N, N)
-    for fused in fused_layers:
-        rollout = _residual_and_normalise(fused) @ rollout  # later blocks act on the left
-    return rollout
-
-
-def _check_recorded(model: nn.Module, attentions: Sequence[Tensor]) -> None:
-    if not attentions:
-        raise ValueError(
-            f"{type(model).__name__} recorded no attention maps: rollout needs a model with attention layers "
-            "(a ViT); for a CNN use a gradient method such as Grad-CAM"
-        )
-
-
-def _model_pool(model: nn.Module) -> str:
-    """`model.pool`, checked; a model without the attribute pools its CLS token (the classic ViT)."""
-    pool = getattr(model, "pool", "cls")
-    check_choice("model.pool", pool, Pool)
-    return pool
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run in eval mode, then give every submodule back its own train/eval flag."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-def _gradient_weighted_maps(
-    model: nn.Module, x: Tensor, target: int | Tensor | None
-) -> tuple[list[Tensor], Tensor | None]:
-    """Per-block `mean_heads((dy/dA * A).clamp(min=0))` maps `(B, N, N)`, and for `pool="map"` the
-    pooling query's map weighted the same way `(B, 1, N)` (else None)."""
-    pool = _model_pool(model)
-    # Lightning validation runs under inference_mode; autograd needs it off and an ordinary
-    # (non-inference) copy of the input. The input requires grad so the graph exists even when
-    # every parameter is frozen.
-    with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
-        x = x.detach().clone().requires_grad_(True)
-        with record_attention(model) as attentions:
-            logits = model(x)  # (B, num_classes); attentions [(B, H, N, N), ...]
-        _check_recorded(model, attentions)
-        B = logits.shape[0]
-        if target is None:
-            target = logits.argmax(dim=-1)
-        target = torch.as_tensor(target, device=logits.device).long().expand(B)  # (B,)
-        # Samples are independent, so the gradient of the sum gives each sample its own gradient.
-        score = logits.gather(1, target[:, None]).sum()
-        _check_attentions(attentions[:-1] if pool == "map" else attentions)
-        if not all(attn.requires_grad for attn in attentions):
-            raise ValueError(
-                "the model's attention maps are not in the autograd graph; "
-                "its attention layers must record the softmax maps that multiply the values"
-            )
-        grads = torch.autograd.grad(score, attentions, allow_unused=True)
-
-    weighted = []
-    for attn, grad in zip(attentions, grads):
-        attn = attn.detach()
-        if grad is None:  # the attention does not reach the logit at all
-            grad = torch.zeros_like(attn)
-        relevance = (grad * attn).clamp(min=0)  # (B, H, N, N) or (B, H, 1, N)
-        weighted.append(relevance.to(torch.promote_types(relevance.dtype, torch.float32)).mean(1))
-    if pool == "map":
-        *layers, pool_map = weighted
-        if pool_map.shape[1] != 1:
-            raise ValueError(
-                f"pool='map' needs a last attention entry of shape (B, H, 1, N), "
-                f"got {tuple(attentions[-1].shape)}"
-            )
-        return layers, pool_map
-    return weighted, None

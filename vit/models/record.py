@@ -11,6 +11,13 @@ without wrapping or patching the model: each `Attention` checks one attribute, `
 The protocol is that attribute: any module with a `recorder` attribute (None when idle) is
 recorded, so an attention layer of your own takes part by appending its weights to
 `self.recorder` when it is a list.
+
+While recording, activation checkpointing (`set_grad_checkpointing`, timm's `grad_checkpointing`
+attribute) is off, and it is switched back on when the context closes. A checkpointed block runs its
+attention a second time in the backward pass: inside the context that records every map twice, and
+after it the layer takes the fused path, whose saved tensors differ, so the backward pass fails.
+Recording is for looking inside at explanation-sized batches, where the memory checkpointing saves
+is not needed; the maps and their gradients are those of the plain path.
 """
 
 from __future__ import annotations
@@ -28,15 +35,21 @@ def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
     Recording the same model twice at once is refused (the inner context would steal the outer
     one's maps). A model without attention layers (a CNN) records nothing: the list stays empty.
+    Activation checkpointing is off inside the context (see the module's docstring).
     """
     layers = [m for m in model.modules() if hasattr(m, "recorder")]
     if any(layer.recorder is not None for layer in layers):
         raise RuntimeError("record_attention is already recording this model; nested recording is not supported")
+    checkpointed = [m for m in model.modules() if getattr(m, "grad_checkpointing", False) is True]
     maps: list[torch.Tensor] = []
     for layer in layers:
         layer.recorder = maps
+    for module in checkpointed:
+        module.grad_checkpointing = False
     try:
         yield maps
     finally:
         for layer in layers:
             layer.recorder = None
+        for module in checkpointed:
+            module.grad_checkpointing = True
