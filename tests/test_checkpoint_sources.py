@@ -155,3 +155,15 @@ def test_predict_refuses_a_url_checkpoint_that_would_run_code(trained, served, t
     assert code == 2
     assert "holds Python objects that are not plain data" in error_line(capsys.readouterr().err)
     assert not marker.exists()
+
+
+def test_explain_refuses_a_url_checkpoint_that_would_run_code(trained, served, tmp_path, capsys):
+    from vit.explain.__main__ import main as explain_main
+
+    folder, url = served
+    marker = tmp_path / "code_ran"
+    malicious_copy(trained, folder / "x.ckpt", marker)
+    code = explain_main(["--ckpt_path", f"{url}/x.ckpt", "--out", str(tmp_path / "maps.png")])
+    assert code == 2
+    assert "holds Python objects that are not plain data" in error_line(capsys.readouterr().err)
+    assert not marker.exists()

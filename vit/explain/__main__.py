@@ -20,7 +20,7 @@ import torch
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
 from vit.explain.plot import rollout_grid
 from vit.explain.relevance import ATTENTION_METHODS, METHODS, has_attention, relevance
-from vit.training.checkpointing import CheckpointError, read_checkpoint
+from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
 from vit.training.classifier import ImageClassifier
 
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out} already exists; pass --overwrite to replace it")
         if not args.out.parent.is_dir():
             raise ValueError(f"--out {args.out}: its folder {args.out.parent} does not exist")
+        args.ckpt_path = fetch_checkpoint(args.ckpt_path)  # a URL is downloaded, then checked like a file
         checkpoint = read_checkpoint(args.ckpt_path)
         if "_class_path" not in checkpoint.get("datamodule_hyper_parameters", {}):
             raise CheckpointError(f"checkpoint {args.ckpt_path} does not record its data module (it was not "
