@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,3 +127,17 @@ def shared_run(root: Path, monkeypatch) -> Path:
                          f"--trainer.callbacks.path={root / 'metrics.jsonl'}"], monkeypatch)
         _SHARED[root] = root
     return _SHARED[root]
+
+
+def cli(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """`train.py ARGS` in this process, expected to exit: its exit code and its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main_in_process(args, monkeypatch)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def error_line(stderr: str) -> str:
+    """The one `error: ...` line of a refused command (and no traceback)."""
+    assert "Traceback" not in stderr
+    [line] = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    return line

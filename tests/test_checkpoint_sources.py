@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from robust_helpers import main_in_process, run_dirs, shared_run, tiny_config
+from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run, tiny_config
 
 from vit import predict
 from vit.training.checkpointing import AtomicCheckpointIO, CheckpointError, fetch_checkpoint
@@ -61,18 +61,6 @@ def malicious_copy(trained: Path, path: Path, marker: Path) -> Path:
     checkpoint["callbacks"] = {"payload": RunsCode(marker)}
     torch.save(checkpoint, path)
     return path
-
-
-def cli(args, monkeypatch, capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main_in_process(args, monkeypatch)
-    return exit_info.value.code, capsys.readouterr().err
-
-
-def error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr
-    [line] = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    return line
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "fit"])

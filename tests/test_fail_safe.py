@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from robust_helpers import main_in_process, run_dirs, shared_run, tiny_config
+from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run, tiny_config
 
 
 @pytest.fixture
@@ -14,18 +14,6 @@ def trained(tmp_path_factory, monkeypatch) -> Path:
     root = shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch)
     [run_dir] = run_dirs(root)
     return run_dir / "checkpoints" / "last.ckpt"
-
-
-def cli(args, monkeypatch, capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main_in_process(args, monkeypatch)
-    return exit_info.value.code, capsys.readouterr().err
-
-
-def error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr
-    [line] = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    return line
 
 
 @pytest.mark.parametrize("subcommand", ["fit", "test"])
