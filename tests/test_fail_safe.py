@@ -162,14 +162,14 @@ def test_resuming_with_another_number_of_processes_is_refused(trained, tmp_path,
 
 
 def test_loader_settings_may_change_on_resume(trained, tmp_path, monkeypatch):
-    from vit.training import ckpt_config
+    from vit.training.preflight import config_differences
     from vit.training.classifier import ImageClassifier
 
     checkpoint = torch.load(trained, weights_only=True)
     config = {"model": {}, "data": {"init_args": {**checkpoint["datamodule_hyper_parameters"], "num_workers": 4}}}
     config["data"]["init_args"].pop("_class_path", None)
-    errors, _ = ckpt_config.differences("fit", config, checkpoint, ImageClassifier)
+    errors, _ = config_differences("fit", config, checkpoint, ImageClassifier)
     assert errors == []
     config["data"]["init_args"]["num_train"] = 999
-    errors, _ = ckpt_config.differences("fit", config, checkpoint, ImageClassifier)
+    errors, _ = config_differences("fit", config, checkpoint, ImageClassifier)
     assert errors == ["data.num_train: 256 in the checkpoint vs 999 given"]

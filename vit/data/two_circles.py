@@ -291,7 +291,7 @@ class TwoCirclesDataModule(SyntheticDataModule):
     splits are independent draws and never share an image. Train and val draw centres from
     ``train_region``, test from ``test_region``. ``predict_dataloader`` serves the test split.
     The training order is shuffled by the run's seed and restored mid-epoch on resume
-    (``vit.training.resumable``).
+    (``vit.data.resumable``).
     """
 
     def __init__(
