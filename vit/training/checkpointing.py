@@ -31,6 +31,8 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from vit.checks import first_line
+
 LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's "last" names
 PARTIAL_WRITE = re.compile(r"\..+\.ckpt\.[0-9a-f]{16}\.tmp")  # AtomicCheckpointIO's temporary files
 
@@ -200,8 +202,3 @@ def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | N
     candidates = [p for p in Path(folder).glob(pattern) if LAST_CHECKPOINT.fullmatch(p.name)]
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
 
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none), for one-line errors."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

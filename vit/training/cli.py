@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from vit.checks import check_int
+from vit.checks import check_int, first_line
 from vit.data.base import DataNotFoundError
 from vit.training.callbacks import (
     NonFiniteError,
@@ -29,7 +29,6 @@ from vit.training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
     fetch_checkpoint,
-    first_line,
     read_checkpoint,
 )
 from vit.training.classifier import ImageClassifier

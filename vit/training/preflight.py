@@ -239,6 +239,14 @@ def check_checkpoint(path: str | os.PathLike, model: nn.Module, *, subcommand: s
             f"checkpoint {path} holds weights only (no optimizer or loop state), so `fit` cannot resume from it; "
             "it can still be used by validate, test and predict"
         )
+    if subcommand == "fit" and any("lr_lambdas" in s for s in checkpoint.get("lr_schedulers") or [] if isinstance(s, dict)):
+        # Written before the schedule became torch's LinearLR + CosineAnnealingLR (and timm's
+        # parameter groups, in another order): its optimizer and schedule states do not load.
+        raise CheckpointError(
+            f"checkpoint {path} was written by an earlier version of this project (a LambdaLR schedule), whose "
+            "optimizer and schedule states this version cannot continue; validate, test and predict can use it, "
+            "or fine-tune from its weights in a new run"
+        )
     if "pytorch-lightning_version" not in checkpoint:
         raise CheckpointError(
             f"checkpoint {path} is not a checkpoint of this project: Lightning did not write it (no "
