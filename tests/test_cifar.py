@@ -15,7 +15,7 @@ from vit.data.cifar import (
     CIFARDataModule,
     CIFARNotFoundError,
 )
-from vit.training.resumable import ResumableSampler
+from vit.data.resumable import ResumableSampler
 
 NUM_TRAIN, NUM_TEST, VAL_SIZE = 60, 20, 12
 

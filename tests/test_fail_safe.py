@@ -149,15 +149,35 @@ def test_resuming_with_another_number_of_processes_is_refused(trained, tmp_path,
     assert error_line(stderr).startswith(f"error: checkpoint {path} was written by 2 process(es) and this run has 1")
 
 
+def test_fit_from_a_checkpoint_of_the_lambdalr_schedule_is_refused_and_evaluating_it_is_not(
+    trained, tmp_path, monkeypatch, capsys
+):
+    checkpoint = torch.load(trained, weights_only=True)
+    # What the earlier version saved: a LambdaLR's state (its lambda itself is not saved).
+    checkpoint["lr_schedulers"] = [{"base_lrs": [1e-3, 1e-3], "last_epoch": 8, "_step_count": 9, "lr_lambdas": [None]}]
+    path = tmp_path / "lambdalr.ckpt"
+    torch.save(checkpoint, path)
+    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(path)], monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == (
+        f"error: checkpoint {path} was written by an earlier version of this project (a LambdaLR schedule), whose "
+        "optimizer and schedule states this version cannot continue; validate, test and predict can use it, "
+        "or fine-tune from its weights in a new run"
+    )
+    assert not (tmp_path / "runs").exists()
+    # validate loads only the weights: it runs (a refusal would be a SystemExit here).
+    main_in_process(["validate", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(path)], monkeypatch)
+
+
 def test_loader_settings_may_change_on_resume(trained, tmp_path, monkeypatch):
-    from vit.training import ckpt_config
+    from vit.training.preflight import config_differences
     from vit.training.classifier import ImageClassifier
 
     checkpoint = torch.load(trained, weights_only=True)
     config = {"model": {}, "data": {"init_args": {**checkpoint["datamodule_hyper_parameters"], "num_workers": 4}}}
     config["data"]["init_args"].pop("_class_path", None)
-    errors, _ = ckpt_config.differences("fit", config, checkpoint, ImageClassifier)
+    errors, _ = config_differences("fit", config, checkpoint, ImageClassifier)
     assert errors == []
     config["data"]["init_args"]["num_train"] = 999
-    errors, _ = ckpt_config.differences("fit", config, checkpoint, ImageClassifier)
+    errors, _ = config_differences("fit", config, checkpoint, ImageClassifier)
     assert errors == ["data.num_train: 256 in the checkpoint vs 999 given"]

@@ -8,7 +8,7 @@ import torch
 
 from vit.models import ResNet, VisionTransformer, record_attention
 from vit.models.pos_embed import sincos_1d, sincos_2d
-from vit.training.classifier import ImageClassifier, param_groups_weight_decay, warmup_cosine
+from vit.training.classifier import ImageClassifier
 
 CIFAR_CFG = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=2, num_heads=3)
 
@@ -147,28 +147,6 @@ def test_resnet_contract_and_size():
     assert 2e5 < n < 5e5
     with pytest.raises(ValueError, match="widths=()"):
         ResNet(widths=())
-
-
-def test_weight_decay_only_on_matrices():
-    model = VisionTransformer(**CIFAR_CFG)
-    decay, no_decay = param_groups_weight_decay(model, 0.05)
-    decay_ids = {id(p) for p in decay["params"]}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for n, p in model.named_parameters():
-        expected = p.ndim >= 2 and n not in ("cls_token", "pos_embed")
-        assert (id(p) in decay_ids) == expected, n
-    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
-    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
-
-
-def test_warmup_then_cosine_schedule():
-    f = lambda s: warmup_cosine(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)  # noqa: E731
-    assert f(0) == pytest.approx(0.1)
-    assert f(9) == pytest.approx(1.0)
-    assert f(10) == pytest.approx(1.0)
-    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
-    assert f(110) == pytest.approx(0.1)
-    assert all(f(s) >= f(s + 1) for s in range(10, 110))
 
 
 def test_classifier_rejects_bad_hyperparameters():

@@ -24,7 +24,7 @@ from robust_helpers import (
 
 from vit.training.checkpointing import AtomicCheckpointIO, find_last_checkpoint
 from vit.training.preflight import resolve_resume
-from vit.training.resumable import ResumableSampler
+from vit.data.resumable import ResumableSampler
 
 
 @pytest.fixture

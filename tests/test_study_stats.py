@@ -12,9 +12,18 @@ from vit.experiments.stats import clopper_pearson, fisher_p, paired_permutation_
 
 
 @pytest.mark.parametrize("k,n", [(0, 5), (1, 5), (3, 5), (5, 5), (7, 20)])
-def test_clopper_pearson_matches_scipy(k, n):
-    expected = scipy_stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
-    assert clopper_pearson(k, n) == pytest.approx((expected.low, expected.high), abs=1e-9)
+def test_clopper_pearson_is_the_beta_quantile_interval(k, n):
+    # Clopper & Pearson (1934): the 2.5% quantile of Beta(k, n-k+1) and the 97.5% one of Beta(k+1, n-k).
+    low = 0.0 if k == 0 else scipy_stats.beta.ppf(0.025, k, n - k + 1)
+    high = 1.0 if k == n else scipy_stats.beta.ppf(0.975, k + 1, n - k)
+    assert clopper_pearson(k, n) == pytest.approx((low, high), abs=1e-9)
+
+
+def test_clopper_pearson_values_and_bad_counts():
+    assert clopper_pearson(3, 5) == pytest.approx((0.146633, 0.947255), abs=1e-6)
+    assert clopper_pearson(0, 5) == pytest.approx((0.0, 0.521824), abs=1e-6)
+    with pytest.raises(ValueError, match="k=6, n=5 is not allowed"):
+        clopper_pearson(6, 5)
 
 
 def test_paired_tests_by_enumeration():

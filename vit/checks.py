@@ -7,6 +7,7 @@ Allowed string options are declared once, as a `Literal`, and read back with `ge
 
 Types that jsonargparse already checks on the command line (an `int` annotation, a `Literal`) are
 still checked here, because the same constructors are called from Python, where nothing else does.
+`first_line` shortens any exception to the one line such an error quotes.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def check_float(
         hi = "inf" if high is None else f"{high:g}"
         interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
         raise ValueError(f"{name}={value!r} is not allowed: expected a finite number in {interval}")
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), for one-line errors."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def _interval(minimum: int | None, maximum: int | None) -> str:

@@ -38,6 +38,7 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import v2
 
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
+from vit.checks import first_line
 from vit.data.image_folder import build_transform, to_input
 from vit.training.callbacks import NonFiniteError, check_finite_weights
 from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
@@ -106,7 +107,7 @@ def read_images(input_dir: Path, transform: v2.Compose) -> tuple[list[str], list
         except Image.DecompressionBombError as err:
             skipped[path.name] = f"too large to decode safely ({str(err).split('.')[0]})"
         except (UnidentifiedImageError, OSError, ValueError) as err:
-            skipped[path.name] = str(err).splitlines()[0] if str(err) else type(err).__name__
+            skipped[path.name] = first_line(err)
     return names, images, skipped
 
 

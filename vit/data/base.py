@@ -6,7 +6,11 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from vit.training.resumable import ResumableTrainingData
+from vit.data.resumable import ResumableTrainingData
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data module's files are missing and could not be fetched; the command line reports it in one line."""
 
 
 class SplitDataModule(ResumableTrainingData, L.LightningDataModule):

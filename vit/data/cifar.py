@@ -15,7 +15,7 @@ from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 
 from vit.checks import check_choice, check_float, check_int, check_size
-from vit.data.base import SplitDataModule
+from vit.data.base import DataNotFoundError, SplitDataModule
 from vit.data.transforms import (
     CIFAR_MEAN_STD,
     AutoAugmentName,
@@ -38,7 +38,7 @@ EXPECTED_FILES = {
 }
 
 
-class CIFARNotFoundError(FileNotFoundError):
+class CIFARNotFoundError(DataNotFoundError):
     """The CIFAR files are not in `data_dir` and could not be downloaded."""
 
 
@@ -80,7 +80,7 @@ class CIFARDataModule(SplitDataModule):
     or not the official ones (MD5) raise `CIFARCorruptedError`, naming each file and its problem.
 
     The training order is shuffled by the run's seed and restored mid-epoch when a run resumes from
-    a checkpoint (`vit.training.resumable`); the random augmentations after a resume are drawn afresh.
+    a checkpoint (`vit.data.resumable`); the random augmentations after a resume are drawn afresh.
     `repeated_augmentation=k` shows each image k times in a row within an epoch of the same length
     (Lee et al. 2021 train with k=3), still resumable.
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vit.checks import check_choice
 from vit.data.cifar import EXPECTED_FILES, NUM_CLASSES, DatasetName
 
 
@@ -26,8 +27,7 @@ def write_fake_cifar(
     The images are not CIFAR. Returns the MD5 of every file written, by file name: torchvision checks
     files against the official MD5s, so a test or demo must substitute these to load the folder.
     """
-    if dataset not in EXPECTED_FILES:
-        raise ValueError(f"dataset={dataset!r} is not known; expected one of {sorted(EXPECTED_FILES)}")
+    check_choice("dataset", dataset, DatasetName)
     folder_name, _ = EXPECTED_FILES[dataset]
     folder = Path(root) / folder_name
     folder.mkdir(parents=True, exist_ok=True)

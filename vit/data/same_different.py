@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.checks import check_choice, check_int, check_size
+from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.base import SyntheticDataModule
 
 Region = Literal["all", "left", "right"]
@@ -176,10 +176,9 @@ def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: floa
     """Validate the image options (ValueError naming the value and what is allowed)."""
     check_choice("region", region, Region)
     check_size("img_size", img_size, 4 * SHAPE_SIZE)  # a side, or [H, W]
-    if isinstance(in_chans, bool) or in_chans not in (1, 3):
-        raise ValueError(f"in_chans={in_chans!r} is not allowed: expected 1 or 3")
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < np.inf:
-        raise ValueError(f"noise={noise!r} is not allowed: expected a finite float >= 0 (pixel std)")
+    check_int("in_chans", in_chans, 1, 3)  # an int (not a bool), then one of the two image modes
+    check_choice("in_chans", in_chans, (1, 3))
+    check_float("noise", noise, 0.0)  # the pixel noise std
 
 
 class SameDifferentDataModule(SyntheticDataModule):

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.checks import check_choice, check_int, check_size
+from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.base import SyntheticDataModule
 
 Task = Literal["diagonal", "relative"]
@@ -81,10 +81,9 @@ def check_options(
     if img_size % 2:
         raise ValueError(f"img_size={img_size!r} is not allowed: expected an even int, so that "
                          "the midlines fall between pixels and each quadrant is unambiguous")
-    if isinstance(in_chans, bool) or not isinstance(in_chans, (int, np.integer)) or in_chans not in (1, 3):
-        raise ValueError(f"in_chans={in_chans!r} is not allowed: expected 1 or 3")
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < np.inf:
-        raise ValueError(f"noise={noise!r} is not allowed: expected a finite float >= 0 (pixel std)")
+    check_int("in_chans", in_chans, 1, 3)  # an int (not a bool), then one of the two image modes
+    check_choice("in_chans", in_chans, (1, 3))
+    check_float("noise", noise, 0.0)  # the pixel noise std
     try:
         r_min, r_max = radius
     except (TypeError, ValueError):
@@ -303,7 +302,7 @@ class TwoCirclesDataModule(SyntheticDataModule):
     splits are independent draws and never share an image. Train and val draw centres from
     ``train_region``, test from ``test_region``. ``predict_dataloader`` serves the test split.
     The training order is shuffled by the run's seed and restored mid-epoch on resume
-    (``vit.training.resumable``).
+    (``vit.data.resumable``).
     """
 
     def __init__(

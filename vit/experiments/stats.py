@@ -16,13 +16,11 @@ from scipy import stats
 
 
 def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Exact (Clopper-Pearson) interval for a success probability after ``k`` successes in ``n`` trials."""
+    """Exact (Clopper-Pearson) interval for a success probability after ``k`` successes in ``n`` trials (scipy's)."""
     if not 0 <= k <= n or n < 1:
         raise ValueError(f"k={k}, n={n} is not allowed: expected 0 <= k <= n and n >= 1")
-    alpha = 1 - confidence
-    low = 0.0 if k == 0 else float(stats.beta.ppf(alpha / 2, k, n - k + 1))
-    high = 1.0 if k == n else float(stats.beta.ppf(1 - alpha / 2, k + 1, n - k))
-    return low, high
+    interval = stats.binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
+    return float(interval.low), float(interval.high)
 
 
 def paired_permutation_p(a: list[float], b: list[float]) -> float:

@@ -1,4 +1,6 @@
-"""Checkpoints that are never half-written, and checks that a checkpoint fits before Lightning loads it.
+"""Checkpoint I/O: writes that are never half-done, safe reads, fetching a checkpoint from a URL, finding `last.ckpt`.
+
+What a checkpoint is checked against before a run (the config, the model) is in `vit.training.preflight`.
 
 Why `AtomicCheckpointIO`: Lightning 2.6 saves through an fsspec transaction. For a local path
 fsspec writes the bytes to a temporary file made by `tempfile.mkstemp()` in the *system* temp
@@ -28,7 +30,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch import nn
+
+from vit.checks import first_line
 
 LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's "last" names
 PARTIAL_WRITE = re.compile(r"\..+\.ckpt\.[0-9a-f]{16}\.tmp")  # AtomicCheckpointIO's temporary files
@@ -92,11 +95,6 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def is_named_checkpoint(ckpt_path) -> bool:
-    """True for the names Lightning resolves itself to a checkpoint of the current trainer ("best", "hpc", ...)."""
-    return str(ckpt_path) in ("best", "last", "hpc")
-
-
 def fetch_checkpoint(ckpt_path: str | os.PathLike) -> str:
     """A local file for `ckpt_path`: a plain path as it is, `file://` as its path, any other URL downloaded.
 
@@ -111,7 +109,7 @@ def fetch_checkpoint(ckpt_path: str | os.PathLike) -> str:
     try:
         fs, path = fsspec.core.url_to_fs(text)
     except (ImportError, ValueError) as err:  # an unknown scheme, or one whose package is not installed
-        raise CheckpointError(f"checkpoint {text} cannot be read: {_first_line(err)}") from err
+        raise CheckpointError(f"checkpoint {text} cannot be read: {first_line(err)}") from err
     if isinstance(fs, LocalFileSystem):
         return path if "://" in text else text
     folder = Path(torch.hub.get_dir()) / "checkpoints" / "readable-vit" / hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -125,7 +123,7 @@ def fetch_checkpoint(ckpt_path: str | os.PathLike) -> str:
             fs.get_file(path, str(tmp))
         os.replace(tmp, target)
     except Exception as err:  # noqa: BLE001  (network, permissions, a missing object: all one line)
-        raise CheckpointError(f"checkpoint {text} could not be downloaded: {type(err).__name__}: {_first_line(err)}") from err
+        raise CheckpointError(f"checkpoint {text} could not be downloaded: {type(err).__name__}: {first_line(err)}") from err
     finally:
         tmp.unlink(missing_ok=True)
     return str(target)
@@ -166,9 +164,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                 f"checkpoint {path} holds Python objects that are not plain data; it was not written by "
                 "this project, and loading it could run arbitrary code, so it is refused"
             ) from err
-        raise CheckpointError(f"checkpoint {path} is not a PyTorch checkpoint, or it is corrupted ({_first_line(err)})") from err
+        raise CheckpointError(f"checkpoint {path} is not a PyTorch checkpoint, or it is corrupted ({first_line(err)})") from err
     except Exception as err:  # torch raises RuntimeError, OSError or EOFError for damaged archives
-        raise CheckpointError(f"checkpoint {path} cannot be loaded: it is corrupted ({_first_line(err)})") from err
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: it is corrupted ({first_line(err)})") from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         kind = "" if isinstance(checkpoint, dict) else f": it holds a {type(checkpoint).__name__}, not a dict"
         raise CheckpointError(f"checkpoint {path} is not a Lightning checkpoint (it has no 'state_dict'){kind}")
@@ -194,69 +192,6 @@ def _layout_problem(checkpoint: dict) -> str:
     return ""
 
 
-def check_checkpoint(path: str | os.PathLike, model: nn.Module, *, resume_training: bool = False) -> dict[str, Any]:
-    """Read `path` and check that `model` can load it (and resume training from it); return the checkpoint.
-
-    Raises `CheckpointError` naming the file and what differs: the backbone class or its
-    hyperparameters when the checkpoint recorded them (e.g. "num_classes=10 ... num_classes=2"),
-    else the parameters whose names or shapes differ.
-    """
-    checkpoint = read_checkpoint(path)
-    theirs, ours = checkpoint["state_dict"], model.state_dict()
-    missing = sorted(ours.keys() - theirs.keys())
-    unexpected = sorted(theirs.keys() - ours.keys())
-    reshaped = sorted(k for k in ours.keys() & theirs.keys() if tuple(ours[k].shape) != tuple(theirs[k].shape))
-    if missing or unexpected or reshaped:
-        details = [f"{k} {tuple(theirs[k].shape)} in the checkpoint, {tuple(ours[k].shape)} here" for k in reshaped[:3]]
-        details += [f"{k} missing from the checkpoint" for k in missing[:3]]
-        details += [f"{k} not in this model" for k in unexpected[:3]]
-        why = _hparams_difference(checkpoint.get("hyper_parameters", {}), getattr(model, "hparams", {}))
-        shared = len(ours.keys() & theirs.keys())
-        if not why and shared < len(theirs) / 2:
-            why = f"it holds another architecture: only {shared} of its {len(theirs)} tensors have names this model uses"
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this config: "
-            + (f"{why}. " if why else "")
-            + f"Tensors that differ ({len(missing) + len(unexpected) + len(reshaped)}): {'; '.join(details)}"
-        )
-    if resume_training and not checkpoint.get("optimizer_states"):
-        raise CheckpointError(
-            f"checkpoint {path} holds weights only (no optimizer or loop state), so `fit` cannot resume from it; "
-            "it can still be used by validate, test and predict"
-        )
-    return checkpoint
-
-
-def _hparams_difference(saved: dict, current: dict) -> str:
-    """'it was trained with A, this config has B' for the backbone's class and hyperparameters, or ''."""
-    before, now = _backbone_config(saved), _backbone_config(current)
-    if before is None or now is None:
-        return ""
-    if before[0] != now[0]:
-        return f"it was trained with backbone {before[0]}, this config has {now[0]}"
-    keys = [k for k in before[1] if k in now[1] and _plain(before[1][k]) != _plain(now[1][k])]
-    if not keys:
-        return ""
-    then = ", ".join(f"{k}={before[1][k]!r}" for k in keys)
-    here = ", ".join(f"{k}={now[1][k]!r}" for k in keys)
-    return f"checkpoint trained with {then}, this config has {here}"
-
-
-def _plain(value):
-    return list(value) if isinstance(value, tuple) else value  # YAML gives lists where Python gave tuples
-
-
-def _backbone_config(hparams) -> tuple[str, dict] | None:
-    """`(class_path, init_args)` of the backbone recorded by LightningCLI, or None."""
-    backbone = dict(hparams).get("backbone") if hparams else None
-    if backbone is None or isinstance(backbone, nn.Module):
-        return None
-    backbone = dict(backbone)
-    if "class_path" not in backbone:
-        return None
-    return str(backbone["class_path"]), dict(backbone.get("init_args") or {})
-
-
 def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | None:
     """The most recently written `last.ckpt` (or `last-vN.ckpt`) in `folder/<runs>/checkpoints/`, or None.
 
@@ -267,7 +202,3 @@ def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | N
     candidates = [p for p in Path(folder).glob(pattern) if LAST_CHECKPOINT.fullmatch(p.name)]
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Literal
 
@@ -10,33 +9,27 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from timm.optim import param_groups_weight_decay
 from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checks import check_float, check_int
 
 
-def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
-    """Learning-rate multiplier: linear from ~0 to 1 over `warmup_steps`, then cosine down to `min_lr_ratio`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def param_groups_weight_decay(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: weight matrices (and conv kernels) decay; norms, biases, positions, CLS do not.
-
-    Decaying a LayerNorm gain or a bias pulls it towards 0, which is not a prior anyone wants;
-    the position embedding and CLS token are embeddings, not weights, by the same argument.
+def warmup_cosine_schedule(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+) -> LRScheduler:
+    """Per-step multiplier of the learning rate `lr`: `(step + 1) / warmup_steps` during warmup, then a
+    cosine from 1 at `warmup_steps` down to `min_lr_ratio` at `total_steps` (torch's LinearLR, CosineAnnealingLR).
     """
-    skip = set(getattr(model, "no_weight_decay", lambda: set())())
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    lr = optimizer.defaults["lr"]
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=lr * min_lr_ratio)
+    if warmup_steps == 0:
+        return cosine
+    # LinearLR's factor at step s is start + (1 - start) * s / total_iters = (s + 1) / warmup_steps.
+    warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, total_iters=max(1, warmup_steps - 1))
+    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
 
 
 def freeze(backbone: nn.Module, trainable: str | int) -> None:
@@ -149,15 +142,17 @@ class ImageClassifier(L.LightningModule):
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
                                 category=PossibleUserWarning)
 
-    def _eval_step(self, batch, split: str, metric: MulticlassAccuracy) -> None:
+    def _eval_step(self, batch, split: str, metric: MulticlassAccuracy) -> torch.Tensor:
         x, y = batch[0], batch[1]
         logits = self(x)
         metric(logits, y)
         self.log(f"{split}/loss", self._loss(logits, y), on_epoch=True, prog_bar=split == "val", sync_dist=True)
         self.log(f"{split}/acc", metric, on_epoch=True, prog_bar=split == "val")
+        return logits
 
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, "val", self.val_acc)
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """The logits `(B, num_classes)`, for callbacks (`vit.training.dashboard.ConfusionMatrix`)."""
+        return self._eval_step(batch, "val", self.val_acc)
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._eval_step(batch, "test", self.test_acc)
@@ -169,12 +164,14 @@ class ImageClassifier(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(param_groups_weight_decay(self.backbone, hp.weight_decay), lr=hp.lr, betas=hp.betas)
+        # Weight decay on weight matrices only: norms, biases and the backbone's `no_weight_decay()`
+        # names (position embedding, CLS token) are not weights, and decaying them pulls them to 0.
+        skip = getattr(self.backbone, "no_weight_decay", set)()
+        groups = param_groups_weight_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip)
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup_steps = min(total_steps, round(hp.warmup_epochs * total_steps / max_epochs))
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: warmup_cosine(step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=hp.min_lr_ratio),
-        )
+        schedule = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
+                                          min_lr_ratio=hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -16,9 +16,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from vit.checks import check_int
-from vit.data.cifar import CIFARNotFoundError
-from vit.training import ckpt_config
+from vit.checks import check_int, first_line
+from vit.data.base import DataNotFoundError
 from vit.training.callbacks import (
     NonFiniteError,
     Preempted,
@@ -29,17 +28,15 @@ from vit.training.callbacks import (
 from vit.training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
-    check_checkpoint,
     fetch_checkpoint,
     read_checkpoint,
 )
 from vit.training.classifier import ImageClassifier
 from vit.training.preflight import (
     ConfigError,
-    check_finite_weights_of,
-    check_same_world_size,
+    check_checkpoint,
+    check_given_config,
     check_writable,
-    first_line,
     forward_one_image,
     is_local_file,
     resolve_resume,
@@ -115,7 +112,7 @@ class ViTCLI(LightningCLI):
             resolve_resume(subcommand, config)
             if is_local_file(config.get("ckpt_path")):
                 checkpoint = read_checkpoint(config.ckpt_path)
-                for line in ckpt_config.check(subcommand, config, checkpoint, ImageClassifier, config.ckpt_path):
+                for line in check_given_config(subcommand, config, checkpoint, ImageClassifier, config.ckpt_path):
                     rank_zero_warn(f"--ckpt_path {config.ckpt_path}: the checkpoint's value is used for {line}")
 
     def instantiate_classes(self) -> None:
@@ -160,16 +157,7 @@ class ViTCLI(LightningCLI):
         """
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         if is_local_file(ckpt_path):
-            checkpoint = check_checkpoint(ckpt_path, self.model, resume_training=self.subcommand == "fit")
-            if "pytorch-lightning_version" not in checkpoint:
-                raise CheckpointError(
-                    f"checkpoint {ckpt_path} is not a checkpoint of this project: Lightning did not write it (no "
-                    "'pytorch-lightning_version'). A plain state dict can be loaded in Python with "
-                    "`model.load_state_dict(...)`"
-                )
-            check_finite_weights_of(checkpoint, ckpt_path)
-            if self.subcommand == "fit":
-                check_same_world_size(checkpoint, ckpt_path, self.trainer.world_size)
+            check_checkpoint(ckpt_path, self.model, subcommand=self.subcommand, world_size=self.trainer.world_size)
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
                 check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
@@ -180,7 +168,7 @@ class ViTCLI(LightningCLI):
         if self.subcommand == "fit" and self.datamodule is not None:
             try:
                 forward_one_image(self.model, self.datamodule)
-            except (ConfigError, CheckpointError, CIFARNotFoundError):
+            except (ConfigError, CheckpointError, DataNotFoundError):
                 raise
             except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
                 raise ConfigError(f"pre-flight: one training image through the model failed: "
@@ -222,7 +210,7 @@ def main(args=None) -> ViTCLI:
     # Errors a user can fix are one paragraph, not a traceback.
     except (ConfigError, CheckpointError, RunDirectoryError) as err:
         _exit(f"error: {err}", code=2)
-    except (NonFiniteError, CIFARNotFoundError) as err:
+    except (NonFiniteError, DataNotFoundError) as err:
         _exit(f"error: {err}", code=1)
     except Preempted as err:
         _exit(str(err), code=128 + err.signum)

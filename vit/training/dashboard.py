@@ -11,20 +11,23 @@ from pathlib import Path
 
 import lightning as L
 import numpy as np
-import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from vit.checks import check_int
+
 
 class ConfusionMatrix(L.Callback):
-    """When training ends, log the confusion matrix of the final weights on the validation set.
+    """When training ends, log the confusion matrix of the last validation pass of `fit`.
 
-    Computed with torchmetrics' `MulticlassConfusionMatrix` over the validation batches the trainer
-    uses (`limit_val_batches` applies); rows are true classes, columns predictions, cells counts.
-    The counts are kept in `matrix` `(num_classes, num_classes)` after fit.
+    With validation after every epoch (the default) that is the final weights. The counts come from
+    the logits `validation_step` returns (`ImageClassifier` does), into torchmetrics'
+    `MulticlassConfusionMatrix`, during the trainer's own validation (`limit_val_batches` applies,
+    the sanity check does not count), and are drawn by its `.plot()`; rows are true classes,
+    columns predictions. The counts are kept in `matrix` `(num_classes, num_classes)` after fit.
 
     Args:
         class_names: axis labels; by default the class indices.
@@ -34,77 +37,51 @@ class ConfusionMatrix(L.Callback):
 
     def __init__(self, *, class_names: Sequence[str] | None = None, tag: str = "val/confusion_matrix", dpi: int = 100) -> None:
         super().__init__()
-        if dpi < 1:
-            raise ValueError(f"dpi={dpi} must be >= 1")
+        check_int("dpi", dpi, 1)
         self.class_names = list(class_names) if class_names is not None else None
         self.tag = tag
         self.dpi = dpi
         self.matrix: Tensor | None = None
+        self._counts: MulticlassConfusionMatrix | None = None
+        self._epoch = 0
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._counts, self._epoch = None, trainer.current_epoch
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit" or dataloader_idx != 0:
+            return
+        if not isinstance(outputs, Tensor):
+            raise TypeError(f"ConfusionMatrix needs validation_step to return the logits (B, num_classes); "
+                            f"{type(pl_module).__name__}.validation_step returned {type(outputs).__name__}")
+        if self._counts is None:
+            self._counts = MulticlassConfusionMatrix(outputs.shape[-1]).to(outputs.device)
+        self._counts.update(outputs.argmax(-1), batch[1])
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # on_train_end, not on_fit_end: the model is still on its device and the processes joined.
-        loaders = trainer.val_dataloaders
-        num_batches = trainer.num_val_batches
-        if loaders is None or not num_batches or num_batches[0] == 0:
+        if self._counts is None:
             rank_zero_warn("ConfusionMatrix: no validation batches, so no confusion matrix is logged.")
             return
-        loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
-        model = getattr(pl_module, "backbone", pl_module)
-        num_classes = model.num_classes if isinstance(getattr(model, "num_classes", None), int) else None
-        was_training = pl_module.training
-        pl_module.eval()
-        metric = None
-        try:
-            with torch.inference_mode():
-                for batch_idx, batch in enumerate(loader):
-                    if batch_idx >= num_batches[0]:
-                        break
-                    x, y = batch[0].to(pl_module.device), batch[1].to(pl_module.device)
-                    with trainer.precision_plugin.forward_context():
-                        logits = pl_module(trainer.precision_plugin.convert_input(x))  # (B, num_classes)
-                    if metric is None:
-                        metric = MulticlassConfusionMatrix(num_classes or logits.shape[-1]).to(pl_module.device)
-                    metric.update(logits.argmax(-1), y)
-            if metric is None:
-                rank_zero_warn("ConfusionMatrix: the validation loader gave no batches, so no confusion matrix is logged.")
-                return
-            self.matrix = metric.compute().cpu()  # synchronised across processes
-        finally:
-            pl_module.train(was_training)
+        self.matrix = self._counts.compute().cpu()  # synchronised across processes
         if trainer.is_global_zero:
-            figure = confusion_matrix_figure(
-                self.matrix, self.class_names, title=f"validation, final weights after {trainer.current_epoch} epochs"
-            )
+            figure = self._figure(f"the last validation, in epoch {self._epoch + 1}")
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
 
+    def _figure(self, title: str):
+        """`self.matrix` drawn by torchmetrics, on a Figure of its own (not pyplot's, which would keep it alive)."""
+        from matplotlib.figure import Figure
 
-def confusion_matrix_figure(matrix: Tensor, class_names: Sequence[str] | None = None, title: str = ""):
-    """A matplotlib Figure of a `(K, K)` count matrix (rows true, columns predicted), counts written in."""
-    from matplotlib.figure import Figure
-
-    K = matrix.shape[0]
-    names = list(class_names) if class_names is not None else [str(k) for k in range(K)]
-    if len(names) != K:
-        raise ValueError(f"class_names has {len(names)} names for a {K}x{K} confusion matrix")
-    side = min(12.0, 2.0 + 0.45 * K)
-    fig = Figure(figsize=(side + 1.0, side), layout="constrained")
-    ax = fig.subplots()
-    counts = matrix.cpu().numpy()
-    image = ax.imshow(counts, cmap="Blues")
-    fig.colorbar(image, ax=ax, shrink=0.8)
-    if K <= 20:
-        ax.set_xticks(range(K), names, rotation=45 if max(map(len, names)) > 3 else 0, ha="right")
-        ax.set_yticks(range(K), names)
-        threshold = counts.max() / 2
-        for i in range(K):
-            for j in range(K):
-                colour = "white" if counts[i, j] > threshold else "black"
-                ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", color=colour, fontsize="small")
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    accuracy = counts.trace() / max(1, counts.sum())
-    ax.set_title(f"confusion matrix, accuracy {accuracy:.4f}" + (f"\n{title}" if title else ""), fontsize="medium")
-    return fig
+        K = self.matrix.shape[0]
+        side = min(12.0, 2.0 + 0.45 * K)
+        fig = Figure(figsize=(side + 1.0, side), layout="constrained")
+        ax = fig.subplots()
+        # Counts written in up to 20 classes; beyond that they no longer fit their cells.
+        self._counts.plot(self.matrix, ax=ax, add_text=K <= 20, labels=self.class_names)
+        accuracy = self.matrix.trace().item() / max(1, self.matrix.sum().item())
+        ax.set_title(f"confusion matrix, accuracy {accuracy:.4f}\n{title}", fontsize="medium")
+        return fig
 
 
 def figure_to_array(figure, dpi: int = 100) -> np.ndarray:

@@ -1,0 +1,78 @@
+"""The optimizer the classifier builds: which parameters decay, and the learning rate at every step."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vit.models import ResNet, VisionTransformer
+from vit.training.classifier import ImageClassifier
+
+CIFAR_CFG = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=2, num_heads=3)
+
+
+def optimizer_and_schedule(model: ImageClassifier, total_steps: int, max_epochs: int):
+    """What Lightning gets from `configure_optimizers`, for a run of `total_steps` optimizer steps."""
+    model.trainer = SimpleNamespace(estimated_stepping_batches=total_steps, max_epochs=max_epochs)
+    config = model.configure_optimizers()
+    return config["optimizer"], config["lr_scheduler"]["scheduler"]
+
+
+@pytest.mark.parametrize("pool", ["cls", "map"])
+def test_weight_decay_only_on_weight_matrices(pool):
+    model = ImageClassifier(VisionTransformer(**CIFAR_CFG, pool=pool), weight_decay=0.05)
+    optimizer, _ = optimizer_and_schedule(model, total_steps=10, max_epochs=1)
+    decay_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.backbone.named_parameters())
+    assert len(decay_of) == len(named)  # every parameter once
+    for name, p in named:
+        # Norm gains, biases, the CLS token, the position embedding and the MAP probe are not weights.
+        is_weight = p.ndim >= 2 and name not in ("cls_token", "pos_embed", "attn_pool.probe")
+        assert decay_of[id(p)] == (0.05 if is_weight else 0.0), name
+    assert any(name == "attn_pool.probe" for name, _ in named) == (pool == "map")
+
+
+def test_frozen_parameters_are_not_given_to_the_optimizer():
+    model = ImageClassifier(ResNet(img_size=32, in_chans=1, num_classes=2), trainable="head")
+    optimizer, _ = optimizer_and_schedule(model, total_steps=10, max_epochs=1)
+    given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert given == {id(p) for p in model.backbone.head.parameters()}
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The schedule written out: linear warmup to 1 over `warmup_steps`, then a cosine to `min_lr_ratio`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize(
+    "warmup_epochs, min_lr_ratio, warmup_steps",
+    [(1.0, 0.1, 10), (0.0, 0.0, 0), (0.0, 0.25, 0), (0.1, 0.0, 1), (0.2, 0.5, 2), (11.0, 0.0, 110), (1.0, 1.0, 10)],
+)
+def test_learning_rate_at_every_step_follows_warmup_then_cosine_also_after_a_resume(
+    warmup_epochs, min_lr_ratio, warmup_steps
+):
+    lr, total_steps = 0.01, 110  # 11 epochs of 10 steps
+    backbone = ResNet(img_size=32, in_chans=1, num_classes=2)
+
+    def build():
+        model = ImageClassifier(backbone, lr=lr, warmup_epochs=warmup_epochs, min_lr_ratio=min_lr_ratio)
+        return optimizer_and_schedule(model, total_steps=total_steps, max_epochs=11)
+
+    optimizer, schedule = build()
+    resume_at = 37
+    for step in range(total_steps + 1):  # Lightning steps the schedule after each optimizer step
+        if step == resume_at:  # as Lightning resumes: new objects from configure_optimizers, then the saved states
+            states = optimizer.state_dict(), schedule.state_dict()
+            optimizer, schedule = build()
+            optimizer.load_state_dict(states[0])
+            schedule.load_state_dict(states[1])
+        expected = lr * warmup_cosine(step, warmup_steps, total_steps, min_lr_ratio)
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(expected, rel=0, abs=lr * 1e-12), step
+        assert schedule.get_last_lr()[0] == pytest.approx(expected, rel=0, abs=lr * 1e-12), step
+        optimizer.step()
+        schedule.step()
