@@ -47,7 +47,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Remote paths (`s3://...`) keep Lightning's behaviour. A temporary file left by a killed process
     is named `.<name>.<random>.tmp`: it never matches `*.ckpt`, so `--ckpt_path last` ignores it.
     Every load is `weights_only=True`, whatever the caller asks: Lightning's own default for a URL is
-    `weights_only=False`, which runs any code pickled into the file.
+    weights_only off, which runs any code pickled into the file.
     """
 
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict[str, Any]:

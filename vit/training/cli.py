@@ -107,7 +107,7 @@ class ViTCLI(LightningCLI):
             if is_local_file(config.get("ckpt_path")):
                 # A URL (http, file://, s3://, ...) becomes a local file here, so that every scheme
                 # passes the same checks before Lightning sees it (Lightning would load a URL with
-                # weights_only=False, and skip these checks).
+                # weights_only off, and skip these checks).
                 config.ckpt_path = fetch_checkpoint(config.ckpt_path)
             resolve_resume(subcommand, config)
             if is_local_file(config.get("ckpt_path")):
