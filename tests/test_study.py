@@ -624,3 +624,15 @@ def test_a_stopped_fan_out_cancels_the_runs_under_way(tmp_path):
     with pytest.raises(study.Stopped):
         study.fan_out(Executor(), jobs, parallel=2, on_done=lambda job, row: None, poll_s=0.0)
     assert cancelled == [runs[0].key, runs[1].key]
+
+
+def test_kill_process_tree_kills_the_processes_a_local_job_started():
+    # A local job's controller started the run's process; both must go, or the run goes on unseen.
+    shell = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    child = int(shell.stdout.readline())
+    study.kill_process_tree(shell.pid)
+    assert shell.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+        assert time.monotonic() < deadline, "the controller's child is still running"
+        time.sleep(0.05)

@@ -465,15 +465,43 @@ def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, poll_s: f
 
 
 def _cancel(handles: list, *, wait_s: float) -> None:
-    """Cancel submitit jobs (a local job's controller stops its task within about a second); wait up to ``wait_s``."""
+    """Cancel submitit jobs and wait up to ``wait_s`` for them to end.
+
+    A local job is killed with its processes (``kill_process_tree``): submitit cancels it with
+    SIGINT, which its controller ignores when the study was started in the background from a
+    script (such jobs inherit an ignored SIGINT), and its task shrugs off SIGTERM. A stopped run is
+    redone from scratch, so nothing is lost by not letting it finish its step.
+    """
     for handle in handles:
         try:
-            handle.cancel(check=False)
+            if isinstance(handle, submitit.LocalJob):
+                kill_process_tree(int(handle.job_id))  # the job id of a local job is its controller's PID
+            else:
+                handle.cancel(check=False)
         except Exception:  # noqa: BLE001 - e.g. no scancel here: cancel what can be cancelled
             pass
     deadline = time.monotonic() + wait_s
     while handles and time.monotonic() < deadline and not all(handle.done() for handle in handles):
         time.sleep(0.1)
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it (Linux: parents read from ``/proc/*/stat``)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        tree += frontier
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool = True, executor: str = "local",
