@@ -532,7 +532,8 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
             study.main(["--config", str(config), "--executor", "debug"])
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == (
-            f"error: {out_dir} is in use by another study invocation (PID {holder.pid}, lock {out_dir / 'study.lock'}): "
+            f"error: {out_dir} is in use by another study invocation (PID {holder.pid}, lock "
+            f"{out_dir / 'study.lock'}): "
             f"wait for it to finish, or stop it (kill {holder.pid}) and rerun; two at once would redo each other's "
             f"runs\n")
         assert csv_path.read_text() == before and not (tmp_path / "runs").exists()

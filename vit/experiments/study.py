@@ -95,7 +95,8 @@ class Stopped(BaseException):
 def _row_problem(fields: list[str]) -> str | None:
     """What makes one line of runs.csv unusable (None: nothing), checked field by field as run_one writes them."""
     if len(fields) != len(COLUMNS):
-        return f"it has {len(fields)} of the {len(COLUMNS)} fields" + (" (cut short?)" if len(fields) < len(COLUMNS) else "")
+        short = " (cut short?)" if len(fields) < len(COLUMNS) else ""
+        return f"it has {len(fields)} of the {len(COLUMNS)} fields{short}"
     row = dict(zip(COLUMNS, fields))
     for name in INT_COLUMNS + FLOAT_COLUMNS:
         try:
@@ -338,9 +339,11 @@ def lock_out_dir(out_dir: Path):
         except BlockingIOError:
             pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise StudyError(f"{out_dir} is in use by another study invocation (PID {pid}, lock {path}): wait for it "
-                             f"to finish, or stop it (kill {pid}) and rerun; two at once would redo each other's runs") from None
+                             f"to finish, or stop it (kill {pid}) and rerun; two at once would redo each other's "
+                             "runs") from None
         except OSError as err:
-            raise StudyError(f"{path} cannot be locked ({err.strerror}): put out_dir on a filesystem with locks") from None
+            raise StudyError(f"{path} cannot be locked ({err.strerror}): put out_dir on a filesystem with "
+                             "locks") from None
         previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
         if previous:
             print(f"taking over {path}: the invocation that held it (PID {previous}) ended without releasing it "
