@@ -3,7 +3,14 @@
 import csv
 import json
 import math
+import os
+import re
+import signal
 import statistics
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -314,20 +321,45 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         study.run_study(changed, progress=False, executor="debug")
 
 
+def _small_config(tmp_path: Path, seeds=(0, 1, 2)) -> Path:
+    """A study of one one-batch run per seed of the smallest CNN at a fixed rate: no calibration, no shortcut audit."""
+    cfg = yaml.safe_load((ROOT / "configs/study/tiny.yaml").read_text())
+    for key in ("calibration", "shortcuts"):
+        del cfg[key]
+    cfg.update(base_config=str(ROOT / "configs/study/base.yaml"), out_dir=str(tmp_path / "results"),
+               log_dir=str(tmp_path / "runs"), seeds=list(seeds), models={"cnn-rf5": cfg["models"]["cnn-rf5"]},
+               families={"cnn": ["cnn-rf5"]}, lrs={"cnn": 3e-3},
+               experiments=[{"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [32],
+                             "train_samples": 32}])
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _fake_row(run: grid.Run) -> dict:
+    """The row run_one would write for ``run``, made up without training (for tests of the runner's bookkeeping)."""
+    return {"key": run.key, "experiment": run.experiment, "task": run.task, "model": run.model,
+            "num_train": run.num_train, "seed": run.seed, "train_region": run.train_region,
+            "test_region": run.test_region, "lr": run.lr, "params": 100, "flops_per_image": 1000, "epochs": run.epochs,
+            "steps": 1, "batch_size": 32, "train_time_s": "0.1", "train_acc": "0.5000", "val_acc": "0.5000",
+            "test_acc": "0.5000", "test_by_distance": '{"10":[16,32]}', "fingerprint": run.fingerprint,
+            "revision": "", "finished_at": "2026-11-25T08:00:00"}
+
+
 def test_local_executor_resumes_a_partly_finished_study(tmp_path):
-    # Three runs in this process, then the rest as subprocesses two at a time (submitit's local
-    # executor): the finished rows are kept byte for byte and no run is done twice.
-    config = _tiny_config(tmp_path)
+    # One run in this process, then the other two as subprocesses at once (submitit's local
+    # executor): the finished row is kept byte for byte and no run is done twice.
+    config = _small_config(tmp_path)
     csv_path = tmp_path / "results" / "runs.csv"
-    study.run_study(config, max_runs=3, progress=False, executor="debug")
+    study.run_study(config, max_runs=1, progress=False, executor="debug")
     before = csv_path.read_text()
     study.run_study(config, progress=False, executor="local", parallel=2)
     rows = _rows(csv_path)
-    cfg = grid.load_config(config)
-    expected = grid.calibration_plan(cfg) + grid.plan(cfg, grid.choose_lr(cfg, rows))
-    assert csv_path.read_text().startswith(before)
+    expected = grid.plan(grid.load_config(config))
+    assert csv_path.read_text().startswith(before) and len(before.splitlines()) == 2
     assert sorted(r["key"] for r in rows) == sorted(r.key for r in expected)
-    assert len(list((tmp_path / "runs" / "submitit").glob("*_result.pkl"))) == len(expected) - 3
+    assert len(list((tmp_path / "runs" / "submitit").glob("*_result.pkl"))) == len(expected) - 1
+    assert {r["revision"] for r in rows} == {study.code_revision()}
 
 
 def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
@@ -404,3 +436,204 @@ def test_an_unknown_model_in_the_study_is_one_line(tmp_path, capsys):
         study.main(["--config", str(config)])
     assert exit_info.value.code == 2
     assert "nosuchmodel" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- robustness of the runner
+
+
+def test_report_only_before_any_run_finished_is_one_line(tmp_path, capsys):
+    config = _small_config(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--config", str(config), "--report-only"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: no finished runs in {tmp_path / 'results'} yet (no rows in runs.csv), so there is nothing to report: "
+        f"start the study with python -m vit.experiments.study --config {config}\n")
+    assert not (tmp_path / "results").exists()
+
+
+def _cut_last_row(text: str) -> str:
+    return text[:text.rindex('""10"":')]  # in the middle of the last row's test_by_distance, no newline
+
+
+def _edit_line(number: int, old: str, new: str):
+    def edit(text: str) -> str:
+        lines = text.splitlines(keepends=True)
+        lines[number - 1] = lines[number - 1].replace(old, new, 1)
+        return "".join(lines)
+    return edit
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (_cut_last_row, r"line 4 is damaged: it has 19 of the 25 fields \(cut short\?\)\. Delete that line to redo its "
+                    r"run \(position-diagonal-cnn-rf5-n32-s2\), then rerun the same command"),
+    (_edit_line(2, ",0.1,", ",0,1,"), r"line 2 is damaged: it has 26 of the 25 fields\. Delete that line to redo its "
+                                      r"run \(position-diagonal-cnn-rf5-n32-s0\)"),
+    (_edit_line(3, '0.5000,"{', '0.5x,"{'), r"line 3 is damaged: test_acc='0.5x' is not a number\. Delete that line"),
+    (_edit_line(3, "-s1,", "-s9,"), r"line 3 is damaged: its key 'position-diagonal-cnn-rf5-n32-s9' does not match "
+                                    r"its columns \(they make 'position-diagonal-cnn-rf5-n32-s1'\)"),
+    (lambda text: text + text.splitlines(keepends=True)[1],
+     r"line 5 repeats run position-diagonal-cnn-rf5-n32-s0 of line 2: delete one of the two lines"),
+])
+def test_a_damaged_runs_csv_row_is_named_by_its_line_before_any_work(tmp_path, capsys, monkeypatch, damage, message):
+    config = _small_config(tmp_path)
+    csv_path = tmp_path / "results" / "runs.csv"
+    csv_path.parent.mkdir()
+    for run in grid.plan(grid.load_config(config)):
+        study.append_row(csv_path, _fake_row(run))
+    assert len(study.read_rows(csv_path)) == 3  # the undamaged file is read as it is
+    csv_path.write_text(damage(csv_path.read_text()))
+    damaged = csv_path.read_text()
+    monkeypatch.setattr(study, "run_one", lambda run, **kwargs: pytest.fail(f"run {run.key} was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--config", str(config), "--executor", "debug"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.fullmatch(f"error: {re.escape(str(csv_path))} {message}.*\n", err)
+    assert csv_path.read_text() == damaged and not (tmp_path / "runs").exists()
+
+
+def test_a_row_appended_after_a_last_line_without_newline_stays_a_row_of_its_own(tmp_path):
+    config = _small_config(tmp_path)
+    csv_path = tmp_path / "runs.csv"
+    first, second = grid.plan(grid.load_config(config))[:2]
+    study.append_row(csv_path, _fake_row(first))
+    csv_path.write_text(csv_path.read_text().rstrip("\n"))  # as some editors save it
+    study.append_row(csv_path, _fake_row(second))
+    assert [r["key"] for r in study.read_rows(csv_path)] == [first.key, second.key]
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b"%d\\n" % os.getpid())
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_path, capsys, monkeypatch):
+    config = _small_config(tmp_path)
+    out_dir, csv_path = tmp_path / "results", tmp_path / "results" / "runs.csv"
+    out_dir.mkdir()
+    run0 = grid.plan(grid.load_config(config))[0]
+    study.append_row(csv_path, _fake_row(run0))
+    before = csv_path.read_text()
+    monkeypatch.setattr(study, "write_reports", lambda *args: None)
+
+    # 1. Another process holds the lock (as a study invocation does while it runs): refused, nothing written.
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out_dir / "study.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        monkeypatch.setattr(study, "run_one", lambda run, **kwargs: pytest.fail(f"run {run.key} was started"))
+        with pytest.raises(SystemExit) as exit_info:
+            study.main(["--config", str(config), "--executor", "debug"])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (
+            f"error: {out_dir} is in use by another study invocation (PID {holder.pid}, lock "
+            f"{out_dir / 'study.lock'}): "
+            f"wait for it to finish, or stop it (kill {holder.pid}) and rerun; two at once would redo each other's "
+            f"runs\n")
+        assert csv_path.read_text() == before and not (tmp_path / "runs").exists()
+    finally:
+        holder.kill()  # SIGKILL: no chance to clean up, as after kill -9
+        holder.wait()
+
+    # 2. Its lock file is left with its PID, but the kernel released the lock: taken over with a note.
+    #    While this invocation runs, it holds the lock itself.
+    def run_while_locked(run, **kwargs):
+        with pytest.raises(study.StudyError, match=f"in use by another study invocation \\(PID {os.getpid()},"):
+            with study.lock_out_dir(out_dir):
+                pass
+        return _fake_row(run)
+
+    monkeypatch.setattr(study, "run_one", run_while_locked)
+    study.run_study(config, progress=False, executor="debug")
+    assert capsys.readouterr().err.startswith(
+        f"taking over {out_dir / 'study.lock'}: the invocation that held it (PID {holder.pid}) ended without "
+        "releasing it (killed?); its unfinished runs are redone\n")
+    assert len(study.read_rows(csv_path)) == 3 and csv_path.read_text().startswith(before)
+    assert (out_dir / "study.lock").read_text() == ""  # a clean end: the next invocation has nothing to take over
+
+
+def test_sigterm_stops_the_study_and_the_same_command_finishes_it(tmp_path, capsys, monkeypatch):
+    config = _small_config(tmp_path)
+    csv_path, logs = tmp_path / "results" / "runs.csv", tmp_path / "runs"
+    runs = grid.plan(grid.load_config(config))
+    # Should the study not catch SIGTERM, this handler keeps pytest alive (and the test fails).
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+    def sigterm_once_the_second_run_started():
+        started, deadline = logs / runs[1].key / "study_overrides.yaml", time.monotonic() + 300
+        while not started.exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, while the run is under way
+
+    sender = threading.Thread(target=sigterm_once_the_second_run_started, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            study.main(["--config", str(config), "--executor", "debug"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (f"stopped by SIGTERM: the 1 finished runs are kept in {csv_path} and the runs under way were "
+                       "stopped; rerun the same command to go on (those are redone)")
+    stopped = csv_path.read_text()
+    assert [r["key"] for r in study.read_rows(csv_path)] == [runs[0].key]
+    assert (tmp_path / "results" / "study.lock").read_text() == ""
+
+    # The same command: the run under way is redone (its folder moved aside), the finished one is not.
+    real_run_one, started = study.run_one, []
+    monkeypatch.setattr(study, "run_one", lambda run, **kwargs: started.append(run.key) or real_run_one(run, **kwargs))
+    study.main(["--config", str(config), "--executor", "debug"])
+    assert started == [runs[1].key, runs[2].key]
+    assert csv_path.read_text().startswith(stopped)
+    assert [r["key"] for r in study.read_rows(csv_path)] == [r.key for r in runs]
+    assert (logs / f"{runs[1].key}.unfinished-1" / "study_overrides.yaml").exists()
+    assert "taking over" not in capsys.readouterr().err
+
+
+def test_a_stopped_fan_out_cancels_the_runs_under_way(tmp_path):
+    # SIGTERM or Ctrl-C while local jobs run: they are cancelled, not left to run on without this process.
+    cancelled, polls = [], []
+
+    class Handle:
+        def __init__(self, job):
+            self.job = job
+
+        def done(self):
+            polls.append(self.job.run.key)
+            if len(polls) == 3:
+                raise study.Stopped(signal.SIGTERM)
+            return False
+
+        def cancel(self, check=True):
+            cancelled.append(self.job.run.key)
+
+    class Executor:
+        def submit(self, job):
+            return Handle(job)
+
+    runs = grid.plan(grid.load_config(_small_config(tmp_path)))
+    jobs = [study.StudyJob(run, "", "", 1, "") for run in runs]
+    with pytest.raises(study.Stopped):
+        study.fan_out(Executor(), jobs, parallel=2, on_done=lambda job, row: None, poll_s=0.0)
+    assert cancelled == [runs[0].key, runs[1].key]
+
+
+def test_kill_process_tree_kills_the_processes_a_local_job_started():
+    # A local job's controller started the run's process; both must go, or the run goes on unseen.
+    shell = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    child = int(shell.stdout.readline())
+    study.kill_process_tree(shell.pid)
+    assert shell.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+        assert time.monotonic() < deadline, "the controller's child is still running"
+        time.sleep(0.05)

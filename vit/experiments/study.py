@@ -30,27 +30,38 @@ after it has finished, so the CSV never holds a partial run. On start, every key
 CSV is skipped. A run that was killed midway has no row: it is redone from scratch, and its
 unfinished log directory is moved aside first (to ``<run key>.unfinished-N``), never deleted or
 overwritten. A row records a fingerprint of the run's settings and the code revision; if the
-config changed since, the study stops with an error instead of mixing the two in one table.
+config changed since, the study stops with an error instead of mixing the two in one table. A row
+that is damaged (cut short, edited by hand) stops the study too, naming its line.
+
+One invocation at a time per ``out_dir``: it holds ``<out_dir>/study.lock`` (``fcntl.flock``,
+released by the kernel when the process ends, ``kill -9`` included) and a second one is refused.
+On SIGTERM or Ctrl-C the study cancels its runs under way (submitit's local jobs would outlive it)
+and exits with 128 + the signal; its finished rows are kept, and the same command goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import fcntl
 import io
 import json
 import logging
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import submitit
 import yaml
 
-from vit.experiments.grid import Run, calibration_plan, choose_lr, load_config, plan
+from vit.experiments.grid import CALIBRATE, Run, calibration_plan, choose_lr, load_config, plan
 from vit.experiments.report import write_reports
 
 COLUMNS = (
@@ -58,24 +69,103 @@ COLUMNS = (
     "params", "flops_per_image", "epochs", "steps", "batch_size", "train_time_s", "train_acc", "val_acc", "test_acc",
     "test_by_distance", "shift_region", "shift_acc", "shift_by_distance", "fingerprint", "revision", "finished_at",
 )
+INT_COLUMNS = ("num_train", "seed", "params", "flops_per_image", "epochs", "steps", "batch_size")
+FLOAT_COLUMNS = ("lr", "train_time_s", "train_acc", "val_acc", "test_acc")
 EXECUTORS = ("local", "debug", "slurm")
+LOCK_NAME = "study.lock"  # in out_dir, held by the invocation running the study (lock_out_dir)
 
 
 # ----------------------------------------------------------------------------- running
 
 
+class StudyError(ValueError):
+    """The study cannot go on as asked (runs.csv damaged or made with other settings, out_dir in use):
+    ``main`` prints it as one ``error:`` line, before any run starts."""
+
+
+class Stopped(BaseException):
+    """SIGTERM reached the study. A BaseException, like KeyboardInterrupt, so that no ``except
+    Exception`` on the way (a failed run, Lightning's handlers) takes it for an error and goes on."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _row_problem(fields: list[str]) -> str | None:
+    """What makes one line of runs.csv unusable (None: nothing), checked field by field as run_one writes them."""
+    if len(fields) != len(COLUMNS):
+        short = " (cut short?)" if len(fields) < len(COLUMNS) else ""
+        return f"it has {len(fields)} of the {len(COLUMNS)} fields{short}"
+    row = dict(zip(COLUMNS, fields))
+    for name in INT_COLUMNS + FLOAT_COLUMNS:
+        try:
+            (int if name in INT_COLUMNS else float)(row[name])
+        except ValueError:
+            return f"{name}={row[name]!r} is not a number"
+    for name in ("test_by_distance",) + (("shift_by_distance",) if row["shift_region"] else ()):
+        try:
+            if not isinstance(json.loads(row[name]), dict):
+                raise ValueError
+        except ValueError:
+            return f"{name} is not the JSON mapping run_one writes (cut short?)"
+    if not re.fullmatch(r"[0-9a-f]{12}", row["fingerprint"]):
+        return f"fingerprint={row['fingerprint']!r} is not 12 hex digits"
+    try:
+        time.strptime(row["finished_at"], "%Y-%m-%dT%H:%M:%S")
+    except ValueError:
+        return f"finished_at={row['finished_at']!r} is not a time (cut short?)"
+    lr = float(row["lr"]) if row["experiment"] == CALIBRATE else None
+    key = Run(row["experiment"], row["task"], row["model"], int(row["num_train"]), int(row["seed"]), "", "", 0, {}, "",
+              lr).key
+    if row["key"] != key:
+        return f"its key {row['key']!r} does not match its columns (they make {key!r})"
+    return None
+
+
 def read_rows(csv_path: Path) -> list[dict]:
-    """The finished runs in ``runs.csv`` (empty if there is none yet)."""
+    """The finished runs in ``runs.csv`` (empty if there is none yet), every line checked.
+
+    A damaged line (cut short, edited by hand) raises ``StudyError`` naming the file and the line:
+    deleting it makes the study redo that run. run_one's fields never hold a newline, so every
+    line is one row.
+    """
     if not csv_path.exists():
         return []
-    with csv_path.open(newline="") as f:
-        return list(csv.DictReader(f))
+    lines = csv_path.read_text(errors="replace").splitlines()
+    if not lines:
+        return []
+    header = next(csv.reader([lines[0]]), [])
+    if tuple(header) != COLUMNS:
+        raise StudyError(f"{csv_path} line 1 is not the header this study writes ({len(header)} columns, expected "
+                         f"{len(COLUMNS)}: {','.join(COLUMNS)}): restore it, or use a new out_dir if another "
+                         f"version of the study wrote this file")
+    rows, seen = [], {}
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        fields = next(csv.reader([line]))
+        problem = _row_problem(fields)
+        if problem is not None:
+            raise StudyError(f"{csv_path} line {number} is damaged: {problem}. Delete that line to redo its run "
+                             f"({fields[0] or 'no key'}), then rerun the same command")
+        if fields[0] in seen:
+            raise StudyError(f"{csv_path} line {number} repeats run {fields[0]} of line {seen[fields[0]]}: "
+                             f"delete one of the two lines")
+        seen[fields[0]] = number
+        rows.append(dict(zip(COLUMNS, fields)))
+    return rows
 
 
 def append_row(csv_path: Path, row: dict) -> None:
     """Append one row in a single ``write`` on an O_APPEND descriptor, then fsync: all of it or none."""
     header = not csv_path.exists() or csv_path.stat().st_size == 0
     lines = []
+    if not header:
+        with csv_path.open("rb") as f:  # a last line without its newline (an editor's) must not take this row in
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                lines.append("\n")
     for values in ([dict(zip(COLUMNS, COLUMNS))] if header else []) + [row]:
         buf = io.StringIO()
         csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n").writerow(values)
@@ -232,6 +322,64 @@ def code_revision() -> str:
     return head + ("-dirty" if dirty else "")
 
 
+@contextmanager
+def lock_out_dir(out_dir: Path):
+    """Hold ``<out_dir>/study.lock`` while the study runs; a second invocation on the same folder is refused.
+
+    Two at once would each take the other's runs under way for killed ones, move their folders
+    aside and start them again. ``fcntl.flock``: the kernel releases the lock when its process
+    ends, ``kill -9`` included, so a lock file left behind never blocks; the PID in it (emptied on
+    a clean end) tells that the last invocation was killed.
+    """
+    path = out_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise StudyError(f"{out_dir} is in use by another study invocation (PID {pid}, lock {path}): wait for it "
+                             f"to finish, or stop it (kill {pid}) and rerun; two at once would redo each other's "
+                             "runs") from None
+        except OSError as err:
+            raise StudyError(f"{path} cannot be locked ({err.strerror}): put out_dir on a filesystem with "
+                             "locks") from None
+        previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if previous:
+            print(f"taking over {path}: the invocation that held it (PID {previous}) ended without releasing it "
+                  "(killed?); its unfinished runs are redone", file=sys.stderr, flush=True)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # an empty lock file: this invocation ended, it was not killed
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def stop_on_sigterm():
+    """Turn SIGTERM into ``Stopped`` while the study runs (in the main thread; elsewhere nothing changes).
+
+    Python's default would end the process at once, leaving submitit's local jobs running on:
+    as an exception, ``fan_out`` cancels them first. Within a run of the debug executor,
+    Lightning calls this handler after its own.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_stopped(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class StudyJob(submitit.helpers.Checkpointable):
     """One run as a submitit job: train with ``threads`` torch threads, return the CSV row.
 
@@ -292,25 +440,71 @@ def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, poll_s: f
             return
         on_done(job, row)
 
-    if isinstance(executor, submitit.SlurmExecutor):  # one array; SLURM keeps `array_parallelism` running
-        with executor.batch():
-            handles = [executor.submit(job) for job in jobs]
-        pending, running = [], list(zip(jobs, handles))
-    while pending or running:
-        while pending and len(running) < parallel:
-            job = pending.pop(0)
-            handle = executor.submit(job)
-            if getattr(executor, "cluster", None) == "debug":
-                collect(job, handle)  # a debug job runs when its result is asked for
-                continue
-            running.append((job, handle))
-        finished = [(job, handle) for job, handle in running if handle.done()]
-        for job, handle in finished:
-            running.remove((job, handle))
-            collect(job, handle)
-        if running and not finished:
-            time.sleep(poll_s)
+    try:
+        if isinstance(executor, submitit.SlurmExecutor):  # one array; SLURM keeps `array_parallelism` running
+            with executor.batch():
+                handles = [executor.submit(job) for job in jobs]
+            pending, running = [], list(zip(jobs, handles))
+        while pending or running:
+            while pending and len(running) < parallel:
+                job = pending.pop(0)
+                handle = executor.submit(job)
+                if getattr(executor, "cluster", None) == "debug":
+                    collect(job, handle)  # a debug job runs when its result is asked for
+                    continue
+                running.append((job, handle))
+            finished = [(job, handle) for job, handle in running if handle.done()]
+            for job, handle in finished:
+                running.remove((job, handle))
+                collect(job, handle)
+            if running and not finished:
+                time.sleep(poll_s)
+    except BaseException:
+        # Stopped (SIGTERM, Ctrl-C): no row of the runs under way would be written, and submitit's
+        # local jobs outlive this process, so a rerun would start them again beside the old ones.
+        _cancel([handle for _, handle in running], wait_s=10.0 if getattr(executor, "cluster", None) == "local" else 0)
+        raise
     return failures
+
+
+def _cancel(handles: list, *, wait_s: float) -> None:
+    """Cancel submitit jobs and wait up to ``wait_s`` for them to end.
+
+    A local job is killed with its processes (``kill_process_tree``): submitit cancels it with
+    SIGINT, which its controller ignores when the study was started in the background from a
+    script (such jobs inherit an ignored SIGINT), and its task shrugs off SIGTERM. A stopped run is
+    redone from scratch, so nothing is lost by not letting it finish its step.
+    """
+    for handle in handles:
+        try:
+            if isinstance(handle, submitit.LocalJob):
+                kill_process_tree(int(handle.job_id))  # the job id of a local job is its controller's PID
+            else:
+                handle.cancel(check=False)
+        except Exception:  # noqa: BLE001 - e.g. no scancel here: cancel what can be cancelled
+            pass
+    deadline = time.monotonic() + wait_s
+    while handles and time.monotonic() < deadline and not all(handle.done() for handle in handles):
+        time.sleep(0.1)
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it (Linux: parents read from ``/proc/*/stat``)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        tree += frontier
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool = True, executor: str = "local",
@@ -319,15 +513,25 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
     executor, ``parallel`` at a time, then write the reports.
 
     With a calibration in the config, its runs come first; the learning rate of each family is then
-    chosen on their validation accuracy (``choose_lr``) and fixed for the study's runs.
+    chosen on their validation accuracy (``choose_lr``) and fixed for the study's runs. Holds
+    ``<out_dir>/study.lock`` meanwhile (``lock_out_dir``); SIGTERM raises ``Stopped``.
     """
+    cfg = load_config(config)
+    out_dir = Path(cfg["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with lock_out_dir(out_dir), stop_on_sigterm():
+        return _run_study(cfg, max_runs=max_runs, progress=progress, executor=executor, parallel=parallel,
+                          slurm=slurm, timeout_min=timeout_min)
+
+
+def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str, parallel: int, slurm: dict | None,
+               timeout_min: int) -> list[dict]:
     from tqdm.auto import tqdm
 
-    cfg = load_config(config)
     out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "runs.csv"
+    read_rows(csv_path)  # a damaged row stops the study here, before any work
+    log_dir.mkdir(parents=True, exist_ok=True)
     revision = code_revision()
     pool = make_executor(executor, log_dir / "submitit", timeout_min=timeout_min, slurm=slurm)
     budget = [max_runs]
@@ -337,7 +541,7 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
         for run in runs:
             row = done.get(run.key)
             if row is not None and row["fingerprint"] != run.fingerprint:
-                raise ValueError(f"{csv_path} holds run {run.key} made with other settings (fingerprint "
+                raise StudyError(f"{csv_path} holds run {run.key} made with other settings (fingerprint "
                                  f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
                                  f"out_dir/log_dir for the new settings, or move the old results away")
         todo = [run for run in runs if run.key not in done]
@@ -355,8 +559,10 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
             bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
 
         jobs = [StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision) for run in todo]
-        failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done)
-        bar.close()
+        try:
+            failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done)
+        finally:
+            bar.close()  # also when stopped: the message that follows starts a line of its own
         if failures:
             raise RuntimeError(f"{len(failures)} runs failed (rerun the same command to retry them): "
                                + "; ".join(f"{k}: {e}" for k, e in failures))
@@ -374,17 +580,20 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
         try:
             lrs = choose_lr(cfg, rows)
         except ValueError:  # stopped by --max-runs before the calibration finished
-            write_reports(rows, out_dir, cfg)
+            if rows:
+                write_reports(rows, out_dir, cfg)
             return rows
     execute(plan(cfg, lrs), "study runs")
     rows = read_rows(csv_path)
-    write_reports(rows, out_dir, cfg)
+    if rows:  # none with --max-runs 0 on a new study
+        write_reports(rows, out_dir, cfg)
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m vit.experiments.study`. A config it cannot use is one `error:` line and exit status 2,
-    before anything runs; an error during the runs keeps its traceback."""
+    """`python -m vit.experiments.study`. A config it cannot use, a damaged runs.csv, an out_dir in use
+    or nothing to report is one `error:` line and exit status 2, before anything runs; SIGTERM and
+    Ctrl-C are one line and 128 + the signal; an error during the runs keeps its traceback."""
     parser = argparse.ArgumentParser(prog="python -m vit.experiments.study", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="study config YAML, e.g. configs/study/relation.yaml")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
@@ -411,26 +620,45 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    if args.list or args.report_only:
-        rows = read_rows(Path(cfg["out_dir"]) / "runs.csv")
-        if args.list:
-            keys = {r["key"] for r in rows}
-            runs = calibration_plan(cfg)
-            try:
-                runs += plan(cfg, choose_lr(cfg, rows) if "calibration" in cfg else None)
-            except ValueError:
-                print("(the study's runs are planned once the calibration has finished)")
-            for run in runs:
-                print(f"{'done' if run.key in keys else 'todo'}  {run.key}  epochs={run.epochs}")
-            print(f"{sum(r.key in keys for r in runs)}/{len(runs)} runs done")
-        if args.report_only:
-            write_reports(rows, Path(cfg["out_dir"]), cfg)
-        return
-    slurm_params = slurm_parameters(partition=args.partition, time_min=args.timeout_min, gpus=args.gpus,
-                                    cpus=args.cpus, parallel=args.parallel)
-    run_study(args.config, max_runs=args.max_runs, executor=args.executor, parallel=args.parallel,
-              slurm=slurm_params, timeout_min=args.timeout_min)
+    csv_path = Path(cfg["out_dir"]) / "runs.csv"
+    try:
+        if args.list or args.report_only:
+            _list_and_report(args, cfg, csv_path)
+            return
+        slurm_params = slurm_parameters(partition=args.partition, time_min=args.timeout_min, gpus=args.gpus,
+                                        cpus=args.cpus, parallel=args.parallel)
+        run_study(args.config, max_runs=args.max_runs, executor=args.executor, parallel=args.parallel,
+                  slurm=slurm_params, timeout_min=args.timeout_min)
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (Stopped, KeyboardInterrupt) as err:
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        print(f"stopped by {signal.Signals(signum).name}: the {len(read_rows(csv_path))} finished runs are kept in "
+              f"{csv_path} and the runs under way were stopped; rerun the same command to go on (those are redone)",
+              file=sys.stderr)
+        raise SystemExit(128 + signum) from None
 
+
+def _list_and_report(args, cfg: dict, csv_path: Path) -> None:
+    """``--list`` and ``--report-only``: read runs.csv, run nothing."""
+    rows = read_rows(csv_path)
+    if args.list:
+        keys = {r["key"] for r in rows}
+        runs = calibration_plan(cfg)
+        try:
+            runs += plan(cfg, choose_lr(cfg, rows) if "calibration" in cfg else None)
+        except ValueError:
+            print("(the study's runs are planned once the calibration has finished)")
+        for run in runs:
+            print(f"{'done' if run.key in keys else 'todo'}  {run.key}  epochs={run.epochs}")
+        print(f"{sum(r.key in keys for r in runs)}/{len(runs)} runs done")
+    if args.report_only:
+        if not rows:
+            raise StudyError(f"no finished runs in {csv_path.parent} yet (no rows in {csv_path.name}), so there is "
+                             f"nothing to report: start the study with python -m vit.experiments.study --config "
+                             f"{args.config}")
+        write_reports(rows, csv_path.parent, cfg)
 
 if __name__ == "__main__":
     main()
