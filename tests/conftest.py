@@ -1,11 +1,19 @@
 """Fixtures shared by the test files."""
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from vit.data.cifar import DATASETS
 from vit.data.fake_cifar import write_fake_cifar
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2`: the workers share the cores, so each (and the train.py processes it starts)
+    # computes on one thread instead of oversubscribing them.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def trust_written_files(monkeypatch, dataset_cls, checksums: dict[str, str]) -> None:

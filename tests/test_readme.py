@@ -19,7 +19,7 @@ def test_install_and_test_commands_are_what_ci_runs():
     commands = [line for block in blocks("bash") for line in block.splitlines()]
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     assert 'pip install -e ".[dev]"' in commands and 'pip install -e ".[dev]"' in ci
-    assert "pytest" in commands and "pytest" in ci
+    assert "pytest -n 2" in commands and "pytest -n 2" in ci
 
 
 def test_relative_links_point_to_files():
