@@ -12,14 +12,16 @@ def to_2tuple(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return check_size("img_size", img_size, 1)
 
 
-def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: int | tuple[int, int],
+def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: tuple[int, int],
                       dtype: torch.dtype | None = None) -> None:
     """Raise a ValueError naming what was expected and what came when `x` does not fit the model.
+
+    `img_size` is `(H, W)`, as the models store it (converted once, in their constructors, by `to_2tuple`).
 
     `dtype` is the weights' dtype: inputs must have it, except under autocast, which casts them
     (Lightning's `bf16-mixed` keeps float32 inputs and autocasts the layers).
     """
-    H, W = to_2tuple(img_size)
+    H, W = img_size
     if x.ndim != 4 or x.shape[1] != in_chans or x.shape[2:] != (H, W):
         raise ValueError(f"expected input of shape (B, {in_chans}, {H}, {W}), got {tuple(x.shape)}")
     if not x.is_floating_point():

@@ -40,7 +40,7 @@ class PatchEmbed(nn.Module):
                     f"img_size={side} is not divisible by patch_size={patch_size}; "
                     f"allowed patch sizes for this image: {[p for p in range(1, side + 1) if side % p == 0]}"
                 )
-        self.img_size = img_size
+        self.img_size = sides  # (H, W), as timm's PatchEmbed keeps it
         self.patch_size = patch_size
         self.in_chans = in_chans
         self.grid_size = (sides[0] // patch_size, sides[1] // patch_size)  # (gh, gw)

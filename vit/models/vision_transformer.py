@@ -102,11 +102,6 @@ class VisionTransformer(nn.Module):
         check_float("qk_init_std", qk_init_std, 0.0, 10.0, low_open=True)
         check_choice("qk_init", qk_init, QKInit)
         self.qk_init_std, self.qk_init = qk_init_std, qk_init
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
-                f"allowed num_heads for this width: {[h for h in range(1, embed_dim + 1) if embed_dim % h == 0]}"
-            )
         for name, value in (("num_classes", num_classes), ("in_chans", in_chans)):
             check_int(name, value, 1)
         for name, value in (("drop_rate", drop_rate), ("proj_drop_rate", proj_drop_rate),
