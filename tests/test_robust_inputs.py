@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from robust_helpers import main_in_process, run_dirs, shared_run, tiny_config
+from robust_helpers import cli, error_line, run_dirs, shared_run, tiny_config
 from torchvision import datasets
 
 import vit.data.cifar as cifar
@@ -19,20 +19,6 @@ from vit.training.classifier import ImageClassifier
 @pytest.fixture
 def reference(tmp_path_factory, monkeypatch) -> Path:
     return shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch)
-
-
-def cli_error(args, monkeypatch, capsys) -> tuple[int, str]:
-    """Run the CLI in this process; return its exit code and stderr."""
-    with pytest.raises(SystemExit) as exit_info:
-        main_in_process(args, monkeypatch)
-    return exit_info.value.code, capsys.readouterr().err
-
-
-def one_paragraph(stderr: str) -> str:
-    """The error line, after checking that no traceback came with it."""
-    assert "Traceback" not in stderr
-    [line] = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    return line
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
@@ -89,9 +75,9 @@ def test_bad_checkpoints_are_named_with_what_is_wrong(tmp_path, reference, monke
     config = tiny_config(tmp_path / "cfg")
     for subcommand, name in CASES:
         pattern = BAD_CHECKPOINTS[name]
-        code, stderr = cli_error([subcommand, "--config", str(config), "--ckpt_path", str(paths[name])], monkeypatch, capsys)
+        code, stderr = cli([subcommand, "--config", str(config), "--ckpt_path", str(paths[name])], monkeypatch, capsys)
         assert code == 2, (subcommand, name)
-        assert re.fullmatch(f"error: {pattern}.*", one_paragraph(stderr)), (subcommand, name, stderr)
+        assert re.fullmatch(f"error: {pattern}.*", error_line(stderr)), (subcommand, name, stderr)
     assert not (tmp_path / "cfg" / "runs").exists()  # refused before any run folder was made
 
 
@@ -99,15 +85,15 @@ def test_weights_only_checkpoint_cannot_resume_fit(tmp_path, reference, monkeypa
     [run_dir] = run_dirs(reference)
     paths = write_checkpoint_variants(tmp_path, run_dir / "checkpoints" / "last.ckpt")
     config = tiny_config(tmp_path / "cfg")
-    code, stderr = cli_error(["fit", "--config", str(config), "--ckpt_path", str(paths["weights_only"])], monkeypatch, capsys)
+    code, stderr = cli(["fit", "--config", str(config), "--ckpt_path", str(paths["weights_only"])], monkeypatch, capsys)
     assert code == 2
-    assert "weights_only.ckpt holds weights only (no optimizer or loop state), so `fit` cannot resume" in one_paragraph(stderr)
+    assert "weights_only.ckpt holds weights only (no optimizer or loop state), so `fit` cannot resume" in error_line(stderr)
 
 
 def test_ckpt_path_last_without_any_run_is_an_error_outside_fit(tmp_path, monkeypatch, capsys):
-    code, stderr = cli_error(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", "last"], monkeypatch, capsys)
+    code, stderr = cli(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", "last"], monkeypatch, capsys)
     assert code == 2
-    assert one_paragraph(stderr) == f"error: --ckpt_path last: there is no last.ckpt under {tmp_path}/runs/tiny/*/checkpoints"
+    assert error_line(stderr) == f"error: --ckpt_path last: there is no last.ckpt under {tmp_path}/runs/tiny/*/checkpoints"
 
 
 # --- configuration values --------------------------------------------------------------------------
@@ -121,14 +107,14 @@ def test_ckpt_path_last_without_any_run_is_an_error_outside_fit(tmp_path, monkey
     (["--data.init_args.batch_size", "0"], "error: batch_size=0 is not allowed: expected an int >= 1"),
 ])
 def test_out_of_range_values_stop_with_one_paragraph(override, message, tmp_path, monkeypatch, capsys):
-    code, stderr = cli_error(["fit", "--config", str(tiny_config(tmp_path)), *override], monkeypatch, capsys)
+    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), *override], monkeypatch, capsys)
     assert code == 2
-    assert one_paragraph(stderr) == message
+    assert error_line(stderr) == message
     assert not (tmp_path / "runs").exists()
 
 
 def test_unknown_option_names_are_rejected_by_the_parser(tmp_path, monkeypatch, capsys):
-    code, stderr = cli_error(["fit", "--config", str(tiny_config(tmp_path)), "--model.lrr", "3"], monkeypatch, capsys)
+    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), "--model.lrr", "3"], monkeypatch, capsys)
     assert code == 2
     assert "error: unrecognized arguments: --model.lrr 3" in stderr and "Traceback" not in stderr
 
@@ -142,9 +128,9 @@ def test_a_run_directory_in_use_is_never_overwritten(earlier, tmp_path, monkeypa
     (run_dir / earlier).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / earlier).write_text("from an earlier run")
     args = ["fit", "--config", str(tiny_config(tmp_path)), "--trainer.logger.init_args.version", "0"]
-    code, stderr = cli_error(args, monkeypatch, capsys)
+    code, stderr = cli(args, monkeypatch, capsys)
     assert code == 2
-    assert one_paragraph(stderr).startswith(f"error: the run directory {run_dir} already holds a run")
+    assert error_line(stderr).startswith(f"error: the run directory {run_dir} already holds a run")
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()) == [earlier]
     assert (run_dir / earlier).read_text() == "from an earlier run"
 
@@ -154,9 +140,9 @@ def test_a_run_directory_in_use_is_never_overwritten(earlier, tmp_path, monkeypa
 
 def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     config = tiny_config(tmp_path, every_n_train_steps=1)
-    code, stderr = cli_error(["fit", "--config", str(config), "--model.lr", "1e30"], monkeypatch, capsys)
+    code, stderr = cli(["fit", "--config", str(config), "--model.lr", "1e30"], monkeypatch, capsys)
     assert code == 1
-    line = one_paragraph(stderr)
+    line = error_line(stderr)
     match = re.match(r"error: train/loss is (nan|inf|-inf) at training step (\d+) \(epoch 0, batch (\d+)\); "
                      r"training stopped at step \d+, and nothing from this step on was checkpointed\. "
                      r"The checkpoints written before it are kept: (\S+)\.", line)
