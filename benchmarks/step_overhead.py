@@ -10,6 +10,15 @@ steps do not count. Validation is off (it is not a training step). The two are t
 `--repeats` times, and each repeat gives one ratio train.py / bare; the median and the range of
 the ratios are printed. Any `train.py` option can be appended after `--` (e.g.
 `-- --trainer.enable_progress_bar false`) to see what it costs.
+
+With `--study CONFIG --model NAME`, what is timed is a whole run of the relation study instead:
+`vit.experiments.study.run_one` of that model on `same_different` (building the data, fit with
+the study's validations, loggers and checkpoints, test, the scoring by distance and the
+translation test), against `steps` bare steps, where `steps` is the run's own number of steps. The
+run is shortened to `--num_train` pairs for 2 epochs (the study: 64,000); its fixed costs then
+weigh more than in a full run, so the ratio is an upper bound for the study's 2000-step runs:
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --study configs/study/relation.yaml --model vit-learned
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import sys
 import tempfile
 import time
 from importlib import import_module
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -74,16 +84,65 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
     return (time.perf_counter() - start) / (steps - skip)
 
 
+def study_run(cfg: dict, model: str, num_train: int):
+    """The study's run of ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs, from ``cfg``."""
+    from vit.experiments.grid import plan
+
+    experiment = {"name": "relation", "tasks": ["same_different"], "models": [model], "num_train": [num_train],
+                  "train_region": "left", "test_region": "left", "shift_region": "right",
+                  "train_samples": 2 * num_train}
+    cfg = {k: v for k, v in cfg.items() if k != "calibration"}
+    (run,) = plan({**cfg, "seeds": [0], "experiments": [experiment]}, lrs={"vit": 1e-3, "cnn": 2e-3})
+    return run
+
+
+def main_study(args) -> None:
+    from vit.experiments.grid import load_config
+    from vit.experiments.study import run_one
+
+    cfg = load_config(args.study)
+    run = study_run(cfg, args.model, args.num_train)
+    steps = run.epochs * -(-args.num_train // cfg["batch_size"])
+    bare_config = {"data": run.overrides["data"], "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr}}
+    ratios, runs, bares = [], [], []
+    for repeat in range(args.repeats):
+        times = {}
+        for which in (("bare", "study") if repeat % 2 == 0 else ("study", "bare")):
+            if which == "bare":
+                times["bare"] = bare_seconds_per_step(bare_config, steps, args.skip)
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                start = time.perf_counter()
+                row = run_one(run, base_config=cfg["base_config"], log_dir=Path(tmp))
+                times["study"] = (time.perf_counter() - start) / steps
+            assert int(row["steps"]) == steps, (row["steps"], steps)
+        runs.append(times["study"])
+        bares.append(times["bare"])
+        ratios.append(times["study"] / times["bare"])
+        print(f"repeat {repeat}: bare {1000 * times['bare']:.1f} ms/step, whole study run {1000 * times['study']:.1f} "
+              f"ms/step ({steps} steps), ratio {ratios[-1]:.2f}", flush=True)
+    print(f"study run / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
+          f"{args.repeats} repeats; bare {1000 * statistics.median(bares):.1f} ms/step, whole study run "
+          f"{1000 * statistics.median(runs):.1f} ms/step (medians); torch threads {torch.get_num_threads()}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", help="a train.py config: time its steps through train.py")
+    parser.add_argument("--study", help="a study config: time whole study runs of --model instead")
+    parser.add_argument("--model", help="with --study: the study model to run")
+    parser.add_argument("--num_train", type=int, default=16000, help="with --study: training pairs (2 epochs)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if (args.config is None) == (args.study is None) or (args.study is not None and args.model is None):
+        parser.error("give either --config, or --study with --model")
     sys.argv = sys.argv[:1]  # LightningCLI below reads its arguments from the list it is given, not from here
+    if args.study:
+        return main_study(args)
     config = yaml.safe_load(open(args.config))
     ratios, bare_all, cli_all = [], [], []
     for repeat in range(args.repeats):
