@@ -8,7 +8,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from vit.experiments import report, shortcuts
-from vit.experiments.stats import clopper_pearson, fisher_p, paired_permutation_p, sign_test_p
+from vit.experiments.stats import clopper_pearson, fisher_p, holm, paired_permutation_p, sign_test_p
 
 
 @pytest.mark.parametrize("k,n", [(0, 5), (1, 5), (3, 5), (5, 5), (7, 20)])
@@ -101,3 +101,11 @@ def test_every_model_is_split_at_each_receptive_field_inside_the_distances(tmp_p
     # drops 40 and 20 points: median 30; both seeds the same sign, so the permutation p is 2/4
     assert "| cnn-rf15 | 90.0/50.0 80.0/60.0 | +30.0 | 0.500 |" in text
     assert "| vit | 90.0/90.0 70.0/80.0 | -5.0 | 1.000 |" in text  # drops 0 and -10: every sign pattern is as far
+
+
+def test_holm_adjusts_a_hand_computed_family():
+    # m = 4: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; made non-decreasing
+    # along that order: 0.02, 0.03, 0.06, 0.06; back in the order given.
+    np.testing.assert_allclose(holm([0.01, 0.04, 0.03, 0.005]), [0.03, 0.06, 0.06, 0.02])
+    np.testing.assert_allclose(holm([0.5, 0.6]), [1.0, 1.0])  # capped at 1
+    assert holm([0.048]) == [0.048]  # a family of one is not corrected
