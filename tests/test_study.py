@@ -255,7 +255,10 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
     results, logs = tmp_path / "results", tmp_path / "runs"
     csv_path = results / "runs.csv"
 
-    # 1. A partial study: the shortcut audit, then two runs, then stop.
+    # 1. A partial study: the shortcut audit, then two runs, then stop. The predictions written before
+    #    the runs (python -m vit.experiments.visibility) are in out_dir already and must stay as they are.
+    results.mkdir()
+    (results / "predictions.md").write_text("predicted before the runs\n")
     study.run_study(config, max_runs=2, progress=False, executor="debug")
     first = _rows(csv_path)
     assert [r["key"] for r in first] == [r.key for r in calibration[:2]]
@@ -343,6 +346,7 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
             if r["shift_region"]:
                 assert (f["shift_pred"] == f["shift_label"]).mean() == pytest.approx(float(r["shift_acc"]), abs=1e-4)
     assert "| relation | cnn-rf5 | 5 | yes | 2 |" in (results / "visibility.md").read_text()
+    assert (results / "predictions.md").read_text() == "predicted before the runs\n"
     translation = (results / "translation.md").read_text()
     assert "## relation: task `same_different`, trained in `left`, moved to `right`" in translation
     assert "position" not in translation

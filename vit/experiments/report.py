@@ -452,6 +452,8 @@ def _visibility(cells: dict, out_dir: Path, cfg: dict) -> None:
     from vit.experiments import visibility
 
     pred_dir = out_dir / "predictions"
+    if not pred_dir.is_dir():  # a study from before per-image predictions
+        return
     sections, curves = [], {}
     for exp in experiments(cfg):
         if "same_different" not in exp["tasks"]:
@@ -459,7 +461,7 @@ def _visibility(cells: dict, out_dir: Path, cfg: dict) -> None:
         for m in exp["models"]:
             net = visibility.conv_model(cfg["models"][m]) if m in cfg["models"] else None
             runs = [r for k, v in cells.items() if k[:3] == (exp["name"], "same_different", m) for r in v]
-            files = [pred_dir / f"{r['key']}.npz" for r in runs if (pred_dir / f"{r['key']}.npz").exists()]
+            files = [f for r in runs if (f := pred_dir / f"{r.get('key')}.npz").exists()]
             if net is None or not files:
                 continue
             got = visibility.rebin(visibility.unit_windows(net), files)

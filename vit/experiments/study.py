@@ -282,7 +282,7 @@ def save_predictions(path: Path, splits: dict) -> None:
                        f"{split}_distance": part_distance(dataset).numpy().astype(np.int16)})
         for name in ("positions", "shape_ids"):
             if hasattr(dataset, name):
-                arrays[f"{split}_{name}"] = getattr(dataset, name).numpy().astype(np.int8)
+                arrays[f"{split}_{name}"] = getattr(dataset, name).numpy().astype(np.int16)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("wb") as f:
