@@ -495,14 +495,17 @@ def _visibility(cells: dict, out_dir: Path, cfg: dict) -> None:
     edges = distance_edges(all_spans)
     heads = [f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
     lines += ["| model | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
-    for (_, m), (spans, measured, predicted, counts) in curves.items():
-        cells_ = []
+    binned = {}  # (experiment, model) -> (measured, predicted) per bin, the bin's pairs pooled
+    for key, (spans, measured, predicted, counts) in curves.items():
+        per_bin = []
         for lo, hi in zip(edges[:-1], edges[1:]):
             sel = [(a, p, n) for d, a, p, n in zip(spans, measured, predicted, counts) if lo <= d < hi]
             total = sum(n for *_, n in sel)
-            cells_.append("–" if not total else f"{sum(a * n for a, _, n in sel) / total * PERCENT:.1f} / "
-                                                f"{sum(p * n for _, p, n in sel) / total * PERCENT:.1f}")
-        lines.append(f"| {m} | " + " | ".join(cells_) + " |")
+            per_bin.append((sum(a * n for a, _, n in sel) / total, sum(p * n for _, p, n in sel) / total)
+                           if total else (np.nan, np.nan))
+        binned[key] = np.array(per_bin)
+        lines.append(f"| {key[1]} | " + " | ".join("–" if np.isnan(a) else f"{a * PERCENT:.1f} / {p * PERCENT:.1f}"
+                                                    for a, p in per_bin) + " |")
     (out_dir / "visibility.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
@@ -512,12 +515,13 @@ def _visibility(cells: dict, out_dir: Path, cfg: dict) -> None:
 
     for name in sorted({e for e, _ in curves}):
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        for i, ((e, m), (spans, measured, predicted, _)) in enumerate(c for c in curves.items() if c[0][0] == name):
+        centres = (edges[:-1] + edges[1:] - 1) / 2
+        for i, ((e, m), values) in enumerate(c for c in binned.items() if c[0][0] == name):
             color = plt.cm.tab10(i % 10)
-            ax.plot(spans, measured * PERCENT, "-o", ms=3, color=color, label=f"{m} measured")
-            ax.plot(spans, predicted * PERCENT, "--", color=color, lw=1.2, label=f"{m} predicted")
+            ax.plot(centres, values[:, 0] * PERCENT, "-o", ms=3, color=color, label=f"{m} measured")
+            ax.plot(centres, values[:, 1] * PERCENT, "--", color=color, lw=1.2, label=f"{m} predicted")
         ax.axhline(50, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel("span of the pair (px)")
+        ax.set_xlabel("span of the pair (px), bins of 3 px")
         ax.set_ylabel("test accuracy (%), all seeds pooled")
         ax.set_ylim(40, 101)
         ax.grid(alpha=0.3)
