@@ -194,6 +194,10 @@ def test_default_study_is_the_documented_grid():
     # the controls, the other ViTs, then the 200-step runs.
     assert [r.model for r in runs[:6]] == ["vit-learned", "vit-none", "cnn-rf11", "cnn-rf11-max", "cnn-rf21", "cnn-rf45"]
     assert [r.experiment for r in runs] == ["relation"] * 80 + ["position"] * 35
+    # The comparisons named before the runs: one family per question, each pair of models in its experiment.
+    assert set(cfg["comparisons"]["relation"]) == {"readout", "capacity", "vit_against_cnn", "position_encoding",
+                                                   "pooling", "receptive_field"}
+    assert ["cnn-rf11", "cnn-rf11-max"] in cfg["comparisons"]["relation"]["readout"]
 
 
 @pytest.mark.parametrize(
@@ -221,6 +225,10 @@ def test_default_study_is_the_documented_grid():
         ({"calibration": {"task": "same_different", "num_train": 32, "seeds": [100, 1], "lrs": [1e-3],
                           "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}},
          r"calibration: seed=1 is one of the study's seeds \[0, 1\]"),
+        ({"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf9"]]}}},
+         r"comparisons.relation.readout='cnn-rf9' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]"),
+        ({"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf5"]]}}},
+         r"comparisons.relation.readout=\[\['cnn-rf5', 'cnn-rf5'\]\] is not allowed: expected a non-empty list"),
         ({"shortcuts": {"num_train": 10, "num_test": 200}}, r"shortcuts.num_train=10 is not allowed"),
         ({"lrs": {"vit": 1e-3, "cnn": 1e-3}},
          r"'families' goes with either 'calibration' or fixed 'lrs' \(one of them\), got \['families', 'calibration', 'lrs'\]"),

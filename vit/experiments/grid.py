@@ -100,7 +100,7 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"{where}: expected a mapping at the top level, got " + ("an empty file" if cfg is None else type(cfg).__name__))
     allowed = {"base_config", "out_dir", "log_dir", "seeds", "batch_size", "train_samples", "num_val_checks",
                "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments", "families",
-               "calibration", "lrs", "shortcuts"}
+               "calibration", "lrs", "shortcuts", "comparisons"}
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -162,6 +162,7 @@ def load_config(path: str | Path) -> dict:
         if name == CALIBRATE:
             raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
     _check_calibration(cfg, where)
+    _check_comparisons(cfg, where)
     if "shortcuts" in cfg:
         sc = _require(cfg, "shortcuts", dict, where)
         extra = set(sc) - {"num_train", "num_test"}
@@ -230,6 +231,28 @@ def _check_calibration(cfg: dict, where: str) -> None:
     for family, model in models.items():
         if model not in families[family]:
             raise ValueError(f"{w}.models.{family}={model!r} is not allowed: expected one of {families[family]}")
+
+
+def _check_comparisons(cfg: dict, where: str) -> None:
+    """``comparisons`` (optional): experiment -> family of tests -> pairs ``[first, second]`` of its models,
+    named before the runs; the report corrects each family for multiple comparisons on its own."""
+    if "comparisons" not in cfg:
+        return
+    comparisons = _require(cfg, "comparisons", dict, where)
+    models = {exp["name"]: exp["models"] for exp in experiments(cfg)}
+    for name, families in comparisons.items():
+        check_choice(f"{where}: comparisons", name, tuple(models))
+        if not isinstance(families, dict) or not families:
+            raise ValueError(f"{where}: comparisons.{name}={families!r} is not allowed: expected a mapping of "
+                             "family names to lists of [first, second] model pairs")
+        for family, pairs in families.items():
+            w = f"{where}: comparisons.{name}.{family}"
+            if not isinstance(pairs, list) or not pairs or any(
+                    not isinstance(p, list) or len(p) != 2 or p[0] == p[1] for p in pairs):
+                raise ValueError(f"{w}={pairs!r} is not allowed: expected a non-empty list of [first, second] pairs "
+                                 "of two different models")
+            for model in (m for pair in pairs for m in pair):
+                check_choice(w, model, tuple(models[name]))
 
 
 def family_of(cfg: dict, model: str) -> str | None:
