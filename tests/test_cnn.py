@@ -1,5 +1,6 @@
 """The receptive-field CNN: the exact receptive field against a gradient, padding semantics, errors."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +90,81 @@ def test_circular_padding_cannot_tell_the_diagonal_pair_from_the_anti_diagonal_o
     torch.testing.assert_close(circular(rolled), circular(images), rtol=1e-4, atol=1e-5)
     zero = ConvNet(**kwargs, padding="zero").eval()
     assert not torch.allclose(zero(rolled), zero(images), rtol=1e-4, atol=1e-5)
+
+
+def test_max_pool_and_mlp_head_follow_their_formulas_and_the_defaults_keep_the_keys():
+    torch.manual_seed(0)
+    x = torch.randn(3, 1, 16, 16)
+    maxed = ConvNet(img_size=16, in_chans=1, num_classes=2, widths=(4, 4), strides=(2, 1), pool="max").eval()
+    fmap = maxed.forward_features(x)  # (B, 4, 8, 8)
+    brute = torch.stack([torch.stack([max(fmap[b, c].flatten().tolist()) * torch.ones(()) for c in range(4)])
+                         for b in range(3)])  # the largest unit of each channel, found one by one
+    torch.testing.assert_close(maxed(x), maxed.head(brute))
+    mlp = ConvNet(img_size=16, in_chans=1, num_classes=2, widths=(4, 4), strides=(2, 1), head="mlp").eval()
+    h = mlp.head
+    assert (h.fc1.in_features, h.fc1.out_features, h.fc2.out_features) == (4, 8, 2)
+    mean = mlp.forward_features(x).mean(dim=(2, 3))
+    torch.testing.assert_close(mlp(x), h.fc2(torch.relu(h.fc1(mean))))
+    default = ConvNet(img_size=16, in_chans=1, num_classes=2, widths=(4, 4))
+    assert [k for k in default.state_dict() if k.startswith("head")] == ["head.weight", "head.bias"]
+    assert default.state_dict().keys() == maxed.state_dict().keys()
+    assert isinstance(default.pool, torch.nn.AdaptiveAvgPool2d)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"pool": "mean"}, "pool='mean' is not allowed"),
+                                          ({"head": "attn"}, "head='attn' is not allowed")])
+def test_bad_readout_names_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ConvNet(**kwargs)
+
+
+def _stroke_detectors(pool: str) -> ConvNet:
+    """One conv layer whose channel o fires (0.5) only where a 3x3 window holds 3 ink pixels along orientation o."""
+    model = ConvNet(img_size=20, in_chans=1, num_classes=2, widths=(4,), kernel_size=3, pool=pool).eval()
+    segments = torch.zeros(4, 3, 3)
+    segments[0, 1, :] = 1  # horizontal, vertical, main diagonal, anti-diagonal: the order of make_shapes
+    segments[1, :, 1] = 1
+    segments[2] = torch.eye(3)
+    segments[3] = torch.eye(3).flip(1)
+    conv, bn = model.features[0], model.features[1]
+    with torch.no_grad():
+        conv.weight.copy_(segments[:, None])
+        bn.running_mean.zero_(), bn.running_var.fill_(1 - bn.eps), bn.weight.fill_(1), bn.bias.fill_(-2.5)
+        # "same" iff one orientation is present: logit(same) - logit(different) = 0.75 - sum of the features
+        model.head.weight.copy_(torch.tensor([[0.0] * 4, [-1.0] * 4]))
+        model.head.bias.copy_(torch.tensor([0.0, 0.75]))
+    return model
+
+
+def _hand_made_same_different() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Images, labels and stroke ids: every ordered pair of the 4 strokes (each "same" pair 3 times, so that
+    the classes are balanced and uniform within each, as in the task) at 3 placements far apart."""
+    from vit.data.same_different import make_shapes, render
+
+    pairs = [(a, a) for a in range(4)] * 3 + [(a, b) for a in range(4) for b in range(4) if a != b]
+    placements = [((1, 1), (12, 12)), ((1, 12), (12, 1)), ((7, 1), (7, 13))]
+    ids = np.array([p for _ in placements for p in pairs])
+    positions = np.array([pl for pl in placements for _ in pairs])
+    images = torch.from_numpy(render(positions, ids, make_shapes(), 20))[:, None]
+    return images, torch.from_numpy((ids[:, 0] == ids[:, 1]).astype(np.int64)), torch.from_numpy(ids)
+
+
+def test_the_max_pool_readout_separates_a_hand_made_same_different_batch():
+    # The issue's claim: a bag of one-stroke detectors (no unit sees both strokes: 3x3 windows, strokes
+    # 6+ px apart) separates same from different exactly under global max pooling, and cannot under
+    # average pooling with a linear head: the pooled features are then a sum of one part each
+    # (additive), and no additive rule beats the local-view ceiling, 2/3 on this balanced batch.
+    from sklearn.linear_model import LogisticRegression
+
+    from vit.data.same_different import bag_of_shapes_ceiling
+
+    images, labels, ids = _hand_made_same_different()
+    with torch.no_grad():
+        maxed = _stroke_detectors("max")
+        assert (maxed(images).argmax(1) == labels).all()  # 100%
+        avg = _stroke_detectors("avg")
+        feats = avg.pool(avg.forward_features(images)).flatten(1).double()  # (B, 4)
+    one = {a: feats[(ids[:, 0] == a) & (ids[:, 1] == a)][0] / 2 for a in range(4)}  # one stroke's share
+    torch.testing.assert_close(feats, torch.stack([one[int(a)] + one[int(b)] for a, b in ids]))  # additive
+    fit = LogisticRegression(C=1e6, max_iter=10_000).fit(feats.numpy() * 100, labels.numpy())
+    assert fit.score(feats.numpy() * 100, labels.numpy()) <= bag_of_shapes_ceiling(4) + 1e-9 < 0.67

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -145,25 +146,40 @@ def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ti
 
 
 def test_default_study_is_the_documented_grid():
-    # The shipped study (docs/study.md): 5 seeds in every cell, one learning rate per family from a
-    # 2-point grid; 2000 optimiser steps of 64 images for every relation and calibration run, 200
-    # for every run of the absolute-position task.
+    # The study of issue 22 (docs/study.md, configs/study/relation.yaml): 5 seeds in every cell; one
+    # learning rate per family from 2 rates x 3 calibration seeds; 2000 optimiser steps of 64 images
+    # for every relation and calibration run, 200 for every run of the absolute-position task.
     cfg = grid.load_config(ROOT / "configs/study/relation.yaml")
     calibration = grid.calibration_plan(cfg)
-    assert len(calibration) == 4 and {r.seed for r in calibration}.isdisjoint(cfg["seeds"])
+    assert len(calibration) == 12 and {r.seed for r in calibration} == {100, 101, 102}
+    assert {r.seed for r in calibration}.isdisjoint(cfg["seeds"])
     assert {(r.model, r.lr) for r in calibration} == {(m, lr) for m in ("vit-learned", "cnn-rf45") for lr in (1e-3, 2e-3)}
     runs = grid.plan(cfg, LRS)
-    assert len(runs) == 9 * 5 and len({r.key for r in runs}) == 45
+    assert len(runs) == 23 * 5 and len({r.key for r in runs}) == 115
     cells: dict[tuple, set] = {}
     for r in runs:
         cells.setdefault((r.experiment, r.task, r.model), set()).add(r.seed)
     assert all(seeds == {0, 1, 2, 3, 4} for seeds in cells.values())
-    relation = {m for (e, t, m) in cells if e == "relation"}
-    assert relation == {"vit-learned", "cnn-rf11", "cnn-rf21", "cnn-rf45"}
+    vits = {f"vit-{pos}{pool}" for pos in ("learned", "sincos1d", "sincos2d", "none") for pool in ("", "-cls")}
+    cnns = {"cnn-rf11", "cnn-rf11-max", "cnn-rf11-mlp", "cnn-rf13", "cnn-rf21", "cnn-rf29", "cnn-rf45", "cnn-rf45-wide"}
+    assert {m for (e, t, m) in cells if e == "relation"} == vits | cnns
     assert {m for (e, t, m) in cells if e == "position"} == {
-        "vit-learned", "vit-none", "cnn-rf21", "cnn-rf21-circular", "cnn-rf21-valid"}
-    assert [report.model_rf(cfg, m) for m in ("cnn-rf11", "cnn-rf21", "cnn-rf45")] == [11, 21, 45]
-    assert all(cfg["models"][m]["init_args"].get("pool") == "mean" for m in cfg["models"] if m.startswith("vit"))
+        "vit-learned", "vit-sincos1d", "vit-sincos2d", "vit-none", "cnn-rf21", "cnn-rf21-circular", "cnn-rf21-valid"}
+    assert {m: report.model_rf(cfg, m) for m in sorted(cnns)} == {
+        "cnn-rf11": 11, "cnn-rf11-max": 11, "cnn-rf11-mlp": 11, "cnn-rf13": 13, "cnn-rf21": 21, "cnn-rf29": 29,
+        "cnn-rf45": 45, "cnn-rf45-wide": 45}
+    # The readout controls are cnn-rf11 with one thing changed; the wide variant is cnn-rf45 twice as wide.
+    args = {m: cfg["models"][m]["init_args"] for m in cnns}
+    assert {k: v for k, v in args["cnn-rf11-max"].items() if k != "pool"} == args["cnn-rf11"]
+    assert args["cnn-rf11-max"]["pool"] == "max" and args["cnn-rf11-mlp"]["head"] == "mlp"
+    assert args["cnn-rf45-wide"] == {**args["cnn-rf45"], "widths": [64] * 7}
+    # Every ViT is the recipe of configs/same_different/vit.yaml, but for its pooling and position encoding.
+    recipe = yaml.safe_load((ROOT / "configs/same_different/vit.yaml").read_text())["model"]["backbone"]["init_args"]
+    for m in vits:
+        vit_args = cfg["models"][m]["init_args"]
+        assert {k: v for k, v in vit_args.items() if k not in ("pool", "pos_embed")} == \
+            {k: v for k, v in recipe.items() if k not in ("pool", "pos_embed")}
+        assert vit_args["pool"] == ("cls" if m.endswith("-cls") else "mean")
     steps = {"relation": 2000, "position": 200, grid.CALIBRATE: 2000}
     for r in runs + calibration:
         trainer = r.overrides["trainer"]
@@ -173,9 +189,15 @@ def test_default_study_is_the_documented_grid():
         assert r.shift_region == ("right" if r.experiment == "relation" else None)
         if r.experiment == "relation":
             assert (r.train_region, r.test_region) == ("left", "left")
-    # The runs go longest first (the relation's 2000-step runs, then the 200-step ones), so that the
-    # two processes finish close together.
-    assert [r.experiment for r in runs] == ["relation"] * 20 + ["position"] * 25
+            assert r.overrides["model"]["warmup_epochs"] == 0.2  # the recipe's 200 steps
+    # The runs go in the order of the claims: the core relation cells, the receptive-field series and
+    # the controls, the other ViTs, then the 200-step runs.
+    assert [r.model for r in runs[:6]] == ["vit-learned", "vit-none", "cnn-rf11", "cnn-rf11-max", "cnn-rf21", "cnn-rf45"]
+    assert [r.experiment for r in runs] == ["relation"] * 80 + ["position"] * 35
+    # The comparisons named before the runs: one family per question, each pair of models in its experiment.
+    assert set(cfg["comparisons"]["relation"]) == {"readout", "capacity", "vit_against_cnn", "position_encoding",
+                                                   "pooling", "receptive_field"}
+    assert ["cnn-rf11", "cnn-rf11-max"] in cfg["comparisons"]["relation"]["readout"]
 
 
 @pytest.mark.parametrize(
@@ -197,6 +219,16 @@ def test_default_study_is_the_documented_grid():
          r"calibration: seed=0 is one of the study's seeds \[0, 1\]"),
         ({"calibration": {"task": "same_different", "num_train": 32, "seed": 100, "lrs": [2.0],
                           "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}}, r"lrs=\[2.0\] is not allowed"),
+        ({"calibration": {"task": "same_different", "num_train": 32, "seed": 100, "seeds": [101], "lrs": [1e-3],
+                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}},
+         r"calibration: give either seed \(one\) or seeds \(a list\), got both \(100 and \[101\]\)"),
+        ({"calibration": {"task": "same_different", "num_train": 32, "seeds": [100, 1], "lrs": [1e-3],
+                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}},
+         r"calibration: seed=1 is one of the study's seeds \[0, 1\]"),
+        ({"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf9"]]}}},
+         r"comparisons.relation.readout='cnn-rf9' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]"),
+        ({"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf5"]]}}},
+         r"comparisons.relation.readout=\[\['cnn-rf5', 'cnn-rf5'\]\] is not allowed: expected a non-empty list"),
         ({"shortcuts": {"num_train": 10, "num_test": 200}}, r"shortcuts.num_train=10 is not allowed"),
         ({"lrs": {"vit": 1e-3, "cnn": 1e-3}},
          r"'families' goes with either 'calibration' or fixed 'lrs' \(one of them\), got \['families', 'calibration', 'lrs'\]"),
@@ -231,7 +263,10 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
     results, logs = tmp_path / "results", tmp_path / "runs"
     csv_path = results / "runs.csv"
 
-    # 1. A partial study: the shortcut audit, then two runs, then stop.
+    # 1. A partial study: the shortcut audit, then two runs, then stop. The predictions written before
+    #    the runs (python -m vit.experiments.visibility) are in out_dir already and must stay as they are.
+    results.mkdir()
+    (results / "predictions.md").write_text("predicted before the runs\n")
     study.run_study(config, max_runs=2, progress=False, executor="debug")
     first = _rows(csv_path)
     assert [r["key"] for r in first] == [r.key for r in calibration[:2]]
@@ -309,6 +344,17 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         moved = [float(r["shift_acc"]) for r in rows if (r["experiment"], r["model"]) == (experiment, model)
                  and r["shift_acc"]]
         assert cell["shift_acc_median"] == ("" if not moved else f"{statistics.median(moved):.4f}")
+    # Each run's per-image predictions, and the CNN's test set re-binned by visibility.
+    for r in rows:
+        with np.load(results / "predictions" / f"{r['key']}.npz") as f:
+            assert len(f["test_pred"]) == cfg["num_test"]
+            assert (f["test_pred"] == f["test_label"]).mean() == pytest.approx(float(r["test_acc"]), abs=1e-4)
+            if r["task"] == "same_different":
+                assert f["test_positions"].shape == (cfg["num_test"], 2, 2)
+            if r["shift_region"]:
+                assert (f["shift_pred"] == f["shift_label"]).mean() == pytest.approx(float(r["shift_acc"]), abs=1e-4)
+    assert "| relation | cnn-rf5 | 5 | yes | 2 |" in (results / "visibility.md").read_text()
+    assert (results / "predictions.md").read_text() == "predicted before the runs\n"
     translation = (results / "translation.md").read_text()
     assert "## relation: task `same_different`, trained in `left`, moved to `right`" in translation
     assert "position" not in translation

@@ -8,7 +8,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from vit.experiments import report, shortcuts
-from vit.experiments.stats import clopper_pearson, fisher_p, paired_permutation_p, sign_test_p
+from vit.experiments.stats import clopper_pearson, fisher_p, holm, paired_permutation_p, sign_test_p
 
 
 @pytest.mark.parametrize("k,n", [(0, 5), (1, 5), (3, 5), (5, 5), (7, 20)])
@@ -101,3 +101,31 @@ def test_every_model_is_split_at_each_receptive_field_inside_the_distances(tmp_p
     # drops 40 and 20 points: median 30; both seeds the same sign, so the permutation p is 2/4
     assert "| cnn-rf15 | 90.0/50.0 80.0/60.0 | +30.0 | 0.500 |" in text
     assert "| vit | 90.0/90.0 70.0/80.0 | -5.0 | 1.000 |" in text  # drops 0 and -10: every sign pattern is as far
+
+
+def test_holm_adjusts_a_hand_computed_family():
+    # m = 4: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; made non-decreasing
+    # along that order: 0.02, 0.03, 0.06, 0.06; back in the order given.
+    np.testing.assert_allclose(holm([0.01, 0.04, 0.03, 0.005]), [0.03, 0.06, 0.06, 0.02])
+    np.testing.assert_allclose(holm([0.5, 0.6]), [1.0, 1.0])  # capped at 1
+    assert holm([0.048]) == [0.048]  # a family of one is not corrected
+
+
+def test_each_named_family_of_comparisons_is_corrected_on_its_own(tmp_path):
+    # Three models: the config names one family of one pair (readout), so its Holm value is its own
+    # p-value; the table of every pair corrects over all three pairs.
+    cfg = {"models": {m: {"class_path": "vit.models.ConvNet", "init_args": {}} for m in ("avg", "max", "mlp")},
+           "experiments": [{"name": "rf", "tasks": ["same_different"], "models": ["avg", "max", "mlp"],
+                            "num_train": [100], "train_region": "all", "test_region": "all"}],
+           "comparisons": {"rf": {"readout": [["avg", "max"]]}}}
+    accs = {"avg": [0.5] * 5, "max": [0.95] * 5, "mlp": [0.6, 0.8, 0.5, 0.9, 0.75]}
+    rows = [{"experiment": "rf", "task": "same_different", "model": m, "num_train": "100", "seed": str(s),
+             "test_acc": str(a)} for m, v in accs.items() for s, a in enumerate(v)]
+    shortcuts = {"same_different": {"ink": 0.5}}  # success: above 55%
+    report._comparisons(report.per_cell(rows), shortcuts, tmp_path, cfg)
+    text = (tmp_path / "comparisons.md").read_text()
+    family = text.split("### readout (1 of its 1 pairs run; Holm over those)")[1].split("###")[0]
+    assert "| avg | max | 5 | -45.0 | 0.062 | 0.062 | 0.062 | 0/5 vs 5/5 | 0.008 | 0.008 |" in family
+    every = text.split("### every pair (3; Holm over all of them)")[1]
+    fisher = fisher_p(0, 5, 5, 5)  # avg-max 0/5 vs 5/5; avg-mlp 0/5 vs 3/5 (0.167); max-mlp 5/5 vs 3/5 (0.444)
+    assert f"| avg | max | 5 | -45.0 | 0.062 | 0.188 | 0.062 | 0/5 vs 5/5 | 0.008 | {3 * fisher:.3f} |" in every

@@ -12,10 +12,14 @@ the label away:
 * **Ink carries nothing.** Every pattern has exactly ``SHAPE_PIXELS`` pixels on, so every image has
   the same amount of ink.
 * **One shape alone carries nothing.** Each shape's pattern is uniform over the set in both
-  classes. What a model can get from the two shapes seen *separately* and added up (a CNN whose
-  receptive field holds one shape, global average pooling, a linear head) is bounded by the
-  additive ceiling ``bag_of_shapes_ceiling`` (66.7% for 4 shapes): seeing both at once is the only
-  way above it.
+  classes. A score that adds up the two shapes seen *separately*, ``h(a) + h(b)`` (a CNN whose
+  units see one shape at most, read out by global average pooling and a linear head, with
+  features that do not depend on where a shape is), is bounded by ``bag_of_shapes_ceiling``
+  (66.7% for 4 shapes), and trained with cross-entropy its optimum is the constant score (loss
+  ln 2, 50%): the loss is convex in ``h`` and symmetric under relabelling the shapes. The bound
+  is about that readout, not about seeing the shapes separately: under global max pooling, a
+  bag of one-shape detectors separates the classes exactly ("one kind present" against "two"),
+  and position-dependent features (zero padding) escape the additive form.
 
 The patterns (``make_shapes``) are part of the task: four straight strokes 5 pixels long
 (horizontal, vertical, both diagonals), each in a ``SHAPE_SIZE`` x ``SHAPE_SIZE`` box; so the label

@@ -100,7 +100,7 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"{where}: expected a mapping at the top level, got " + ("an empty file" if cfg is None else type(cfg).__name__))
     allowed = {"base_config", "out_dir", "log_dir", "seeds", "batch_size", "train_samples", "num_val_checks",
                "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments", "families",
-               "calibration", "lrs", "shortcuts"}
+               "calibration", "lrs", "shortcuts", "comparisons"}
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -162,6 +162,7 @@ def load_config(path: str | Path) -> dict:
         if name == CALIBRATE:
             raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
     _check_calibration(cfg, where)
+    _check_comparisons(cfg, where)
     if "shortcuts" in cfg:
         sc = _require(cfg, "shortcuts", dict, where)
         extra = set(sc) - {"num_train", "num_test"}
@@ -174,8 +175,8 @@ def load_config(path: str | Path) -> dict:
 
 
 def _check_calibration(cfg: dict, where: str) -> None:
-    """``families`` (family -> models) come with either ``calibration`` (task, num_train, seed, lrs,
-    one model per family), or ``lrs`` (family -> a fixed rate, e.g. one an earlier calibration
+    """``families`` (family -> models) come with either ``calibration`` (task, num_train, seed or seeds,
+    lrs, one model per family), or ``lrs`` (family -> a fixed rate, e.g. one an earlier calibration
     chose); every model of the study must then be in exactly one family."""
     given = [k for k in ("calibration", "lrs") if k in cfg]
     if ("families" in cfg) != bool(given) or len(given) > 1:
@@ -205,15 +206,22 @@ def _check_calibration(cfg: dict, where: str) -> None:
         return
     cal = _require(cfg, "calibration", dict, where)
     w = f"{where}: calibration"
-    extra = set(cal) - {"task", "num_train", "seed", "lrs", "models"}
+    extra = set(cal) - {"task", "num_train", "seed", "seeds", "lrs", "models"}
     if extra:
         raise ValueError(f"{w}: unknown keys {sorted(extra)}")
     check_choice(f"{w}.task", _require(cal, "task", str, w), tuple(TASK_DATA))
-    if _require(cal, "num_train", int, w) < 1 or _require(cal, "seed", int, w) < 0:
-        raise ValueError(f"{w}: num_train must be >= 1 and seed >= 0")
-    if cal["seed"] in cfg["seeds"]:
-        raise ValueError(f"{w}: seed={cal['seed']} is one of the study's seeds {cfg['seeds']}; calibrate on "
-                         f"other data than the study is scored on")
+    if ("seed" in cal) == ("seeds" in cal):
+        raise ValueError(f"{w}: give either seed (one) or seeds (a list), got " +
+                         (f"both ({cal['seed']!r} and {cal['seeds']!r})" if "seed" in cal else "neither"))
+    seeds = cal.setdefault("seeds", [cal.get("seed")])  # one seed is a list of one
+    if _require(cal, "num_train", int, w) < 1 or not isinstance(seeds, list) or not seeds or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise ValueError(f"{w}: num_train must be an int >= 1 and seed(s) ints >= 0, got num_train="
+                         f"{cal['num_train']!r}, seeds={seeds!r}")
+    for seed in seeds:
+        if seed in cfg["seeds"]:
+            raise ValueError(f"{w}: seed={seed} is one of the study's seeds {cfg['seeds']}; calibrate on "
+                             f"other data than the study is scored on")
     lrs = _require(cal, "lrs", list, w)
     if not lrs or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 for v in lrs):
         raise ValueError(f"{w}: lrs={lrs!r} is not allowed: expected a non-empty list of floats in (0, 1)")
@@ -225,13 +233,48 @@ def _check_calibration(cfg: dict, where: str) -> None:
             raise ValueError(f"{w}.models.{family}={model!r} is not allowed: expected one of {families[family]}")
 
 
+def _check_comparisons(cfg: dict, where: str) -> None:
+    """``comparisons`` (optional): experiment -> family of tests -> pairs ``[first, second]`` of its models,
+    named before the runs; the report corrects each family for multiple comparisons on its own."""
+    if "comparisons" not in cfg:
+        return
+    comparisons = _require(cfg, "comparisons", dict, where)
+    models = {exp["name"]: exp["models"] for exp in experiments(cfg)}
+    for name, families in comparisons.items():
+        check_choice(f"{where}: comparisons", name, tuple(models))
+        if not isinstance(families, dict) or not families:
+            raise ValueError(f"{where}: comparisons.{name}={families!r} is not allowed: expected a mapping of "
+                             "family names to lists of [first, second] model pairs")
+        for family, pairs in families.items():
+            w = f"{where}: comparisons.{name}.{family}"
+            if not isinstance(pairs, list) or not pairs or any(
+                    not isinstance(p, list) or len(p) != 2 or p[0] == p[1] for p in pairs):
+                raise ValueError(f"{w}={pairs!r} is not allowed: expected a non-empty list of [first, second] pairs "
+                                 "of two different models")
+            for model in (m for pair in pairs for m in pair):
+                check_choice(w, model, tuple(models[name]))
+
+
 def family_of(cfg: dict, model: str) -> str | None:
     """The family a model's learning rate is calibrated with (None without calibration)."""
     return next((f for f, members in cfg.get("families", {}).items() if model in members), None)
 
 
+def calibration_key(cfg: dict, model: str, lr: float, seed: int) -> str:
+    """The run key of one calibration run."""
+    cal = cfg["calibration"]
+    return Run(CALIBRATE, cal["task"], model, cal["num_train"], seed, "all", "all", 0, {}, "", lr).key
+
+
+def calibration_scores(cfg: dict, rows: list[dict], model: str, lr: float) -> list[float | None]:
+    """The validation accuracy of ``model`` at ``lr`` on each calibration seed (None: not finished)."""
+    done = {r["key"]: float(r["val_acc"]) for r in rows}
+    return [done.get(calibration_key(cfg, model, lr, seed)) for seed in cfg["calibration"]["seeds"]]
+
+
 def choose_lr(cfg: dict, rows: list[dict]) -> dict[str, float]:
-    """``{family: lr}``: the calibration run with the best ``val_acc`` per family (ties: the smaller lr).
+    """``{family: lr}``: the rate with the best mean ``val_acc`` over the calibration seeds, per family (ties: the
+    smaller lr). A mean, not a best seed: in a bimodal regime one seed that escapes would decide alone.
 
     Raises if a calibration run is missing from ``rows``.
     """
@@ -240,11 +283,11 @@ def choose_lr(cfg: dict, rows: list[dict]) -> dict[str, float]:
     for family, model in cal["models"].items():
         scores = {}
         for lr in cal["lrs"]:
-            key = Run(CALIBRATE, cal["task"], model, cal["num_train"], cal["seed"], "all", "all", 0, {}, "", lr).key
-            row = next((r for r in rows if r["key"] == key), None)
-            if row is None:
+            accs = calibration_scores(cfg, rows, model, lr)
+            if None in accs:
+                key = calibration_key(cfg, model, lr, cal["seeds"][accs.index(None)])
                 raise ValueError(f"calibration run {key} has not finished")
-            scores[lr] = float(row["val_acc"])
+            scores[lr] = sum(accs) / len(accs)
         chosen[family] = max(sorted(scores), key=lambda lr: scores[lr])  # max keeps the first (smallest) on ties
     return chosen
 
@@ -271,7 +314,7 @@ def calibration_plan(cfg: dict) -> list[Run]:
     exp = {"name": CALIBRATE, "tasks": [cal["task"]], "models": list(cal["models"].values()),
            "num_train": [cal["num_train"]], "train_region": "all", "test_region": "all", "shift_region": None,
            "train_samples": cfg["train_samples"]}
-    return [run for lr in cal["lrs"] for run in _runs(cfg, [exp], [cal["seed"]], lambda model: lr)]
+    return [run for lr in cal["lrs"] for run in _runs(cfg, [exp], cal["seeds"], lambda model: lr)]
 
 
 def plan(cfg: dict, lrs: dict[str, float] | None = None) -> list[Run]:

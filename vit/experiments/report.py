@@ -6,7 +6,8 @@
   learning rate, parameters, FLOPs per image and the median wall time of a run.
 * ``calibration.md``: the learning-rate grid of each model family and the rate chosen.
 * ``comparisons.md``: every pair of models within an experiment, seed-paired (exact permutation and
-  sign tests on the accuracy differences) and by success counts (Fisher's exact test).
+  sign tests on the accuracy differences) and by success counts (Fisher's exact test), each with
+  Holm's correction over the pairs of its table (the family of tests a reader scans at once).
 * ``<experiment>_runs.png``: a dot per run and the median per model.
 * ``translation.md`` and ``<experiment>_<task>_shift.png`` (experiments with a ``shift_region``):
   each run's accuracy in its own region and on the moved test set, and the seed-paired tests.
@@ -14,6 +15,13 @@
 * ``<experiment>_<task>_by_distance.png``: test accuracy against the distance between the two parts, one
   curve per model (all seeds' test images pooled), each CNN's receptive field marked: the study's
   headline figure.
+* ``visibility.md`` and ``<experiment>_<task>_visibility.png`` (``same_different``, from the per-image
+  predictions in ``predictions/``): each CNN's accuracy on the pairs one of its units sees and on
+  the others, and its curve against span beside the partial-view model's
+  (``vit.experiments.visibility``).
+
+Every file it writes is named here; ``predictions.md`` (the predictions written before the runs)
+is not one of them, and nothing in ``out_dir`` is deleted.
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vit.experiments.grid import CALIBRATE, experiments
-from vit.experiments.stats import clopper_pearson, fisher_p, paired_permutation_p, sign_test_p
+from vit.experiments.grid import CALIBRATE, calibration_scores, experiments
+from vit.experiments.stats import clopper_pearson, fisher_p, holm, paired_permutation_p, sign_test_p
 from vit.models.cnn import receptive_field
 
 PERCENT = 100.0
@@ -86,6 +94,7 @@ def write_reports(rows: list[dict], out_dir: Path, cfg: dict) -> None:
     _translation(cells, shortcuts, out_dir, cfg)
     _by_distance(cells, out_dir, cfg)
     _figures(cells, shortcuts, out_dir, cfg)
+    _visibility(cells, out_dir, cfg)
 
 
 def _summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
@@ -158,52 +167,74 @@ def _calibration(rows: list[dict], out_dir: Path, cfg: dict) -> None:
     if "calibration" not in cfg:
         return
     cal = cfg["calibration"]
-    got = {(r["model"], float(r["lr"])): float(r["val_acc"]) for r in rows if r["experiment"] == CALIBRATE}
+    seeds = cal.get("seeds", [cal.get("seed")])
     lines = ["# Learning-rate calibration: validation accuracy (%)", "",
-             f"Task `{cal['task']}`, {cal['num_train']} training images, data seed {cal['seed']} (not a study seed), "
-             "the study's schedule. The best rate of each family (ties: the smaller) is used for all its models.", "",
+             f"Task `{cal['task']}`, {cal['num_train']} training images, data seeds {', '.join(map(str, seeds))} (not "
+             "study seeds), the study's schedule. Each cell: the mean over the seeds, then every seed. The rate with "
+             "the best mean of each family (ties: the smaller) is used for all its models.", "",
              "| family (model) | " + " | ".join(f"lr {lr:g}" for lr in cal["lrs"]) + " | chosen |",
              "|---" * (len(cal["lrs"]) + 2) + "|"]
     for family, model in cal["models"].items():
-        scores = {lr: got.get((model, float(lr))) for lr in cal["lrs"]}
-        done = {lr: s for lr, s in scores.items() if s is not None}
+        scores = {lr: calibration_scores({"calibration": {**cal, "seeds": seeds}}, rows, model, lr) for lr in cal["lrs"]}
+        done = {lr: float(np.mean(s)) for lr, s in scores.items() if None not in s}
         chosen = f"{max(sorted(done), key=lambda lr: done[lr]):g}" if len(done) == len(scores) else "(unfinished)"
-        cells = [f"{s * PERCENT:.1f}" if s is not None else "–" for s in scores.values()]
+        cells = [(f"{done[lr] * PERCENT:.1f} (" if lr in done else "– (")
+                 + " ".join("–" if a is None else f"{a * PERCENT:.1f}" for a in s) + ")" for lr, s in scores.items()]
         lines.append(f"| {family} ({model}) | " + " | ".join(cells) + f" | {chosen} |")
     (out_dir / "calibration.md").write_text("\n".join(lines) + "\n")
 
 
 def _comparisons(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
     lines = ["# Seed-paired comparisons", "",
-             "Each pair of models of an experiment on the seeds both have. `diff`: median over seeds of the "
+             "Pairs of models of an experiment on the seeds both have. `diff`: median over seeds of the "
              "accuracy difference (first minus second, points). `perm p`: exact two-sided paired permutation test; "
-             "`sign p`: exact sign test; both cannot go below 0.0625 with 5 seeds. `Fisher p`: success counts.", ""]
+             "`sign p`: exact sign test; both cannot go below 0.0625 with 5 seeds. `Fisher p`: success counts "
+             "(5/5 against 0/5: 0.008). `(Holm)`: the same p-value after Holm's correction over the pairs of its "
+             "table, which is the family of tests: first each family of comparisons the config names before the "
+             "runs (`comparisons`), one question each, then every pair of the experiment (one family of all pairs: "
+             "with many models nothing survives it at 5 seeds).", ""]
     for exp in experiments(cfg):
         for task in exp["tasks"]:
             models = [m for m in exp["models"] if (exp["name"], task, m, exp["num_train"][-1]) in cells]
             if len(models) < 2:
                 continue
-            thr = success_threshold(shortcuts, task)
-            lines += [f"## {exp['name']}: task `{task}`", "",
-                      "| first | second | seeds | diff | perm p | sign p | successes | Fisher p |",
-                      "|---|---|---|---|---|---|---|---|"]
-            for i, a in enumerate(models):
-                for b in models[i + 1:]:
-                    ra = {r["seed"]: float(r["test_acc"]) for r in cells[(exp["name"], task, a, exp["num_train"][-1])]}
-                    rb = {r["seed"]: float(r["test_acc"]) for r in cells[(exp["name"], task, b, exp["num_train"][-1])]}
-                    seeds = sorted(set(ra) & set(rb), key=int)
-                    if not seeds:
-                        continue
-                    xa, xb = [ra[s] for s in seeds], [rb[s] for s in seeds]
-                    diff = np.median(np.subtract(xa, xb)) * PERCENT
-                    sa, sb = successes(xa, thr), successes(xb, thr)
-                    succ, fp = ("–", "–") if sa is None else \
-                        (f"{sa[0]}/{len(seeds)} vs {sb[0]}/{len(seeds)}",
-                         f"{fisher_p(sa[0], len(seeds), sb[0], len(seeds)):.3f}")
-                    lines.append(f"| {a} | {b} | {len(seeds)} | {diff:+.1f} | {paired_permutation_p(xa, xb):.3f} | "
-                                 f"{sign_test_p(xa, xb):.3f} | {succ} | {fp} |")
-            lines.append("")
+            lines += [f"## {exp['name']}: task `{task}`", ""]
+            for family, pairs in cfg.get("comparisons", {}).get(exp["name"], {}).items():
+                done = [(a, b) for a, b in pairs if a in models and b in models]
+                lines += [f"### {family} ({len(done)} of its {len(pairs)} pairs run; Holm over those)", ""]
+                lines += _pair_table(cells, exp, task, done, success_threshold(shortcuts, task))
+            every = [(a, b) for i, a in enumerate(models) for b in models[i + 1:]]
+            lines += [f"### every pair ({len(every)}; Holm over all of them)", ""]
+            lines += _pair_table(cells, exp, task, every, success_threshold(shortcuts, task))
     (out_dir / "comparisons.md").write_text("\n".join(lines))
+
+
+def _pair_table(cells: dict, exp: dict, task: str, pairs: list[tuple[str, str]], thr: float | None) -> list[str]:
+    """The rows of ``pairs`` (seed-paired and success-count tests), Holm-corrected over these pairs."""
+    table = []
+    for a, b in pairs:
+        ra = {r["seed"]: float(r["test_acc"]) for r in cells[(exp["name"], task, a, exp["num_train"][-1])]}
+        rb = {r["seed"]: float(r["test_acc"]) for r in cells[(exp["name"], task, b, exp["num_train"][-1])]}
+        seeds = sorted(set(ra) & set(rb), key=int)
+        if not seeds:
+            continue
+        xa, xb = [ra[s] for s in seeds], [rb[s] for s in seeds]
+        sa, sb = successes(xa, thr), successes(xb, thr)
+        table.append({"a": a, "b": b, "n": len(seeds), "diff": np.median(np.subtract(xa, xb)) * PERCENT,
+                      "perm": paired_permutation_p(xa, xb), "sign": sign_test_p(xa, xb),
+                      "succ": None if sa is None else f"{sa[0]}/{len(seeds)} vs {sb[0]}/{len(seeds)}",
+                      "fisher": None if sa is None else fisher_p(sa[0], len(seeds), sb[0], len(seeds))})
+    perm_holm = holm([t["perm"] for t in table]) if table else []
+    fisher = [t["fisher"] for t in table if t["fisher"] is not None]
+    fisher_holm = iter(holm(fisher) if fisher else [])
+    lines = ["| first | second | seeds | diff | perm p | perm p (Holm) | sign p | successes | Fisher p | "
+             "Fisher p (Holm) |", "|---" * 10 + "|"]
+    for t, ph in zip(table, perm_holm):
+        fh = "–" if t["fisher"] is None else f"{next(fisher_holm):.3f}"
+        fp = "–" if t["fisher"] is None else f"{t['fisher']:.3f}"
+        lines.append(f"| {t['a']} | {t['b']} | {t['n']} | {t['diff']:+.1f} | {t['perm']:.3f} | {ph:.3f} | "
+                     f"{t['sign']:.3f} | {t['succ'] or '–'} | {fp} | {fh} |")
+    return lines + [""]
 
 
 def _translation(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
@@ -424,3 +455,88 @@ def _per_model_axes(ax, models: list[str], ceiling: float | None, ylabel: str, t
     ax.set_ylim(40, 101)
     ax.grid(alpha=0.3, axis="y")
     ax.set_title(title, fontsize=9)
+
+
+def _visibility(cells: dict, out_dir: Path, cfg: dict) -> None:
+    """Each CNN's test predictions re-binned by the partial-view model, beside the curve it predicts."""
+    from vit.experiments import visibility
+
+    pred_dir = out_dir / "predictions"
+    if not pred_dir.is_dir():  # a study from before per-image predictions
+        return
+    sections, curves = [], {}
+    for exp in experiments(cfg):
+        if "same_different" not in exp["tasks"]:
+            continue
+        for m in exp["models"]:
+            net = visibility.conv_model(cfg["models"][m]) if m in cfg["models"] else None
+            runs = [r for k, v in cells.items() if k[:3] == (exp["name"], "same_different", m) for r in v]
+            files = [f for r in runs if (f := pred_dir / f"{r.get('key')}.npz").exists()]
+            if net is None or not files:
+                continue
+            got = visibility.rebin(visibility.unit_windows(net), files)
+            (cv, nv), (ch, nh) = got["visible"], got["hidden"]
+            acc_visible = cv / nv if nv else float("nan")
+            spans = sorted(got["span"])
+            measured = np.array([got["span"][d][0] / got["span"][d][1] for d in spans])
+            share = np.array([got["span"][d][2] / got["span"][d][1] for d in spans])
+            curves[(exp["name"], m)] = (spans, measured, visibility.predicted_accuracy(share, acc_visible),
+                                        [got["span"][d][1] for d in spans])
+            sections.append(f"| {exp['name']} | {m} | {net.receptive_field} | "
+                            f"{'yes' if visibility.is_additive(cfg['models'][m]) else 'no'} | {len(files)} | "
+                            f"{nv / (nv + nh) * PERCENT:.1f} | "
+                            + (f"{acc_visible * PERCENT:.1f} ({nv})" if nv else "–") + " | "
+                            + (f"{ch / nh * PERCENT:.1f} ({nh})" if nh else "–") + " |")
+    if not sections:
+        return
+    lines = ["# Test accuracy re-binned by the partial-view (visibility) model", "",
+             "A test pair is *visible* to a CNN when one unit of its last layer holds at least "
+             f"{visibility.ADJACENT} adjacent ink pixels of each stroke (`vit/experiments/visibility.py`, from the "
+             "units' exact windows). The model predicts 50% on the pairs that are not visible for average pooling "
+             "and a linear head (`additive`); it says nothing for max pooling or an MLP head. All seeds' test pairs "
+             "pooled (`runs`: the runs with per-image predictions). The predictions written before the runs are in "
+             "`predictions.md`.", "",
+             "| experiment | model | RF | additive | runs | visible (%) | acc. on visible pairs (n) | "
+             "acc. on the others (n) |", "|---" * 8 + "|", *sections, "",
+             "## Measured / predicted accuracy (%) per span bin", "",
+             "Predicted: the accuracy on visible pairs (the row above, the one number taken from the runs) where "
+             "a pair is visible, 50% elsewhere, pooled over the bin.", ""]
+    all_spans = sorted({d for spans, *_ in curves.values() for d in spans})
+    edges = distance_edges(all_spans)
+    heads = [f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
+    lines += ["| model | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+    binned = {}  # (experiment, model) -> (measured, predicted) per bin, the bin's pairs pooled
+    for key, (spans, measured, predicted, counts) in curves.items():
+        per_bin = []
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            sel = [(a, p, n) for d, a, p, n in zip(spans, measured, predicted, counts) if lo <= d < hi]
+            total = sum(n for *_, n in sel)
+            per_bin.append((sum(a * n for a, _, n in sel) / total, sum(p * n for _, p, n in sel) / total)
+                           if total else (np.nan, np.nan))
+        binned[key] = np.array(per_bin)
+        lines.append(f"| {key[1]} | " + " | ".join("–" if np.isnan(a) else f"{a * PERCENT:.1f} / {p * PERCENT:.1f}"
+                                                    for a, p in per_bin) + " |")
+    (out_dir / "visibility.md").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name in sorted({e for e, _ in curves}):
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        centres = (edges[:-1] + edges[1:] - 1) / 2
+        for i, ((e, m), values) in enumerate(c for c in binned.items() if c[0][0] == name):
+            color = plt.cm.tab10(i % 10)
+            ax.plot(centres, values[:, 0] * PERCENT, "-o", ms=3, color=color, label=f"{m} measured")
+            ax.plot(centres, values[:, 1] * PERCENT, "--", color=color, lw=1.2, label=f"{m} predicted")
+        ax.axhline(50, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("span of the pair (px), bins of 3 px")
+        ax.set_ylabel("test accuracy (%), all seeds pooled")
+        ax.set_ylim(40, 101)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        ax.set_title(f"{name}: measured (solid) and the partial-view model (dashed)", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}_same_different_visibility.png", dpi=110)
+        plt.close(fig)

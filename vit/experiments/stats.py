@@ -50,3 +50,19 @@ def sign_test_p(a: list[float], b: list[float]) -> float:
 def fisher_p(k1: int, n1: int, k2: int, n2: int) -> float:
     """Two-sided Fisher exact test of two success counts ``k1/n1`` and ``k2/n2``."""
     return float(stats.fisher_exact([[k1, n1 - k1], [k2, n2 - k2]]).pvalue)
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values (Holm 1979), in the order given.
+
+    The i-th smallest of m p-values is multiplied by ``m - i`` (i from 0), then made non-decreasing
+    along that order and capped at 1: rejecting where the adjusted value is below alpha keeps the
+    family-wise error rate at alpha, for any dependence between the tests. (statsmodels'
+    ``multipletests(method="holm")`` computes the same; it is not a dependency here.)
+    """
+    p = np.asarray(pvalues, dtype=float)
+    order = np.argsort(p, kind="stable")
+    stepped = np.maximum.accumulate((len(p) - np.arange(len(p))) * p[order])
+    adjusted = np.empty_like(p)
+    adjusted[order] = np.minimum(stepped, 1.0)
+    return adjusted.tolist()

@@ -14,8 +14,10 @@ grid ``task x model x num_train x seed`` with one train/test placement region. O
 
 Every run is one ``vit.training.cli.main(["fit", "--config", base, "--config", overrides])`` call,
 the same Lightning code as ``python train.py fit``: the best checkpoint (by ``val/acc``) is tested
-after fit, then scored again per distance between the two parts. Logs (TensorBoard and CSV) and
-checkpoints go to ``<log_dir>/<run key>/``.
+after fit, then scored again per distance between the two parts, and its per-image predictions go
+to ``<out_dir>/predictions/<run key>.npz`` (what the report re-bins by visibility,
+``vit.experiments.visibility``). Logs (TensorBoard and CSV) and checkpoints go to
+``<log_dir>/<run key>/``.
 
 Executors (submitit; ``--executor``): ``local`` runs each run in a subprocess, ``--parallel`` (2)
 at a time with ``threads`` torch threads each; ``debug`` runs them one by one in this process (the
@@ -73,6 +75,7 @@ INT_COLUMNS = ("num_train", "seed", "params", "flops_per_image", "epochs", "step
 FLOAT_COLUMNS = ("lr", "train_time_s", "train_acc", "val_acc", "test_acc")
 EXECUTORS = ("local", "debug", "slurm")
 LOCK_NAME = "study.lock"  # in out_dir, held by the invocation running the study (lock_out_dir)
+PREDICTIONS = "predictions"  # <out_dir>/predictions/<run key>.npz: each run's per-image test predictions
 
 
 # ----------------------------------------------------------------------------- running
@@ -243,21 +246,59 @@ def part_distance(dataset):
     return torch.round(torch.hypot(d[:, 0], d[:, 1])).long()
 
 
-def accuracy_by_distance(backbone, dataset, batch_size: int = 500) -> dict[str, list[int]]:
-    """``{distance: [correct, total]}`` of ``backbone`` on ``dataset`` (see ``part_distance``)."""
+def predict_images(backbone, dataset, batch_size: int = 500):
+    """The predicted class `(N,)` of every image of ``dataset`` (the backbone in eval mode, no gradients)."""
     import torch
 
     backbone.eval()
     with torch.no_grad():
-        preds = torch.cat([backbone(dataset.images[i:i + batch_size]).argmax(1)
-                           for i in range(0, len(dataset), batch_size)])
+        return torch.cat([backbone(dataset.images[i:i + batch_size]).argmax(1)
+                          for i in range(0, len(dataset), batch_size)])
+
+
+def accuracy_by_distance(backbone, dataset, batch_size: int = 500, preds=None) -> dict[str, list[int]]:
+    """``{distance: [correct, total]}`` of ``backbone`` on ``dataset`` (see ``part_distance``), or of ``preds``."""
+    preds = predict_images(backbone, dataset, batch_size) if preds is None else preds
     correct = preds == dataset.labels
     dist = part_distance(dataset)
     return {str(int(d)): [int(correct[dist == d].sum()), int((dist == d).sum())] for d in dist.unique()}
 
 
-def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "") -> dict:
-    """Train and test one grid point through ``vit.training.cli.main``; return its CSV row."""
+def save_predictions(path: Path, splits: dict) -> None:
+    """Per-image predictions ``{split: (dataset, preds)}`` as one compressed ``.npz``, written atomically.
+
+    Per split ``s``: ``s_index``, ``s_label``, ``s_pred``, ``s_distance`` (``part_distance``), and for
+    same-different ``s_positions`` and ``s_shape_ids``: what ``vit.experiments.visibility.rebin`` needs.
+    Written to a temporary name, then renamed: a reader never sees half a file, and a run that is
+    redone replaces the file of its killed attempt (which had no row in runs.csv).
+    """
+    import numpy as np
+
+    arrays = {}
+    for split, (dataset, preds) in splits.items():
+        arrays.update({f"{split}_index": np.arange(len(dataset), dtype=np.int32),
+                       f"{split}_label": dataset.labels.numpy().astype(np.int8),
+                       f"{split}_pred": preds.numpy().astype(np.int8),
+                       f"{split}_distance": part_distance(dataset).numpy().astype(np.int16)})
+        for name in ("positions", "shape_ids"):
+            if hasattr(dataset, name):
+                arrays[f"{split}_{name}"] = getattr(dataset, name).numpy().astype(np.int16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        np.savez_compressed(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
+            predictions_dir: Path | None = None) -> dict:
+    """Train and test one grid point through ``vit.training.cli.main``; return its CSV row.
+
+    With ``predictions_dir``, the per-image predictions of the test (and moved test) set go to
+    ``<predictions_dir>/<run key>.npz`` (``save_predictions``) before the row is returned.
+    """
     from vit.training.cli import main  # imported here so that `--help` and planning stay fast
 
     run_dir = log_dir / run.key
@@ -283,17 +324,21 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "") ->
     backbone, data = cli.model.backbone, cli.datamodule
     test_acc = float(trainer.callback_metrics["test/acc"])
     # The tested (best) weights are in the model now; score them again per distance between the parts.
-    by_distance = accuracy_by_distance(backbone, data.test_set)
+    preds = predict_images(backbone, data.test_set)
+    by_distance = accuracy_by_distance(backbone, data.test_set, preds=preds)
     recount = sum(c for c, _ in by_distance.values()) / sum(n for _, n in by_distance.values())
     if abs(recount - test_acc) > 1e-4:
         raise RuntimeError(f"run {run.key}: accuracy by distance adds up to {recount:.4f}, test/acc is {test_acc:.4f}")
-    shift = {}
+    shift, splits = {}, {"test": (data.test_set, preds)}
     if run.shift_region:  # the translation test: the same weights on pairs placed in another region
         shifted = data.make_split("test", data.hparams.num_test, run.shift_region)
-        shift_by_distance = accuracy_by_distance(backbone, shifted)
+        splits["shift"] = (shifted, predict_images(backbone, shifted))
+        shift_by_distance = accuracy_by_distance(backbone, shifted, preds=splits["shift"][1])
         shift = {"shift_region": run.shift_region,
                  "shift_acc": f"{sum(c for c, _ in shift_by_distance.values()) / len(shifted):.4f}",
                  "shift_by_distance": json.dumps(shift_by_distance, separators=(",", ":"))}
+    if predictions_dir is not None:
+        save_predictions(Path(predictions_dir) / f"{run.key}.npz", splits)
     return {
         "key": run.key, "experiment": run.experiment, "task": run.task, "model": run.model,
         "num_train": run.num_train, "seed": run.seed, "train_region": run.train_region,
@@ -387,9 +432,10 @@ class StudyJob(submitit.helpers.Checkpointable):
     ``run_one`` moves the unfinished run directory aside and starts the run again.
     """
 
-    def __init__(self, run: Run, base_config: str, log_dir: str, threads: int, revision: str) -> None:
+    def __init__(self, run: Run, base_config: str, log_dir: str, threads: int, revision: str,
+                 predictions_dir: str | None = None) -> None:
         self.run, self.base_config, self.log_dir = run, base_config, log_dir
-        self.threads, self.revision = threads, revision
+        self.threads, self.revision, self.predictions_dir = threads, revision, predictions_dir
 
     def __call__(self) -> dict:
         import torch
@@ -397,7 +443,8 @@ class StudyJob(submitit.helpers.Checkpointable):
         torch.set_num_threads(self.threads)
         for name in ("lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        return run_one(self.run, base_config=self.base_config, log_dir=Path(self.log_dir), revision=self.revision)
+        return run_one(self.run, base_config=self.base_config, log_dir=Path(self.log_dir), revision=self.revision,
+                       predictions_dir=self.predictions_dir and Path(self.predictions_dir))
 
 
 def slurm_parameters(*, partition: str | None, time_min: int, gpus: int, cpus: int, parallel: int) -> dict:
@@ -558,7 +605,8 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
             bar.update()
             bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
 
-        jobs = [StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision) for run in todo]
+        jobs = [StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision, str(out_dir / PREDICTIONS))
+                for run in todo]
         try:
             failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done)
         finally:

@@ -1,8 +1,23 @@
 """A plain CNN whose receptive field is a parameter: the local view of the study, made measurable.
 
-``conv (k x k, stride s) -> BatchNorm -> ReLU`` layers, then global average pooling and a linear
-head, so the classifier sees a sum of local features and nothing else. The receptive field of the
-last layer (``receptive_field``) follows from the layers alone, by the recurrence over layers
+``conv (k x k, stride s) -> BatchNorm -> ReLU`` layers, then global pooling and a head. By default
+global average pooling and a linear head, so the classifier sees a sum of local features and
+nothing else. The readout is an option, because it decides what a local view can do with a
+relation (docs/study.md):
+
+* ``pool="avg"``, ``head="linear"`` (the default): the logit is a sum over units. If each unit sees
+  one part, the score is additive over the parts, ``h(a) + h(b)``, and on same/different pairs no
+  such rule beats ``bag_of_shapes_ceiling`` (66.7% for 4 shapes; under cross-entropy the additive
+  optimum is the constant, 50%).
+* ``pool="max"``: global max pooling. A bag of one-part detectors then reports *which* parts are
+  present, not how many, and "one kind present" against "two kinds present" is linearly
+  separable: a same/different relation read with no unit that sees both parts.
+* ``head="mlp"``: ``Linear(C, 2C) -> ReLU -> Linear(2C, num_classes)`` on the pooled features
+  (``head.fc1``, ``head.fc2``), hidden width twice the features as in the ViT's MLP: a nonlinear
+  function of the pooled features, so not additive either.
+
+The receptive field of the last layer (``receptive_field``) follows from the layers alone, by the
+recurrence over layers
 
     r <- r + (k - 1) * j,    j <- j * s        (starting from r = 1, j = 1)
 
@@ -25,6 +40,7 @@ Padding (``padding``), which decides what the network can know about absolute po
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Literal
 
 import torch
@@ -34,6 +50,8 @@ from vit.checks import check_choice
 from vit.models.inputs import check_image_batch, to_2tuple
 
 Padding = Literal["zero", "circular", "valid"]
+Pool = Literal["avg", "max"]
+Head = Literal["linear", "mlp"]
 
 
 def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> int:
@@ -46,13 +64,15 @@ def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> 
 
 
 class ConvNet(nn.Module):
-    """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global average pooling, linear head.
+    """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global pooling, a head.
 
     Args:
         widths: output channels of each layer.
         strides: stride of each layer (default all 1).
         kernel_size: the side of every kernel (odd).
         padding: "zero", "circular" or "valid" (see the module doc).
+        pool: global "avg" (default) or "max" pooling of the last feature map.
+        head: "linear" (default) or "mlp" (one hidden layer of width ``2 * widths[-1]``).
     """
 
     def __init__(
@@ -65,9 +85,13 @@ class ConvNet(nn.Module):
         strides: tuple[int, ...] | None = None,
         kernel_size: int = 3,
         padding: Padding = "zero",
+        pool: Pool = "avg",
+        head: Head = "linear",
     ) -> None:
         super().__init__()
         check_choice("padding", padding, Padding)
+        check_choice("pool", pool, Pool)
+        check_choice("head", head, Head)
         widths = tuple(widths)
         strides = tuple(strides) if strides is not None else (1,) * len(widths)
         if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
@@ -97,14 +121,22 @@ class ConvNet(nn.Module):
             ]
             in_chs = width
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.pool = nn.AdaptiveAvgPool2d(1) if pool == "avg" else nn.AdaptiveMaxPool2d(1)
         self.num_features = in_chs
-        self.head = nn.Linear(in_chs, num_classes)
+        if head == "linear":  # the keys `head.weight`, `head.bias` of every checkpoint so far
+            self.head = nn.Linear(in_chs, num_classes)
+        else:
+            self.head = nn.Sequential(OrderedDict(fc1=nn.Linear(in_chs, 2 * in_chs), act=nn.ReLU(),
+                                                  fc2=nn.Linear(2 * in_chs, num_classes)))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's feature map ``(B, widths[-1], H', W')``, before pooling."""
-        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size, dtype=self.head.weight.dtype)
+        check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size, dtype=self.features[0].weight.dtype)
         return self.features(x)
 
+    def forward_head(self, fmap: torch.Tensor) -> torch.Tensor:
+        """Global pooling of the feature map ``(B, C, H', W')``, then the head: ``(B, num_classes)``."""
+        return self.head(self.pool(fmap).flatten(1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.pool(self.forward_features(x)).flatten(1))  # (B, num_classes)
+        return self.forward_head(self.forward_features(x))  # (B, num_classes)
