@@ -31,7 +31,8 @@ from vit.training.checkpointing import (
     fetch_checkpoint,
     read_checkpoint,
 )
-from vit.training.classifier import ImageClassifier
+from vit.training.classifier import ImageClassifier, format_test_results
+from vit.training.predictions import PredictionWriter, check_topk
 from vit.training.preflight import (
     ConfigError,
     check_checkpoint,
@@ -84,14 +85,22 @@ class ViTCLI(LightningCLI):
             return
         best = self.trainer.checkpoint_callback.best_model_path if self.trainer.checkpoint_callback else ""
         results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best or None, verbose=False)
+        self._print_test_report(results, best or "the final weights")
+
+    def test(self, **kwargs) -> None:
+        """`train.py test`: Lightning's test, then the summary by class name (`format_test_results`)."""
+        results = self.trainer.test(**kwargs)
+        self._print_test_report(results, kwargs.get("ckpt_path") or "the configured weights")
+
+    def _print_test_report(self, results: list[dict[str, float]], where: str) -> None:
         if self.trainer.is_global_zero and results:
-            acc = results[0].get("test/acc")
-            where = best or "the final weights"
-            print(f"test/acc = {acc:.4f}  ({where})" if acc is not None else f"test results: {results[0]}")
+            print(format_test_results(results[0], where) if "test/acc" in results[0] else f"test results: {results[0]}")
 
     # --- Robust runs: resuming, checks before work starts, atomic checkpoints ----------------------
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        # `test` prints `format_test_results` (per class, by name) instead of Lightning's table; --verbose true adds the table.
+        parser.set_defaults({"test.verbose": False})
         super().parse_arguments(parser, args)
         # Before LightningCLI reads the checkpoint's hyperparameters into the config (it loads the
         # file right after parsing): resolve `last`, and fail with a message on an unreadable file.
@@ -128,6 +137,9 @@ class ViTCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own plugin alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
+            # `train.py predict` writes its predictions (a CSV in the run folder), not only computes them.
+            trainer.callbacks.append(PredictionWriter())
         if trainer.fast_dev_run:
             # A smoke test has no logger, so checkpoints would land in the current folder: none are kept.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
@@ -156,6 +168,11 @@ class ViTCLI(LightningCLI):
         Whatever fails here is a usage error (one line, exit 2), whatever its type.
         """
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        for writer in [c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)]:
+            try:
+                check_topk(writer.topk, len(self.model.class_names), option="PredictionWriter topk=")
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if is_local_file(ckpt_path):
             check_checkpoint(ckpt_path, self.model, subcommand=self.subcommand, world_size=self.trainer.world_size)
         for logger in self.trainer.loggers:
