@@ -121,3 +121,61 @@ def test_two_classes_have_no_top5():
     [results] = quiet_trainer().test(model, DataLoader(TensorDataset(x, y), batch_size=8), verbose=False)
     assert "test/top5_acc" not in results and "test/ece" in results
     assert {"test/class_acc/0", "test/class_acc/1"} <= set(results)  # no data module names: the indices
+
+
+def test_sample_names_are_the_files_relative_to_the_image_folder(tmp_path):
+    from PIL import Image
+
+    from vit.training.predictions import sample_name
+
+    for label in ("cats", "dogs"):
+        (tmp_path / label).mkdir()
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / label / f"{i}.png")
+    data = ImageFolderDataModule(root=str(tmp_path), img_size=8, val_fraction=0.5, num_workers=0)
+    data.setup("predict")  # no test/ folder: the predict split is the held-out half (a Subset)
+    names = [sample_name(data.test_set, i) for i in range(len(data.test_set))]
+    assert len(names) == 3 and all((tmp_path / name).is_file() for name in names)
+    assert [name.split("/")[0] for name in names] == [data.class_names[int(data.test_set[i][1])] for i in range(3)]
+    assert sample_name(TensorDataset(torch.zeros(4)), 2) == "2"  # data without files: the index in the split
+
+
+def test_train_py_predict_writes_named_predictions_in_its_run_folder(tmp_path_factory, tmp_path, monkeypatch, capsys):
+    import csv
+
+    from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run
+
+    root = tmp_path_factory.getbasetemp() / "robust_reference"
+    [run_dir] = run_dirs(shared_run(root, monkeypatch))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    predict = ["predict", "--config", str(root / "tiny.yaml"), "--ckpt_path", str(last)]
+    main_in_process([*predict, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], monkeypatch)
+    [written] = (tmp_path / "runs").glob("tiny/version_0/predictions.csv")
+    assert f"wrote 64 predictions to {written}" in capsys.readouterr().out
+    rows = list(csv.DictReader(written.open()))
+
+    model = ImageClassifier.load_from_checkpoint(last, map_location="cpu", weights_only=True).eval()
+    data = L.LightningDataModule.load_from_checkpoint(last, weights_only=True)
+    data.setup("predict")
+    with torch.no_grad():
+        probs = model(data.test_set.images).softmax(-1)  # (64, 2): the predict split is the test split
+    assert [r["file"] for r in rows] == [str(i) for i in range(64)]  # synthetic data: the index in the split
+    for row, p in zip(rows, probs):
+        assert row["class_name"] == ["not_diagonal", "diagonal"][int(p.argmax())] == data.class_names[int(p.argmax())]
+        assert int(row["class_index"]) == int(p.argmax()) and float(row["probability"]) == pytest.approx(float(p.max()), abs=1e-6)
+
+    code, err = cli([*predict, "--trainer.logger.init_args.save_dir", str(tmp_path / "refused"),
+                     "--trainer.callbacks+=vit.training.predictions.PredictionWriter", "--trainer.callbacks.topk=3"],
+                    monkeypatch, capsys)
+    assert code == 2 and error_line(err) == ("error: PredictionWriter topk=3 is not allowed: expected an int in [1, 2] "
+                                             "(the model has 2 classes)")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_taken_file_name_gets_a_number_instead_of_being_overwritten(tmp_path):
+    from vit.training.predictions import free_path
+
+    (tmp_path / "predictions.csv").write_text("earlier")
+    (tmp_path / "predictions-1.csv").write_text("earlier too")
+    assert free_path(tmp_path / "predictions.csv") == tmp_path / "predictions-2.csv"
+    assert free_path(tmp_path / "other.csv") == tmp_path / "other.csv"

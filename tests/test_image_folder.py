@@ -86,7 +86,8 @@ def test_fine_tune_from_safetensors_then_test_then_predict(tmp_path, weights, mo
         x = torch.stack([dm.eval_transform(Image.open(images / "red" / r["file"])) for r in rows])
         probs = model(x).softmax(-1)
     for row, p in zip(rows, probs):
-        assert int(row["class"]) == int(p.argmax()) and abs(float(row["probability"]) - float(p.max())) < 1e-5
+        assert int(row["class_index"]) == int(p.argmax()) and abs(float(row["probability"]) - float(p.max())) < 1e-5
+        assert row["class_name"] == ["blue", "red"][int(p.argmax())]  # the class folders' names
 
 
 def test_train_val_test_folders_are_used_as_given(tmp_path):
