@@ -241,6 +241,12 @@ def main(args=None) -> ViTCLI:
             torch.distributed.destroy_process_group()
 
 
+def script(args: list[str] | None = None) -> int:
+    """Entry point of the `vit-train` command of an installed package: `main`, with an exit status (0) for the shell."""
+    main(args)
+    return 0
+
+
 def _command(args) -> list[str] | None:
     """The command line to record in run_info.json: `train.py` and its arguments."""
     if args is None:
