@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from vit.checks import check_int, first_line
+from vit.checks import check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
 from vit.training.callbacks import (
     NonFiniteError,
@@ -131,7 +130,7 @@ class ViTCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
-            raise ConfigError(_constructor_message(str(err))) from err
+            raise ConfigError(constructor_message(str(err))) from err
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
@@ -190,20 +189,6 @@ class ViTCLI(LightningCLI):
             except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
                 raise ConfigError(f"pre-flight: one training image through the model failed: "
                                   f"{type(err).__name__}: {first_line(err)}") from err
-
-
-def _constructor_message(text: str) -> str:
-    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`).
-
-    jsonargparse tries each type of the union and lists every failure, the constructor's ValueError
-    among them; "Expected a <class 'NoneType'>" only says the value was not None.
-    """
-    if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:\n" not in text:
-        return text
-    block = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
-    items = [" ".join(item.split()) for item in re.split(r"\n\s*- ", "\n" + block) if item.strip()]
-    items = [item for item in items if not item.startswith("Expected a <class 'NoneType'>")]
-    return "; ".join(items) or text
 
 
 def main(args=None) -> ViTCLI:

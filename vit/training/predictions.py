@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, Subset
 from torchvision.transforms import v2
 
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
-from vit.checks import check_int, first_line
+from vit.checks import check_int, constructor_message
 from vit.data.image_folder import build_transform
 from vit.training.callbacks import NonFiniteError, check_finite_weights
 from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
@@ -52,8 +52,9 @@ def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, 
         datamodule = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
     except (OSError, ValueError) as err:  # e.g. an image folder's root that is not on this machine
         name = checkpoint["datamodule_hyper_parameters"]["_class_path"].rsplit(".", 1)[-1]
+        reason = (constructor_message(str(err)).strip().splitlines() or [type(err).__name__])[0]
         raise CheckpointError(f"checkpoint {ckpt_path}: its data module {name} (which says the image size, channels "
-                              f"and normalisation) cannot be rebuilt here: {first_line(err)}") from err
+                              f"and normalisation) cannot be rebuilt here: {reason}") from err
     if not hasattr(datamodule, "normalization"):
         raise CheckpointError(
             f"data module {type(datamodule).__name__} of checkpoint {ckpt_path} does not say how its inputs are "
