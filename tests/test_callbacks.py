@@ -179,7 +179,11 @@ def tiny_data():
     return TwoCirclesDataModule(num_train=32, num_val=40, num_test=8, batch_size=16, seed=3)
 
 
-def test_csv_rollout_every_n_epochs_fixed_images_and_confusion_matrix(tmp_path):
+def test_csv_rollout_every_n_epochs_fixed_images_and_confusion_matrix(tmp_path, monkeypatch):
+    drawn_with = []
+    figure = ConfusionMatrix._figure
+    monkeypatch.setattr(ConfusionMatrix, "_figure", lambda self, title, names=None: (drawn_with.append(names),
+                                                                                   figure(self, title, names))[1])
     torch.manual_seed(0)
     backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2)
     rollout = RolloutImages(every_n_epochs=2, num_images=5, methods=["rollout"], class_names=["neg", "pos"])
@@ -214,6 +218,7 @@ def test_csv_rollout_every_n_epochs_fixed_images_and_confusion_matrix(tmp_path):
     by_hand = torch.bincount(truth * 2 + predicted, minlength=4).view(2, 2)
     torch.testing.assert_close(confusion.matrix, by_hand)
     assert confusion.matrix.sum() == len(data.val_set)
+    assert drawn_with == [["not_diagonal", "diagonal"]]  # the data module's class names label the axes
 
 
 def test_cnn_backbone_skips_rollout_with_one_warning_but_logs_confusion_matrix(tmp_path):

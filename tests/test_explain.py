@@ -243,3 +243,91 @@ def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods,
     if backbone == "cnn":
         assert main(["--ckpt_path", str(last), "--method", "rollout", "--out", str(tmp_path / "x.png")]) == 2
         assert "needs attention layers; ResNet has none" in capsys.readouterr().err
+
+
+@pytest.fixture
+def shared_checkpoint(tmp_path_factory, monkeypatch):
+    """The session's tiny two-circles ViT (classes "not_diagonal", "diagonal"), trained once for several test files."""
+    from robust_helpers import run_dirs, shared_run
+
+    [run_dir] = run_dirs(shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch))
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def circle_pngs(folder, n=3):
+    """Two-circles images as 8-bit PNGs, and a file that is no image."""
+    from PIL import Image
+
+    from vit.data import TwoCirclesDataset
+
+    folder.mkdir()
+    dataset = TwoCirclesDataset(num_samples=n, noise=0.0, seed=5)
+    for i in range(n):
+        Image.fromarray((dataset.images[i, 0].clamp(0, 1).numpy() * 255).round().astype(np.uint8)).save(folder / f"c{i}.png")
+    (folder / "notes.txt").write_text("not an image")
+    return folder
+
+
+def record_grids(monkeypatch) -> list[dict]:
+    """Keep what `python -m vit.explain` draws: the images, the maps by column and the row titles."""
+    import vit.explain.__main__ as command
+
+    drawn, draw = [], command.rollout_grid
+    monkeypatch.setattr(command, "rollout_grid", lambda images, maps, titles: (
+        drawn.append({"images": images, "maps": maps, "titles": titles}), draw(images, maps, titles))[1])
+    return drawn
+
+
+def test_the_explain_command_explains_any_image_with_class_names_and_a_target(shared_checkpoint, tmp_path,
+                                                                              monkeypatch, capsys):
+    from PIL import Image
+
+    from vit.explain.__main__ import main
+    from vit.training.classifier import ImageClassifier
+
+    folder, drawn = circle_pngs(tmp_path / "new photos"), record_grids(monkeypatch)
+    out = tmp_path / "maps.png"
+    assert main(["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), "--method", "rollout,chefer",
+                 "--target", "diagonal", "--out", str(out)]) == 0
+    assert "skipped notes.txt: not a readable image" in capsys.readouterr().err and out.is_file()
+    [grid] = drawn
+    # The files' own pixels scaled to [0, 1], as the two-circles data was in training.
+    x = torch.stack([torch.from_numpy(np.array(Image.open(folder / f"c{i}.png"))).float()[None] / 255
+                     for i in range(3)])
+    torch.testing.assert_close(grid["images"], x)
+    backbone = ImageClassifier.load_from_checkpoint(shared_checkpoint, map_location="cpu", weights_only=True).backbone
+    with torch.no_grad():
+        probs = backbone.eval()(x).softmax(-1)
+    names = ["not_diagonal", "diagonal"]
+    for i, title in enumerate(grid["titles"]):
+        p = int(probs[i].argmax())
+        lines = [f"c{i}.png", f"predicted {names[p]} ({float(probs[i, p]):.2f})"]
+        lines += [f"target diagonal ({float(probs[i, 1]):.2f})"] if p != 1 else []
+        assert title == "\n".join(lines)
+    # The class-specific method explains the target; rollout is the same for every class.
+    assert list(grid["maps"]) == ["rollout", "chefer: diagonal"]
+    torch.testing.assert_close(grid["maps"]["chefer: diagonal"], relevance(backbone, x, "chefer", 1))
+    torch.testing.assert_close(grid["maps"]["rollout"], relevance(backbone, x, "rollout"))
+
+    # One file by --image, the target by its index: the same map as by its name.
+    assert main(["--ckpt_path", str(shared_checkpoint), "--image", str(folder / "c1.png"), "--method", "chefer",
+                 "--target", "1", "--out", str(tmp_path / "one.png")]) == 0
+    torch.testing.assert_close(drawn[1]["maps"]["chefer: diagonal"], grid["maps"]["chefer: diagonal"][1:2])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "cow"], "error: --target 'cow' is not a class of this model: expected one of "
+                          "['not_diagonal', 'diagonal'] or an index in [0, 1]"),
+    (["--target", "2"], "error: --target '2' is not a class of this model: expected one of "
+                        "['not_diagonal', 'diagonal'] or an index in [0, 1]"),
+    (["--method", "saliency"], "error: --method 'saliency': ['saliency'] is not allowed: expected names from "
+                               f"{list(METHODS)} or 'all'"),
+])
+def test_the_explain_command_refuses_an_unknown_target_or_method_in_one_line(args, message, shared_checkpoint, tmp_path,
+                                                                            capsys):
+    from vit.explain.__main__ import main
+
+    folder = circle_pngs(tmp_path / "photos")
+    assert main(["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), *args,
+                 "--out", str(tmp_path / "maps.png")]) == 2
+    assert capsys.readouterr().err.strip() == message and not (tmp_path / "maps.png").exists()

@@ -47,7 +47,7 @@ def test_sixteen_bit_and_float_images_are_scaled_by_their_real_range(checkpoint,
     rows = {r["file"]: r for r in csv.DictReader(output.open())}
     assert set(rows) == {"eight.png", "sixteen.png", "sixteen.tif", "float.tif"}
     for name in ("sixteen.png", "sixteen.tif", "float.tif"):  # the same picture gives the same answer
-        assert rows[name]["class"] == rows["eight.png"]["class"]
+        assert rows[name]["class_index"] == rows["eight.png"]["class_index"]
         assert abs(float(rows[name]["probability"]) - float(rows["eight.png"]["probability"])) < 0.02
 
 

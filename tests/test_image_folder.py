@@ -86,7 +86,16 @@ def test_fine_tune_from_safetensors_then_test_then_predict(tmp_path, weights, mo
         x = torch.stack([dm.eval_transform(Image.open(images / "red" / r["file"])) for r in rows])
         probs = model(x).softmax(-1)
     for row, p in zip(rows, probs):
-        assert int(row["class"]) == int(p.argmax()) and abs(float(row["probability"]) - float(p.max())) < 1e-5
+        assert int(row["class_index"]) == int(p.argmax()) and abs(float(row["probability"]) - float(p.max())) < 1e-5
+        assert row["class_name"] == ["blue", "red"][int(p.argmax())]  # the class folders' names
+
+    # Without the training folder the data module (image size, normalisation) cannot be rebuilt: one line says so.
+    images.rename(tmp_path / "moved")
+    assert predict_main(["--ckpt_path", str(last), "--input_dir", str(tmp_path / "moved" / "red"),
+                         "--output", str(tmp_path / "again.csv")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: checkpoint {last}: its data module ImageFolderDataModule (which says the image size, channels and "
+        f"normalisation) cannot be rebuilt here: root={str(images)!r} is not a folder")
 
 
 def test_train_val_test_folders_are_used_as_given(tmp_path):

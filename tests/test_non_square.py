@@ -63,7 +63,7 @@ def test_fit_then_predict_on_32_by_48_images(tmp_path, monkeypatch):
     assert predict_main(["--ckpt_path", str(last), "--input_dir", str(images), "--output", str(output)]) == 0
     rows = list(csv.DictReader(output.open()))
     assert [r["file"] for r in rows] == ["exact.png", "tall.png", "wide.png"]
-    assert all(int(r["class"]) in (0, 1) and 0.5 <= float(r["probability"]) <= 1 for r in rows)
+    assert all(r["class_name"] in ("different", "same") and 0.5 <= float(r["probability"]) <= 1 for r in rows)
 
 
 def test_resnet_fast_dev_run_on_32_by_48_images(tmp_path, monkeypatch):

@@ -61,7 +61,8 @@ def test_predictions_csv_matches_the_model_on_the_same_pixels(checkpoint, images
     with torch.no_grad():
         probs = model(x).softmax(dim=-1)
     for i, row in enumerate(rows[1:]):
-        assert int(row["class"]) == int(probs[i].argmax())
+        assert int(row["class_index"]) == int(probs[i].argmax())
+        assert row["class_name"] == ["not_diagonal", "diagonal"][int(probs[i].argmax())]
         assert float(row["probability"]) == pytest.approx(float(probs[i].max()), abs=1e-6)
     assert 0.5 <= float(rows[0]["probability"]) <= 1.0
 
@@ -95,7 +96,7 @@ def test_output_is_never_overwritten_or_put_in_the_input_folder(checkpoint, imag
     assert f"error: --output {output} already exists; pass --overwrite to replace it" in capsys.readouterr().err
     assert output.read_text() == "earlier results"
     assert main([*args, "--overwrite"]) == 0
-    assert output.read_text().startswith("file,class,probability")
+    assert output.read_text().startswith("file,class_name,class_index,probability\n")
 
     inside = images / "predictions.csv"
     assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(inside)]) == 2
@@ -112,3 +113,46 @@ def test_bad_paths_and_checkpoints_are_reported(checkpoint, images, tmp_path, ca
     empty.mkdir()
     assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(empty), "--output", output]) == 1
     assert "error: no readable image in" in capsys.readouterr().err and not Path(output).exists()
+
+
+def test_topk_writes_the_k_best_classes_with_their_names(checkpoint, images, tmp_path, capsys):
+    output = tmp_path / "top2.csv"
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output), "--topk", "2"]) == 0
+    rows = list(csv.DictReader(output.open()))
+    assert list(rows[0]) == ["file", "class_name", "class_index", "probability",
+                             "class_name_2", "class_index_2", "probability_2"]
+    model = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
+    x = torch.stack([torch.from_numpy(np.array(Image.open(images / r["file"]))).float()[None] / 255
+                     for r in rows[1:]])  # (6, 1, 32, 32): the 32x32 grayscale files
+    with torch.no_grad():
+        probs = model(x).softmax(dim=-1)
+    for row, p in zip(rows[1:], probs):
+        best, second = int(p.argmax()), int(p.argmin())  # two classes: the second is the other one
+        assert (row["class_name"], row["class_name_2"]) == (model.class_names[best], model.class_names[second])
+        assert (int(row["class_index"]), int(row["class_index_2"])) == (best, second)
+        assert float(row["probability_2"]) == pytest.approx(float(p[second]), abs=1e-6)
+
+
+@pytest.mark.parametrize("topk, message", [
+    ("0", "error: --topk 0 is not allowed: expected an int >= 1"),
+    ("3", "error: --topk 3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
+])
+def test_a_topk_the_model_cannot_give_is_refused_before_any_image_is_read(topk, message, checkpoint, images, tmp_path,
+                                                                         capsys, monkeypatch):
+    import vit.predict
+
+    monkeypatch.setattr(vit.predict, "read_images", lambda *a: pytest.fail("images were read"))
+    output = tmp_path / "p.csv"
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output), "--topk", topk]) == 2
+    assert capsys.readouterr().err.strip() == message and not output.exists()
+
+
+def test_a_checkpoint_without_class_names_predicts_with_the_indices_and_says_so(checkpoint, images, tmp_path, capsys):
+    old = torch.load(checkpoint, weights_only=True)
+    del old["class_names"]  # as written before class names were stored
+    torch.save(old, tmp_path / "old.ckpt")
+    output = tmp_path / "p.csv"
+    assert main(["--ckpt_path", str(tmp_path / "old.ckpt"), "--input_dir", str(images), "--output", str(output)]) == 0
+    assert "records no class names (it was written before they were stored): class_name is the class index" \
+        in capsys.readouterr().err
+    assert all(r["class_name"] == r["class_index"] for r in csv.DictReader(output.open()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any, get_args
 
 
@@ -89,3 +90,17 @@ def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
         raise ValueError(f"{name}={value!r} is not allowed: expected an int >= {minimum} (a square) "
                          f"or a pair [H, W] of them")
     return int(sides[0]), int(sides[1])
+
+
+def constructor_message(text: str) -> str:
+    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`).
+
+    jsonargparse tries each type of the union and lists every failure, the constructor's ValueError
+    among them; "Expected a <class 'NoneType'>" only says the value was not None.
+    """
+    if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:\n" not in text:
+        return text
+    block = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
+    items = [" ".join(item.split()) for item in re.split(r"\n\s*- ", "\n" + block) if item.strip()]
+    items = [item for item in items if not item.startswith("Expected a <class 'NoneType'>")]
+    return "; ".join(items) or text

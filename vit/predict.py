@@ -18,97 +18,31 @@ normalisation the model was trained with. Each image is converted the same way:
 
 Files that cannot be read as images are reported by name and skipped; hidden files (a name starting
 with '.', such as `.DS_Store`) are ignored. The CSV has one row per
-image: `file` (relative to the input folder), `class` (index) and `probability` (softmax of that
-class). Nothing in the input folder is written; an existing output file is kept unless
+image: `file` (relative to the input folder), `class_name`, `class_index` and `probability` (softmax of that
+class); `--topk K` adds the next K - 1 classes as `class_name_2`, `class_index_2`, `probability_2`, ...
+(`vit.training.predictions`). The names are those the checkpoint records (the data module's class
+names: folder names, CIFAR's label names); a checkpoint written before names were stored gives the
+indices as names, and a note says so. Nothing in the input folder is written; an existing output file is kept unless
 `--overwrite` is given, and the CSV is written to a temporary file first, then renamed.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-import lightning as L
 import torch
-from PIL import Image, UnidentifiedImageError
-from torchvision.transforms import v2
 
-import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
-from vit.checks import first_line
-from vit.data.image_folder import build_transform, to_input
-from vit.training.callbacks import NonFiniteError, check_finite_weights
-from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
+from vit.data.image_folder import build_transform, read_images  # noqa: F401  (build_transform: what predict applies)
+from vit.training.checkpointing import CheckpointError
 from vit.training.classifier import ImageClassifier
+from vit.training.predictions import check_topk, load_for_prediction, prediction_table, write_csv
 
 
 class PredictError(ValueError):
     """Arguments or inputs that `vit.predict` cannot work with."""
-
-
-def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, v2.Compose]:
-    """The model (eval mode, CPU) and the input transform recorded in a LightningCLI checkpoint (a path or URL)."""
-    ckpt_path = fetch_checkpoint(ckpt_path)
-    checkpoint = read_checkpoint(ckpt_path)
-    try:
-        check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))
-    except NonFiniteError as err:
-        raise CheckpointError(f"checkpoint {ckpt_path} is unusable: {str(err).split(';')[0]}") from err
-    if "backbone" not in checkpoint.get("hyper_parameters", {}):
-        raise CheckpointError(
-            f"checkpoint {ckpt_path} does not record its backbone (it was not trained with train.py), "
-            "so the model cannot be rebuilt from it"
-        )
-    if "_class_path" not in checkpoint.get("datamodule_hyper_parameters", {}):
-        raise CheckpointError(
-            f"checkpoint {ckpt_path} does not record its data module (it was not trained with train.py), "
-            "so the image size, channels and normalisation are unknown"
-        )
-    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).eval()
-    datamodule = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
-    if not hasattr(datamodule, "normalization"):
-        raise CheckpointError(
-            f"data module {type(datamodule).__name__} of checkpoint {ckpt_path} does not say how its inputs are "
-            "normalised (no `normalization` attribute)"
-        )
-    return model, build_transform(datamodule.img_size, datamodule.in_chans, datamodule.normalization)
-
-
-def read_images(input_dir: Path, transform: v2.Compose) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
-
-    Sub-folders are not searched and hidden files (`.DS_Store`, `._photo.jpg`) are ignored; a broken
-    symbolic link, a link loop and an image over Pillow's decompression-bomb limit are skipped with
-    the reason, like unreadable files.
-    """
-    names, images, skipped = [], [], {}
-    for path in sorted(input_dir.iterdir()):
-        if path.name.startswith("."):
-            continue
-        if path.is_symlink():
-            try:
-                path.resolve(strict=True)
-            except FileNotFoundError:
-                skipped[path.name] = "a symbolic link to nothing (dangling)"
-                continue
-            except (RuntimeError, OSError):
-                skipped[path.name] = "a symbolic link loop"
-                continue
-        if not path.is_file():
-            continue
-        try:
-            with Image.open(path) as image:
-                image.load()  # decode now: a truncated file fails here, not later
-                images.append(transform(to_input(image)))
-            names.append(path.name)
-        except Image.DecompressionBombError as err:
-            skipped[path.name] = f"too large to decode safely ({str(err).split('.')[0]})"
-        except (UnidentifiedImageError, OSError, ValueError) as err:
-            skipped[path.name] = first_line(err)
-    return names, images, skipped
 
 
 @torch.no_grad()
@@ -119,23 +53,6 @@ def predict_folder(model: ImageClassifier, images: list[torch.Tensor], batch_siz
     probs = [model(torch.stack(images[i : i + batch_size]).to(device)).softmax(dim=-1).cpu()
              for i in range(0, len(images), batch_size)]
     return torch.cat(probs)
-
-
-def write_csv(output: Path, names: list[str], probs: torch.Tensor) -> None:
-    """`file,class,probability` rows, written to a temporary file in the same folder, then renamed."""
-    confidence, classes = probs.max(dim=-1)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["file", "class", "probability"])
-            for name, c, p in zip(names, classes.tolist(), confidence.tolist()):
-                writer.writerow([name, c, f"{p:.6f}"])
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
@@ -179,23 +96,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input_dir", required=True, type=Path, help="folder of images (not searched recursively)")
     parser.add_argument("--output", required=True, type=Path, help="CSV file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
         check_paths(args.input_dir, args.output, args.overwrite)
         check_options(args.batch_size, args.device)
-        model, transform = load_for_prediction(args.ckpt_path)
-    except (PredictError, CheckpointError) as err:
+        if args.topk < 1:  # before the checkpoint is read; its number of classes bounds --topk from above
+            raise PredictError(f"--topk {args.topk} is not allowed: expected an int >= 1")
+        model, transform, named = load_for_prediction(args.ckpt_path)
+        check_topk(args.topk, len(model.class_names))
+    except (ValueError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not named:
+        print(f"note: checkpoint {args.ckpt_path} records no class names (it was written before they were stored): "
+              "class_name is the class index", file=sys.stderr)
     names, images, skipped = read_images(args.input_dir, transform)
     for name, reason in skipped.items():
         print(f"skipped {name}: not a readable image ({reason})", file=sys.stderr)
     if not images:
         print(f"error: no readable image in {args.input_dir}; nothing was written", file=sys.stderr)
         return 1
-    write_csv(args.output, names, predict_folder(model, images, args.batch_size, args.device))
+    probs = predict_folder(model, images, args.batch_size, args.device)
+    write_csv(args.output, *prediction_table(names, probs, model.class_names, args.topk))
     print(f"wrote {len(names)} predictions to {args.output}" + (f"; skipped {len(skipped)} file(s)" if skipped else ""))
     return 0
 

@@ -82,6 +82,11 @@ class SyntheticDataModule(SplitDataModule):
         return 2
 
     @property
+    def class_names(self) -> list[str]:
+        """The name of each label, index by index (what predictions and reports print)."""
+        raise NotImplementedError
+
+    @property
     def normalization(self) -> None:
         """Per-channel ``(mean, std)`` applied to inputs; ``None``: pixels are raw values (0 background, 1 ink)."""
         return None

@@ -5,6 +5,7 @@ v2 transforms in the DataLoader workers; Mixup/CutMix (timm) mixes whole batches
 the device.
 """
 
+import pickle
 from pathlib import Path
 from typing import Literal
 
@@ -174,6 +175,7 @@ class CIFARDataModule(SplitDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
+        self._class_names: list[str] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -182,6 +184,17 @@ class CIFARDataModule(SplitDataModule):
     @property
     def in_chans(self) -> int:
         return 3
+
+    @property
+    def class_names(self) -> list[str]:
+        """The label names in the dataset's meta file (`batches.meta` or `meta`), read as torchvision reads them once
+        the files are checked (so the pickle unpickled is the official one)."""
+        if self._class_names is None:
+            self._check_files()
+            meta = DATASETS[self.dataset].meta  # {"filename", "key", "md5"}
+            with open(self.folder / meta["filename"], "rb") as f:
+                self._class_names = [str(name) for name in pickle.load(f, encoding="latin1")[meta["key"]]]
+        return self._class_names
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from vit.checks import check_choice, check_float, check_int, check_size
+from vit.checks import check_choice, check_float, check_int, check_size, first_line
 from vit.data.base import SplitDataModule
 from vit.data.transforms import AutoAugmentName, auto_augment_step
 
@@ -107,6 +107,11 @@ class ImageFolderDataModule(SplitDataModule):
         """Per-channel `(mean, std)` applied after scaling pixels to [0, 1] (what `vit.predict` reuses)."""
         pair = NORMALIZATIONS[self.hparams.normalization]
         return None if pair is None else (tuple(pair[0]), tuple(pair[1]))
+
+    @property
+    def class_names(self) -> list[str]:
+        """The class folders' names, sorted: label i is the i-th (torchvision's `ImageFolder` order)."""
+        return list(self.classes)
 
     def _folder(self, split: str) -> Path | None:
         folder = self.root / split
@@ -264,3 +269,44 @@ def build_transform(img_size: int | tuple[int, int], in_chans: int, normalizatio
         mean, std = normalization
         steps.append(v2.Normalize(list(mean), list(std)))
     return v2.Compose(steps)
+
+
+def read_images(input_dir: Path, transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
+    """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
+
+    Sub-folders are not searched and hidden files (`.DS_Store`, `._photo.jpg`) are ignored; the files
+    are read as `read_image_files` reads them.
+    """
+    paths = [path for path in sorted(input_dir.iterdir()) if not path.name.startswith(".")]
+    # Files, and links that lead nowhere (reported); sub-folders and links to them are left out.
+    return read_image_files([p for p in paths if p.is_file() or (p.is_symlink() and not p.exists())], transform)
+
+
+def read_image_files(paths: list[Path], transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
+    """Names and tensors (`transform` of `to_input` of each decoded file) of the readable images among `paths`,
+    and `{name: reason}` of the others.
+
+    A broken symbolic link, a link loop and an image over Pillow's decompression-bomb limit are
+    skipped with the reason, like files Pillow cannot decode.
+    """
+    names, images, skipped = [], [], {}
+    for path in paths:
+        if path.is_symlink():
+            try:
+                path.resolve(strict=True)
+            except FileNotFoundError:
+                skipped[path.name] = "a symbolic link to nothing (dangling)"
+                continue
+            except (RuntimeError, OSError):
+                skipped[path.name] = "a symbolic link loop"
+                continue
+        try:
+            with Image.open(path) as image:
+                image.load()  # decode now: a truncated file fails here, not later
+                images.append(transform(to_input(image)))
+            names.append(path.name)
+        except Image.DecompressionBombError as err:
+            skipped[path.name] = f"too large to decode safely ({str(err).split('.')[0]})"
+        except (UnidentifiedImageError, OSError, ValueError) as err:
+            skipped[path.name] = first_line(err)
+    return names, images, skipped

@@ -204,6 +204,11 @@ class SameDifferentDataModule(SyntheticDataModule):
             check_int(name, value, minimum)
         self.save_hyperparameters()
 
+    @property
+    def class_names(self) -> list[str]:
+        """Label 0: two different patterns; label 1: the same pattern twice."""
+        return ["different", "same"]
+
     def make_split(self, split: str, num_samples: int, region: str) -> SameDifferentDataset:
         hp = self.hparams
         return SameDifferentDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans,

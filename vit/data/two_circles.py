@@ -58,6 +58,9 @@ NEGATIVE_PAIRS = ((0, 1), (0, 2), (1, 2), (1, 3), (2, 3))
 POSITIVE_SIGNS = (1, 1)
 NEGATIVE_SIGNS = ((1, -1), (-1, 1), (-1, -1))
 
+# The name of label 0 and label 1 of each task.
+CLASS_NAMES = {"diagonal": ["not_diagonal", "diagonal"], "relative": ["not_above_left", "above_left"]}
+
 _MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is declared infeasible
 
 
@@ -336,6 +339,11 @@ class TwoCirclesDataModule(SyntheticDataModule):
         self.train_set: TwoCirclesDataset | None = None
         self.val_set: TwoCirclesDataset | None = None
         self.test_set: TwoCirclesDataset | None = None
+
+    @property
+    def class_names(self) -> list[str]:
+        """Label 1 is the relation (`diagonal`: circles top-left and bottom-right; `relative`: A above-left of B)."""
+        return CLASS_NAMES[self.hparams.task]
 
     def make_split(self, split: str, num_samples: int, region: str) -> TwoCirclesDataset:
         hp = self.hparams

@@ -1,11 +1,16 @@
-"""`python -m vit.explain`: relevance maps of a checkpoint's test images, one column per method, as an image.
+"""`python -m vit.explain`: relevance maps of your images (or of a checkpoint's test images), one column per method.
 
-    python -m vit.explain --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt \\
-        --method rollout,chefer,gradcam --out maps.png
+    python -m vit.explain --ckpt_path runs/folder/finetune_vit/version_0/checkpoints/last.ckpt \\
+        --input_dir new_photos/ --method all --out maps.png
+    python -m vit.explain --ckpt_path CKPT --image cat.jpg --target dog --out why_not_dog.png
 
 Works for any checkpoint written by `train.py`, the CNN included (it gets `gradcam` and `random`).
-The images are the first `--num_images` of the checkpoint's data module's test split; each row is
-titled with the label, the prediction and its probability.
+The images are the files in `--input_dir` or given by `--image` (read as `vit.predict` reads them:
+every mode and bit depth, unreadable files skipped with the reason, hidden files ignored), else the
+first `--num_images` of the checkpoint's data module's test split. Each row is titled with the
+image, the predicted class name and its probability. The class-specific methods (`grad_rollout`,
+`chefer`, `gradcam`) explain the prediction, or `--target` (a class name, or an index when no class
+has that name); the others show what the model looks at whatever the class.
 """
 
 from __future__ import annotations
@@ -17,26 +22,28 @@ from pathlib import Path
 import lightning as L
 import torch
 
-import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
+from vit.data.image_folder import read_image_files, read_images
 from vit.explain.plot import rollout_grid
-from vit.explain.relevance import ATTENTION_METHODS, METHODS, has_attention, relevance
-from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
-from vit.training.classifier import ImageClassifier
+from vit.explain.relevance import ATTENTION_METHODS, CLASS_METHODS, METHODS, has_attention, relevance
+from vit.training.checkpointing import CheckpointError, fetch_checkpoint
+from vit.training.predictions import load_for_prediction
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vit.explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py")
-    parser.add_argument("--method", default="rollout,chefer,gradcam", help=f"comma-separated, from {list(METHODS)}")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--input_dir", type=Path, help="folder of images to explain (not searched recursively)")
+    source.add_argument("--image", type=Path, action="append", help="an image to explain (repeat for more)")
+    parser.add_argument("--method", default="rollout,chefer,gradcam",
+                        help=f"comma-separated, from {list(METHODS)}, or 'all' (every method the model allows)")
+    parser.add_argument("--target", help="class to explain (a name or an index); default: each image's prediction")
     parser.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
-    parser.add_argument("--num_images", type=int, default=6)
+    parser.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
-    methods = [m.strip() for m in args.method.split(",") if m.strip()]
     try:
-        bad = [m for m in methods if m not in METHODS]
-        if bad or not methods:
-            raise ValueError(f"--method {args.method!r}: {bad or 'nothing'} is not allowed: expected names from {list(METHODS)}")
+        methods = parse_methods(args.method)
         if args.num_images < 1:
             raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
         check_image_format(args.out)
@@ -44,33 +51,95 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out} already exists; pass --overwrite to replace it")
         if not args.out.parent.is_dir():
             raise ValueError(f"--out {args.out}: its folder {args.out.parent} does not exist")
-        args.ckpt_path = fetch_checkpoint(args.ckpt_path)  # a URL is downloaded, then checked like a file
-        checkpoint = read_checkpoint(args.ckpt_path)
-        if "_class_path" not in checkpoint.get("datamodule_hyper_parameters", {}):
-            raise CheckpointError(f"checkpoint {args.ckpt_path} does not record its data module (it was not "
-                                  "trained with train.py), so there are no test images to explain")
-        model = ImageClassifier.load_from_checkpoint(args.ckpt_path, map_location="cpu", weights_only=True).eval()
+        if args.input_dir is not None and not args.input_dir.is_dir():
+            raise ValueError(f"--input_dir {args.input_dir} is not a folder"
+                             + ("" if args.input_dir.exists() else " (it does not exist)"))
+        for image in args.image or []:
+            if not image.is_file():
+                raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))
+        args.ckpt_path = fetch_checkpoint(args.ckpt_path)  # a URL is downloaded once, then read like a file
+        model, transform, named = load_for_prediction(args.ckpt_path)
         backbone = model.backbone
-        if not has_attention(backbone):
+        if methods == ["all"]:
+            methods = list(METHODS) if has_attention(backbone) else [m for m in METHODS if m not in ATTENTION_METHODS]
+        elif not has_attention(backbone):
             unusable = [m for m in methods if m in ATTENTION_METHODS]
             if unusable:
                 raise ValueError(f"--method {','.join(unusable)} needs attention layers; "
                                  f"{type(backbone).__name__} has none: use gradcam or random")
+        target = None if args.target is None else class_index(args.target, model.class_names)
     except (ValueError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    data = L.LightningDataModule.load_from_checkpoint(args.ckpt_path, weights_only=True)
-    data.setup("test")
-    batch = [data.test_set[i] for i in range(min(args.num_images, len(data.test_set)))]
-    x, y = torch.stack([b[0] for b in batch]), torch.tensor([int(b[1]) for b in batch])
-    maps = {method: relevance(backbone, x, method) for method in methods}
+    if not named:
+        print(f"note: checkpoint {args.ckpt_path} records no class names (it was written before they were stored): "
+              "the titles show class indices", file=sys.stderr)
+
+    if args.input_dir is not None or args.image:
+        files, images, skipped = (read_images(args.input_dir, transform) if args.input_dir is not None
+                                  else read_image_files(args.image, transform))
+        for name, reason in skipped.items():
+            print(f"skipped {name}: not a readable image ({reason})", file=sys.stderr)
+        if not images:
+            print("error: no readable image to explain; nothing was written", file=sys.stderr)
+            return 1
+        if len(images) > args.num_images:
+            print(f"note: explaining the first {args.num_images} of {len(images)} images (--num_images)", file=sys.stderr)
+        files, x, labels = files[: args.num_images], torch.stack(images[: args.num_images]), None
+    else:  # the checkpoint's own test images, with their labels
+        data = L.LightningDataModule.load_from_checkpoint(args.ckpt_path, weights_only=True)
+        data.setup("test")
+        batch = [data.test_set[i] for i in range(min(args.num_images, len(data.test_set)))]
+        x, labels = torch.stack([b[0] for b in batch]), [int(b[1]) for b in batch]
+        files = [f"test image {i}" for i in range(len(batch))]
+
+    maps = {}
+    for method in methods:
+        explains_target = target is not None and method in CLASS_METHODS
+        column = f"{method}: {model.class_names[target]}" if explains_target else method
+        maps[column] = relevance(backbone, x, method, target if explains_target else None)
     with torch.no_grad():
-        confidence, predicted = backbone(x).softmax(-1).max(-1)
-    titles = [f"y={int(t)} pred={int(p)} ({c:.2f})" for t, p, c in zip(y, predicted, confidence)]
-    figure = rollout_grid(x, maps, titles=titles)  # each map drawn min-max scaled
+        probs = backbone(x).softmax(-1)  # (B, num_classes)
+    figure = rollout_grid(x, maps, titles=row_titles(files, probs, model.class_names, labels, target))
     figure.savefig(args.out, dpi=80)
-    print(f"wrote {args.out}: {len(batch)} images x {len(methods)} methods")
+    print(f"wrote {args.out}: {len(x)} images x {len(methods)} methods")
     return 0
+
+
+def parse_methods(text: str) -> list[str]:
+    """The methods of `--method` (comma-separated, or `all`); `ValueError` naming what is not a method."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if methods == ["all"]:
+        return methods
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise ValueError(f"--method {text!r}: {bad or 'nothing'} is not allowed: expected names from {list(METHODS)} "
+                         "or 'all'")
+    return methods
+
+
+def class_index(target: str, class_names: list[str]) -> int:
+    """The index of `--target`: a class name, or an index when no class has that name; `ValueError` listing the names."""
+    if target in class_names:
+        return class_names.index(target)
+    if target.isdigit() and int(target) < len(class_names):
+        return int(target)
+    raise ValueError(f"--target {target!r} is not a class of this model: expected one of {class_names} "
+                     f"or an index in [0, {len(class_names) - 1}]")
+
+
+def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], labels: list[int] | None,
+               target: int | None) -> list[str]:
+    """Each row's title: the image, its label (test images), the predicted class and probability, and the target's."""
+    confidence, predicted = probs.max(dim=-1)
+    titles = []
+    for i, (file, c, p) in enumerate(zip(files, confidence.tolist(), predicted.tolist())):
+        lines = [file] + ([f"label {class_names[labels[i]]}"] if labels is not None else [])
+        lines.append(f"predicted {class_names[p]} ({c:.2f})")
+        if target is not None and target != p:
+            lines.append(f"target {class_names[target]} ({float(probs[i, target]):.2f})")
+        titles.append("\n".join(lines))
+    return titles
 
 
 def check_image_format(out: Path) -> None:

@@ -38,7 +38,8 @@ class RolloutImages(L.Callback):
         methods: any method of `vit.explain.relevance` ("attention", "rollout", "grad_rollout",
             "flow", "chefer", "gradcam", "random"); the class-specific ones explain the prediction.
         head_fusion, discard_ratio: options of "rollout"; see `vit.explain.rollout.attention_rollout`.
-        class_names: names for the titles; by default the class indices.
+        class_names: names for the titles; by default the model's `class_names` (the data module's),
+            else the class indices.
         tag: the name of the image on the dashboard.
         dpi: resolution of the rendered grid (each cell is 2 x 2 inches).
     """
@@ -76,6 +77,7 @@ class RolloutImages(L.Callback):
         self.head_fusion = head_fusion
         self.discard_ratio = discard_ratio
         self.class_names = list(class_names) if class_names is not None else None
+        self._model_names: list[str] | None = None  # the LightningModule's, used when class_names is None
         self.tag = tag
         self.dpi = dpi
         self.images: Tensor | None = None  # (num_images, C, H, W) on the CPU, once chosen
@@ -122,6 +124,7 @@ class RolloutImages(L.Callback):
         if not trainer.is_global_zero:
             return
         model = getattr(pl_module, "backbone", pl_module)
+        self._model_names = getattr(pl_module, "class_names", None)
         if not has_attention(model):
             if not self._warned:
                 rank_zero_warn(
@@ -161,7 +164,8 @@ class RolloutImages(L.Callback):
         return rollout_grid(self.images, maps, titles=titles)
 
     def _name(self, index: int) -> str:
-        return self.class_names[index] if self.class_names is not None else str(index)
+        names = self.class_names or self._model_names
+        return names[index] if names is not None else str(index)
 
 
 class RelevanceScores(L.Callback):

@@ -12,9 +12,22 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from timm.optim import param_groups_weight_decay
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError, MulticlassConfusionMatrix
 
 from vit.checks import check_float, check_int
+
+
+def format_test_results(metrics: dict[str, float], where: str = "") -> str:
+    """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, and each class's accuracy."""
+    lines = [f"test/acc = {metrics['test/acc']:.4f}" + (f"  ({where})" if where else "")]
+    lines += [f"{key} = {metrics[key]:.4f}" for key in ("test/top5_acc", "test/ece") if key in metrics]
+    per_class = {key.removeprefix("test/class_acc/"): value for key, value in metrics.items()
+                 if key.startswith("test/class_acc/")}
+    if per_class:
+        width = max(map(len, per_class))
+        lines.append("accuracy per class:")
+        lines += [f"  {name:<{width}}  {value:.4f}" for name, value in per_class.items()]
+    return "\n".join(lines)
 
 
 def warmup_cosine_schedule(
@@ -30,6 +43,21 @@ def warmup_cosine_schedule(
     # LinearLR's factor at step s is start + (1 - start) * s / total_iters = (s + 1) / warmup_steps.
     warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, total_iters=max(1, warmup_steps - 1))
     return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+
+
+def index_names(num_classes: int) -> list[str]:
+    """The class names of a model that knows none: `["0", "1", ...]` (checkpoints written before names were stored)."""
+    return [str(i) for i in range(num_classes)]
+
+
+def check_class_names(names: object, num_classes: int, source: str) -> list[str]:
+    """`names` as a list of str, or `ValueError` naming `source` unless it holds `num_classes` distinct strings."""
+    if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{source}: class names must be a list of str, got {names!r}")
+    if len(names) != num_classes or len(set(names)) != len(names):
+        raise ValueError(f"{source}: expected {num_classes} distinct class names (the model's num_classes), "
+                         f"got {len(names)}: {list(names)[:10]}")
+    return list(names)
 
 
 def freeze(backbone: nn.Module, trainable: str | int) -> None:
@@ -68,6 +96,17 @@ class ImageClassifier(L.LightningModule):
         trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`);
             or an int k, the last k blocks with the final norm and the head (k=0 is "head" plus the
             norm). Frozen parameters get no gradient and are not given to the optimizer.
+
+    Class names: `class_names` (`["0", "1", ...]` until known) is taken from the data module's
+    `class_names` when a trainer runs the model with one, and travels in every checkpoint under the
+    top-level key `"class_names"` (`on_save_checkpoint` / `on_load_checkpoint`; a checkpoint written
+    before names were stored loads with the indices as names).
+
+    Testing logs, beside `test/loss` and `test/acc`: `test/ece` (expected calibration error, 15
+    equal-width confidence bins, torchmetrics' `MulticlassCalibrationError`), `test/top5_acc` when
+    there are more than 5 classes, and `test/class_acc/<name>`, the accuracy on each class's images
+    (the confusion matrix's diagonal over its row sums; classes without a test image are left out).
+    `format_test_results` prints them.
 
     A batch is `(x, y)`, or `(x, y, y_soft)` when the data module mixes images (Mixup/CutMix):
     then the loss uses the soft targets and the training accuracy the hard labels `y`. The
@@ -116,6 +155,10 @@ class ImageClassifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_top5 = MulticlassAccuracy(num_classes=num_classes, top_k=5, average="micro") if num_classes > 5 else None
+        self.test_ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=15, norm="l1")
+        self.test_confusion = MulticlassConfusionMatrix(num_classes=num_classes)
+        self.class_names = index_names(num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)
@@ -155,7 +198,46 @@ class ImageClassifier(L.LightningModule):
         return self._eval_step(batch, "val", self.val_acc)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, "test", self.test_acc)
+        logits = self._eval_step(batch, "test", self.test_acc)
+        y = batch[1]
+        # Probabilities, not logits: torchmetrics would take logits that happen to lie in [0, 1] for probabilities.
+        self.test_ece(logits.float().softmax(dim=-1), y)
+        self.log("test/ece", self.test_ece, on_epoch=True)
+        if self.test_top5 is not None:
+            self.test_top5(logits, y)
+            self.log("test/top5_acc", self.test_top5, on_epoch=True)
+        self.test_confusion.update(logits.argmax(dim=-1), y)
+
+    def on_test_epoch_end(self) -> None:
+        counts = self.test_confusion.compute()  # (K, K), rows true classes; summed over processes
+        self.test_confusion.reset()
+        per_class = counts.diagonal() / counts.sum(dim=1)  # NaN for a class without test images
+        for name, accuracy in zip(self.class_names, per_class.tolist()):
+            if accuracy == accuracy:  # not NaN
+                self.log(f"test/class_acc/{name}", accuracy)
+
+    def setup(self, stage: str) -> None:
+        """Take the class names of the trainer's data module, when it has them."""
+        names = getattr(self.trainer.datamodule, "class_names", None) if self._trainer is not None else None
+        if names is not None:
+            self.class_names = check_class_names(names, len(self.class_names),
+                                                 f"{type(self.trainer.datamodule).__name__}.class_names")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["class_names"] = list(self.class_names)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        names = checkpoint.get("class_names")
+        if names is None:  # written before class names were stored
+            return
+        names = check_class_names(names, len(self.class_names), "the checkpoint's class_names")
+        if self._trainer is not None and names != self.class_names:
+            # The data module's labels are what the metrics count; the checkpoint's names are what
+            # the model learned. Different lists mean the labels do not mean what they did in training.
+            warnings.warn(f"the checkpoint's class names {names[:10]} differ from the data module's "
+                          f"{self.class_names[:10]}: the reports use the data module's", stacklevel=2)
+            return
+        self.class_names = names
 
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Class probabilities `(B, num_classes)`."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from vit.checks import check_int, first_line
+from vit.checks import check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
 from vit.training.callbacks import (
     NonFiniteError,
@@ -31,7 +30,8 @@ from vit.training.checkpointing import (
     fetch_checkpoint,
     read_checkpoint,
 )
-from vit.training.classifier import ImageClassifier
+from vit.training.classifier import ImageClassifier, format_test_results
+from vit.training.predictions import PredictionWriter, check_topk
 from vit.training.preflight import (
     ConfigError,
     check_checkpoint,
@@ -84,14 +84,22 @@ class ViTCLI(LightningCLI):
             return
         best = self.trainer.checkpoint_callback.best_model_path if self.trainer.checkpoint_callback else ""
         results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best or None, verbose=False)
+        self._print_test_report(results, best or "the final weights")
+
+    def test(self, **kwargs) -> None:
+        """`train.py test`: Lightning's test, then the summary by class name (`format_test_results`)."""
+        results = self.trainer.test(**kwargs)
+        self._print_test_report(results, kwargs.get("ckpt_path") or "the configured weights")
+
+    def _print_test_report(self, results: list[dict[str, float]], where: str) -> None:
         if self.trainer.is_global_zero and results:
-            acc = results[0].get("test/acc")
-            where = best or "the final weights"
-            print(f"test/acc = {acc:.4f}  ({where})" if acc is not None else f"test results: {results[0]}")
+            print(format_test_results(results[0], where) if "test/acc" in results[0] else f"test results: {results[0]}")
 
     # --- Robust runs: resuming, checks before work starts, atomic checkpoints ----------------------
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        # `test` prints `format_test_results` (per class, by name) instead of Lightning's table; --verbose true adds the table.
+        parser.set_defaults({"test.verbose": False})
         super().parse_arguments(parser, args)
         # Before LightningCLI reads the checkpoint's hyperparameters into the config (it loads the
         # file right after parsing): resolve `last`, and fail with a message on an unreadable file.
@@ -122,12 +130,15 @@ class ViTCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
-            raise ConfigError(_constructor_message(str(err))) from err
+            raise ConfigError(constructor_message(str(err))) from err
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own plugin alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
+            # `train.py predict` writes its predictions (a CSV in the run folder), not only computes them.
+            trainer.callbacks.append(PredictionWriter())
         if trainer.fast_dev_run:
             # A smoke test has no logger, so checkpoints would land in the current folder: none are kept.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
@@ -156,6 +167,11 @@ class ViTCLI(LightningCLI):
         Whatever fails here is a usage error (one line, exit 2), whatever its type.
         """
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        for writer in [c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)]:
+            try:
+                check_topk(writer.topk, len(self.model.class_names), option="PredictionWriter topk=")
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if is_local_file(ckpt_path):
             check_checkpoint(ckpt_path, self.model, subcommand=self.subcommand, world_size=self.trainer.world_size)
         for logger in self.trainer.loggers:
@@ -173,20 +189,6 @@ class ViTCLI(LightningCLI):
             except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
                 raise ConfigError(f"pre-flight: one training image through the model failed: "
                                   f"{type(err).__name__}: {first_line(err)}") from err
-
-
-def _constructor_message(text: str) -> str:
-    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`).
-
-    jsonargparse tries each type of the union and lists every failure, the constructor's ValueError
-    among them; "Expected a <class 'NoneType'>" only says the value was not None.
-    """
-    if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:\n" not in text:
-        return text
-    block = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
-    items = [" ".join(item.split()) for item in re.split(r"\n\s*- ", "\n" + block) if item.strip()]
-    items = [item for item in items if not item.startswith("Expected a <class 'NoneType'>")]
-    return "; ".join(items) or text
 
 
 def main(args=None) -> ViTCLI:
@@ -222,6 +224,12 @@ def main(args=None) -> ViTCLI:
         # the interpreter's shutdown aborted a gloo process at times ("terminate called").
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def script(args: list[str] | None = None) -> int:
+    """Entry point of the `vit-train` command of an installed package: `main`, with an exit status (0) for the shell."""
+    main(args)
+    return 0
 
 
 def _command(args) -> list[str] | None:

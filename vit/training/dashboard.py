@@ -30,7 +30,8 @@ class ConfusionMatrix(L.Callback):
     columns predictions. The counts are kept in `matrix` `(num_classes, num_classes)` after fit.
 
     Args:
-        class_names: axis labels; by default the class indices.
+        class_names: axis labels; by default the model's `class_names` (the data module's, e.g. the
+            folder names), else the class indices.
         tag: the name of the image on the dashboard.
         dpi: resolution of the rendered figure.
     """
@@ -66,10 +67,11 @@ class ConfusionMatrix(L.Callback):
             return
         self.matrix = self._counts.compute().cpu()  # synchronised across processes
         if trainer.is_global_zero:
-            figure = self._figure(f"the last validation, in epoch {self._epoch + 1}")
+            figure = self._figure(f"the last validation, in epoch {self._epoch + 1}",
+                                  self.class_names or getattr(pl_module, "class_names", None))
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
 
-    def _figure(self, title: str):
+    def _figure(self, title: str, class_names: Sequence[str] | None = None):
         """`self.matrix` drawn by torchmetrics, on a Figure of its own (not pyplot's, which would keep it alive)."""
         from matplotlib.figure import Figure
 
@@ -78,7 +80,7 @@ class ConfusionMatrix(L.Callback):
         fig = Figure(figsize=(side + 1.0, side), layout="constrained")
         ax = fig.subplots()
         # Counts written in up to 20 classes; beyond that they no longer fit their cells.
-        self._counts.plot(self.matrix, ax=ax, add_text=K <= 20, labels=self.class_names)
+        self._counts.plot(self.matrix, ax=ax, add_text=K <= 20, labels=class_names)
         accuracy = self.matrix.trace().item() / max(1, self.matrix.sum().item())
         ax.set_title(f"confusion matrix, accuracy {accuracy:.4f}\n{title}", fontsize="medium")
         return fig

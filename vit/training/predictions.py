@@ -1,0 +1,168 @@
+"""Predictions on new images: a checkpoint's model and input transform, and the CSV its predictions are written to.
+
+The CSV has one row per image: `file`, `class_name`, `class_index`, `probability` (the softmax of the
+best class); with `topk=K` the next classes follow as `class_name_2`, `class_index_2`,
+`probability_2`, ... up to K. `vit.predict` writes it for a folder of files, `PredictionWriter` for
+`train.py predict`; `vit.explain` loads its model the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import Dataset, Subset
+from torchvision.transforms import v2
+
+import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
+from vit.checks import check_int, constructor_message
+from vit.data.image_folder import build_transform
+from vit.training.callbacks import NonFiniteError, check_finite_weights
+from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
+from vit.training.classifier import ImageClassifier
+
+
+def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, v2.Compose, bool]:
+    """The model (eval mode, CPU), the input transform recorded in a LightningCLI checkpoint (a path or URL),
+    and whether the checkpoint records class names (without them `model.class_names` are the indices)."""
+    ckpt_path = fetch_checkpoint(ckpt_path)
+    checkpoint = read_checkpoint(ckpt_path)
+    try:
+        check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))
+    except NonFiniteError as err:
+        raise CheckpointError(f"checkpoint {ckpt_path} is unusable: {str(err).split(';')[0]}") from err
+    if "backbone" not in checkpoint.get("hyper_parameters", {}):
+        raise CheckpointError(
+            f"checkpoint {ckpt_path} does not record its backbone (it was not trained with train.py), "
+            "so the model cannot be rebuilt from it"
+        )
+    if "_class_path" not in checkpoint.get("datamodule_hyper_parameters", {}):
+        raise CheckpointError(
+            f"checkpoint {ckpt_path} does not record its data module (it was not trained with train.py), "
+            "so the image size, channels and normalisation are unknown"
+        )
+    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).eval()
+    try:
+        datamodule = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
+    except (OSError, ValueError) as err:  # e.g. an image folder's root that is not on this machine
+        name = checkpoint["datamodule_hyper_parameters"]["_class_path"].rsplit(".", 1)[-1]
+        reason = (constructor_message(str(err)).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"checkpoint {ckpt_path}: its data module {name} (which says the image size, channels "
+                              f"and normalisation) cannot be rebuilt here: {reason}") from err
+    if not hasattr(datamodule, "normalization"):
+        raise CheckpointError(
+            f"data module {type(datamodule).__name__} of checkpoint {ckpt_path} does not say how its inputs are "
+            "normalised (no `normalization` attribute)"
+        )
+    transform = build_transform(datamodule.img_size, datamodule.in_chans, datamodule.normalization)
+    return model, transform, "class_names" in checkpoint
+
+
+def check_topk(topk: int, num_classes: int, option: str = "--topk ") -> None:
+    """Raise `ValueError` unless `topk` is an int in [1, num_classes]; the message names it `{option}{topk}`."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_classes:
+        raise ValueError(f"{option}{topk} is not allowed: expected an int in [1, {num_classes}] "
+                         f"(the model has {num_classes} classes)")
+
+
+def prediction_table(files: list[str], probs: torch.Tensor, class_names: list[str], topk: int = 1
+                     ) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the predictions CSV for `probs` `(N, num_classes)` of `files` (see the module doc)."""
+    check_topk(topk, probs.shape[-1])
+    header = ["file", "class_name", "class_index", "probability"]
+    for rank in range(2, topk + 1):
+        header += [f"class_name_{rank}", f"class_index_{rank}", f"probability_{rank}"]
+    confidence, classes = probs.topk(topk, dim=-1)  # (N, K) each, best first
+    rows = []
+    for file, ks, ps in zip(files, classes.tolist(), confidence.tolist()):
+        row = [file]
+        for k, p in zip(ks, ps):
+            row += [class_names[k], str(k), f"{p:.6f}"]
+        rows.append(row)
+    return header, rows
+
+
+def write_csv(output: Path, header: list[str], rows: list[list[str]]) -> None:
+    """Write a CSV to a temporary file in the same folder, then rename it: no half-written file is ever left."""
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(rows)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def free_path(path: Path) -> Path:
+    """`path`, or `stem-1.suffix`, `stem-2.suffix`, ... : the first name not taken, so nothing is overwritten."""
+    candidate, n = path, 1
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return candidate
+
+
+def sample_name(dataset: Dataset, index: int) -> str:
+    """How sample `index` of `dataset` is named in the CSV: its file relative to an image folder's root, else its index."""
+    while isinstance(dataset, Subset):
+        dataset, index = dataset.dataset, dataset.indices[index]
+    samples = getattr(dataset, "samples", None)  # torchvision's ImageFolder: [(path, label), ...]
+    if samples is not None and getattr(dataset, "root", None) is not None:
+        return os.path.relpath(samples[index][0], dataset.root)
+    return str(index)
+
+
+class PredictionWriter(BasePredictionWriter):
+    """`train.py predict`: the predictions CSV (see the module doc) of the predict split, in the run folder.
+
+    The file is `filename` in `trainer.log_dir`, or `stem-1.csv`, `stem-2.csv`, ... when that is
+    taken; `file` names the image relative to an image folder's root, or the sample's index in the
+    split (the synthetic and CIFAR data have no files). The class names are the model's
+    (`ImageClassifier.class_names`). With several processes each writes its share to
+    `stem-rank<r>.csv` (a `DistributedSampler` repeats a few samples to even out the shares).
+    `train.py predict` adds one with the defaults unless the config has one.
+    """
+
+    def __init__(self, *, filename: str = "predictions.csv", topk: int = 1) -> None:
+        super().__init__(write_interval="epoch")
+        check_int("topk", topk, 1)
+        if Path(filename).name != filename or not filename.endswith(".csv"):
+            raise ValueError(f"filename={filename!r} is not allowed: expected a file name ending in .csv, without a folder")
+        self.filename, self.topk = filename, topk
+        self.written: list[Path] = []
+
+    def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions, batch_indices) -> None:
+        loaders = trainer.predict_dataloaders
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        if not predictions:
+            warnings.warn("PredictionWriter: no predictions were kept (return_predictions=False?); nothing was written",
+                          stacklevel=2)
+            return
+        if isinstance(predictions[0], torch.Tensor):  # one dataloader: Lightning gives its batches unnested
+            predictions = [predictions]
+        folder = Path(trainer.log_dir or trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        names = getattr(pl_module, "class_names", None) or [str(i) for i in range(predictions[0][0].shape[-1])]
+        for i, (loader, batches, indices) in enumerate(zip(loaders, predictions, batch_indices)):
+            if not batches:
+                continue
+            stem = Path(self.filename).stem + (f"-dataloader{i}" if len(loaders) > 1 else "")
+            stem += f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+            files = [sample_name(loader.dataset, j) for batch in indices for j in batch]
+            if len(files) != sum(len(b) for b in batches):  # indices are known only with Lightning's own sampler wrapper
+                warnings.warn("the predict loader's sample indices are unknown; `file` holds the row number", stacklevel=2)
+                files = [str(j) for j in range(sum(len(b) for b in batches))]
+            probs = torch.cat([b.float().cpu() for b in batches])
+            output = free_path(folder / f"{stem}.csv")
+            write_csv(output, *prediction_table(files, probs, names, self.topk))
+            self.written.append(output)
+            print(f"wrote {len(files)} predictions to {output}")
