@@ -88,8 +88,11 @@ def _read_file(path: Path, name: str) -> dict[str, torch.Tensor]:
     """The state dict in a local file, or a `PretrainedError` saying what is wrong with the file."""
     if not path.exists():
         raise PretrainedError(f"{name}: there is no such file")
-    if path.is_dir():
-        raise PretrainedError(f"{name} is a folder, not a weights file (.safetensors, .pth or .bin)")
+    if path.is_dir() and (path / "model.safetensors").is_file():  # a Hub-layout folder, as `vit.export` writes
+        path = path / "model.safetensors"
+    elif path.is_dir():
+        raise PretrainedError(f"{name} is a folder without a model.safetensors, not a weights file "
+                              "(.safetensors, .pth or .bin)")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
