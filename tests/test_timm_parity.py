@@ -131,3 +131,32 @@ def test_bad_register_and_norm_options_name_the_value():
         VisionTransformer(**SMALL, reg_tokens=-1)
     with pytest.raises(ValueError, match="fc_norm='yes' is not allowed: expected true or false"):
         VisionTransformer(**SMALL, fc_norm="yes")
+
+
+def test_train_py_refuses_an_old_mean_pooled_checkpoint_in_one_line_naming_fc_norm(tmp_path_factory, monkeypatch,
+                                                                                   capsys):
+    # A checkpoint of `pool: mean` from before fc_norm: its hyperparameters say pool='mean' and nothing
+    # of fc_norm, its weights hold `norm.*` (made here from the shared tiny run by removing the CLS token).
+    from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run, tiny_config
+
+    [run_dir] = run_dirs(shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch))
+    content = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    init_args = content["hyper_parameters"]["backbone"]["init_args"]
+    init_args["pool"] = "mean"
+    for new_option in ("fc_norm", "reg_tokens", "no_embed_class"):
+        del init_args[new_option]
+    state = content["state_dict"]
+    del state["backbone.cls_token"]
+    state["backbone.pos_embed"] = state["backbone.pos_embed"][:, 1:]
+    old = tmp_path_factory.mktemp("old") / "mean_before_fc_norm.ckpt"
+    torch.save(content, old)
+    config = tiny_config(tmp_path_factory.mktemp("cfg"))
+    code, stderr = cli(["test", "--config", str(config), "--ckpt_path", str(old)], monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == (
+        f"error: checkpoint {old} does not fit this config: these weights normalise the tokens before the pooling "
+        "(norm.weight, no fc_norm.weight) and this model (pool='mean') after it (fc_norm): set fc_norm=False to load "
+        "them as they were trained (a pool='mean' checkpoint made before fc_norm existed is of this kind)")
+    main_in_process(["test", "--config", str(config), "--ckpt_path", str(old),
+                     "--model.backbone.init_args.fc_norm", "false"], monkeypatch)  # the old model, tested
+    assert "test/acc" in capsys.readouterr().out
