@@ -97,15 +97,17 @@ def architecture(args: dict) -> str:
     return _FALLBACK_ARCHITECTURE
 
 
-def to_timm(model: VisionTransformer) -> nn.Module:
-    """A timm `VisionTransformer` holding `model`'s weights (loaded strictly), in eval mode."""
+def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Module:
+    """A timm `VisionTransformer` holding `model`'s weights (loaded strictly), in eval mode; its `pretrained_cfg`
+    says `data_config` (timm's keys: `input_size`, `mean`, `std`, ...) instead of timm's own weights' preprocessing."""
     args = timm_args(model)
     exported = timm.create_model(architecture(args), pretrained=False, **args)
     state = model.state_dict()
     if model.pos_embed is not None and "pos_embed" not in state:  # a fixed encoding: a buffer, not in the state dict
         state["pos_embed"] = model.pos_embed.detach().clone()
     exported.load_state_dict(state)
-    exported.pretrained_cfg = {k: v for k, v in exported.pretrained_cfg.items() if k in _PRETRAINED_CFG_KEYS}
+    cfg = {k: v for k, v in exported.pretrained_cfg.items() if k in _PRETRAINED_CFG_KEYS}
+    exported.pretrained_cfg = {**cfg, **(data_config or {})}
     return exported.eval()
 
 
@@ -143,11 +145,12 @@ def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[st
 
 def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str]) -> None:
     """Write `model.safetensors` and `config.json` into `out` (created), through a temporary folder beside it."""
-    exported = to_timm(backbone)
+    exported = to_timm(backbone, data_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
-        save_for_hf(exported, tmp, model_config={"label_names": names}, safe_serialization=True,
-                    data_config=data_config)
+        # model_args given explicitly: timm versions that do not record a model's arguments write them too.
+        save_for_hf(exported, tmp, model_config={"label_names": names, "model_args": timm_args(backbone)},
+                    safe_serialization=True)
         out.mkdir(exist_ok=True)
         for name in ("model.safetensors", "config.json"):
             os.replace(Path(tmp) / name, out / name)  # each file replaced whole, never half-written

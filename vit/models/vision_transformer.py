@@ -234,7 +234,8 @@ class VisionTransformer(nn.Module):
         return {"cls_token", "reg_token", "pos_embed", "attn_pool.latent"}
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, C, H, W) -> (B, N, D)`: the normalised tokens after the last block, the CLS token first if any."""
+        """`(B, C, H, W) -> (B, N, D)`: the tokens after the last block, `[CLS] [registers] [patches]`, normalised
+        by `norm` (with `fc_norm`, an Identity: the pooled vector is normalised instead, as in timm)."""
         x = self.embed(x)  # (B, N, D)
         for block in self.blocks:
             x = self._run_block(block, x)  # x + attn(norm1(x)), then x + mlp(norm2(x))
