@@ -1,6 +1,7 @@
 """timm parity for every pooling and for registers: same state-dict keys, same features and logits; old layouts."""
 
 import pytest
+import timm
 import torch
 from safetensors.torch import save_file
 from timm.models.vision_transformer import VisionTransformer as TimmViT
@@ -57,6 +58,24 @@ def test_the_pretrained_loader_reads_timms_pooled_and_register_models(tmp_path, 
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
     ours = VisionTransformer(**SMALL, pool=pool, pretrained=str(path), **layout).eval()
+    x = torch.randn(2, 3, 32, 32)
+    for a, b in zip(features_and_logits(ours, x), features_and_logits(reference, x)):
+        assert (a - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name, options", [
+    ("vit_base_patch16_reg4_gap_256", dict(pool="mean", reg_tokens=4, no_embed_class=True)),
+    ("vit_so150m_patch16_reg4_map_256", dict(pool="map", reg_tokens=4, mlp_ratio=2.572)),
+])
+def test_timms_register_models_load_through_the_pretrained_loader(tmp_path, name, options):
+    # timm's own register architectures (their layout from the name), shrunk to a few layers, random weights.
+    torch.manual_seed(0)
+    reference = timm.create_model(name, pretrained=False, **SMALL).eval()
+    for p in reference.parameters():
+        p.data.normal_(0, 0.3)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    ours = VisionTransformer(**SMALL, **options, pretrained=str(path)).eval()
     x = torch.randn(2, 3, 32, 32)
     for a, b in zip(features_and_logits(ours, x), features_and_logits(reference, x)):
         assert (a - b).abs().max() < 1e-5
