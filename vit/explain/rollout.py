@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vit.checks import check_choice
@@ -161,16 +162,11 @@ def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None
     query's head-fused attention `pool_attn` `(B, 1, P)` over the patches (no residual: the query is
     a learned vector, not a token). Registers are never read out: they get 0.
     """
-    num_prefix = (1 if pool == "cls" else 0) + reg_tokens
     if pool == "cls":
         return torch.eye(1, num_tokens)
-    if pool == "mean":
-        weights = torch.full((1, num_tokens), 1.0 / (num_tokens - num_prefix))
-    else:
-        weights = pool_attn.flatten(1)  # (B, P)
-        weights = torch.cat([weights.new_zeros(weights.shape[0], num_tokens - weights.shape[1]), weights], dim=1)
-    weights[:, :num_prefix] = 0.0
-    return weights  # (1 or B, N)
+    num_patches = num_tokens - reg_tokens
+    per_patch = torch.full((1, num_patches), 1.0 / num_patches) if pool == "mean" else pool_attn.flatten(1)  # (1 or B, P)
+    return F.pad(per_patch, (reg_tokens, 0))  # (1 or B, N): the registers get 0
 
 
 def rollout_to_patch_map(
