@@ -42,6 +42,7 @@ from torch import nn
 import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
 from vit.checks import first_line
 from vit.models import VisionTransformer
+from vit.models.pretrained import PretrainedError
 from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
 from vit.training.classifier import ImageClassifier
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_out(args.out, args.overwrite)
         backbone, data_config, names = load(args.ckpt_path)
-    except (ExportError, CheckpointError) as err:
+    except (ExportError, CheckpointError, PretrainedError) as err:  # PretrainedError: weights of another layout
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
