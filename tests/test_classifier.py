@@ -21,16 +21,16 @@ def optimizer_and_schedule(model: ImageClassifier, total_steps: int, max_epochs:
 
 @pytest.mark.parametrize("pool", ["cls", "map"])
 def test_weight_decay_only_on_weight_matrices(pool):
-    model = ImageClassifier(VisionTransformer(**CIFAR_CFG, pool=pool), weight_decay=0.05)
+    model = ImageClassifier(VisionTransformer(**CIFAR_CFG, pool=pool, reg_tokens=2), weight_decay=0.05)
     optimizer, _ = optimizer_and_schedule(model, total_steps=10, max_epochs=1)
     decay_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     named = list(model.backbone.named_parameters())
     assert len(decay_of) == len(named)  # every parameter once
     for name, p in named:
-        # Norm gains, biases, the CLS token, the position embedding and the MAP probe are not weights.
-        is_weight = p.ndim >= 2 and name not in ("cls_token", "pos_embed", "attn_pool.probe")
+        # Norm gains, biases, the CLS token, the registers, the position embedding and the MAP query are not weights.
+        is_weight = p.ndim >= 2 and name not in ("cls_token", "reg_token", "pos_embed", "attn_pool.latent")
         assert decay_of[id(p)] == (0.05 if is_weight else 0.0), name
-    assert any(name == "attn_pool.probe" for name, _ in named) == (pool == "map")
+    assert any(name == "attn_pool.latent" for name, _ in named) == (pool == "map")
 
 
 def test_frozen_parameters_are_not_given_to_the_optimizer():

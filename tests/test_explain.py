@@ -12,10 +12,10 @@ from vit.explain.scores import average_precision, deletion_insertion, pointing_g
 from vit.models import ResNet, VisionTransformer, record_attention
 
 
-def tiny_vit(pool="cls", seed=0):
+def tiny_vit(pool="cls", seed=0, reg_tokens=0):
     torch.manual_seed(seed)
     return VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=3, embed_dim=16, depth=2,
-                             num_heads=2, pool=pool).eval()
+                             num_heads=2, pool=pool, reg_tokens=reg_tokens).eval()
 
 
 def images(B=2, seed=1):
@@ -28,6 +28,34 @@ def test_every_method_gives_one_distribution_per_image(method, pool):
     maps = relevance(tiny_vit(pool), images(), method=method)
     assert maps.shape == (2, 4, 4) and (maps >= 0).all()
     torch.testing.assert_close(maps.flatten(1).sum(1), torch.ones(2))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("pool", ["cls", "mean", "map"])
+def test_with_registers_every_method_gives_one_distribution_over_the_patch_grid(method, pool):
+    maps = relevance(tiny_vit(pool, reg_tokens=3), images(), method=method)
+    assert maps.shape == (2, 4, 4) and (maps >= 0).all()
+    torch.testing.assert_close(maps.flatten(1).sum(1), torch.ones(2))
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean", "map"])
+def test_registers_are_read_as_neither_the_cls_token_nor_patches(pool):
+    # Tokens [CLS] [2 registers] [16 patches]: the read-out takes the CLS row, the mean of the patch
+    # rows, or the MAP query's attention over the patches; the registers' columns are not patches.
+    R, model, x = 2, tiny_vit(pool, reg_tokens=2), images()
+    with torch.no_grad(), record_attention(model) as maps:
+        model(x)
+    first = 1 + R if pool == "cls" else R  # the first patch token
+    last = maps[-2 if pool == "map" else -1].mean(1)  # (B, N, N), heads averaged
+    if pool == "cls":
+        expected = last[:, 0, first:]
+    elif pool == "mean":
+        expected = last[:, first:, first:].mean(1)
+    else:
+        query = maps[-1].mean(1)[:, 0]  # (B, 16): the query reads the patches only
+        expected = torch.einsum("bp,bpq->bq", query, last[:, first:, first:])
+    expected = expected / expected.sum(1, keepdim=True)
+    torch.testing.assert_close(relevance(model, x, "attention").flatten(1), expected)
 
 
 def test_attention_is_the_last_blocks_cls_row_heads_averaged():
@@ -79,6 +107,26 @@ def test_attention_flow_equals_a_brute_force_min_cut_on_a_tiny_graph():
     capacity[L * N + 0, (L + 1) * N] = 1.0  # the top CLS token feeds the sink
     for patch in range(2):
         expected = brute_force_max_flow(capacity, 1 + patch, (L + 1) * N)
+        assert abs(float(flow[0, 0, patch]) - expected) < 1e-5
+
+
+def test_attention_flow_with_a_register_equals_a_brute_force_min_cut():
+    torch.manual_seed(2)
+    # Two layers of 4 tokens (CLS, a register, a 1x2 grid of patches), one sample: the register is
+    # a path between patches and the CLS token, never a source.
+    blocks = [torch.rand(1, 2, 4, 4).softmax(-1) for _ in range(2)]
+    flow = attention_flow(blocks, pool="cls", pool_attn=None, grid=(1, 2), reg_tokens=1)  # (1, 1, 2)
+    N, L = 4, 2
+    capacity = np.zeros(((L + 1) * N + 1, (L + 1) * N + 1))
+    for layer, attn in enumerate(blocks):
+        a = 0.5 * attn[0].mean(0) + 0.5 * torch.eye(N)
+        a = (a / a.sum(-1, keepdim=True)).numpy()
+        for i in range(N):
+            for j in range(N):
+                capacity[layer * N + j, (layer + 1) * N + i] = a[i, j]
+    capacity[L * N + 0, (L + 1) * N] = 1.0  # the top CLS token feeds the sink
+    for patch in range(2):
+        expected = brute_force_max_flow(capacity, 2 + patch, (L + 1) * N)
         assert abs(float(flow[0, 0, patch]) - expected) < 1e-5
 
 

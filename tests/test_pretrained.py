@@ -283,16 +283,17 @@ def test_pytorch_grad_cam_works_on_our_vit_as_on_timms():
     assert maps.shape == (2, 32, 32) and np.isfinite(maps).all() and maps.max() > 0
 
 
-@pytest.mark.parametrize("trainable, trained", [
-    ("head", {"head"}),
-    (1, {"head", "norm", "blocks.1"}),
-    ("all", {"head", "norm", "blocks.1", "blocks.0", "patch_embed", "cls_token", "pos_embed"}),
+@pytest.mark.parametrize("trainable, trained, pool", [
+    ("head", {"head"}, "cls"),
+    (1, {"head", "norm", "blocks.1"}, "cls"),
+    (1, {"head", "fc_norm", "blocks.1"}, "mean"),  # timm's average pooling normalises after the mean
+    ("all", {"head", "norm", "blocks.1", "blocks.0", "patch_embed", "cls_token", "pos_embed"}, "cls"),
 ])
-def test_freezing_trains_only_what_it_names(trainable, trained):
+def test_freezing_trains_only_what_it_names(trainable, trained, pool):
     from vit.training.classifier import ImageClassifier
 
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2)
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2, pool=pool)
     model = ImageClassifier(backbone, trainable=trainable, lr=0.1, weight_decay=0.0)
     before = {n: p.detach().clone() for n, p in backbone.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)

@@ -27,11 +27,12 @@ import torch
 from vit.explain.relevance import METHODS, relevance
 from vit.explain.scores import average_precision, deletion_insertion, pointing_game, rank_correlation, relevance_mass
 
-MODELS = {
-    "vit-learned": ("vit", "learned"),
-    "vit-sincos2d": ("vit", "sincos2d"),
-    "vit-none": ("vit", "none"),
-    "cnn": ("cnn", None),
+MODELS = {  # name: (kind, pos_embed, register tokens)
+    "vit-learned": ("vit", "learned", 0),
+    "vit-sincos2d": ("vit", "sincos2d", 0),
+    "vit-none": ("vit", "none", 0),
+    "cnn": ("cnn", None, 0),
+    "vit-sincos2d-reg4": ("vit", "sincos2d", 4),  # with 4 registers (Darcet et al. 2024): do they change the maps?
 }
 TASKS = ("diagonal", "relative")
 COLUMNS = ("task", "model", "seed", "test_acc", "method", "pointing_game", "relevance_mass", "average_precision",
@@ -42,11 +43,11 @@ def build(model: str, seed: int) -> torch.nn.Module:
     from vit.models import ResNet, VisionTransformer
 
     torch.manual_seed(seed)
-    kind, pos = MODELS[model]
+    kind, pos, registers = MODELS[model]
     if kind == "cnn":
         return ResNet(img_size=32, in_chans=1, num_classes=2, widths=(16, 32, 64, 64))
     return VisionTransformer(img_size=32, in_chans=1, num_classes=2, patch_size=4, embed_dim=64, depth=4,
-                             num_heads=4, mlp_ratio=2.0, pos_embed=pos)
+                             num_heads=4, mlp_ratio=2.0, pos_embed=pos, reg_tokens=registers)
 
 
 def train(task: str, model: str, seed: int, num_train: int, epochs: int) -> tuple[torch.nn.Module, object, float]:
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_images", type=int, default=100, help="test images scored per run")
     parser.add_argument("--flow_images", type=int, default=20, help="of which attention flow (the costly one) maps")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one torch thread each")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / "scores.csv"
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     if csv_path.exists():
         with csv_path.open() as f:
             done = {(r["task"], r["model"], int(r["seed"])) for r in csv.DictReader(f)}
-    todo = [(t, m, s) for s in args.seeds for t in TASKS for m in MODELS if (t, m, s) not in done]
+    todo = [(t, m, s) for s in args.seeds for t in args.tasks for m in args.models if (t, m, s) not in done]
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = {pool.submit(score_run, t, m, s, args.num_train, args.epochs, args.num_images, args.flow_images):
                    (t, m, s) for t, m, s in todo}

@@ -79,10 +79,11 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
         return normalise(grad_cam(model, images, target))
     pool = _model_pool(model)
     grid = tuple(model.patch_embed.grid_size)
+    regs = getattr(model, "num_reg_tokens", 0)  # tokens between the CLS token and the patches (timm's name)
     if method in CLASS_METHODS:  # grad_rollout, chefer
         maps, grads = attention_gradients(model, images, target)
         (blocks, pool_query), (block_grads, pool_grad) = _split_pool(maps, pool), _split_pool(grads, pool)
-        pool_attn = None if pool_query is None else gradient_weighted(pool_query, pool_grad)  # (B, 1, N)
+        pool_attn = None if pool_query is None else gradient_weighted(pool_query, pool_grad)  # (B, 1, P)
         if method == "grad_rollout":
             tokens = gradient_rollout(blocks, block_grads, start_layer)  # (B, N, N)
         else:
@@ -92,15 +93,14 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
             model(images)
         _check_recorded(model, maps)
         blocks, pool_query = _split_pool(maps, pool)
-        pool_attn = None if pool_query is None else fuse_heads(pool_query, head_fusion)  # (B, 1, N)
+        pool_attn = None if pool_query is None else fuse_heads(pool_query, head_fusion)  # (B, 1, P)
         if method == "flow":
-            return normalise(attention_flow(blocks, pool, pool_attn, grid))
+            return normalise(attention_flow(blocks, pool, pool_attn, grid, regs))
         if method == "attention":
             tokens = fuse_heads(blocks[-1])  # (B, N, N)
         else:
-            tokens = attention_rollout(blocks, head_fusion, discard_ratio, start_layer,
-                                       keep_cls_self=model.num_prefix_tokens > 0)
-    return rollout_to_patch_map(tokens, grid, pool, pool_attn, scale="sum")
+            tokens = attention_rollout(blocks, head_fusion, discard_ratio, start_layer, keep_cls_self=pool == "cls")
+    return rollout_to_patch_map(tokens, grid, pool, pool_attn, scale="sum", reg_tokens=regs)
 
 
 def has_attention(model: nn.Module) -> bool:
@@ -113,7 +113,7 @@ def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int |
     """The attention maps of one forward pass of `images` and the gradient of the target logit w.r.t. each.
 
     Both lists are detached, one entry per recorded map (`(B, H, N, N)` per block, then for
-    `pool="map"` the query's `(B, H, 1, N)`); a map that does not reach the logit gets a zero
+    `pool="map"` the query's `(B, H, 1, P)` over the P patches); a map that does not reach the logit gets a zero
     gradient. `target` is a class index or a `(B,)` tensor of them; by default the predicted class.
     Gradients are taken with `torch.autograd.grad` w.r.t. the maps only, so parameter `.grad`s are
     left as they were. Works under `torch.no_grad()` / `torch.inference_mode()`, as in a Lightning
@@ -137,14 +137,17 @@ def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int |
     return [a.detach() for a in maps], grads
 
 
-def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, grid: tuple[int, int]) -> Tensor:
+def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, grid: tuple[int, int],
+                   reg_tokens: int = 0) -> Tensor:
     """Attention flow `(B, gh, gw)` of per-block maps `(B, H, N, N)`: for each input patch, the max flow
     from it to the pooled output.
 
     Nodes: every token at every layer (layer 0 the input). An edge from token j at layer l to token i
     at layer l + 1 has the capacity `0.5 A_l[i, j] + 0.5 [i == j]` (rows re-normalised), as for
     rollout. The top tokens feed a super-sink with the weight the pooling gives them
-    (`readout_weights`: the CLS token, every token equally, or the MAP query's attention `pool_attn`).
+    (`readout_weights`: the CLS token, every patch token equally, or the MAP query's attention
+    `pool_attn`). Sources are the patches only: `reg_tokens` registers sit between the CLS token and
+    them, as `readout_weights` lays the tokens out.
     """
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import maximum_flow
@@ -152,8 +155,8 @@ def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, g
     fused = [residual(fuse_heads(a)) for a in blocks]  # (B, N, N) each
     B, N, _ = fused[0].shape
     L = len(fused)
-    num_prefix = 1 if pool == "cls" else 0
-    readout = readout_weights(pool, N, pool_attn).expand(B, N).double().cpu().numpy()
+    num_prefix = (1 if pool == "cls" else 0) + reg_tokens
+    readout = readout_weights(pool, N, pool_attn, reg_tokens).expand(B, N).double().cpu().numpy()
     scale = 10**6  # scipy's max-flow takes integer capacities
     out = torch.zeros(B, grid[0] * grid[1], dtype=torch.float64)
     for b in range(B):

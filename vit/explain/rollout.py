@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vit.checks import check_choice
@@ -153,15 +154,19 @@ def chefer_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor]) -> Ten
 # ---------------------------------------------------------------------------------------------
 
 
-def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None) -> Tensor:
+def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None, reg_tokens: int = 0) -> Tensor:
     """How much the pooled vector takes from each output token: `(1, N)`, or `(B, N)` for "map".
 
-    "cls": all from the CLS token; "mean": 1/N from each; "map": the pooling query's head-fused
-    attention `pool_attn` `(B, 1, N)` (no residual: the query is a learned vector, not a token).
+    Tokens are `[CLS] [registers] [patches]` (`reg_tokens` registers; a CLS token for "cls" only).
+    "cls": all from the CLS token; "mean": 1/P from each of the P patch tokens; "map": the pooling
+    query's head-fused attention `pool_attn` `(B, 1, P)` over the patches (no residual: the query is
+    a learned vector, not a token). Registers are never read out: they get 0.
     """
-    if pool == "map":
-        return pool_attn.flatten(1)  # (B, N)
-    return torch.eye(1, num_tokens) if pool == "cls" else torch.full((1, num_tokens), 1.0 / num_tokens)
+    if pool == "cls":
+        return torch.eye(1, num_tokens)
+    num_patches = num_tokens - reg_tokens
+    per_patch = torch.full((1, num_patches), 1.0 / num_patches) if pool == "mean" else pool_attn.flatten(1)  # (1 or B, P)
+    return F.pad(per_patch, (reg_tokens, 0))  # (1 or B, N): the registers get 0
 
 
 def rollout_to_patch_map(
@@ -170,16 +175,19 @@ def rollout_to_patch_map(
     pool: Pool = "cls",
     pool_attn: Tensor | None = None,
     scale: Scale = "minmax",
+    reg_tokens: int = 0,
 ) -> Tensor:
     """Turn a token-to-token map `(B, N, N)` (a rollout, Chefer's R, one block's attention) into
     one relevance value per patch, `(B, gh, gw)`.
 
+    Tokens are `[CLS] [registers] [patches]`: a CLS token for "cls" only, `reg_tokens` registers.
     What the prediction reads depends on how the tokens are pooled (`readout_weights`):
-        "cls":  the CLS row over the patch tokens (column 0, the CLS token, dropped).
-        "mean": the mean of all rows; the pooled vector is the average of the output tokens, so
-                its relevance is the average of their rows.
-        "map":  the pooling query's head-fused attention `pool_attn` `(B, 1, N)` (or `(B, N)`)
-                pushed through the map, `pool_attn @ R`.
+        "cls":  the CLS row over the patch tokens (the prefix columns dropped).
+        "mean": the mean of the patch rows; the pooled vector is the average of the output patch
+                tokens, so its relevance is the average of their rows.
+        "map":  the pooling query's head-fused attention over the patches `pool_attn` `(B, 1, P)`
+                (or `(B, P)`) pushed through the map, `pool_attn @ R[patch rows]`.
+    The registers' columns are dropped too: what flows through a register is not a patch's.
 
     `scale` sets how each sample's values are scaled:
         "minmax": to [0, 1] by min-max (`minmax`), for display.
@@ -196,17 +204,16 @@ def rollout_to_patch_map(
         raise ValueError(f"pool_attn is required for pool='map' and only then; got pool={pool!r}")
     gh, gw = grid_size
     B, N, _ = rollout.shape
-    num_prefix = 1 if pool == "cls" else 0
+    num_prefix = (1 if pool == "cls" else 0) + reg_tokens
     if N != num_prefix + gh * gw:
         raise ValueError(
-            f"rollout has N={N} tokens but pool={pool!r} with grid_size={tuple(grid_size)} "
-            f"needs {num_prefix + gh * gw}"
+            f"rollout has N={N} tokens but pool={pool!r} with reg_tokens={reg_tokens} and grid_size="
+            f"{tuple(grid_size)} needs {num_prefix + gh * gw}"
         )
-    if pool == "map" and pool_attn.flatten(1).shape != (B, N):
-        raise ValueError(
-            f"pool_attn must have shape (B, 1, N) = ({B}, 1, {N}) after fusing heads, got {tuple(pool_attn.shape)}"
-        )
-    weights = readout_weights(pool, N, pool_attn).to(rollout)  # (1, N) or (B, N)
+    if pool == "map" and pool_attn.flatten(1).shape != (B, gh * gw):
+        raise ValueError(f"pool_attn must have shape (B, 1, P) = ({B}, 1, {gh * gw}) (the patches) after fusing "
+                         f"heads, got {tuple(pool_attn.shape)}")
+    weights = readout_weights(pool, N, pool_attn, reg_tokens).to(rollout)  # (1, N) or (B, N)
     relevance = (weights.unsqueeze(1) @ rollout).squeeze(1)[:, num_prefix:]  # (B, gh*gw)
     relevance = normalise(relevance) if scale == "sum" else minmax(relevance)
     return relevance.reshape(B, gh, gw)

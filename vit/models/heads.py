@@ -2,35 +2,50 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+from timm.layers import AttentionPoolLatent
 from torch import nn
-from torch.nn.init import trunc_normal_
 
-from vit.models.attention import Attention
-from vit.models.mlp import Mlp
-from vit.models.scores import Score
+from vit.models.attention import FUSED_SCORES, attend, attend_fused
+from vit.models.scores import Score, build_score
 
 
-class MAPHead(nn.Module):
-    """Multihead attention pooling (big_vision's "map" head).
+class MAPHead(AttentionPoolLatent):
+    """Multihead attention pooling (big_vision's "map" head), as timm's `AttentionPoolLatent`.
 
-    A learned query (the probe) cross-attends to the tokens, then a residual MLP refines the
-    result: `p = attn(probe, tokens)`, `p = p + mlp(norm(p))`. The image is summarised by what one
+    A learned query (the latent) cross-attends to the tokens, then a residual MLP refines the
+    result: `p = attn(latent, tokens)`, `p = p + mlp(norm(p))`. The image is summarised by what one
     learned question finds, instead of by a token reserved for it (CLS) or by an average.
+
+    The parameters are timm's layer's own (`latent`, `q`, `kv`, `proj`, `norm`, `mlp`), so timm's
+    `global_pool="map"` weights load as they are; the forward pass is ours only so that the
+    query's attention goes through this project's score functions (`attn_score`) and is recorded by
+    `vit.models.record_attention`, `(B, H, 1, N)`, like every block's.
     """
 
     def __init__(
         self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, attn_score: Score = "scaled_dot", score_dim: int = 16
     ) -> None:
-        super().__init__()
-        self.probe = nn.Parameter(torch.zeros(1, 1, dim))
-        self.attn = Attention(dim, num_heads=num_heads, attn_score=attn_score, score_dim=score_dim)
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
-        trunc_normal_(self.probe, std=0.02)
+        super().__init__(dim, num_heads=num_heads, mlp_ratio=mlp_ratio, norm_layer=partial(nn.LayerNorm, eps=1e-6))
+        self.attn_score = attn_score
+        self.score = build_score(attn_score, num_heads=num_heads, head_dim=self.head_dim, score_dim=score_dim)
+        self.recorder: list[torch.Tensor] | None = None  # set by `vit.models.record_attention`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, N, D) -> (B, D)`."""
-        p = self.attn(self.probe.expand(x.shape[0], -1, -1), x)  # the probe reads the tokens: (B, 1, D)
+        B, N, D = x.shape
+        H, d = self.num_heads, self.head_dim
+        q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, H, d).transpose(1, 2)  # (B, H, 1, d)
+        k, v = self.kv(x).reshape(B, N, 2, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, d) each
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.recorder is None and self.attn_score in FUSED_SCORES:
+            p = attend_fused(q, k, v, self.score)  # (B, H, 1, d)
+        else:
+            p, weights = attend(q, k, v, self.score)  # weights (B, H, 1, N)
+            if self.recorder is not None:
+                self.recorder.append(weights)
+        p = self.proj_drop(self.proj(p.transpose(1, 2).reshape(B, 1, H * d)))  # the probe's reading: (B, 1, D)
         p = p + self.mlp(self.norm(p))  # (B, 1, D)
         return p[:, 0]

@@ -9,7 +9,10 @@ as `timm.create_model(..., pretrained=True)` does for a new image size:
 - `in_chans` other than 3: the first convolution is adapted (`timm.models.adapt_input_conv`);
 - a classifier head whose `num_classes` differs is dropped and stays freshly initialised;
 - fixed sin/cos encodings are not weights: they are regenerated for the grid. A pretrained
-  *learned* table cannot become a fixed encoding, so loading one into a `sincos*` config is an error.
+  *learned* table cannot become a fixed encoding, so loading one into a `sincos*` config is an error;
+- the layout is checked first (`check_layout`): this project's MAP heads from before they took
+  timm's names are renamed (exactly), and weights whose final LayerNorm sits on the other side of
+  the pooling (`norm` against `fc_norm`) are refused with the option that fits them.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# Keys of timm's ViT that this model does not have, and what they are.
-_TIMM_ONLY = ("fc_norm.", "head_drop.", "norm_pre.")
+# Keys of timm's ViT that this model does not have (`norm_pre` is an Identity without keys in the ViTs we load).
+_TIMM_ONLY = ("head_drop.", "norm_pre.")
 
 _HUB_PREFIXES = ("hf-hub:", "hf_hub:")  # timm's source prefix, and its older spelling
 _WEIGHT_SUFFIXES = (".safetensors", ".pth", ".bin", ".pt", ".ckpt", ".tar", ".npz")
@@ -85,8 +88,11 @@ def _read_file(path: Path, name: str) -> dict[str, torch.Tensor]:
     """The state dict in a local file, or a `PretrainedError` saying what is wrong with the file."""
     if not path.exists():
         raise PretrainedError(f"{name}: there is no such file")
-    if path.is_dir():
-        raise PretrainedError(f"{name} is a folder, not a weights file (.safetensors, .pth or .bin)")
+    if path.is_dir() and (path / "model.safetensors").is_file():  # a Hub-layout folder, as `vit.export` writes
+        path = path / "model.safetensors"
+    elif path.is_dir():
+        raise PretrainedError(f"{name} is a folder without a model.safetensors, not a weights file "
+                              "(.safetensors, .pth or .bin)")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -198,9 +204,50 @@ def _download_error(source: str, kind: Literal["hub", "name"], err: Exception) -
     )
 
 
+def check_layout(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """`state` in `model`'s layout where a rename makes it so exactly, else a `PretrainedError` naming the option.
+
+    - A MAP head saved before it took timm's `AttentionPoolLatent` names (`attn_pool.probe`, a fused
+      `attn_pool.attn.qkv`) is renamed: the probe is the latent, the query rows of `qkv` are `q`, the
+      key and value rows `kv` (the same numbers, so the same outputs).
+    - The final LayerNorm before the pooling (`norm.*`) and after it (`fc_norm.*`) are not
+      interchangeable (a LayerNorm of the mean is not the mean of LayerNorms), so weights with the
+      other one are refused. This is what a `pool: mean` checkpoint from before `fc_norm` existed
+      meets: it normalised every token, then averaged; `fc_norm=False` rebuilds that model.
+    Returns `state` itself when nothing is renamed.
+    """
+    use_fc_norm = getattr(model, "use_fc_norm", None)
+    if use_fc_norm is not None:
+        has_norm, has_fc_norm = "norm.weight" in state, "fc_norm.weight" in state
+        if use_fc_norm and has_norm and not has_fc_norm:
+            raise PretrainedError(
+                f"these weights normalise the tokens before the pooling (norm.weight, no fc_norm.weight) and this "
+                f"model (pool={model.pool!r}) after it (fc_norm): set fc_norm=False to load them as they were trained "
+                "(a pool='mean' checkpoint made before fc_norm existed is of this kind)")
+        if not use_fc_norm and has_fc_norm and not has_norm:
+            raise PretrainedError(
+                f"these weights normalise the pooled vector (fc_norm.weight, no norm.weight) and this model "
+                f"(pool={model.pool!r}, fc_norm=False) the tokens before the pooling: set fc_norm=True to load them")
+    if "attn_pool.probe" not in state or not hasattr(getattr(model, "attn_pool", None), "latent"):
+        return state
+    renamed = {}
+    for key, value in state.items():
+        if key == "attn_pool.probe":
+            renamed["attn_pool.latent"] = value
+        elif key.startswith("attn_pool.attn.qkv."):  # (3 * D, ...): the query rows, then the key and value rows
+            q, kv = value.split([value.shape[0] // 3, 2 * value.shape[0] // 3])
+            leaf = key.rsplit(".", 1)[1]
+            renamed[f"attn_pool.q.{leaf}"], renamed[f"attn_pool.kv.{leaf}"] = q, kv
+        elif key.startswith("attn_pool.attn."):  # proj, and the parameters of a learned score function
+            renamed["attn_pool." + key.removeprefix("attn_pool.attn.")] = value
+        else:
+            renamed[key] = value
+    return renamed
+
+
 def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     """`state` fitted to `model`'s config; returns it and the keys left to their fresh initialisation (the head)."""
-    state = {k: v for k, v in state.items() if not k.startswith(_TIMM_ONLY)}
+    state = check_layout({k: v for k, v in state.items() if not k.startswith(_TIMM_ONLY)}, model)
     ours = model.state_dict()
     fresh = []
     if "patch_embed.proj.weight" in state:
@@ -218,14 +265,15 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
                 f"{model.pos_embed_type!r}: a learned table cannot become a fixed encoding. Use pos_embed='learned' "
                 "to fine-tune these weights"
             )
-        table = state["pos_embed"]  # (1, prefix + gh * gw, D)
-        prefix = model.num_prefix_tokens
+        table = state["pos_embed"]  # (1, prefix + gh * gw, D); no prefix positions with no_embed_class
+        prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
         old_patches = table.shape[1] - prefix
         if table.shape != ours["pos_embed"].shape:
             side = math.isqrt(old_patches)
             if side * side != old_patches:
-                raise PretrainedError(f"the pretrained position table has {table.shape[1]} tokens, which is not "
-                                      f"{prefix} prefix token(s) plus a square grid")
+                raise PretrainedError(
+                    f"the pretrained position table has {table.shape[1]} tokens, which is not {prefix} prefix "
+                    f"token(s) plus a square grid; {_prefix_hint(table.shape[1], state, model)}")
             state["pos_embed"] = resample_abs_pos_embed(table, new_size=list(model.patch_embed.grid_size),
                                                         old_size=[side, side], num_prefix_tokens=prefix)
     for key in ("head.weight", "head.bias"):
@@ -233,6 +281,17 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
             del state[key]
             fresh.append(key)
     return state, fresh
+
+
+def _prefix_hint(num_positions: int, state: dict[str, torch.Tensor], model: nn.Module) -> str:
+    """What in the config decides how many prefix tokens have a position, and what the weights have."""
+    cls = 1 if "cls_token" in state else 0
+    regs = state["reg_token"].shape[1] if "reg_token" in state else 0
+    placed = "none of them has a position (no_embed_class=True)"
+    if math.isqrt(num_positions - cls - regs) ** 2 == num_positions - cls - regs and cls + regs:
+        placed = "each has a position (no_embed_class=False)"
+    return (f"the weights have {cls} CLS token(s) and {regs} register(s) and {placed}; this model has "
+            f"num_prefix_tokens={model.num_prefix_tokens}, no_embed_class={getattr(model, 'no_embed_class', False)}")
 
 
 def load_pretrained(model: nn.Module, source: str | os.PathLike) -> None:

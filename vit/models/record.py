@@ -3,7 +3,7 @@
 `model(x)` always returns logits. To look inside, wrap the call: while the context is open,
 every `Attention` module in `model` takes its explicit path (`softmax(f(Q, K) + M)`, the weights
 materialised) and appends its weights `(B, H, M, N)` to `maps`, in the order the modules are
-called: the blocks first to last, then, for `pool="map"`, the pooling query's `(B, H, 1, N)`.
+called: the blocks first to last, then, for `pool="map"`, the pooling query's `(B, H, 1, P)` over the P patch tokens.
 The maps stay in the autograd graph, so gradients with respect to them can be taken (gradient
 rollout, Chefer et al.). The same idea as lucidrains' `Recorder` and timm's attention hooks,
 without wrapping or patching the model: each `Attention` checks one attribute, `recorder`.

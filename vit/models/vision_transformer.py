@@ -15,11 +15,11 @@ from vit.models.block import Block
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
-from vit.models.pretrained import load_pretrained
+from vit.models.pretrained import check_layout, load_pretrained
 from vit.models.scores import Score
 
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
-MAX_WIDTH, MAX_DEPTH, MAX_MLP_RATIO = 65536, 1024, 64.0
+MAX_WIDTH, MAX_DEPTH, MAX_MLP_RATIO, MAX_REG_TOKENS = 65536, 1024, 64.0, 1024
 Pool = Literal["cls", "mean", "map"]
 Stem = Literal["patch", "conv"]
 QKInit = Literal["normal", "mimetic"]
@@ -29,21 +29,38 @@ MIMETIC_ALPHA, MIMETIC_BETA = 0.7, 0.7  # W_q^T W_k = alpha Z + beta I at init (
 class VisionTransformer(nn.Module):
     """A plain ViT whose parameter names match `timm.models.VisionTransformer`.
 
-    For the same configuration (`pool="cls"`, `attn_score="scaled_dot"`, `pos_embed="learned"`;
-    timm's `global_pool="token"`), `VisionTransformer(...).load_state_dict(timm_vit.state_dict())`
-    loads strictly and gives the same logits, so timm checkpoints can be brought in.
+    For the same configuration (`attn_score="scaled_dot"`, `pos_embed="learned"`, and timm's
+    `global_pool` for `pool`: "token" for "cls", "avg" for "mean", "map" for "map", with the same
+    `reg_tokens`, `no_embed_class` and `fc_norm`), `VisionTransformer(...).load_state_dict(timm_vit.state_dict())`
+    loads strictly and gives the same features and logits, so timm checkpoints can be brought in.
+
+    Tokens: `[CLS] [registers] [patches]`, `num_prefix_tokens` = (1 with a CLS token) + `reg_tokens`.
 
     Pooling (`pool`), how the token sequence becomes one vector for the head:
       - `"cls"`: a learned CLS token is prepended (token 0) and read out after the last block.
-      - `"mean"`: no CLS token; the average of the patch tokens.
-      - `"map"`: no CLS token; a learned query cross-attends to the patch tokens (`MAPHead`).
+      - `"mean"`: no CLS token; the average of the patch tokens (registers left out).
+      - `"map"`: no CLS token; a learned query cross-attends to the patch tokens (`MAPHead`, timm's
+        `AttentionPoolLatent`).
+    The final LayerNorm sits before the pooling (`norm`, on every token) or after it (`fc_norm`, on
+    the pooled vector), as timm's `fc_norm` says: by default after for "mean" (timm's
+    `global_pool="avg"`), before for "cls" and "map". The unused one is an `nn.Identity` without
+    parameters, as in timm. `pool="mean", fc_norm=False` normalises every token, then averages
+    (timm's `global_pool="avg", fc_norm=False`): the only mean pooling before `fc_norm` existed,
+    kept by the relation study's configs.
 
-    Position encodings (`pos_embed`), added to the tokens after the CLS token (if any) is prepended:
-      - `"learned"`: a parameter `(1, N, D)`, N tokens; the CLS token has its own learned position.
-      - `"sincos1d"`: the fixed sin/cos encoding over the token index; the CLS token is token 0 and
-        gets position 0, the patches (row-major) positions 1..N (0..N-1 without a CLS token).
-      - `"sincos2d"`: the fixed 2-D encoding over (patch row, patch column); the CLS token sits
-        outside the grid and gets the zero vector, i.e. no position.
+    Registers (`reg_tokens`; Darcet et al. 2024, "Vision Transformers Need Registers"): learned
+    tokens after the CLS token that every token may attend to and that nothing reads out: extra
+    room for global computation, so that patch tokens are not taken over for it.
+
+    Position encodings (`pos_embed`), one per token that has a position: every token, or with
+    `no_embed_class=True` (timm's name; its register models use it) the patches only, the CLS token
+    and registers then having none:
+      - `"learned"`: a parameter `(1, N, D)`; the CLS token and registers have their own positions
+        unless `no_embed_class`.
+      - `"sincos1d"`: the fixed sin/cos encoding over the token index: position 0 is the first token
+        that has a position, the patches follow row-major.
+      - `"sincos2d"`: the fixed 2-D encoding over (patch row, patch column); the prefix tokens sit
+        outside the grid and get the zero vector, i.e. no position.
       - `"none"`: no position information at all (an ablation: the encoder is then permutation
         equivariant over patches).
     Fixed encodings are non-persistent buffers: they are not learned and not in the state dict.
@@ -84,6 +101,9 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
         pos_embed: PosEmbed = "learned",
         pool: Pool = "cls",
+        fc_norm: bool | None = None,
+        reg_tokens: int = 0,
+        no_embed_class: bool = False,
         attn_score: Score = "scaled_dot",
         score_dim: int = 16,
         pretrained: str | None = None,
@@ -99,6 +119,10 @@ class VisionTransformer(nn.Module):
         check_int("depth", depth, 1, MAX_DEPTH)
         check_float("mlp_ratio", mlp_ratio, 0.0, MAX_MLP_RATIO, low_open=True)
         check_int("score_dim", score_dim, 1, MAX_WIDTH)
+        check_int("reg_tokens", reg_tokens, 0, MAX_REG_TOKENS)
+        for name, value in (("fc_norm", fc_norm), ("no_embed_class", no_embed_class)):
+            if not isinstance(value, bool) and not (name == "fc_norm" and value is None):
+                raise ValueError(f"{name}={value!r} is not allowed: expected true or false")
         check_float("qk_init_std", qk_init_std, 0.0, 10.0, low_open=True)
         check_choice("qk_init", qk_init, QKInit)
         self.qk_init_std, self.qk_init = qk_init_std, qk_init
@@ -111,21 +135,25 @@ class VisionTransformer(nn.Module):
         self.embed_dim = self.num_features = embed_dim  # timm's name for the width the head reads
         self.pos_embed_type = pos_embed
         self.pool = pool
-        self.num_prefix_tokens = 1 if pool == "cls" else 0  # the CLS token, when there is one
+        self.use_fc_norm = pool == "mean" if fc_norm is None else fc_norm
+        self.num_reg_tokens, self.no_embed_class = reg_tokens, no_embed_class
+        self.num_prefix_tokens = (1 if pool == "cls" else 0) + reg_tokens  # the CLS token if any, then the registers
 
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                                       kernel_size=patch_kernel, stem=stem)
         num_patches = self.patch_embed.num_patches
-        num_tokens = self.num_prefix_tokens + num_patches
+        unplaced = self.num_prefix_tokens if no_embed_class else 0  # prefix tokens without a position
+        num_placed = self.num_prefix_tokens + num_patches - unplaced  # the tokens that have one
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pool == "cls" else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         if pos_embed == "learned":
-            self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
+            self.pos_embed = nn.Parameter(torch.zeros(1, num_placed, embed_dim))
         elif pos_embed == "sincos1d":
-            self.register_buffer("pos_embed", sincos_1d(torch.arange(num_tokens), embed_dim)[None], persistent=False)
+            self.register_buffer("pos_embed", sincos_1d(torch.arange(num_placed), embed_dim)[None], persistent=False)
         elif pos_embed == "sincos2d":
-            grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (N, D)
-            cls_pos = torch.zeros(self.num_prefix_tokens, embed_dim)
-            self.register_buffer("pos_embed", torch.cat([cls_pos, grid])[None], persistent=False)
+            grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (num_patches, D)
+            prefix_pos = torch.zeros(num_placed - num_patches, embed_dim)
+            self.register_buffer("pos_embed", torch.cat([prefix_pos, grid])[None], persistent=False)
         else:
             self.pos_embed = None
 
@@ -146,15 +174,20 @@ class VisionTransformer(nn.Module):
             )
             for i in range(depth)
         )
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        # As in timm: one final LayerNorm, before the pooling (`norm`) or after it (`fc_norm`).
+        self.norm = nn.Identity() if self.use_fc_norm else nn.LayerNorm(embed_dim, eps=1e-6)
         if pool == "map":
             self.attn_pool = MAPHead(
                 embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score, score_dim=score_dim
             )
+        self.fc_norm = nn.LayerNorm(embed_dim, eps=1e-6) if self.use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes)
         self.grad_checkpointing = False
         self.init_weights()
+        # A state dict of another layout (the MAP head before it took timm's names, a norm on the other
+        # side of the pooling) is converted where that is exact and refused in one line where it is not.
+        self.register_load_state_dict_pre_hook(_check_layout_hook)
         if pretrained:
             load_pretrained(self, pretrained)
 
@@ -174,8 +207,9 @@ class VisionTransformer(nn.Module):
         """
         if isinstance(self.pos_embed, nn.Parameter):
             trunc_normal_(self.pos_embed, std=0.02)
-        if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=1e-6)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=0.02)
@@ -197,21 +231,24 @@ class VisionTransformer(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         """Parameter names that are not weight matrices but still have ndim > 1 (timm's convention)."""
-        return {"cls_token", "pos_embed", "attn_pool.probe"}
+        return {"cls_token", "reg_token", "pos_embed", "attn_pool.latent"}
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, C, H, W) -> (B, N, D)`: the normalised tokens after the last block, the CLS token first if any."""
+        """`(B, C, H, W) -> (B, N, D)`: the tokens after the last block, `[CLS] [registers] [patches]`, normalised
+        by `norm` (with `fc_norm`, an Identity: the pooled vector is normalised instead, as in timm)."""
         x = self.embed(x)  # (B, N, D)
         for block in self.blocks:
             x = self._run_block(block, x)  # x + attn(norm1(x)), then x + mlp(norm2(x))
         return self.norm(x)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, C, H, W) -> (B, N, D)`: the image as tokens, the CLS token first if any, positions added."""
+        """`(B, C, H, W) -> (B, N, D)`: the image as tokens, `[CLS] [registers] [patches]`, positions added."""
         x = self.patch_embed(x)  # (B, num_patches, D)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, N = 1 + num_patches, D)
-        if self.pos_embed is not None:
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if self.pos_embed is not None and self.no_embed_class:
+            x = x + self.pos_embed  # the patches' positions only, (1, num_patches, D)
+        x = torch.cat([*prefix, x], dim=1)  # (B, N = num_prefix_tokens + num_patches, D)
+        if self.pos_embed is not None and not self.no_embed_class:
             x = x + self.pos_embed  # learned or fixed, (1, N, D)
         return x
 
@@ -278,16 +315,28 @@ class VisionTransformer(nn.Module):
         """Trade compute for memory: recompute each block's activations in the backward pass."""
         self.grad_checkpointing = enable
 
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, N, D) -> (B, num_classes)`: pool the tokens as `self.pool` says, then the linear head."""
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """`(B, N, D) -> (B, num_classes)`: pool the tokens as `self.pool` says, `fc_norm`, then the
+        linear head; with `pre_logits`, the pooled features `(B, D)` the head reads."""
         if self.pool == "cls":
             x = x[:, 0]  # (B, D)
         elif self.pool == "mean":
-            x = x.mean(dim=1)  # (B, D)
+            x = x[:, self.num_prefix_tokens:].mean(dim=1)  # the patches: (B, D)
         else:
-            x = self.attn_pool(x)  # (B, D)
-        return self.head(self.head_drop(x))
+            x = self.attn_pool(x[:, self.num_prefix_tokens:])  # the query reads the patches: (B, D)
+        x = self.head_drop(self.fc_norm(x))
+        return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits `(B, num_classes)`. Attention maps: `with vit.models.record_attention(model) as maps`."""
         return self.forward_head(self.forward_features(x))
+
+
+def _check_layout_hook(module: VisionTransformer, state_dict: dict, prefix: str, *args) -> None:
+    """`load_state_dict` pre-hook: bring `state_dict`'s keys under `prefix` to this model's layout (`check_layout`)."""
+    own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    fixed = check_layout(own, module)
+    if fixed is not own:
+        for key in own:
+            del state_dict[prefix + key]
+        state_dict.update({prefix + k: v for k, v in fixed.items()})

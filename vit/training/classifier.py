@@ -74,7 +74,7 @@ def freeze(backbone: nn.Module, trainable: str | int) -> None:
         if blocks is None:
             raise ValueError(f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no `blocks`")
         check_int("trainable", trainable, 0, len(blocks))
-        keep += list(blocks[len(blocks) - trainable:]) + [getattr(backbone, name) for name in ("norm", "attn_pool")
+        keep += list(blocks[len(blocks) - trainable:]) + [getattr(backbone, name) for name in ("norm", "fc_norm", "attn_pool")
                                                            if isinstance(getattr(backbone, name, None), nn.Module)]
     backbone.requires_grad_(False)
     for module in keep:
@@ -94,8 +94,8 @@ class ImageClassifier(L.LightningModule):
         label_smoothing: applied to hard labels and to the soft (Mixup/CutMix) targets alike.
         compile: `torch.compile` the backbone in place (`nn.Module.compile`), so checkpoint keys stay `backbone.*`.
         trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`);
-            or an int k, the last k blocks with the final norm and the head (k=0 is "head" plus the
-            norm). Frozen parameters get no gradient and are not given to the optimizer.
+            or an int k, the last k blocks with the final norm (`norm`, or `fc_norm` after the mean pooling)
+            and the head (k=0 is "head" plus the norm). Frozen parameters get no gradient and are not given to the optimizer.
 
     Class names: `class_names` (`["0", "1", ...]` until known) is taken from the data module's
     `class_names` when a trainer runs the model with one, and travels in every checkpoint under the

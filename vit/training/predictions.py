@@ -47,7 +47,11 @@ def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, 
             f"checkpoint {ckpt_path} does not record its data module (it was not trained with train.py), "
             "so the image size, channels and normalisation are unknown"
         )
-    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).eval()
+    try:
+        model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).eval()
+    except (RuntimeError, ValueError) as err:  # weights that do not fit the model the checkpoint records
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"checkpoint {ckpt_path} cannot be loaded into the model it records: {reason}") from err
     try:
         datamodule = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
     except (OSError, ValueError) as err:  # e.g. an image folder's root that is not on this machine

@@ -44,6 +44,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from vit.models.pretrained import PretrainedError, check_layout
 from vit.training.callbacks import NonFiniteError, check_finite_weights
 from vit.training.checkpointing import (
     CheckpointError,
@@ -217,7 +218,7 @@ def check_checkpoint(path: str | os.PathLike, model: nn.Module, *, subcommand: s
     another number of processes than the checkpoint was written with.
     """
     checkpoint = read_checkpoint(path)
-    theirs, ours = checkpoint["state_dict"], model.state_dict()
+    theirs, ours = _in_backbone_layout(checkpoint["state_dict"], model, path), model.state_dict()
     missing = sorted(ours.keys() - theirs.keys())
     unexpected = sorted(theirs.keys() - ours.keys())
     reshaped = sorted(k for k in ours.keys() & theirs.keys() if tuple(ours[k].shape) != tuple(theirs[k].shape))
@@ -261,6 +262,23 @@ def check_checkpoint(path: str | os.PathLike, model: nn.Module, *, subcommand: s
     if subcommand == "fit":
         _check_same_world_size(checkpoint, path, world_size)
     return checkpoint
+
+
+def _in_backbone_layout(state: dict, model: nn.Module, path) -> dict:
+    """`state` with its `backbone.*` keys as the backbone's `load_state_dict` will see them (`check_layout`: an
+    older MAP head renamed), or `CheckpointError` saying which option loads a norm on the other side of the pooling."""
+    backbone = getattr(model, "backbone", None)
+    if not hasattr(backbone, "use_fc_norm"):
+        return state
+    inner = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    try:
+        fixed = check_layout(inner, backbone)
+    except PretrainedError as err:
+        raise CheckpointError(f"checkpoint {path} does not fit this config: {err}") from None
+    if fixed is inner:
+        return state
+    return {**{k: v for k, v in state.items() if not k.startswith("backbone.")},
+            **{f"backbone.{k}": v for k, v in fixed.items()}}
 
 
 def _check_same_world_size(checkpoint: dict, ckpt_path, world_size: int) -> None:

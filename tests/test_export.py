@@ -1,0 +1,138 @@
+"""`python -m vit.export`: a checkpoint -> model.safetensors + config.json that timm's Hub loader reads, equal logits."""
+
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from robust_helpers import error_line, run_dirs, shared_run
+from safetensors.torch import load_file
+
+from vit.export import ExportError, export, main, timm_args
+from vit.models import VisionTransformer
+from vit.training.classifier import ImageClassifier
+
+SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+DATA = dict(mean=(0.5, 0.4, 0.3), std=(0.2, 0.2, 0.2), interpolation="bilinear", crop_pct=1.0, crop_mode="squash")
+
+
+@pytest.fixture
+def checkpoint(tmp_path_factory, monkeypatch) -> Path:
+    """A train.py checkpoint (the tiny two-circles run the robust tests share), with class names as training stores them."""
+    [run_dir] = run_dirs(shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch))
+    named = tmp_path_factory.getbasetemp() / "named.ckpt"
+    if not named.exists():
+        content = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        torch.save({**content, "class_names": ["one circle", "two circles"]}, named)
+    return named
+
+
+def random_vit(**kwargs) -> VisionTransformer:
+    torch.manual_seed(0)
+    model = VisionTransformer(**{**SMALL, **kwargs}).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)  # large enough that every layer matters
+    return model
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def test_the_export_is_read_by_timm_and_by_this_project_with_equal_logits(checkpoint, tmp_path, capsys):
+    out = tmp_path / "exported"
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    ours = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).backbone.eval()
+    assert sorted(load_file(out / "model.safetensors")) == sorted(ours.state_dict())  # timm's keys, no prefix
+    config = json.loads((out / "config.json").read_text())
+    assert config["label_names"] == ["one circle", "two circles"] and config["num_classes"] == 2
+    assert config["num_features"] == ours.embed_dim and config["global_pool"] == "token"
+    H, W = ours.patch_embed.img_size
+    assert config["pretrained_cfg"]["input_size"] == [ours.patch_embed.in_chans, H, W]
+    C = ours.patch_embed.in_chans
+    assert config["pretrained_cfg"]["mean"] == [0.0] * C and config["pretrained_cfg"]["std"] == [1.0] * C  # raw pixels
+    x = torch.rand(3, ours.patch_embed.in_chans, H, W)
+    expected = logits(ours, x)
+    # The Hub layout, read as timm reads a downloaded repo ...
+    hub = timm.create_model(f"local-dir:{out}", pretrained=True)
+    assert (logits(hub.eval(), x) - expected).abs().max() < 1e-5
+    # ... the file given to the architecture by name (the sizes from config.json's model_args) ...
+    by_name = timm.create_model(config["architecture"], pretrained=True, **config["model_args"],
+                                pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=2))
+    assert (logits(by_name.eval(), x) - expected).abs().max() < 1e-5
+    # ... and this project's pretrained loader, from the folder or the file.
+    init_args = torch.load(checkpoint, map_location="cpu", weights_only=True)["hyper_parameters"]["backbone"]["init_args"]
+    for source in (out, out / "model.safetensors"):
+        back = VisionTransformer(**{**init_args, "pretrained": str(source)}).eval()
+        assert (logits(back, x) - expected).abs().max() < 1e-5
+
+
+def test_a_timm_sized_vit_exports_under_its_timm_name(tmp_path):
+    # The issue's form: timm.create_model(<matching name>, pretrained=True, pretrained_cfg_overlay=dict(file=...)).
+    model = random_vit(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3, num_classes=4)
+    export(model, tmp_path / "out", dict(input_size=(3, 224, 224), **DATA), ["a", "b", "c", "d"])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architecture"] == "vit_tiny_patch16_224"
+    assert set(config["pretrained_cfg"]) >= {"input_size", "mean", "std", "num_classes"}
+    assert "tag" not in config["pretrained_cfg"]  # timm's own weights' tag does not describe these
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, num_classes=4, pretrained_cfg_overlay=dict(
+        file=str(tmp_path / "out" / "model.safetensors"), num_classes=4)).eval()
+    x = torch.randn(2, 3, 224, 224)
+    assert (logits(reference, x) - logits(model, x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(pool="mean", reg_tokens=2), dict(pool="map"), dict(pool="mean", fc_norm=False),
+    dict(pos_embed="sincos2d"), dict(pos_embed="sincos1d", pool="mean"),  # fixed encodings: a table of their values
+    dict(pos_embed="none", qk_norm=True, qkv_bias=False),
+    dict(img_size=(32, 48), in_chans=1, mlp_ratio=2.0, reg_tokens=1, no_embed_class=True),
+], ids=str)
+def test_every_option_timm_has_exports_with_equal_logits(tmp_path, kwargs):
+    model = random_vit(**kwargs)
+    C, (H, W) = model.patch_embed.in_chans, model.patch_embed.img_size
+    export(model, tmp_path / "out", dict(DATA, input_size=(C, H, W), mean=(0.5,) * C, std=(0.2,) * C), list("abcde"))
+    exported = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = torch.randn(2, C, H, W)
+    assert (logits(exported, x) - logits(model, x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stem="conv"), "stem='conv' cannot be exported"),
+    (dict(patch_kernel=10), r"patch_kernel=10 cannot be exported: .* equal to the patch size \(8\)"),
+    (dict(attn_score="additive"), "attn_score='additive' cannot be exported"),
+])
+def test_what_timm_cannot_compute_is_refused_naming_the_option(kwargs, message):
+    with pytest.raises(ExportError, match=message):
+        timm_args(VisionTransformer(**{**SMALL, **kwargs}))
+
+
+def test_bad_outputs_and_checkpoints_are_refused_in_one_line_before_anything_is_written(checkpoint, tmp_path, capsys):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(full)]) == 2
+    assert error_line(capsys.readouterr().err) == (f"error: --out {full} is a folder that is not empty; pass --overwrite "
+                                                   "to write model.safetensors and config.json into it (other files "
+                                                   "are left alone)")
+    assert sorted(p.name for p in full.iterdir()) == ["notes.txt"]
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(full), "--overwrite"]) == 0
+    assert sorted(p.name for p in full.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    capsys.readouterr()
+    (tmp_path / "file").write_text("x")
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "file")]) == 2
+    assert error_line(capsys.readouterr().err) == f"error: --out {tmp_path / 'file'} is a file; give a folder (it is created)"
+    assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "new")]) == 2
+    assert error_line(capsys.readouterr().err) == f"error: checkpoint {tmp_path / 'missing.ckpt'} does not exist"
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_checkpoint_without_class_names_exports_indices_as_names(checkpoint, tmp_path):
+    plain = tmp_path / "plain.ckpt"
+    content = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    del content["class_names"]
+    torch.save(content, plain)
+    assert main(["--ckpt_path", str(plain), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["label_names"] == ["0", "1"]

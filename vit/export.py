@@ -1,0 +1,192 @@
+"""Export a trained checkpoint as timm and the Hugging Face Hub read it: `model.safetensors` and `config.json`.
+
+    python -m vit.export --ckpt_path runs/folder/vit/version_0/checkpoints/last.ckpt --out exported/
+
+The backbone's weights are written under timm's names (no `backbone.` prefix) into a timm
+`VisionTransformer` of the same configuration, and timm's own `save_for_hf` writes the folder, so
+the layout is exactly the one timm's Hub loader reads:
+
+- `model.safetensors`: the state dict;
+- `config.json`: `architecture` (a timm ViT name, matching when one does), `num_classes`,
+  `num_features`, `global_pool`, `label_names` (the class names stored in the checkpoint, else
+  "0", "1", ...), `model_args` (every argument that differs from the architecture's defaults:
+  `img_size`, `patch_size`, `embed_dim`, `depth`, ...) and `pretrained_cfg` (`input_size`, `mean`,
+  `std`, `interpolation`, `crop_pct: 1.0`, `crop_mode: squash`: the resize without crop that
+  `vit.predict` does).
+
+Then `timm.create_model("local-dir:exported/", pretrained=True)`, or from the Hub after an upload
+(`hf upload org/name exported/`), gives the same logits as the checkpoint, and this project reads it
+back with `VisionTransformer(pretrained="exported/model.safetensors", ...)` (or the folder).
+
+Refused, in one line naming the option, are models timm cannot compute: `stem: conv`, a
+`patch_kernel` other than the patch size, and another `attn_score` than `scaled_dot`. Fixed sin/cos
+position encodings are exported as timm's position table holding the same values (equal logits;
+in timm the table is then a parameter that fine-tuning may change). An existing non-empty `--out`
+folder is refused unless `--overwrite` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import lightning as L
+import timm
+from timm.models import save_for_hf
+from torch import nn
+
+import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
+from vit.checks import first_line
+from vit.models import VisionTransformer
+from vit.models.pretrained import PretrainedError
+from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
+from vit.training.classifier import ImageClassifier
+
+# timm's ViTs by width, depth and heads, for naming the architecture when one fits.
+_FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large"}
+_FALLBACK_ARCHITECTURE = "vit_base_patch16_224"  # any timm ViT: `model_args` overrides every size
+_TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
+# What config.json's pretrained_cfg says of these weights; the rest of the architecture's default cfg
+# (its tag, license, paper) describes timm's own weights, not these.
+_PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "interpolation", "crop_pct", "crop_mode",
+                        "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
+
+
+class ExportError(ValueError):
+    """A checkpoint or an output folder that `vit.export` cannot work with."""
+
+
+def timm_args(model: VisionTransformer) -> dict:
+    """The arguments of timm's `VisionTransformer` that compute what `model` computes, or `ExportError` naming
+    the option timm has no counterpart for."""
+    if not isinstance(model, VisionTransformer):
+        raise ExportError(f"the backbone is a {type(model).__name__}; only a VisionTransformer exports to timm")
+    embed = model.patch_embed
+    if embed.stem is not None:
+        raise ExportError("stem='conv' cannot be exported: timm's ViT embeds patches with one convolution "
+                          "(stem='patch')")
+    kernel = embed.proj.kernel_size[0]
+    if kernel != embed.patch_size:
+        raise ExportError(f"patch_kernel={kernel} cannot be exported: timm's patch embedding has a kernel equal "
+                          f"to the patch size ({embed.patch_size})")
+    score = model.blocks[0].attn.attn_score
+    if score != "scaled_dot":
+        raise ExportError(f"attn_score={score!r} cannot be exported: timm's attention is 'scaled_dot' only")
+    attn = model.blocks[0].attn
+    return dict(
+        img_size=list(embed.img_size), patch_size=embed.patch_size, in_chans=embed.in_chans,
+        num_classes=model.num_classes, embed_dim=model.embed_dim, depth=len(model.blocks),
+        num_heads=attn.num_heads, mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
+        qkv_bias=attn.qkv.bias is not None, qk_norm=not isinstance(attn.q_norm, nn.Identity),
+        class_token=model.cls_token is not None, global_pool=_TIMM_POOL[model.pool], fc_norm=model.use_fc_norm,
+        reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
+        pos_embed="none" if model.pos_embed is None else "learn",
+    )
+
+
+def architecture(args: dict) -> str:
+    """timm's name for a ViT of this size (`vit_small_patch16_224`), else a generic one (sizes go in `model_args`)."""
+    family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
+    height, width = args["img_size"]
+    name = f"vit_{family}_patch{args['patch_size']}_{height}"
+    if family and height == width and args["mlp_ratio"] == 4.0 and timm.is_model(name):
+        return name
+    return _FALLBACK_ARCHITECTURE
+
+
+def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Module:
+    """A timm `VisionTransformer` holding `model`'s weights (loaded strictly), in eval mode; its `pretrained_cfg`
+    says `data_config` (timm's keys: `input_size`, `mean`, `std`, ...) instead of timm's own weights' preprocessing."""
+    args = timm_args(model)
+    exported = timm.create_model(architecture(args), pretrained=False, **args)
+    state = model.state_dict()
+    if model.pos_embed is not None and "pos_embed" not in state:  # a fixed encoding: a buffer, not in the state dict
+        state["pos_embed"] = model.pos_embed.detach().clone()
+    exported.load_state_dict(state)
+    cfg = {k: v for k, v in exported.pretrained_cfg.items() if k in _PRETRAINED_CFG_KEYS}
+    exported.pretrained_cfg = {**cfg, **(data_config or {})}
+    return exported.eval()
+
+
+def class_names(checkpoint: dict, num_classes: int) -> list[str]:
+    """The checkpoint's `class_names` (written by training), else "0", "1", ..."""
+    names = checkpoint.get("class_names")
+    if names is None:
+        return [str(i) for i in range(num_classes)]
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names) or len(names) != num_classes:
+        raise ExportError(f"the checkpoint's class_names ({str(names)[:80]}) are not {num_classes} strings, one "
+                          "per class of its head")
+    return list(names)
+
+
+def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str]]:
+    """`(backbone, data_config, class names)` of a train.py checkpoint; `data_config` in timm's keys."""
+    ckpt_path = fetch_checkpoint(ckpt_path)
+    checkpoint = read_checkpoint(ckpt_path)
+    if "backbone" not in checkpoint.get("hyper_parameters", {}):
+        raise CheckpointError(f"checkpoint {ckpt_path} does not record its backbone (it was not trained with "
+                              "train.py), so the model cannot be rebuilt from it")
+    if "_class_path" not in checkpoint.get("datamodule_hyper_parameters", {}):
+        raise CheckpointError(f"checkpoint {ckpt_path} does not record its data module (it was not trained with "
+                              "train.py), so the input size and normalisation are unknown")
+    backbone = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).backbone
+    backbone = getattr(backbone, "_orig_mod", backbone).eval()
+    timm_args(backbone)  # refuse what timm cannot compute before anything else is read
+    datamodule = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
+    mean, std = getattr(datamodule, "normalization", None) or ((0.0,) * backbone.patch_embed.in_chans,
+                                                               (1.0,) * backbone.patch_embed.in_chans)
+    data_config = dict(input_size=(backbone.patch_embed.in_chans, *backbone.patch_embed.img_size), mean=tuple(mean),
+                       std=tuple(std), interpolation="bilinear", crop_pct=1.0, crop_mode="squash")
+    return backbone, data_config, class_names(checkpoint, backbone.num_classes)
+
+
+def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str]) -> None:
+    """Write `model.safetensors` and `config.json` into `out` (created), through a temporary folder beside it."""
+    exported = to_timm(backbone, data_config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        # model_args given explicitly: timm versions that do not record a model's arguments write them too.
+        save_for_hf(exported, tmp, model_config={"label_names": names, "model_args": timm_args(backbone)},
+                    safe_serialization=True)
+        out.mkdir(exist_ok=True)
+        for name in ("model.safetensors", "config.json"):
+            os.replace(Path(tmp) / name, out / name)  # each file replaced whole, never half-written
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an output that is a file, or a non-empty folder without `--overwrite`, before any work."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a folder (it is created)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"--out {out} is a folder that is not empty; pass --overwrite to write model.safetensors "
+                          "and config.json into it (other files are left alone)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vit.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py")
+    parser.add_argument("--out", required=True, type=Path, help="folder to write model.safetensors and config.json")
+    parser.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
+    args = parser.parse_args(argv)
+    try:
+        check_out(args.out, args.overwrite)
+        backbone, data_config, names = load(args.ckpt_path)
+    except (ExportError, CheckpointError, PretrainedError) as err:  # PretrainedError: weights of another layout
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        export(backbone, args.out, data_config, names)
+    except OSError as err:
+        print(f"error: --out {args.out} cannot be written ({first_line(err)})", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out / 'model.safetensors'} and {args.out / 'config.json'} ({len(names)} classes); "
+          f"load with timm.create_model('local-dir:{args.out}', pretrained=True)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
