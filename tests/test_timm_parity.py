@@ -169,6 +169,15 @@ def test_train_py_refuses_an_old_mean_pooled_checkpoint_in_one_line_naming_fc_no
     state["backbone.pos_embed"] = state["backbone.pos_embed"][:, 1:]
     old = tmp_path_factory.mktemp("old") / "mean_before_fc_norm.ckpt"
     torch.save(content, old)
+    # vit.predict rebuilds the model from the checkpoint alone: the same reason, in one line, nothing read.
+    from vit.predict import main as predict_main
+
+    images = tmp_path_factory.mktemp("images")
+    assert predict_main(["--ckpt_path", str(old), "--input_dir", str(images), "--output",
+                         str(images.parent / "p.csv")]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: checkpoint {old} cannot be loaded into the model it records: ") and "fc_norm" in line
+    assert not (images.parent / "p.csv").exists()
     config = tiny_config(tmp_path_factory.mktemp("cfg"))
     code, stderr = cli(["test", "--config", str(config), "--ckpt_path", str(old)], monkeypatch, capsys)
     assert code == 2
