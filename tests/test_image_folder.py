@@ -1,6 +1,7 @@
-"""Your own images: an image-folder data module, fine-tuning from a local .safetensors file through the CLI, then predict."""
+"""Your own images: an image-folder data module, fine-tuning from a local .safetensors file through the CLI, then predict, explain and export."""
 
 import csv
+import json
 import re
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from robust_helpers import main_in_process
 from safetensors.torch import save_file
 
 from vit.data import ImageFolderDataModule
+from vit.explain.__main__ import main as explain_main
+from vit.export import main as export_main
 from vit.predict import main as predict_main
 from vit.training.classifier import ImageClassifier
 
@@ -59,7 +62,9 @@ def weights(tmp_path) -> Path:
     return path
 
 
-def test_fine_tune_from_safetensors_then_test_then_predict(tmp_path, weights, monkeypatch, capsys):
+def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
+    # The path of docs/finetune.md: a folder of named classes -> fine-tune from a timm-made .safetensors
+    # -> test -> predict with names and top-k -> explain a new image -> export -> timm loads the export.
     images = write_folder(tmp_path / "my images", per_class=24)
     write_truncated_jpeg(images / "blue" / "cut.jpg")  # would stop training mid-epoch if it were not found at setup
     with pytest.warns(UserWarning, match=r"skipped 3 unreadable file\(s\).*blue/cut.jpg: image file is truncated"):
@@ -88,6 +93,32 @@ def test_fine_tune_from_safetensors_then_test_then_predict(tmp_path, weights, mo
     for row, p in zip(rows, probs):
         assert int(row["class_index"]) == int(p.argmax()) and abs(float(row["probability"]) - float(p.max())) < 1e-5
         assert row["class_name"] == ["blue", "red"][int(p.argmax())]  # the class folders' names
+
+    # The two best classes of each image, by name, in order.
+    top2 = tmp_path / "top2.csv"
+    assert predict_main(["--ckpt_path", str(last), "--input_dir", str(images / "blue"), "--output", str(top2),
+                         "--topk", "2"]) == 0
+    for row in csv.DictReader(top2.open()):
+        assert {row["class_name"], row["class_name_2"]} == {"blue", "red"}
+        assert abs(float(row["probability"]) + float(row["probability_2"]) - 1) < 1e-5
+        assert float(row["probability"]) >= float(row["probability_2"])
+
+    # A new image, not in the data, explained by every method the model allows.
+    rng = np.random.default_rng(7)
+    pixels = rng.integers(0, 60, size=(48, 48, 3)).astype(np.uint8)
+    pixels[10:26, 20:36, 0] = 255
+    Image.fromarray(pixels).save(tmp_path / "new photo.png")
+    assert explain_main(["--ckpt_path", str(last), "--image", str(tmp_path / "new photo.png"), "--method", "all",
+                         "--out", str(tmp_path / "explained.png")]) == 0
+    assert Image.open(tmp_path / "explained.png").size[0] > 0
+
+    # Out of the project: timm reads the export with the checkpoint's logits and class names.
+    assert export_main(["--ckpt_path", str(last), "--out", str(tmp_path / "exported")]) == 0
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["label_names"] == ["blue", "red"]
+    exported = timm.create_model(f"local-dir:{tmp_path / 'exported'}", pretrained=True).eval()
+    with torch.no_grad():
+        assert (exported(x) - model(x)).abs().max() < 1e-5
+    capsys.readouterr()  # the notes of the files skipped above
 
     # Without the training folder the data module (image size, normalisation) cannot be rebuilt: one line says so.
     images.rename(tmp_path / "moved")
