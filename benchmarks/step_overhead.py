@@ -70,7 +70,7 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
     data.setup("fit")
     x, y = data.train_set.images.contiguous(), data.train_set.labels
     hp = config["model"]
-    groups = param_groups_weight_decay(model, hp.get("weight_decay", 0.05), no_weight_decay_list=model.no_weight_decay())
+    groups = param_groups_weight_decay(model, hp.get("weight_decay", 0.05), no_weight_decay_list=getattr(model, "no_weight_decay", set)())
     optimizer = torch.optim.AdamW(groups, lr=hp.get("lr", 1e-3))
     batch = config["data"]["init_args"]["batch_size"]
     for step in range(steps):
