@@ -91,12 +91,11 @@ def brute_force_max_flow(capacity: np.ndarray, source: int, sink: int) -> float:
     return best
 
 
-def test_attention_flow_equals_a_brute_force_min_cut_on_a_tiny_graph():
-    torch.manual_seed(0)
-    # Two layers of 3 tokens (CLS + a 1x2 grid of patches), one sample.
-    blocks = [torch.rand(1, 2, 3, 3).softmax(-1) for _ in range(2)]
-    flow = attention_flow(blocks, pool="cls", pool_attn=None, grid=(1, 2))  # (1, 1, 2)
-    N, L = 3, 2
+def flow_network(blocks: list[torch.Tensor]) -> np.ndarray:
+    """Attention flow's graph written out, for one sample: node `layer * N + token`; an edge from token j
+    of a layer to token i of the next, of capacity (0.5 A + 0.5 I)[i, j] row-normalised (heads averaged);
+    the top CLS token feeds the sink, the last node."""
+    L, N = len(blocks), blocks[0].shape[-1]
     capacity = np.zeros(((L + 1) * N + 1, (L + 1) * N + 1))
     for layer, attn in enumerate(blocks):
         a = 0.5 * attn[0].mean(0) + 0.5 * torch.eye(N)
@@ -104,7 +103,17 @@ def test_attention_flow_equals_a_brute_force_min_cut_on_a_tiny_graph():
         for i in range(N):
             for j in range(N):
                 capacity[layer * N + j, (layer + 1) * N + i] = a[i, j]
-    capacity[L * N + 0, (L + 1) * N] = 1.0  # the top CLS token feeds the sink
+    capacity[L * N + 0, (L + 1) * N] = 1.0
+    return capacity
+
+
+def test_attention_flow_equals_a_brute_force_min_cut_on_a_tiny_graph():
+    torch.manual_seed(0)
+    # Two layers of 3 tokens (CLS + a 1x2 grid of patches), one sample.
+    blocks = [torch.rand(1, 2, 3, 3).softmax(-1) for _ in range(2)]
+    flow = attention_flow(blocks, pool="cls", pool_attn=None, grid=(1, 2))  # (1, 1, 2)
+    N, L = 3, 2
+    capacity = flow_network(blocks)
     for patch in range(2):
         expected = brute_force_max_flow(capacity, 1 + patch, (L + 1) * N)
         assert abs(float(flow[0, 0, patch]) - expected) < 1e-5
@@ -117,14 +126,7 @@ def test_attention_flow_with_a_register_equals_a_brute_force_min_cut():
     blocks = [torch.rand(1, 2, 4, 4).softmax(-1) for _ in range(2)]
     flow = attention_flow(blocks, pool="cls", pool_attn=None, grid=(1, 2), reg_tokens=1)  # (1, 1, 2)
     N, L = 4, 2
-    capacity = np.zeros(((L + 1) * N + 1, (L + 1) * N + 1))
-    for layer, attn in enumerate(blocks):
-        a = 0.5 * attn[0].mean(0) + 0.5 * torch.eye(N)
-        a = (a / a.sum(-1, keepdim=True)).numpy()
-        for i in range(N):
-            for j in range(N):
-                capacity[layer * N + j, (layer + 1) * N + i] = a[i, j]
-    capacity[L * N + 0, (L + 1) * N] = 1.0  # the top CLS token feeds the sink
+    capacity = flow_network(blocks)
     for patch in range(2):
         expected = brute_force_max_flow(capacity, 2 + patch, (L + 1) * N)
         assert abs(float(flow[0, 0, patch]) - expected) < 1e-5
