@@ -256,9 +256,9 @@ def predict_images(backbone, dataset, batch_size: int = 500):
                           for i in range(0, len(dataset), batch_size)])
 
 
-def accuracy_by_distance(backbone, dataset, batch_size: int = 500, preds=None) -> dict[str, list[int]]:
-    """``{distance: [correct, total]}`` of ``backbone`` on ``dataset`` (see ``part_distance``), or of ``preds``."""
-    preds = predict_images(backbone, dataset, batch_size) if preds is None else preds
+def accuracy_by_distance(dataset, preds) -> dict[str, list[int]]:
+    """``{distance: [correct, total]}`` of the predictions ``preds`` (``predict_images``) on ``dataset``
+    (see ``part_distance``)."""
     correct = preds == dataset.labels
     dist = part_distance(dataset)
     return {str(int(d)): [int(correct[dist == d].sum()), int((dist == d).sum())] for d in dist.unique()}
@@ -325,7 +325,7 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
     test_acc = float(trainer.callback_metrics["test/acc"])
     # The tested (best) weights are in the model now; score them again per distance between the parts.
     preds = predict_images(backbone, data.test_set)
-    by_distance = accuracy_by_distance(backbone, data.test_set, preds=preds)
+    by_distance = accuracy_by_distance(data.test_set, preds)
     recount = sum(c for c, _ in by_distance.values()) / sum(n for _, n in by_distance.values())
     if abs(recount - test_acc) > 1e-4:
         raise RuntimeError(f"run {run.key}: accuracy by distance adds up to {recount:.4f}, test/acc is {test_acc:.4f}")
@@ -333,7 +333,7 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
     if run.shift_region:  # the translation test: the same weights on pairs placed in another region
         shifted = data.make_split("test", data.hparams.num_test, run.shift_region)
         splits["shift"] = (shifted, predict_images(backbone, shifted))
-        shift_by_distance = accuracy_by_distance(backbone, shifted, preds=splits["shift"][1])
+        shift_by_distance = accuracy_by_distance(shifted, splits["shift"][1])
         shift = {"shift_region": run.shift_region,
                  "shift_acc": f"{sum(c for c, _ in shift_by_distance.values()) / len(shifted):.4f}",
                  "shift_by_distance": json.dumps(shift_by_distance, separators=(",", ":"))}
