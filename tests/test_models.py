@@ -1,6 +1,7 @@
 """The ViT and the CNN baseline: agreement with timm, the two attention paths, encodings, errors."""
 
 import math
+import re
 
 import pytest
 import timm
@@ -85,16 +86,27 @@ def test_sincos_2d_encodes_row_in_first_half_and_column_in_second():
 
 
 @pytest.mark.parametrize("kind", ["sincos1d", "sincos2d"])
-def test_fixed_encodings_are_non_persistent_buffers(kind):
-    model = VisionTransformer(**CIFAR_CFG, pos_embed=kind)
+@pytest.mark.parametrize("scale", [1.0, 0.03])
+def test_fixed_encodings_are_non_persistent_buffers(kind, scale):
+    model = VisionTransformer(**CIFAR_CFG, pos_embed=kind, pos_scale=scale)
     assert "pos_embed" not in dict(model.named_parameters())
     assert "pos_embed" not in model.state_dict()
     assert model.pos_embed.shape == (1, 65, 48)
     if kind == "sincos2d":
         assert torch.all(model.pos_embed[0, 0] == 0)  # the CLS token has no grid position
-        torch.testing.assert_close(model.pos_embed[0, 1:], sincos_2d(8, 8, 48))
+        torch.testing.assert_close(model.pos_embed[0, 1:], scale * sincos_2d(8, 8, 48))
     else:
-        torch.testing.assert_close(model.pos_embed[0], sincos_1d(torch.arange(65), 48))
+        torch.testing.assert_close(model.pos_embed[0], scale * sincos_1d(torch.arange(65), 48))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pos_embed="learned", pos_scale=0.5), "pos_scale=0.5 is not allowed with pos_embed='learned': it scales the "
+                                               "fixed tables only"),
+    (dict(pos_embed="sincos2d", pos_scale=0.0), "pos_scale=0.0 is not allowed"),
+])
+def test_pos_scale_is_for_the_fixed_tables_and_positive(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        VisionTransformer(**CIFAR_CFG, **kwargs)
 
 
 def test_no_pos_embed_makes_the_encoder_permutation_equivariant_over_patches():

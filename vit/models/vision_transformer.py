@@ -64,6 +64,8 @@ class VisionTransformer(nn.Module):
       - `"none"`: no position information at all (an ablation: the encoder is then permutation
         equivariant over patches).
     Fixed encodings are non-persistent buffers: they are not learned and not in the state dict.
+    `pos_scale` multiplies a fixed table (1: as published, entries of RMS 0.71; the patch embedding's
+    output starts near 0.1, so at init the tokens are then mostly position).
 
     Args use timm's names. `drop_rate` is dropout before the head (as in timm),
     `proj_drop_rate` dropout after the attention projection and in the MLP, `attn_drop_rate`
@@ -100,6 +102,7 @@ class VisionTransformer(nn.Module):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         pos_embed: PosEmbed = "learned",
+        pos_scale: float = 1.0,
         pool: Pool = "cls",
         fc_norm: bool | None = None,
         reg_tokens: int = 0,
@@ -110,6 +113,10 @@ class VisionTransformer(nn.Module):
     ) -> None:
         super().__init__()
         check_choice("pos_embed", pos_embed, PosEmbed)
+        check_float("pos_scale", pos_scale, 0.0, 100.0, low_open=True)
+        if pos_scale != 1.0 and not pos_embed.startswith("sincos"):
+            raise ValueError(f"pos_scale={pos_scale!r} is not allowed with pos_embed={pos_embed!r}: it scales the "
+                             "fixed tables only (sincos1d, sincos2d)")
         check_choice("pool", pool, Pool)
         check_choice("stem", stem, Stem)
         # Upper bounds far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo
@@ -149,9 +156,10 @@ class VisionTransformer(nn.Module):
         if pos_embed == "learned":
             self.pos_embed = nn.Parameter(torch.zeros(1, num_placed, embed_dim))
         elif pos_embed == "sincos1d":
-            self.register_buffer("pos_embed", sincos_1d(torch.arange(num_placed), embed_dim)[None], persistent=False)
+            table = pos_scale * sincos_1d(torch.arange(num_placed), embed_dim)
+            self.register_buffer("pos_embed", table[None], persistent=False)
         elif pos_embed == "sincos2d":
-            grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (num_patches, D)
+            grid = pos_scale * sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (num_patches, D)
             prefix_pos = torch.zeros(num_placed - num_patches, embed_dim)
             self.register_buffer("pos_embed", torch.cat([prefix_pos, grid])[None], persistent=False)
         else:
