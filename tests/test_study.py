@@ -191,9 +191,10 @@ def test_default_study_is_the_documented_grid():
             assert (r.train_region, r.test_region) == ("left", "left")
             assert r.overrides["model"]["warmup_epochs"] == 0.2  # the recipe's 200 steps
     # The runs go in the order of the claims: the core relation cells, the receptive-field series and
-    # the controls, the other ViTs, then the 200-step runs.
+    # the MLP head, the other ViTs, the 200-step runs, then the dearest cell (cnn-rf45-wide).
     assert [r.model for r in runs[:6]] == ["vit-learned", "vit-none", "cnn-rf11", "cnn-rf11-max", "cnn-rf21", "cnn-rf45"]
-    assert [r.experiment for r in runs] == ["relation"] * 80 + ["position"] * 35
+    assert [r.experiment for r in runs] == ["relation"] * 75 + ["position"] * 35 + ["relation"] * 5
+    assert {r.model for r in runs[-5:]} == {"cnn-rf45-wide"}
     # The comparisons named before the runs: one family per question, each pair of models in its experiment.
     assert set(cfg["comparisons"]["relation"]) == {"readout", "capacity", "vit_against_cnn", "position_encoding",
                                                    "pooling", "receptive_field"}
@@ -380,6 +381,35 @@ def _small_config(tmp_path: Path, seeds=(0, 1, 2)) -> Path:
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path):
+    # configs/study/relation_base.yaml is base.yaml plus EarlyStopping on val/acc at 99.5%, which
+    # must stop a run at a validation in the middle of an epoch (the study's runs are 1-2 epochs
+    # with checks every 500 batches). Here the threshold is 0, so the first of the two validations
+    # of a one-epoch run (after batch 2 of 4) stops it: 2 steps of 32 images instead of 4.
+    shipped = yaml.safe_load((ROOT / "configs/study/relation_base.yaml").read_text())
+    base = yaml.safe_load((ROOT / "configs/study/base.yaml").read_text())
+    stop = shipped["trainer"]["callbacks"][-1]
+    assert stop["class_path"] == "lightning.pytorch.callbacks.EarlyStopping"
+    assert (stop["init_args"]["monitor"], stop["init_args"]["mode"], stop["init_args"]["stopping_threshold"]) == \
+        ("val/acc", "max", 0.995)
+    shipped["trainer"]["callbacks"] = shipped["trainer"]["callbacks"][:-1]
+    assert shipped == base  # nothing else differs
+    assert grid.load_config(ROOT / "configs/study/relation.yaml")["base_config"] == "configs/study/relation_base.yaml"
+    base["trainer"]["callbacks"].append({**stop, "init_args": {**stop["init_args"], "stopping_threshold": 0.0}})
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    steps = {}
+    for name, base_config in (("stops", tmp_path / "base.yaml"), ("full", ROOT / "configs/study/base.yaml")):
+        (tmp_path / name).mkdir()
+        cfg = yaml.safe_load(_small_config(tmp_path / name, seeds=(0,)).read_text())
+        cfg.update(base_config=str(base_config), num_val_checks=2, train_samples=128)
+        cfg["experiments"][0].update(train_samples=128, num_train=[128])
+        path = tmp_path / name / "study.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        (row,) = study.run_study(path, progress=False, executor="debug")
+        steps[name] = int(row["steps"])
+    assert steps == {"stops": 2, "full": 4}
 
 
 def _fake_row(run: grid.Run) -> dict:
