@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from vit.experiments import grid, report, study
+from vit.experiments import grid, processes, report, study
 from vit.models import CoordConvResNet, ResNet
 from vit.models.coordconv import coord_channels
 
@@ -205,6 +205,8 @@ def test_default_study_is_the_documented_grid():
     "change, message",
     [
         ({"seeds": []}, r"seeds=\[\] is not allowed"),
+        ({"experiments": []}, (r"experiments=\[\] is not allowed: expected a non-empty list of experiments \(each "
+                               r"a mapping with name, tasks, models, num_train\)")),
         ({"experiments": [{"name": "a", "tasks": ["diagonl"], "models": ["cnn-rf5"], "num_train": [8]}]},
          r"tasks='diagonl' is not allowed: expected one of \['diagonal', 'relative', 'same_different'\]"),
         ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["resnet"], "num_train": [8]}]},
@@ -422,20 +424,34 @@ def _fake_row(run: grid.Run) -> dict:
             "revision": "", "finished_at": "2026-11-25T08:00:00"}
 
 
-def test_local_executor_resumes_a_partly_finished_study(tmp_path):
+def test_local_executor_resumes_a_partly_finished_study(tmp_path, monkeypatch):
     # One run in this process, then the other two as subprocesses at once (submitit's local
     # executor): the finished row is kept byte for byte and no run is done twice.
     config = _small_config(tmp_path)
     csv_path = tmp_path / "results" / "runs.csv"
     study.run_study(config, max_runs=1, progress=False, executor="debug")
     before = csv_path.read_text()
+    real_job_line, written = processes.job_line, []
+
+    def job_line(pid, key):
+        written.append((pid, key, real_job_line(pid, key)))
+        return written[-1][2]
+
+    monkeypatch.setattr(processes, "job_line", job_line)
     study.run_study(config, progress=False, executor="local", parallel=2)
     rows = _rows(csv_path)
     expected = grid.plan(grid.load_config(config))
     assert csv_path.read_text().startswith(before) and len(before.splitlines()) == 2
     assert sorted(r["key"] for r in rows) == sorted(r.key for r in expected)
-    assert len(list((tmp_path / "runs" / "submitit").glob("*_result.pkl"))) == len(expected) - 1
+    results = list((tmp_path / "runs" / "submitit").glob("*_result.pkl"))
+    assert len(results) == len(expected) - 1
     assert {r["revision"] for r in rows} == {study.code_revision()}
+    # Each local job went into the lock as it started (what a rerun after kill -9 checks): its
+    # controller's PID (the job id), while it ran.
+    assert sorted(key for _, key, _ in written) == sorted(r.key for r in expected[1:])
+    assert {str(pid) for pid, _, _ in written} == {p.name.split("_")[0] for p in results}
+    assert all(line.startswith(f"job {pid} ") and line.endswith(f" {key}\n") for pid, key, line in written)
+    assert (tmp_path / "results" / "study.lock").read_text() == ""
 
 
 def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
@@ -632,6 +648,165 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
         "releasing it (killed?); its unfinished runs are redone\n")
     assert len(study.read_rows(csv_path)) == 3 and csv_path.read_text().startswith(before)
     assert (out_dir / "study.lock").read_text() == ""  # a clean end: the next invocation has nothing to take over
+
+
+KILLED_OWNER = """
+import sys, time
+from pathlib import Path
+from vit.experiments import study
+out_dir, key, folder = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+with study.lock_out_dir(out_dir) as record_job:
+    job = study.make_executor("local", folder, timeout_min=10).submit(time.sleep, 600)
+    record_job(int(job.job_id), key)
+    print(job.job_id, flush=True)
+    time.sleep(600)
+"""
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (``/proc/<pid>/stat``'s state)."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(") ", 1)[1][0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_for_child(pid: int) -> int:
+    """The one process that ``pid`` started, as ``ps`` lists it (waiting up to a minute for it to start)."""
+    deadline = time.monotonic() + 60
+    while not (children := subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True,
+                                          check=False).stdout.split()):  # ps exits 1 while there is none
+        assert time.monotonic() < deadline, f"process {pid} started no process"
+        time.sleep(0.1)
+    (child,) = children
+    return int(child)
+
+
+def test_a_rerun_after_kill_9_is_refused_while_the_killed_invocations_jobs_run(tmp_path, capsys, monkeypatch):
+    # kill -9 of a study leaves its local jobs running (a submitit controller and the run it started),
+    # writing their run folders, and the kernel frees the lock: a rerun that took it over would start
+    # the same run again in the same folder. Here a real invocation holds the lock, starts a real
+    # submitit local job (a sleep, standing in for the run) and writes it into the lock, then is killed.
+    config = _small_config(tmp_path)
+    out_dir, logs = tmp_path / "results", tmp_path / "runs"
+    csv_path, lock = out_dir / "runs.csv", out_dir / "study.lock"
+    runs = grid.plan(grid.load_config(config))
+    out_dir.mkdir()
+    study.append_row(csv_path, _fake_row(runs[0]))
+    orphaned = logs / runs[1].key  # what the orphaned run has written so far
+    orphaned.mkdir(parents=True)
+    (orphaned / "metrics.csv").write_text("epoch,step,train/acc\n0,1,0.5\n")
+    real_run_one, job = study.run_one, []
+    owner = subprocess.Popen([sys.executable, "-c", KILLED_OWNER, str(out_dir), runs[1].key, str(logs / "submitit")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        controller = int(owner.stdout.readline())
+        job = [controller, _wait_for_child(controller)]  # the controller and the process that runs the job
+        owner.kill()  # SIGKILL, as kill -9: the job runs on
+        owner.wait()
+        assert not any(_ended(pid) for pid in job)
+
+        def files():
+            return {p: p.read_bytes() for folder in (out_dir, orphaned) for p in sorted(folder.rglob("*"))}
+
+        before, entries = files(), sorted(logs.iterdir())
+        monkeypatch.setattr(study, "run_one", lambda run, **kwargs: pytest.fail(f"run {run.key} was started"))
+        with pytest.raises(SystemExit) as exit_info:
+            study.main(["--config", str(config), "--executor", "debug"])
+        assert exit_info.value.code == 2
+        pids = " ".join(map(str, job))
+        assert capsys.readouterr().err == (
+            f"error: {out_dir}: the study invocation that held {lock} (PID {owner.pid}) was killed, but runs it "
+            f"started still run: {runs[1].key} (PIDs {pids}). Their results can no longer be recorded: stop them "
+            f"(kill -9 {pids}) or wait for them to end, then rerun; started now, they would run twice in the same "
+            "folders\n")
+        assert files() == before and sorted(logs.iterdir()) == entries  # nothing written, moved or created
+
+        # Done as the message says, the same command goes on: the orphan's folder is moved aside and its run redone.
+        subprocess.run(["kill", "-9", *pids.split()], check=True)
+        deadline = time.monotonic() + 30
+        while not all(_ended(pid) for pid in job):
+            assert time.monotonic() < deadline, f"{job} still run after kill -9"
+            time.sleep(0.05)
+        started = []
+
+        def run_one(run, **kwargs):
+            started.append(run.key)
+            return real_run_one(run, **kwargs) if run.key == runs[1].key else _fake_row(run)
+
+        monkeypatch.setattr(study, "run_one", run_one)
+        monkeypatch.setattr(study, "write_reports", lambda *args: None)
+        study.main(["--config", str(config), "--executor", "debug"])
+    finally:
+        owner.kill()
+        owner.wait()
+        for pid in job:
+            if not _ended(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert capsys.readouterr().err.startswith(
+        f"taking over {lock}: the invocation that held it (PID {owner.pid}) ended without releasing it")
+    assert started == [runs[1].key, runs[2].key]
+    assert [r["key"] for r in study.read_rows(csv_path)] == [r.key for r in runs]
+    assert (logs / f"{runs[1].key}.unfinished-1" / "metrics.csv").read_bytes() == before[orphaned / "metrics.csv"]
+    assert "val/acc" in (orphaned / "metrics.csv").read_text() and lock.read_text() == ""
+
+
+def test_a_job_in_the_lock_counts_while_its_process_runs_and_not_once_its_pid_is_reused():
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        start = Path(f"/proc/{sleeper.pid}/stat").read_text().split()[21]  # field 22; "(sleep)" holds no space
+        line = processes.job_line(sleeper.pid, "run-a")
+        assert line == f"job {sleeper.pid} {start} run-a\n"
+        assert processes.live_jobs(f"4242\n{line}not a job\njob x 1 run-b\n") == [("run-a", [sleeper.pid])]
+        # The same PID with another start time: a process that took the PID of a job that ended.
+        assert processes.live_jobs(f"job {sleeper.pid} {int(start) + 1} run-a\n") == []
+        sleeper.kill()
+        deadline = time.monotonic() + 30
+        while not _ended(sleeper.pid):  # a zombie until waited for: its PID cannot be taken meanwhile
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert processes.live_jobs(line) == [] and processes.job_line(sleeper.pid, "run-a") == ""
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize("where", ["under /proc", "a file", "a name too long"])
+def test_an_unusable_out_dir_is_one_line_and_leaves_nothing_behind(tmp_path, capsys, monkeypatch, where):
+    out_dir, reason = {
+        "under /proc": (Path("/proc/vit-study-results"), "creating /proc/vit-study-results failed ("),
+        "a file": (tmp_path / "results", "it exists and is not a folder"),
+        # a name that fails after its new parent folder was made: that folder is removed again
+        "a name too long": (tmp_path / "new" / ("x" * 300),
+                            f"creating {tmp_path / 'new' / ('x' * 300)} failed (File name too long)"),
+    }[where]
+    config = _small_config(tmp_path)
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "out_dir": str(out_dir)}))
+    if where == "a file":
+        out_dir.write_text("not a folder\n")
+    before = {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))}
+    monkeypatch.setattr(study, "run_one", lambda run, **kwargs: pytest.fail(f"run {run.key} was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--config", str(config), "--executor", "debug"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: out_dir={str(out_dir)!r} cannot be used: {reason}") and err.count("\n") == 1
+    assert err.endswith("; expected a folder that this user can create and write in\n")
+    assert {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))} == before
+    assert not Path("/proc/vit-study-results").exists()
+
+
+def test_a_study_of_no_experiments_is_one_line_and_exit_2(tmp_path, capsys):
+    config = _small_config(tmp_path)
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "experiments": []}))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--config", str(config), "--executor", "debug"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: {config}: experiments=[] is not allowed: expected a non-empty list of experiments (each a mapping "
+        "with name, tasks, models, num_train)\n")
+    assert not (tmp_path / "results").exists() and not (tmp_path / "runs").exists()
 
 
 def test_sigterm_stops_the_study_and_the_same_command_finishes_it(tmp_path, capsys, monkeypatch):

@@ -124,6 +124,9 @@ def load_config(path: str | Path) -> dict:
             raise ValueError(f"{where}: models.{name} must be a backbone mapping with a class_path "
                              f"(and init_args), as under model.backbone in a train.py config")
     experiments = _require(cfg, "experiments", list, where)
+    if not experiments:
+        raise ValueError(f"{where}: experiments=[] is not allowed: expected a non-empty list of experiments "
+                         "(each a mapping with name, tasks, models, num_train)")
     seen: dict[str, tuple] = {}
     for i, exp in enumerate(experiments):
         w = f"{where}: experiments[{i}]"

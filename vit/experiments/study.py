@@ -37,6 +37,8 @@ that is damaged (cut short, edited by hand) stops the study too, naming its line
 
 One invocation at a time per ``out_dir``: it holds ``<out_dir>/study.lock`` (``fcntl.flock``,
 released by the kernel when the process ends, ``kill -9`` included) and a second one is refused.
+After a ``kill -9``, the local jobs it had started run on: the lock names them
+(``vit.experiments.processes``), and the next invocation refuses to start while one still runs.
 On SIGTERM or Ctrl-C the study cancels its runs under way (submitit's local jobs would outlive it)
 and exits with 128 + the signal; its finished rows are kept, and the same command goes on.
 """
@@ -57,12 +59,13 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import submitit
 import yaml
 
+from vit.experiments import processes
 from vit.experiments.grid import CALIBRATE, Run, calibration_plan, choose_lr, load_config, plan
 from vit.experiments.report import write_reports
 
@@ -82,7 +85,7 @@ PREDICTIONS = "predictions"  # <out_dir>/predictions/<run key>.npz: each run's p
 
 
 class StudyError(ValueError):
-    """The study cannot go on as asked (runs.csv damaged or made with other settings, out_dir in use):
+    """The study cannot go on as asked (runs.csv damaged or made with other settings, out_dir unusable or in use):
     ``main`` prints it as one ``error:`` line, before any run starts."""
 
 
@@ -374,33 +377,70 @@ def lock_out_dir(out_dir: Path):
     Two at once would each take the other's runs under way for killed ones, move their folders
     aside and start them again. ``fcntl.flock``: the kernel releases the lock when its process
     ends, ``kill -9`` included, so a lock file left behind never blocks; the PID in it (emptied on
-    a clean end) tells that the last invocation was killed.
+    a clean end) tells that the last invocation was killed. Yields ``record_job(pid, run key)``,
+    which writes a local job into the lock as it starts: the jobs of a killed invocation run on,
+    and while one does, the next invocation is refused too (``processes.live_jobs``).
     """
     path = out_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise _unusable("out_dir", out_dir, err) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            pid = os.pread(fd, 32, 0).decode(errors="replace").partition("\n")[0].strip() or "unknown"
             raise StudyError(f"{out_dir} is in use by another study invocation (PID {pid}, lock {path}): wait for it "
                              f"to finish, or stop it (kill {pid}) and rerun; two at once would redo each other's "
                              "runs") from None
         except OSError as err:
             raise StudyError(f"{path} cannot be locked ({err.strerror}): put out_dir on a filesystem with "
                              "locks") from None
-        previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
+        previous = text.partition("\n")[0].strip()
+        if orphans := processes.live_jobs(text):  # a local job's run ignores SIGTERM (submitit): kill -9 stops it
+            runs = ", ".join(f"{key} (PIDs {' '.join(map(str, tree))})" for key, tree in orphans)
+            pids = " ".join(str(pid) for _, tree in orphans for pid in tree)
+            raise StudyError(f"{out_dir}: the study invocation that held {path} (PID {previous or 'unknown'}) was "
+                             f"killed, but runs it started still run: {runs}. Their results can no longer be "
+                             f"recorded: stop them (kill -9 {pids}) or wait for them to end, then rerun; started "
+                             "now, they would run twice in the same folders")
         if previous:
             print(f"taking over {path}: the invocation that held it (PID {previous}) ended without releasing it "
                   "(killed?); its unfinished runs are redone", file=sys.stderr, flush=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+        def record_job(pid: int, key: str) -> None:
+            os.pwrite(fd, processes.job_line(pid, key).encode(), os.fstat(fd).st_size)
+
         try:
-            yield
+            yield record_job
         finally:
             os.ftruncate(fd, 0)  # an empty lock file: this invocation ended, it was not killed
     finally:
         os.close(fd)  # releases the lock
+
+
+def _unusable(key: str, path: Path, err: OSError) -> StudyError:
+    """The error of a folder from the config that cannot be created or written: one line naming the value."""
+    reason = ("it exists and is not a folder" if os.path.exists(path) and not os.path.isdir(path)
+              else f"creating {err.filename} failed ({err.strerror})")
+    return StudyError(f"{key}={str(path)!r} cannot be used: {reason}; expected a folder that this user can create "
+                      "and write in")
+
+
+def _make_dirs(key: str, path: Path) -> None:
+    """Create the config's folder ``key`` and its parents, or raise ``StudyError``, having removed what it created."""
+    missing = [p for p in (path, *path.parents) if not os.path.exists(p)]  # the deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        for created in missing:  # rmdir leaves a folder that is not empty (not made here)
+            with suppress(OSError):
+                created.rmdir()
+        raise _unusable(key, path, err) from None
 
 
 @contextmanager
@@ -467,8 +507,10 @@ def make_executor(kind: str, folder: Path, *, timeout_min: int, slurm: dict | No
     return executor
 
 
-def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, poll_s: float = 1.0) -> list[tuple[str, str]]:
-    """Run ``jobs`` with at most ``parallel`` in flight, calling ``on_done(job, row)`` in the order they finish.
+def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, on_submit=lambda job, handle: None,
+            poll_s: float = 1.0) -> list[tuple[str, str]]:
+    """Run ``jobs`` with at most ``parallel`` in flight, calling ``on_done(job, row)`` in the order they finish
+    (and ``on_submit(job, handle)`` as each is submitted).
 
     Only this process writes ``runs.csv`` (in ``on_done``), so two runs never write it at once. A run
     that fails is reported and skipped; the others go on. Returns ``[(run key, error)]`` of the failures.
@@ -492,10 +534,13 @@ def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, poll_s: f
             with executor.batch():
                 handles = [executor.submit(job) for job in jobs]
             pending, running = [], list(zip(jobs, handles))
+            for job, handle in running:
+                on_submit(job, handle)
         while pending or running:
             while pending and len(running) < parallel:
                 job = pending.pop(0)
                 handle = executor.submit(job)
+                on_submit(job, handle)
                 if getattr(executor, "cluster", None) == "debug":
                     collect(job, handle)  # a debug job runs when its result is asked for
                     continue
@@ -536,18 +581,8 @@ def _cancel(handles: list, *, wait_s: float) -> None:
 
 
 def kill_process_tree(pid: int) -> None:
-    """SIGKILL a process and every process below it (Linux: parents read from ``/proc/*/stat``)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
-            continue
-    tree, frontier = [pid], [pid]
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        tree += frontier
-    for member in tree:
+    """SIGKILL a process and every process below it (``processes.process_tree``)."""
+    for member in processes.process_tree(pid):
         try:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:
@@ -565,20 +600,20 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
     """
     cfg = load_config(config)
     out_dir = Path(cfg["out_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with lock_out_dir(out_dir), stop_on_sigterm():
+    _make_dirs("out_dir", out_dir)
+    with lock_out_dir(out_dir) as record_job, stop_on_sigterm():
         return _run_study(cfg, max_runs=max_runs, progress=progress, executor=executor, parallel=parallel,
-                          slurm=slurm, timeout_min=timeout_min)
+                          slurm=slurm, timeout_min=timeout_min, record_job=record_job)
 
 
 def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str, parallel: int, slurm: dict | None,
-               timeout_min: int) -> list[dict]:
+               timeout_min: int, record_job) -> list[dict]:
     from tqdm.auto import tqdm
 
     out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
     csv_path = out_dir / "runs.csv"
     read_rows(csv_path)  # a damaged row stops the study here, before any work
-    log_dir.mkdir(parents=True, exist_ok=True)
+    _make_dirs("log_dir", log_dir)
     revision = code_revision()
     pool = make_executor(executor, log_dir / "submitit", timeout_min=timeout_min, slurm=slurm)
     budget = [max_runs]
@@ -605,10 +640,14 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
             bar.update()
             bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
 
+        def on_submit(job: StudyJob, handle) -> None:
+            if isinstance(handle, submitit.LocalJob):  # the job id of a local job is its controller's PID
+                record_job(int(handle.job_id), job.run.key)
+
         jobs = [StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision, str(out_dir / PREDICTIONS))
                 for run in todo]
         try:
-            failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done)
+            failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done, on_submit=on_submit)
         finally:
             bar.close()  # also when stopped: the message that follows starts a line of its own
         if failures:
@@ -639,8 +678,9 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m vit.experiments.study`. A config it cannot use, a damaged runs.csv, an out_dir in use
-    or nothing to report is one `error:` line and exit status 2, before anything runs; SIGTERM and
+    """`python -m vit.experiments.study`. A config it cannot use, a damaged runs.csv, an out_dir it cannot
+    create or in use (also by the runs of a killed invocation) or nothing to report is one `error:` line
+    and exit status 2, before anything runs; SIGTERM and
     Ctrl-C are one line and 128 + the signal; an error during the runs keeps its traceback."""
     parser = argparse.ArgumentParser(prog="python -m vit.experiments.study", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="study config YAML, e.g. configs/study/relation.yaml")
