@@ -1,6 +1,8 @@
 """`python -m vit.export`: a checkpoint -> model.safetensors + config.json that timm's Hub loader reads, equal logits."""
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,15 @@ def test_a_checkpoint_without_class_names_exports_indices_as_names(checkpoint, t
     torch.save(content, plain)
     assert main(["--ckpt_path", str(plain), "--out", str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["label_names"] == ["0", "1"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_the_weights_file_gets_the_permissions_of_the_config_the_umask_decides(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        export(random_vit(), tmp_path / "out", dict(input_size=(3, 32, 32), **DATA), [str(i) for i in range(5)])
+    finally:
+        os.umask(previous)
+    out = tmp_path / "out"
+    mode = {name: stat.S_IMODE(os.stat(out / name).st_mode) for name in ("model.safetensors", "config.json")}
+    assert mode == {"model.safetensors": 0o666 & ~umask, "config.json": 0o666 & ~umask}  # as open() makes a new file

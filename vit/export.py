@@ -29,22 +29,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
 
-import lightning as L
 import timm
 from timm.models import save_for_hf
 from torch import nn
 
-import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
 from vit.checks import first_line
 from vit.models import VisionTransformer
 from vit.models.pretrained import PretrainedError
-from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
-from vit.training.classifier import ImageClassifier
+from vit.training.checkpointing import CheckpointError
+from vit.training.rebuild import open_checkpoint
 
 # timm's ViTs by width, depth and heads, for naming the architecture when one fits.
 _FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large"}
@@ -125,22 +123,13 @@ def class_names(checkpoint: dict, num_classes: int) -> list[str]:
 
 def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str]]:
     """`(backbone, data_config, class names)` of a train.py checkpoint; `data_config` in timm's keys."""
-    ckpt_path = fetch_checkpoint(ckpt_path)
-    checkpoint = read_checkpoint(ckpt_path)
-    if "backbone" not in checkpoint.get("hyper_parameters", {}):
-        raise CheckpointError(f"checkpoint {ckpt_path} does not record its backbone (it was not trained with "
-                              "train.py), so the model cannot be rebuilt from it")
-    if "_class_path" not in checkpoint.get("datamodule_hyper_parameters", {}):
-        raise CheckpointError(f"checkpoint {ckpt_path} does not record its data module (it was not trained with "
-                              "train.py), so the input size and normalisation are unknown")
-    backbone = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).backbone
-    backbone = getattr(backbone, "_orig_mod", backbone).eval()
-    timm_args(backbone)  # refuse what timm cannot compute before anything else is read
-    datamodule = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
-    mean, std = getattr(datamodule, "normalization", None) or ((0.0,) * backbone.patch_embed.in_chans,
-                                                               (1.0,) * backbone.patch_embed.in_chans)
-    data_config = dict(input_size=(backbone.patch_embed.in_chans, *backbone.patch_embed.img_size), mean=tuple(mean),
-                       std=tuple(std), interpolation="bilinear", crop_pct=1.0, crop_mode="squash")
+    model, inputs, checkpoint = open_checkpoint(ckpt_path)
+    backbone = model.backbone
+    timm_args(backbone)  # refuse what timm cannot compute before anything else is done
+    channels = inputs["in_chans"]
+    mean, std = (inputs["mean"], inputs["std"]) if inputs["mean"] is not None else ([0.0] * channels, [1.0] * channels)
+    data_config = dict(input_size=(channels, *inputs["img_size"]), mean=tuple(mean), std=tuple(std),
+                       interpolation=inputs["interpolation"], crop_pct=1.0, crop_mode="squash")
     return backbone, data_config, class_names(checkpoint, backbone.num_classes)
 
 
@@ -152,6 +141,9 @@ def export(backbone: VisionTransformer, out: Path, data_config: dict, names: lis
         # model_args given explicitly: timm versions that do not record a model's arguments write them too.
         save_for_hf(exported, tmp, model_config={"label_names": names, "model_args": timm_args(backbone)},
                     safe_serialization=True)
+        # safetensors creates its file with mode 0600; config.json was created by open(), under the umask,
+        # as every new file is: the weights get the same permissions, so whoever may read one reads both.
+        os.chmod(Path(tmp) / "model.safetensors", stat.S_IMODE(os.stat(Path(tmp) / "config.json").st_mode))
         out.mkdir(exist_ok=True)
         for name in ("model.safetensors", "config.json"):
             os.replace(Path(tmp) / name, out / name)  # each file replaced whole, never half-written

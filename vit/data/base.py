@@ -6,6 +6,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
+from vit.checks import check_size
 from vit.data.resumable import ResumableTrainingData
 
 
@@ -35,6 +36,25 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     def in_chans(self) -> int:
         """The images' channels, linked into the backbone's `in_chans` by the CLI."""
         return self.hparams.in_chans
+
+    #: How an image of another size is resized to `img_size` for the model (torchvision's `InterpolationMode` value).
+    interpolation: str = "bilinear"
+
+    @property
+    def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-channel ``(mean, std)`` applied after scaling pixels to [0, 1]; ``None``: the pixels are used as they are."""
+        return None
+
+    def inputs(self) -> dict:
+        """What turns an image into the model's input, as plain values: `img_size` `[H, W]`, `in_chans`, `mean` and
+        `std` (None without normalisation) and `interpolation`. Every checkpoint records it, so that inference
+        needs neither this data module nor its files (`vit.training.rebuild`)."""
+        height, width = check_size("img_size", self.img_size)
+        norm = self.normalization
+        return {"img_size": [height, width], "in_chans": int(self.in_chans),
+                "mean": None if norm is None else [float(v) for v in norm[0]],
+                "std": None if norm is None else [float(v) for v in norm[1]],
+                "interpolation": self.interpolation}
 
     def split_seeds(self) -> dict[str, int]:
         """The seed of each split, spawned from the ``seed`` hyperparameter by ``numpy.random.SeedSequence``:
@@ -85,11 +105,6 @@ class SyntheticDataModule(SplitDataModule):
     def class_names(self) -> list[str]:
         """The name of each label, index by index (what predictions and reports print)."""
         raise NotImplementedError
-
-    @property
-    def normalization(self) -> None:
-        """Per-channel ``(mean, std)`` applied to inputs; ``None``: pixels are raw values (0 background, 1 ink)."""
-        return None
 
     def make_split(self, split: str, num_samples: int, region: str) -> Dataset:
         raise NotImplementedError

@@ -90,6 +90,8 @@ class CIFARDataModule(SplitDataModule):
     ("imagenet" or "inception") instead of CIFAR's ("cifar").
     """
 
+    interpolation = "bicubic"  # the upsampling of `img_size` (`vit.data.transforms`)
+
     def __init__(
         self,
         *,

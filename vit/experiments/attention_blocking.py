@@ -32,15 +32,14 @@ import csv
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 import yaml
 
 from vit.checks import check_size
 from vit.data.same_different import make_shapes, render
 from vit.models.masks import mask_attention
-from vit.training.checkpointing import read_checkpoint
-from vit.training.classifier import ImageClassifier
+from vit.training.checkpointing import CheckpointError
+from vit.training.rebuild import build_datamodule, open_checkpoint
 
 CONDITIONS = ("none", "cross", "random", "within", "isolate", "isolate_random", "self_only")
 
@@ -117,9 +116,9 @@ def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: to
 @torch.no_grad()
 def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 250) -> dict[str, float]:
     """Test accuracy of one checkpoint under each condition, on the images whose strokes no token sees both of."""
-    read_checkpoint(ckpt_path)  # a clear error for a file that is not a checkpoint of this project
-    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).backbone.eval()
-    data = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
+    classifier, _, checkpoint = open_checkpoint(ckpt_path)
+    model = classifier.backbone
+    data = build_datamodule(checkpoint, str(ckpt_path))
     data.setup("test")
     test = data.test_set
     windows = receptive_windows(model, test.img_size, test.in_chans)
@@ -152,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     csv_path = args.out_dir / "runs.csv"
     columns = ["name", "ckpt_path", "seed_everything", "images", "left_out", *CONDITIONS]
     for ckpt_path in args.ckpt_paths:
-        row = {"name": args.name, **blocking_accuracies(ckpt_path)}
+        try:
+            row = {"name": args.name, **blocking_accuracies(ckpt_path)}
+        except CheckpointError as err:  # the rows of the checkpoints before it are kept
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         new = not csv_path.exists()
         with csv_path.open("a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns)

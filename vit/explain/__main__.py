@@ -19,14 +19,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 
 from vit.data.image_folder import read_image_files, read_images
 from vit.explain.plot import rollout_grid
 from vit.explain.relevance import ATTENTION_METHODS, CLASS_METHODS, METHODS, has_attention, relevance
-from vit.training.checkpointing import CheckpointError, fetch_checkpoint
-from vit.training.predictions import load_for_prediction
+from vit.training.checkpointing import CheckpointError
+from vit.training.predictions import inference_transform
+from vit.training.rebuild import build_datamodule, open_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         for image in args.image or []:
             if not image.is_file():
                 raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))
-        args.ckpt_path = fetch_checkpoint(args.ckpt_path)  # a URL is downloaded once, then read like a file
-        model, transform, named = load_for_prediction(args.ckpt_path)
+        model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
+        transform, named = inference_transform(inputs), "class_names" in checkpoint
         backbone = model.backbone
         if methods == ["all"]:
             methods = list(METHODS) if has_attention(backbone) else [m for m in METHODS if m not in ATTENTION_METHODS]
@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: explaining the first {args.num_images} of {len(images)} images (--num_images)", file=sys.stderr)
         files, x, labels = files[: args.num_images], torch.stack(images[: args.num_images]), None
     else:  # the checkpoint's own test images, with their labels
-        data = L.LightningDataModule.load_from_checkpoint(args.ckpt_path, weights_only=True)
+        try:
+            data = build_datamodule(checkpoint, args.ckpt_path)
+        except CheckpointError as err:
+            print(f"error: {err}; give images to explain with --input_dir or --image", file=sys.stderr)
+            return 2
         data.setup("test")
         batch = [data.test_set[i] for i in range(min(args.num_images, len(data.test_set)))]
         x, labels = torch.stack([b[0] for b in batch]), [int(b[1]) for b in batch]

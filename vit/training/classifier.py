@@ -100,7 +100,9 @@ class ImageClassifier(L.LightningModule):
     Class names: `class_names` (`["0", "1", ...]` until known) is taken from the data module's
     `class_names` when a trainer runs the model with one, and travels in every checkpoint under the
     top-level key `"class_names"` (`on_save_checkpoint` / `on_load_checkpoint`; a checkpoint written
-    before names were stored loads with the indices as names).
+    before names were stored loads with the indices as names), beside `"inputs"`, the data module's
+    `inputs()` (image size, channels, normalisation, interpolation). `vit.training.rebuild` opens
+    checkpoints for inference from these alone.
 
     Testing logs, beside `test/loss` and `test/acc`: `test/ece` (expected calibration error, 15
     equal-width confidence bins, torchmetrics' `MulticlassCalibrationError`), `test/top5_acc` when
@@ -225,6 +227,9 @@ class ImageClassifier(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["class_names"] = list(self.class_names)
+        data = self.trainer.datamodule if self._trainer is not None else None
+        if hasattr(data, "inputs"):  # what inference needs from the data, so that it needs no data module
+            checkpoint["inputs"] = data.inputs()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         names = checkpoint.get("class_names")

@@ -32,10 +32,12 @@ from vit.training.checkpointing import (
 )
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.predictions import PredictionWriter, check_topk
+from vit.training.rebuild import check_hyperparameters
 from vit.training.preflight import (
     ConfigError,
     check_checkpoint,
     check_given_config,
+    check_trainer_options,
     check_writable,
     forward_one_image,
     is_local_file,
@@ -77,6 +79,11 @@ class ViTCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         torch.set_float32_matmul_precision(config.float32_matmul_precision)
+        backbone_args = config.model.get("backbone", {}).get("init_args") or {}
+        if config.get("ckpt_path") is not None and backbone_args.get("pretrained"):
+            # The checkpoint's weights replace the pretrained ones: loading them would only cost time, and
+            # a file or hub id that is not there (another machine, offline) would stop the run.
+            backbone_args.pretrained = None
 
     def after_fit(self) -> None:
         # Runs in every process under DDP (test is a collective), prints on rank 0 only.
@@ -120,6 +127,9 @@ class ViTCLI(LightningCLI):
             resolve_resume(subcommand, config)
             if is_local_file(config.get("ckpt_path")):
                 checkpoint = read_checkpoint(config.ckpt_path)
+                # LightningCLI parses the checkpoint's hyperparameters into the config next, and jsonargparse
+                # builds every class path it meets: only this project's classes and plain values get that far.
+                check_hyperparameters(checkpoint)
                 for line in check_given_config(subcommand, config, checkpoint, ImageClassifier, config.ckpt_path):
                     rank_zero_warn(f"--ckpt_path {config.ckpt_path}: the checkpoint's value is used for {line}")
 
@@ -148,6 +158,7 @@ class ViTCLI(LightningCLI):
         for name in ("max_epochs", "max_steps"):
             if getattr(self.trainer, name) == 0:
                 raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no limit)")
+        check_trainer_options(self.trainer)
         self._check_before_running()
 
     def before_validate(self) -> None:

@@ -4,6 +4,12 @@ The CSV has one row per image: `file`, `class_name`, `class_index`, `probability
 best class); with `topk=K` the next classes follow as `class_name_2`, `class_index_2`,
 `probability_2`, ... up to K. `vit.predict` writes it for a folder of files, `PredictionWriter` for
 `train.py predict`; `vit.explain` loads its model the same way.
+
+The `file` and `class_name` cells are made safe to open in a spreadsheet (`csv_text`): a name that is
+not valid UTF-8 is written with backslash escapes (`caf\\xff.png`, the byte 0xFF), and one that
+starts with `=`, `+`, `-`, `@`, a tab or a carriage return, which Excel, LibreOffice and Google
+Sheets would run as a formula, gets a single quote in front (`'=cmd.png`), OWASP's advice against
+CSV injection.
 """
 
 from __future__ import annotations
@@ -20,52 +26,29 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import Dataset, Subset
 from torchvision.transforms import v2
 
-import vit.data  # noqa: F401  (the data module classes a checkpoint may name must be imported)
-from vit.checks import check_int, constructor_message
+from vit.checks import check_int
+from vit.data.files import text_name
 from vit.data.image_folder import build_transform
-from vit.training.callbacks import NonFiniteError, check_finite_weights
-from vit.training.checkpointing import CheckpointError, fetch_checkpoint, read_checkpoint
+from vit.training.checkpointing import CheckpointError
 from vit.training.classifier import ImageClassifier
+from vit.training.rebuild import open_checkpoint
 
 
 def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, v2.Compose, bool]:
-    """The model (eval mode, CPU), the input transform recorded in a LightningCLI checkpoint (a path or URL),
-    and whether the checkpoint records class names (without them `model.class_names` are the indices)."""
-    ckpt_path = fetch_checkpoint(ckpt_path)
-    checkpoint = read_checkpoint(ckpt_path)
+    """The model (eval mode, CPU) of a checkpoint (a path or URL), the input transform it records, and whether it
+    records class names (without them `model.class_names` are the indices). Opened by `vit.training.rebuild`:
+    nothing but this project's classes is built, and nothing is fetched but the checkpoint itself."""
+    model, inputs, checkpoint = open_checkpoint(ckpt_path)
+    return model, inference_transform(inputs), "class_names" in checkpoint
+
+
+def inference_transform(inputs: dict) -> v2.Compose:
+    """The transform of `vit.training.rebuild.input_description`'s record: PIL image -> the model's input."""
+    normalization = None if inputs["mean"] is None else (inputs["mean"], inputs["std"])
     try:
-        check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))
-    except NonFiniteError as err:
-        raise CheckpointError(f"checkpoint {ckpt_path} is unusable: {str(err).split(';')[0]}") from err
-    if "backbone" not in checkpoint.get("hyper_parameters", {}):
-        raise CheckpointError(
-            f"checkpoint {ckpt_path} does not record its backbone (it was not trained with train.py), "
-            "so the model cannot be rebuilt from it"
-        )
-    if "_class_path" not in checkpoint.get("datamodule_hyper_parameters", {}):
-        raise CheckpointError(
-            f"checkpoint {ckpt_path} does not record its data module (it was not trained with train.py), "
-            "so the image size, channels and normalisation are unknown"
-        )
-    try:
-        model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True).eval()
-    except (RuntimeError, ValueError) as err:  # weights that do not fit the model the checkpoint records
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"checkpoint {ckpt_path} cannot be loaded into the model it records: {reason}") from err
-    try:
-        datamodule = L.LightningDataModule.load_from_checkpoint(ckpt_path, weights_only=True)
-    except (OSError, ValueError) as err:  # e.g. an image folder's root that is not on this machine
-        name = checkpoint["datamodule_hyper_parameters"]["_class_path"].rsplit(".", 1)[-1]
-        reason = (constructor_message(str(err)).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"checkpoint {ckpt_path}: its data module {name} (which says the image size, channels "
-                              f"and normalisation) cannot be rebuilt here: {reason}") from err
-    if not hasattr(datamodule, "normalization"):
-        raise CheckpointError(
-            f"data module {type(datamodule).__name__} of checkpoint {ckpt_path} does not say how its inputs are "
-            "normalised (no `normalization` attribute)"
-        )
-    transform = build_transform(datamodule.img_size, datamodule.in_chans, datamodule.normalization)
-    return model, transform, "class_names" in checkpoint
+        return build_transform(inputs["img_size"], inputs["in_chans"], normalization, inputs["interpolation"])
+    except ValueError as err:
+        raise CheckpointError(f"the checkpoint's inputs cannot be used: {err}") from err
 
 
 def check_topk(topk: int, num_classes: int, option: str = "--topk ") -> None:
@@ -85,11 +68,20 @@ def prediction_table(files: list[str], probs: torch.Tensor, class_names: list[st
     confidence, classes = probs.topk(topk, dim=-1)  # (N, K) each, best first
     rows = []
     for file, ks, ps in zip(files, classes.tolist(), confidence.tolist()):
-        row = [file]
+        row = [csv_text(file)]
         for k, p in zip(ks, ps):
-            row += [class_names[k], str(k), f"{p:.6f}"]
+            row += [csv_text(class_names[k]), str(k), f"{p:.6f}"]
         rows.append(row)
     return header, rows
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what spreadsheets read as the start of a formula
+
+
+def csv_text(name: str) -> str:
+    """A file or class name as a CSV cell: valid text (`text_name`), after a `'` when it would start a formula."""
+    name = text_name(name)
+    return "'" + name if name.startswith(FORMULA_STARTS) else name
 
 
 def write_csv(output: Path, header: list[str], rows: list[list[str]]) -> None:

@@ -6,8 +6,9 @@ command line makes them:
 1. right after parsing: `--ckpt_path last` resolved to a file and a resumed run to its own folder
    (`resolve_resume`); the checkpoint's recorded settings against the ones typed
    (`check_given_config`), before LightningCLI lets the checkpoint's values replace them;
-2. once the model and trainer exist: the checkpoint against the model, its weights and its number
-   of processes (`check_checkpoint`); the loggers' save folders (`check_writable`); one training
+2. once the model and trainer exist: for `fit`, the trainer's optimisation settings
+   (`check_trainer_options`); the checkpoint against the model, its weights and its number of
+   processes (`check_checkpoint`); the loggers' save folders (`check_writable`); one training
    image through the model (`forward_one_image`).
 
 Reading a checkpoint file safely (`read_checkpoint`) is I/O and lives in `vit.training.checkpointing`.
@@ -33,7 +34,6 @@ to be used.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import tempfile
@@ -44,6 +44,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from vit.checks import check_float, check_int
 from vit.models.pretrained import PretrainedError, check_layout
 from vit.training.callbacks import NonFiniteError, check_finite_weights
 from vit.training.checkpointing import (
@@ -52,6 +53,7 @@ from vit.training.checkpointing import (
     read_checkpoint,
     remove_partial_writes,
 )
+from vit.training.rebuild import BACKBONES
 
 # Data settings that say where and how fast the data are read, not which data: free to change on resume.
 NOT_THE_RUN = frozenset({"data_dir", "root", "download", "num_workers", "pin_memory", "persistent_workers"})
@@ -157,6 +159,8 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
             defaults = _defaults(theirs["class_path"])
             given_args = ours.get("init_args") or {}
             for key, value in (theirs.get("init_args") or {}).items():
+                if key == "pretrained":  # where the weights started from: the checkpoint's replace them
+                    continue
                 if key in given_args and _differs(given_args[key], value, defaults.get(key, inspect.Parameter.empty)):
                     errors.append(f"model.backbone.init_args.{key}: {value!r} in the checkpoint vs {given_args[key]!r} given")
     defaults = {k: p.default for k, p in inspect.signature(model_class).parameters.items()}
@@ -186,12 +190,8 @@ def _differs(given: Any, recorded: Any, default: Any) -> bool:
 
 
 def _defaults(class_path: str) -> dict[str, Any]:
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return {}
-    return {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+    cls = BACKBONES.get(class_path)  # a checkpoint's class path is never imported, only looked up
+    return {} if cls is None else {k: p.default for k, p in inspect.signature(cls).parameters.items()}
 
 
 def _plain(value: Any) -> Any:
@@ -317,6 +317,26 @@ def _backbone_config(hparams) -> tuple[str, dict] | None:
     if "class_path" not in backbone:
         return None
     return str(backbone["class_path"]), dict(backbone.get("init_args") or {})
+
+
+# --- The trainer's optimisation settings ---------------------------------------------------------
+
+
+def check_trainer_options(trainer) -> None:
+    """Raise `ConfigError` for the `fit` settings the Trainer takes without a check.
+
+    `accumulate_grad_batches=0` divides by zero once training starts (a traceback, a run folder
+    already made), and a negative `gradient_clip_val` turns clipping off without a word, as 0 does.
+    """
+    try:
+        check_int("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, 1)
+    except ValueError as err:
+        raise ConfigError(f"{err} (1: a step after every batch)") from None
+    if trainer.gradient_clip_val is not None:
+        try:
+            check_float("trainer.gradient_clip_val", trainer.gradient_clip_val, 0)
+        except ValueError as err:
+            raise ConfigError(f"{err} (0 or null: no clipping)") from None
 
 
 # --- The run's surroundings ------------------------------------------------------------------------

@@ -1,0 +1,261 @@
+"""Opening a checkpoint runs no code, reaches no network, and needs none of the files it was trained from.
+
+Hostile checkpoints (a class path nested under an argument, a backbone or data class outside the
+project, an `_instantiator`) are given to every command that opens one: each answers one `error:`
+line with exit status 2 and builds nothing, so the marker file their payload would create never
+appears. A checkpoint whose `pretrained` names a hub repository opens without a request to the
+hub (a local server stands in for it and counts requests). A fine-tuned image-folder checkpoint
+copied alone to another folder, with its pretrained file and training folder renamed and the
+network off, gives the same predictions, explanation and export as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import http.server
+import json
+import socket
+import threading
+from pathlib import Path
+
+import huggingface_hub
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from robust_helpers import main_in_process, tiny_config
+from safetensors.torch import load_file, save_file
+
+from vit.experiments.attention_blocking import main as blocking_main
+from vit.explain.__main__ import main as explain_main
+from vit.export import main as export_main
+from vit.predict import main as predict_main
+from vit.training.checkpointing import CheckpointError
+from vit.training.rebuild import check_hyperparameters
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """A real `train.py` checkpoint of the tiny two-circles ViT (one epoch) and its config."""
+    root = tmp_path_factory.mktemp("trained")
+    config = tiny_config(root, max_epochs=1)
+    with pytest.MonkeyPatch.context() as mp:
+        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], mp)
+    return root / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", config
+
+
+def popen(marker: Path) -> dict:
+    """A jsonargparse class path that, if anything built it, would create `marker`."""
+    return {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", str(marker)]}}
+
+
+def hostile(base: dict, shape: str, marker: Path) -> dict:
+    """`base` (a real checkpoint) with one hostile change."""
+    checkpoint = copy.deepcopy(base)
+    hparams, data = checkpoint["hyper_parameters"], checkpoint["datamodule_hyper_parameters"]
+    if shape == "nested class path":  # the report's own case: an untyped argument holding a class path
+        hparams["backbone"] = {"class_path": "timm.layers.Mlp",
+                               "init_args": {"in_features": 4, "device": popen(marker)}}
+    elif shape == "nested under an owned backbone":
+        hparams["backbone"]["init_args"]["pretrained"] = popen(marker)
+    elif shape == "backbone outside vit.models":
+        hparams["backbone"] = popen(marker)
+    elif shape == "data module outside vit.data":
+        data["_class_path"] = "subprocess.Popen"
+        data["args"] = ["touch", str(marker)]
+    elif shape == "instantiator":
+        hparams["_instantiator"] = "os.system"
+    else:
+        raise AssertionError(shape)
+    return checkpoint
+
+
+SHAPES = ["nested class path", "nested under an owned backbone", "backbone outside vit.models",
+          "data module outside vit.data", "instantiator"]
+# The key each refusal names.
+NAMED = {"nested class path": "hyper_parameters.backbone.class_path='timm.layers.Mlp'",
+         "nested under an owned backbone": "hyper_parameters.backbone.init_args.pretrained.class_path",
+         "backbone outside vit.models": "hyper_parameters.backbone.class_path='subprocess.Popen'",
+         "data module outside vit.data": "datamodule_hyper_parameters._class_path='subprocess.Popen'",
+         "instantiator": "hyper_parameters._instantiator='os.system'"}
+
+
+def commands(ckpt: Path, config: Path, tmp_path: Path) -> dict[str, callable]:
+    """Every command that opens a checkpoint, as a call returning its exit status."""
+    images = tmp_path / "images"
+    images.mkdir(exist_ok=True)
+    Image.fromarray(np.zeros((32, 32), dtype=np.uint8)).save(images / "a.png")
+
+    def train(subcommand: str):
+        def run(monkeypatch):
+            try:
+                main_in_process([subcommand, "--config", str(config), "--ckpt_path", str(ckpt)], monkeypatch)
+            except SystemExit as exit:
+                return exit.code
+            return 0
+        return run
+
+    return {
+        "vit.predict": lambda mp: predict_main(["--ckpt_path", str(ckpt), "--input_dir", str(images),
+                                                "--output", str(tmp_path / "p.csv")]),
+        "vit.explain": lambda mp: explain_main(["--ckpt_path", str(ckpt), "--input_dir", str(images),
+                                                "--out", str(tmp_path / "e.png")]),
+        "vit.explain (test split)": lambda mp: explain_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "t.png")]),
+        "vit.export": lambda mp: export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")]),
+        "attention_blocking": lambda mp: blocking_main(["--ckpt_paths", str(ckpt), "--out_dir", str(tmp_path / "b")]),
+        **{f"train.py {s}": train(s) for s in ("validate", "test", "predict", "fit")},
+    }
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_hostile_checkpoint_builds_nothing_in_any_command(shape, trained, tmp_path, monkeypatch, capsys):
+    ckpt, config = trained
+    marker = tmp_path / "MARKER"
+    bad = tmp_path / "bad.ckpt"
+    torch.save(hostile(torch.load(ckpt, weights_only=True), shape, marker), bad)
+    for name, command in commands(bad, config, tmp_path).items():
+        assert command(monkeypatch) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and NAMED[shape] in err[-1], (name, err)
+        assert not marker.exists(), name
+    assert not (tmp_path / "p.csv").exists() and not (tmp_path / "exported").exists()
+
+
+def test_only_lightnings_own_instantiator_and_the_projects_classes_pass(trained):
+    checkpoint = torch.load(trained[0], weights_only=True)
+    check_hyperparameters(checkpoint)  # what train.py writes passes, LightningCLI's instantiator included
+    assert checkpoint["hyper_parameters"]["_instantiator"] == "lightning.pytorch.cli.instantiate_module"
+    for path in ("vit.models.vision_transformer.VisionTransformer", "vit.models.ConvNet"):
+        checkpoint["hyper_parameters"]["backbone"]["class_path"] = path
+        check_hyperparameters(checkpoint)
+    checkpoint["hyper_parameters"]["lr"] = torch.nn.Linear  # not plain data
+    with pytest.raises(CheckpointError, match=r"^hyper_parameters.lr holds a type, not plain data"):
+        check_hyperparameters(checkpoint)
+
+
+class CountingHub(http.server.BaseHTTPRequestHandler):
+    """A local stand-in for the Hugging Face Hub: answers 404 to everything and counts the requests."""
+
+    requests: list[str] = []
+
+    def do_GET(self):  # noqa: N802
+        CountingHub.requests.append(self.path)
+        self.send_error(404)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CountingHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    CountingHub.requests = []
+    # huggingface_hub reads its settings once, at import: set them where it reads them at a request.
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub cache"))
+    yield CountingHub.requests
+    server.shutdown()
+
+
+def test_a_pretrained_hub_id_in_a_checkpoint_is_never_requested(trained, tmp_path, monkeypatch, capsys, hub):
+    ckpt, config = trained
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["hyper_parameters"]["backbone"]["init_args"]["pretrained"] = "hf-hub:someone/anything"
+    moved = tmp_path / "hub.ckpt"
+    torch.save(checkpoint, moved)
+    # The stand-in hub is reached by a pretrained load, so that silence below means no request was made.
+    from vit.models import VisionTransformer
+    with pytest.raises(ValueError):
+        VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=32, depth=1, num_heads=2,
+                          mlp_ratio=2.0, pretrained="hf-hub:someone/anything")
+    assert hub, "the stand-in hub was not asked: the test would prove nothing"
+    hub.clear()
+    for name, command in commands(moved, config, tmp_path).items():
+        # attention_blocking needs a same_different model; train.py's subcommands open it alike (validate stands for them)
+        if name in ("attention_blocking", "train.py test", "train.py predict", "train.py fit"):
+            continue
+        assert command(monkeypatch) == 0, (name, capsys.readouterr().err)
+    assert hub == []
+
+
+def fine_tune(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
+    """A ViT fine-tuned for one epoch from a timm .safetensors file on a folder of two named classes."""
+    rng = np.random.default_rng(0)
+    images = tmp_path / "training images"
+    for label, channel in (("blue", 2), ("red", 0)):
+        (images / label).mkdir(parents=True)
+        for i in range(8):
+            pixels = rng.integers(0, 60, size=(40, 40, 3)).astype(np.uint8)
+            pixels[8:24, 8:24, channel] = 255
+            Image.fromarray(pixels).save(images / label / f"{i}.png")
+    torch.manual_seed(0)
+    timm_model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,
+                                   depth=1, num_heads=2)
+    weights = tmp_path / "weights.safetensors"
+    save_file({k: v.contiguous() for k, v in timm_model.state_dict().items()}, str(weights))
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    main_in_process(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"),
+                     "--data.root", images.name, "--data.img_size", "32", "--data.batch_size", "8",
+                     "--data.num_workers", "0", "--trainer.precision", "32-true", "--trainer.max_epochs", "1",
+                     "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", "runs",
+                     "--test_after_fit", "false", "--model.backbone.init_args.pretrained", weights.name,
+                     "--model.backbone.init_args.embed_dim", "32", "--model.backbone.init_args.depth", "1",
+                     "--model.backbone.init_args.num_heads", "2", "--model.backbone.init_args.patch_size", "8"],
+                    monkeypatch)
+    [last] = (tmp_path / "runs").glob("folder/finetune_vit/version_0/checkpoints/last.ckpt")
+    return last, images, weights
+
+
+def outputs(ckpt: Path, photos: Path, out: Path) -> tuple[list[dict], bytes, dict]:
+    """What predict, explain and export make of `ckpt`: the CSV rows, the figure's bytes and the exported weights."""
+    out.mkdir()
+    assert predict_main(["--ckpt_path", str(ckpt), "--input_dir", str(photos), "--output", str(out / "p.csv"),
+                         "--topk", "2"]) == 0
+    assert explain_main(["--ckpt_path", str(ckpt), "--input_dir", str(photos), "--method", "rollout,gradcam",
+                         "--out", str(out / "e.png")]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(out / "exported")]) == 0
+    config = json.loads((out / "exported" / "config.json").read_text())
+    return list(csv.DictReader((out / "p.csv").open())), config, load_file(out / "exported" / "model.safetensors")
+
+
+def test_a_checkpoint_moved_alone_works_offline_without_its_training_files(tmp_path, monkeypatch, capsys):
+    last, images, weights = fine_tune(tmp_path / "machine a", monkeypatch)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 255, size=(50, 60, 3)).astype(np.uint8)).save(photos / f"{i}.jpg")
+    rows, config, exported = outputs(last, photos, tmp_path / "before")
+
+    elsewhere = tmp_path / "machine b"
+    elsewhere.mkdir()
+    moved = elsewhere / "model.ckpt"
+    moved.write_bytes(last.read_bytes())
+    weights.rename(weights.with_name("gone.safetensors"))
+    # train.py validates with the run's own config, which names the pretrained file: its weights are not loaded.
+    run_config = last.parents[1] / "config.yaml"
+    main_in_process(["validate", "--config", str(run_config), "--ckpt_path", str(last),
+                     "--trainer.logger.init_args.save_dir", str(tmp_path / "validate runs")], monkeypatch)
+    assert "val/acc" in capsys.readouterr().out
+    images.rename(images.with_name("gone"))
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a connection was attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    after = outputs(moved, photos, tmp_path / "after")
+    assert after[0] == rows and after[1] == config
+    assert all(torch.equal(after[2][k], exported[k]) for k in exported)
+    assert [r["class_name"] for r in rows] != [] and set(config["label_names"]) == {"blue", "red"}
+    assert config["pretrained_cfg"]["mean"] == [0.5, 0.5, 0.5]  # the recipe's inception normalisation travelled
