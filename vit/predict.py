@@ -3,24 +3,31 @@
     python -m vit.predict --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt \\
         --input_dir my_images/ --output predictions.csv
 
-Everything comes from the checkpoint: the model (LightningCLI records the backbone's config in
-it) and the data module of its config, which says the image size, the channels and the
-normalisation the model was trained with. Each image is converted the same way:
+Everything comes from the checkpoint alone (`vit.training.rebuild`): the model (LightningCLI records
+the backbone's config in it) and its `inputs`, the image size, channels, normalisation and
+interpolation the model was trained with; no training data or pretrained file is needed. Each
+image is converted the same way:
 
-1. decoded with Pillow (PNG, JPEG, TIFF and anything else Pillow reads); 16-bit and float images
-   are scaled to [0, 1] by their real range (`vit.data.image_folder.to_input`), not clipped;
+1. decoded with Pillow (PNG, JPEG, TIFF and anything else Pillow reads) and turned upright by its
+   EXIF orientation, a large JPEG at a reduced scale, never below four times the input size
+   (`vit.data.image_folder.decode_image`); 16-bit and float images are scaled to [0, 1] by their
+   real range (`vit.data.image_folder.to_input`), not clipped;
 2. converted to RGB (3 channels) or to grayscale (1 channel, ITU-R 601 luma), per the model's
    `in_chans`; an alpha channel is dropped;
-3. resized to the data module's `img_size`, a side or `[H, W]` (bilinear, antialiased; the aspect
-   ratio is not kept, so nothing is cropped away);
-4. scaled to [0, 1] and normalised with the data module's `(mean, std)` (CIFAR) or left as is
-   (two-circles, whose training pixels are raw values in [0, 1]).
+3. resized to the recorded `img_size`, `[H, W]` (bilinear, or bicubic for CIFAR as in its training;
+   antialiased; the aspect ratio is not kept, so nothing is cropped away);
+4. scaled to [0, 1] and normalised with the recorded `(mean, std)` (CIFAR, image folders) or left
+   as is (two-circles, whose training pixels are raw values in [0, 1]).
 
-Files that cannot be read as images are reported by name and skipped; hidden files (a name starting
-with '.', such as `.DS_Store`) are ignored. The CSV has one row per
-image: `file` (relative to the input folder), `class_name`, `class_index` and `probability` (softmax of that
-class); `--topk K` adds the next K - 1 classes as `class_name_2`, `class_index_2`, `probability_2`, ...
-(`vit.training.predictions`). The names are those the checkpoint records (the data module's class
+Files that cannot be read as images are reported by name and skipped, as are broken links, named
+pipes and devices (a link to `/dev/zero`); hidden files (a name starting with '.', such as
+`.DS_Store`) and sub-folders are ignored. The CSV has one row per image: `file` (relative to the
+input folder), `class_name`, `class_index` and `probability` (softmax of that class); `--topk K`
+adds the next K - 1 classes as `class_name_2`, `class_index_2`, `probability_2`, ...
+(`vit.training.predictions`). A name that is not valid UTF-8 is written with backslash escapes
+(`caf\\xff.png` for the byte 0xFF), and a name starting with `=`, `+`, `-`, `@`, a tab or a carriage
+return gets a single quote in front (`'=cmd.png`), so that a spreadsheet shows it instead of running it
+as a formula. The class names are those the checkpoint records (the data module's class
 names: folder names, CIFAR's label names); a checkpoint written before names were stored gives the
 indices as names, and a note says so. Nothing in the input folder is written; an existing output file is kept unless
 `--overwrite` is given, and the CSV is written to a temporary file first, then renamed.

@@ -5,11 +5,17 @@
 
 A root with `val/` or `test/` but no `train/`, or with `train/` beside other folders, fits neither
 layout and is an error. Hidden entries (`.ipynb_checkpoints/`, `.git/`, `.DS_Store`: any name
-starting with '.') are ignored at every level. Images are read with Pillow and converted to RGB
-(or grayscale for `in_chans=1`), whatever their mode (palette, RGBA, 16-bit and float: see
-`to_input`). Every file is decoded once at `setup`, so a truncated or corrupt one is skipped and
-listed then, not met mid-epoch; an empty folder, a class folder without a readable image, or a
-single class is an error.
+starting with '.') are ignored at every level. Links are followed, but each folder is entered and
+each file counted once, and only regular files are read: pipes and devices are skipped
+(`vit.data.files`). Class names are the folders' names as text (`text_name`: a byte that is not
+UTF-8 is written `\\xff`); the files are read from their real paths.
+
+Images are read with Pillow (`decode_image`): turned upright by their EXIF orientation, a large
+JPEG decoded at a reduced scale, and converted to RGB (or grayscale for `in_chans=1`), whatever
+their mode (palette, RGBA, 16-bit and float: see `to_input`). Every file is decoded once at
+`setup`, so a truncated or corrupt one is skipped and listed then, not met mid-epoch; an empty
+folder, a class folder without a readable image (named with each file and why), or a single class
+is an error.
 """
 
 from __future__ import annotations
@@ -17,19 +23,21 @@ from __future__ import annotations
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int, check_size, first_line
-from vit.data.base import SplitDataModule
+from vit.data.base import DataNotFoundError, SplitDataModule
+from vit.data.files import list_files, not_a_file, text_name, visible_folders
 from vit.data.transforms import AutoAugmentName, auto_augment_step
 
 Normalization = Literal["imagenet", "inception", "none"]
@@ -41,6 +49,26 @@ NORMALIZATIONS = {
 SPLITS = ("train", "val", "test")
 LAYOUTS = ("root/<class>/<image> (split into train and val by val_fraction) or "
            "root/train/<class>/<image> with optional root/val/ and root/test/ beside it")
+# A JPEG is decoded at 1/2, 1/4 or 1/8 scale while it stays this many times the input's longest side:
+# even RandomResizedCrop's smallest crop (8% of the area, 0.28 of a side) keeps the input's resolution.
+DRAFT_MARGIN = 4
+
+
+class NoReadableImageError(DataNotFoundError):
+    """A class folder without one readable image; the message names its files and why each cannot be read."""
+
+
+class UnreadableImageError(ValueError):
+    """A file that cannot be decoded as an image: the message is `file: why`, one line; `reason` is the why."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)  # one argument, as a DataLoader worker re-raises it in the main process
+        self.reason = message if reason is None else reason
+
+    @classmethod
+    def for_file(cls, path: str | os.PathLike, reason: str) -> UnreadableImageError:
+        """The error `path: reason`, the path as text (`text_name`)."""
+        return cls(f"{text_name(str(path))}: {reason}", reason)
 
 
 class ImageFolderDataModule(SplitDataModule):
@@ -88,7 +116,8 @@ class ImageFolderDataModule(SplitDataModule):
         self.save_hyperparameters()
         self.root = Path(root)
         self.num_classes: int | None = None
-        self.classes: list[str] = []
+        self.classes: list[str] = []  # the class folders' names as text; _folders: as they are on disk
+        self._folders: list[str] = []
         self.skipped: dict[str, str] = {}
         self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
         self.train_set = self.val_set = self.test_set = None
@@ -100,6 +129,7 @@ class ImageFolderDataModule(SplitDataModule):
         erase = [v2.RandomErasing(p=random_erasing, value=0)] if random_erasing > 0 else []
         self.train_transform = v2.Compose([*train, *to_tensor, *norm, *erase])
         self.eval_transform = build_transform(img_size, in_chans, self.normalization)  # what vit.predict uses
+        self._decode = partial(decode_image, size=size)
         self._scan_classes()  # fail now, before any training: num_classes is linked into the model
 
     @property
@@ -110,7 +140,8 @@ class ImageFolderDataModule(SplitDataModule):
 
     @property
     def class_names(self) -> list[str]:
-        """The class folders' names, sorted: label i is the i-th (torchvision's `ImageFolder` order)."""
+        """The class folders' names as text (`text_name`), in the folders' sorted order: label i is the i-th
+        (torchvision's `ImageFolder` order)."""
         return list(self.classes)
 
     def _folder(self, split: str) -> Path | None:
@@ -132,36 +163,50 @@ class ImageFolderDataModule(SplitDataModule):
             raise ValueError(f"{self.root} has train/ beside other folders ({', '.join(o + '/' for o in others)}), "
                              f"so it fits neither layout: expected {LAYOUTS}")
         base = self._folder("train") or self.root
-        self.classes = visible_folders(base)
+        self._folders = visible_folders(base)
+        self.classes = [text_name(name) for name in self._folders]
         if not self.classes:
             raise ValueError(f"{base} holds no class folders: expected one sub-folder of images per class")
         if len(self.classes) < 2:
             raise ValueError(f"{base} holds one class folder ({self.classes[0]}): a classifier needs at least two")
+        if len(set(self.classes)) < len(self.classes):  # a folder named with a literal "\xff" beside one with the byte
+            same = sorted({name for name in self.classes if self.classes.count(name) > 1})
+            raise ValueError(f"{base} holds class folders whose names read the same as text ({same}): "
+                             "rename one of each")
         self.num_classes = len(self.classes)
 
     def _images(self, folder: Path, transform) -> datasets.ImageFolder:
+        if visible_folders(folder) != self._folders:
+            found = [text_name(name) for name in visible_folders(folder)]
+            raise ValueError(text_name(f"{folder} has the classes {found}, but the training folder has {self.classes}"))
+        listed, left_out = list_files([os.path.join(folder, name) for name in self._folders])
+        self.skipped.update(left_out)
         # Decode every file once, now (threads: Pillow's decoders release the GIL), so that a broken
         # file is listed before training instead of stopping it mid-epoch; the splits share the results.
-        todo = [path for path in visible_files(folder) if path not in self._unreadable]
+        todo = [path for files in listed for path in files if path not in self._unreadable]
         with ThreadPoolExecutor(max(1, self.hparams.num_workers)) as pool:
-            self._unreadable.update(zip(todo, pool.map(why_unreadable, todo)))
+            self._unreadable.update(zip(todo, pool.map(self._why_unreadable, todo)))
+        samples = []
+        for label, (name, files) in enumerate(zip(self._folders, listed)):
+            self.skipped.update({path: self._unreadable[path] for path in files if self._unreadable[path] is not None})
+            readable = [path for path in files if self._unreadable[path] is None]
+            if not readable:
+                class_folder = os.path.join(folder, name)
+                why = [f"{os.path.relpath(path, class_folder)}: {reason}"
+                       for path, reason in sorted(self.skipped.items()) if path.startswith(class_folder + os.sep)]
+                listed = "; ".join(why[:3]) + (f"; and {len(why) - 3} more" if len(why) > 3 else "")
+                raise NoReadableImageError(text_name(f"class folder {class_folder} has no readable image ("
+                                                     f"{listed or 'no files'}): every class folder needs at least one"))
+            samples += [(path, label) for path in readable]
+        return _ListedImageFolder(str(folder), self._folders, samples, transform=transform, loader=self._decode)
 
-        def valid(path: str) -> bool:
-            if any(part.startswith(".") for part in Path(path).relative_to(folder).parts):
-                return False
-            if path not in self._unreadable:  # not met by visible_files: decode it here
-                self._unreadable[path] = why_unreadable(path)
-            if self._unreadable[path] is not None:
-                self.skipped[path] = self._unreadable[path]
-            return self._unreadable[path] is None
-
+    def _why_unreadable(self, path: str) -> str | None:
+        """Why `decode_image` cannot read `path` (as the loader will, so at the same reduced scale), or None."""
         try:
-            found = _VisibleImageFolder(str(folder), transform=transform, loader=_load, is_valid_file=valid)
-        except FileNotFoundError as err:  # torchvision: a class folder without a valid file
-            raise ValueError(f"{folder}: {err}; every class folder needs at least one readable image") from None
-        if found.classes != self.classes:
-            raise ValueError(f"{folder} has the classes {found.classes}, but the training folder has {self.classes}")
-        return found
+            self._decode(path)
+            return None
+        except UnreadableImageError as err:
+            return err.reason
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -181,8 +226,8 @@ class ImageFolderDataModule(SplitDataModule):
             self.train_set, self.val_set = Subset(train_full, order[n_val:]), Subset(eval_full, order[:n_val])
         self.test_set = self._images(test_dir, self.eval_transform) if test_dir is not None else self.val_set
         if self.skipped:
-            listed = "; ".join(f"{Path(p).relative_to(self.root)}: {why}" for p, why in sorted(self.skipped.items()))
-            warnings.warn(f"skipped {len(self.skipped)} unreadable file(s) under {self.root}: {listed}", stacklevel=2)
+            listed = "; ".join(f"{os.path.relpath(p, self.root)}: {why}" for p, why in sorted(self.skipped.items()))
+            warnings.warn(text_name(f"skipped {len(self.skipped)} file(s) under {self.root}: {listed}"), stacklevel=2)
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         batch_size, workers = self.hparams.batch_size, self.hparams.num_workers
@@ -191,49 +236,51 @@ class ImageFolderDataModule(SplitDataModule):
                           pin_memory=torch.cuda.is_available())
 
 
-def visible_folders(folder: Path) -> list[str]:
-    """Sorted names of the sub-folders of `folder`, without hidden ones (`.ipynb_checkpoints`, `.git`)."""
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+class _ListedImageFolder(datasets.ImageFolder):
+    """torchvision's `ImageFolder` over samples listed beforehand (`vit.data.files`), not by its own walk."""
 
-
-def visible_files(folder: Path) -> list[str]:
-    """Paths of the files under `folder`'s class folders, spelled as torchvision's `ImageFolder` spells them,
-    without hidden files or anything inside a hidden folder."""
-    paths = []
-    for name in visible_folders(folder):
-        for top, dirs, files in os.walk(os.path.join(folder, name), followlinks=True):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]  # os.walk descends only into what is left
-            paths += [os.path.join(top, f) for f in files if not f.startswith(".")]
-    return paths
-
-
-def why_unreadable(path: str) -> str | None:
-    """Why Pillow cannot decode the image at `path` to its last pixel, or None when it can.
-
-    A full decode: `Image.verify()` checks a PNG's checksums but reads none of a JPEG's data, so a
-    JPEG cut short passes it and fails only when a training step loads it.
-    """
-    try:
-        with Image.open(path) as image:
-            image.load()
-        return None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-
-
-class _VisibleImageFolder(datasets.ImageFolder):
-    """torchvision's `ImageFolder`, which does not take a hidden folder (`.ipynb_checkpoints`) for a class."""
+    def __init__(self, root: str, folders: list[str], samples: list[tuple[str, int]], **kwargs) -> None:
+        self._listed = folders, samples  # read by find_classes and make_dataset, which ImageFolder calls
+        super().__init__(root, **kwargs)
+        self.classes = [text_name(name) for name in folders]
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        classes = visible_folders(Path(directory))
-        return classes, {name: i for i, name in enumerate(classes)}
+        folders = self._listed[0]
+        return folders, {name: i for i, name in enumerate(folders)}
+
+    def make_dataset(self, directory: str, class_to_idx: dict[str, int], *args, **kwargs) -> list[tuple[str, int]]:
+        return self._listed[1]
 
 
-def _load(path: str) -> Image.Image | torch.Tensor:
-    """Decode one image; 16-bit and float images are scaled by their real range (`to_input`)."""
-    with Image.open(path) as image:
-        image.load()
-        return to_input(image)
+def decode_image(path: str | os.PathLike, size: tuple[int, int] | None = None) -> Image.Image | torch.Tensor:
+    """The image at `path`, upright, as `to_input` gives it; `UnreadableImageError` (file: why) when it cannot be read.
+
+    Only a regular file is opened (a named pipe would block forever). The EXIF orientation is applied
+    (`ImageOps.exif_transpose`: a phone photo stored sideways comes out as it was taken). With `size`,
+    the model's input `(H, W)`, a JPEG is decoded at 1/2, 1/4 or 1/8 scale (`Image.draft`, in the
+    decoder, so a 144-megapixel photo never takes its full 1.7 GB) as long as both sides stay at least
+    `DRAFT_MARGIN` times the input's longest side: a JPEG under `2 * DRAFT_MARGIN` times it is decoded
+    whole, as before. Pillow's decompression-bomb guard (`Image.MAX_IMAGE_PIXELS`) is kept, with the
+    file named.
+    """
+    if (why := not_a_file(path)) is not None:
+        raise UnreadableImageError.for_file(path, why)
+    try:
+        with Image.open(path) as image:
+            if size is not None:  # only Pillow's JPEG reader drafts; the others ignore it
+                side = DRAFT_MARGIN * max(size)  # square: the image may be turned by its orientation
+                image.draft(None, (side, side))
+            image.load()
+            ImageOps.exif_transpose(image, in_place=True)
+            return to_input(image)
+    except Image.DecompressionBombError as err:
+        raise UnreadableImageError.for_file(path, f"too large to decode safely ({str(err).split(',')[0]}, twice "
+                                            "PIL.Image.MAX_IMAGE_PIXELS, Pillow's guard against decompression "
+                                            "bombs; raise that limit only for a file you trust)") from None
+    except UnidentifiedImageError:  # Pillow's message is the whole path again
+        raise UnreadableImageError.for_file(path, "cannot identify image file: not a format Pillow reads") from None
+    except (OSError, ValueError, SyntaxError) as err:
+        raise UnreadableImageError.for_file(path, first_line(err)) from None
 
 
 def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
@@ -257,12 +304,16 @@ def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
     return torch.from_numpy(pixels.clip(0.0, 1.0).astype(np.float32))[None]  # (1, H, W)
 
 
-def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization) -> v2.Compose:
-    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training; `img_size` is a side or `(H, W)`."""
+def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization,
+                    interpolation: str = "bilinear") -> v2.Compose:
+    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training; `img_size` is a side or `(H, W)`,
+    `interpolation` one of torchvision's `InterpolationMode` values ("bilinear", "bicubic", "nearest")."""
+    check_choice("interpolation", interpolation, ("bilinear", "bicubic", "nearest"))
     steps = [
         v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),  # on PIL images and (C, H, W) tensors
         v2.ToImage(),
-        v2.Resize(check_size("img_size", img_size), antialias=True),  # to (H, W): the aspect ratio is not kept
+        v2.Resize(check_size("img_size", img_size), interpolation=v2.InterpolationMode(interpolation),
+                  antialias=True),  # to (H, W): the aspect ratio is not kept
         v2.ToDtype(torch.float32, scale=True),
     ]
     if normalization is not None:
@@ -274,39 +325,31 @@ def build_transform(img_size: int | tuple[int, int], in_chans: int, normalizatio
 def read_images(input_dir: Path, transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
     """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
 
-    Sub-folders are not searched and hidden files (`.DS_Store`, `._photo.jpg`) are ignored; the files
-    are read as `read_image_files` reads them.
+    Sub-folders (and links to them) are not searched and hidden files (`.DS_Store`, `._photo.jpg`)
+    are ignored; every other entry is read as `read_image_files` reads it, so a pipe or a device is
+    listed as skipped.
     """
     paths = [path for path in sorted(input_dir.iterdir()) if not path.name.startswith(".")]
-    # Files, and links that lead nowhere (reported); sub-folders and links to them are left out.
-    return read_image_files([p for p in paths if p.is_file() or (p.is_symlink() and not p.exists())], transform)
+    return read_image_files([p for p in paths if not p.is_dir()], transform)
 
 
 def read_image_files(paths: list[Path], transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors (`transform` of `to_input` of each decoded file) of the readable images among `paths`,
+    """Names and tensors (`transform` of `decode_image` of each file) of the readable images among `paths`,
     and `{name: reason}` of the others.
 
-    A broken symbolic link, a link loop and an image over Pillow's decompression-bomb limit are
-    skipped with the reason, like files Pillow cannot decode.
+    The names are the files' names as text (`text_name`: a byte that is not UTF-8 is written `\\xff`).
+    A JPEG is decoded at a reduced scale for the size of `transform`'s resize (`decode_image`).
+    Broken and looping symbolic links, what is not a regular file (a named pipe, a device) and an
+    image over Pillow's decompression-bomb limit are skipped with the reason, like files Pillow cannot
+    decode.
     """
+    resize = [step for step in getattr(transform, "transforms", ()) if isinstance(step, v2.Resize)]
+    size = tuple(resize[0].size) if resize else None
     names, images, skipped = [], [], {}
     for path in paths:
-        if path.is_symlink():
-            try:
-                path.resolve(strict=True)
-            except FileNotFoundError:
-                skipped[path.name] = "a symbolic link to nothing (dangling)"
-                continue
-            except (RuntimeError, OSError):
-                skipped[path.name] = "a symbolic link loop"
-                continue
         try:
-            with Image.open(path) as image:
-                image.load()  # decode now: a truncated file fails here, not later
-                images.append(transform(to_input(image)))
-            names.append(path.name)
-        except Image.DecompressionBombError as err:
-            skipped[path.name] = f"too large to decode safely ({str(err).split('.')[0]})"
-        except (UnidentifiedImageError, OSError, ValueError) as err:
-            skipped[path.name] = first_line(err)
+            images.append(transform(decode_image(path, size)))
+            names.append(text_name(path.name))
+        except UnreadableImageError as err:
+            skipped[text_name(path.name)] = err.reason
     return names, images, skipped
