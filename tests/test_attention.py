@@ -1,12 +1,15 @@
 """The attention mechanism softmax(f(Q, K) + M) V: score functions against their formulas, masks,
 fast vs explicit paths, cross-attention, pooling heads."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from vit.models import VisionTransformer, record_attention
 from vit.models.attention import Attention
+from vit.models.masks import mask_attention
 from vit.models.scores import SCORES
 
 B, M, N, D, H = 2, 5, 7, 12, 3
@@ -227,3 +230,34 @@ def test_record_attention_restores_the_fast_path_and_refuses_nesting():
     with pytest.raises(ZeroDivisionError), record_attention(model):
         1 / 0
     assert all(block.attn.recorder is None for block in model.blocks)  # restored after an error too
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int32])
+def test_an_integer_mask_is_refused_rather_than_read_as_a_bias(dtype):
+    # Read as a bias, a 0/1 mask would add 0 or 1 to the scores: nothing would be blocked.
+    model = VisionTransformer(**TINY).eval()
+    allowed = torch.eye(17, dtype=dtype)[None, None]  # (1, 1, N, N): each token may see only itself
+    message = re.escape(f"a mask of dtype {dtype} is not allowed: pass a bool mask (True = may attend; "
+                        "`mask.bool()` for a 0/1 mask) or a float additive bias (0 = may attend, -inf = blocked)")
+    with pytest.raises(ValueError, match=message), mask_attention(model, allowed):
+        pass
+    assert all(block.attn.extra_mask is None for block in model.blocks)
+    with pytest.raises(ValueError, match=message):  # the layer's own mask argument too
+        Attention(D, num_heads=H)(torch.randn(B, M, D), mask=torch.ones(M, M, dtype=dtype))
+    with torch.no_grad(), mask_attention(model, allowed.bool()), record_attention(model) as maps:
+        model(torch.randn(2, 1, 16, 16))
+    torch.testing.assert_close(maps[0], torch.eye(17).expand(2, 3, 17, 17))  # as a bool mask, it blocks
+
+
+@pytest.mark.parametrize("value, name", [(float("nan"), "NaN"), (float("inf"), "+inf")])
+def test_a_bias_holding_nan_or_plus_inf_is_refused_naming_it(value, name):
+    model = VisionTransformer(**TINY).eval()
+    bias = torch.zeros(1, 1, 17, 17)
+    bias[0, 0, 3, 5] = value
+    message = (f"the mask holds {name} (1 of 289 values): an additive bias must be finite (0 = may attend) or "
+               "-inf (blocked)")
+    with pytest.raises(ValueError, match=re.escape(message)), mask_attention(model, bias):
+        pass
+    bias[0, 0, 3, 5] = float("-inf")  # -inf blocks: allowed
+    with torch.no_grad(), mask_attention(model, bias):
+        assert torch.isfinite(model(torch.randn(2, 1, 16, 16))).all()

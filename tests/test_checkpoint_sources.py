@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import socket
 import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+import time
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -108,16 +110,23 @@ def test_a_good_checkpoint_from_a_url_validates(trained, served, tmp_path, monke
     assert "val/acc" in capsys.readouterr().out
 
 
-def test_two_urls_ending_in_the_same_name_are_two_files(served):
+def zip_bytes(tmp_path: Path, content: str) -> bytes:
+    """A small file in torch.save's format (a zip archive), different for each `content`."""
+    torch.save({"content": content}, tmp_path / "small.pt")
+    return (tmp_path / "small.pt").read_bytes()
+
+
+def test_two_urls_ending_in_the_same_name_are_two_files(served, tmp_path):
     folder, url = served
-    for name, content in (("a", b"first"), ("b", b"second")):
+    first_bytes, second_bytes, changed = (zip_bytes(tmp_path, c) for c in ("first", "second", "changed"))
+    for name, content in (("a", first_bytes), ("b", second_bytes)):
         (folder / name).mkdir()
         (folder / name / "last.ckpt").write_bytes(content)
     first, second = fetch_checkpoint(f"{url}/a/last.ckpt"), fetch_checkpoint(f"{url}/b/last.ckpt")
     assert first != second
-    assert (Path(first).read_bytes(), Path(second).read_bytes()) == (b"first", b"second")
-    (folder / "a" / "last.ckpt").write_bytes(b"changed")  # a resumed run's last.ckpt is read afresh
-    assert Path(fetch_checkpoint(f"{url}/a/last.ckpt")).read_bytes() == b"changed"
+    assert (Path(first).read_bytes(), Path(second).read_bytes()) == (first_bytes, second_bytes)
+    (folder / "a" / "last.ckpt").write_bytes(changed)  # a resumed run's last.ckpt is read afresh
+    assert Path(fetch_checkpoint(f"{url}/a/last.ckpt")).read_bytes() == changed
 
 
 def test_a_url_that_cannot_be_reached_is_one_line(tmp_path, monkeypatch, capsys):
@@ -155,3 +164,161 @@ def test_explain_refuses_a_url_checkpoint_that_would_run_code(trained, served, t
     assert code == 2
     assert "holds Python objects that are not plain data" in error_line(capsys.readouterr().err)
     assert not marker.exists()
+
+
+# --- What a download may not do: hang, fill the disk, leave a web page in the cache, show a token ---------
+
+
+@contextlib.contextmanager
+def http_server(respond):
+    """`url` of a server on 127.0.0.1 whose GET calls `respond(handler, stop)`; `stop` is set when the test ends,
+    so a handler that waits or trickles ends with it."""
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            with contextlib.suppress(OSError):  # the client hung up: what a refused download does
+                respond(self, stop)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+
+
+def trickle(handler, stop):
+    """A server that announces 1000 bytes, then sends one a second."""
+    handler.send_response(200)
+    handler.send_header("Content-Length", "1000")
+    handler.end_headers()
+    while not stop.wait(1):
+        handler.wfile.write(b"x")
+        handler.wfile.flush()
+
+
+def stall(handler, stop):
+    """A server that sends its headers, then nothing."""
+    handler.send_response(200)
+    handler.send_header("Content-Length", "1000")
+    handler.end_headers()
+    stop.wait(60)
+
+
+def cached_files(tmp_path: Path) -> list[Path]:
+    return [p for p in (tmp_path / "torch_home").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("respond", [trickle, stall])
+def test_a_download_that_trickles_or_stalls_times_out_and_leaves_nothing(respond, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "2")
+    with http_server(respond) as url:
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as err:
+            fetch_checkpoint(f"{url}/x.ckpt")
+        elapsed = time.monotonic() - started
+    assert str(err.value) == (f"checkpoint {url}/x.ckpt timed out: less than 1 MiB arrived in 2 s (set "
+                              "READABLE_VIT_DOWNLOAD_TIMEOUT to wait longer)")
+    assert elapsed < 10
+    assert cached_files(tmp_path) == []  # no partial file
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_file_above_the_size_limit_is_refused_and_not_kept(announced, tmp_path, monkeypatch):
+    body = zip_bytes(tmp_path, "x" * 5000)
+
+    def respond(handler, stop):
+        handler.send_response(200)
+        if announced:
+            handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()  # without a length, HTTP/1.0: the body ends when the connection closes
+        handler.wfile.write(body)
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setenv("READABLE_VIT_DOWNLOAD_MAX_BYTES", "1000")
+    with http_server(respond) as url, pytest.raises(CheckpointError) as err:
+        fetch_checkpoint(f"{url}/big.ckpt")
+    size = f"{len(body)} bytes" if announced else "more than 1000 bytes"
+    assert str(err.value) == (f"checkpoint {url}/big.ckpt is too large: {size}, above the limit of 1000 bytes "
+                              "(set READABLE_VIT_DOWNLOAD_MAX_BYTES to allow more)")
+    assert cached_files(tmp_path) == []
+    monkeypatch.delenv("READABLE_VIT_DOWNLOAD_MAX_BYTES")
+    with http_server(respond) as url:  # under the default limit, the same file is a checkpoint
+        assert Path(fetch_checkpoint(f"{url}/big.ckpt")).read_bytes() == body
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (b"<!DOCTYPE html>\n<html><body>Sign in to download</body></html>",
+     "returned a web page, not a checkpoint (a login, error or download page? give the file's direct download link)"),
+    (b"\n  <html><head><title>404</title></head></html>",
+     "returned a web page, not a checkpoint (a login, error or download page? give the file's direct download link)"),
+    (b"not a checkpoint",
+     "returned something that is not a checkpoint: its 16 bytes are not the zip archive torch.save writes"),
+    ("truncated", "returned a truncated file: it starts like a checkpoint but its end is missing (2000 bytes)"),
+])
+def test_what_is_not_a_checkpoint_is_refused_naming_the_url_and_not_kept(
+        content, expected, trained, served, tmp_path, monkeypatch, capsys):
+    folder, url = served
+    (folder / "x.ckpt").write_bytes(trained.read_bytes()[:2000] if content == "truncated" else content)
+    with pytest.raises(CheckpointError) as err:
+        fetch_checkpoint(f"{url}/x.ckpt")
+    assert str(err.value) == f"checkpoint {url}/x.ckpt {expected}"
+    assert cached_files(tmp_path) == []
+    if content == "truncated":  # the command line says the same, in one line
+        code, stderr = cli(["validate", "--config", str(tiny_config(tmp_path)), "--ckpt_path", f"{url}/x.ckpt"],
+                           monkeypatch, capsys)
+        assert code == 2 and error_line(stderr) == f"error: checkpoint {url}/x.ckpt {expected}"
+
+
+def test_an_ftp_url_that_cannot_be_reached_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    message = "checkpoint ftp://127.0.0.1:1/x.ckpt could not be downloaded: ConnectionRefusedError: "
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        fetch_checkpoint("ftp://127.0.0.1:1/x.ckpt")  # port 1: nobody listens, the connection is refused
+    code, stderr = cli(["validate", "--config", str(tiny_config(tmp_path)), "--ckpt_path", "ftp://127.0.0.1:1/x.ckpt"],
+                       monkeypatch, capsys)
+    assert code == 2 and error_line(stderr).startswith(f"error: {message}")
+
+
+def test_a_query_string_stays_out_of_the_cache_name_and_the_messages(trained, served):
+    folder, url = served
+    (folder / "last.ckpt").write_bytes(trained.read_bytes())
+    path = Path(fetch_checkpoint(f"{url}/last.ckpt?token=s3cret&expires=1"))
+    assert path.name == "last.ckpt" and "s3cret" not in str(path)
+    assert path.read_bytes() == trained.read_bytes()
+    with pytest.raises(CheckpointError) as err:
+        fetch_checkpoint(f"{url}/missing.ckpt?token=s3cret")
+    assert str(err.value) == (f"checkpoint {url}/missing.ckpt?... could not be downloaded: HTTPError: "
+                              "HTTP Error 404: File not found")
+    with pytest.raises(CheckpointError) as err:
+        fetch_checkpoint("ftp://user:s3cret@127.0.0.1:1/x.ckpt?token=s3cret")
+    assert "s3cret" not in str(err.value)
+    assert str(err.value).startswith("checkpoint ftp://***@127.0.0.1:1/x.ckpt?... could not be downloaded")
+
+
+def test_a_path_starting_with_a_tilde_is_expanded(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "last.ckpt").write_bytes(trained.read_bytes())
+    assert fetch_checkpoint("~/last.ckpt") == str(tmp_path / "home" / "last.ckpt")
+    main_in_process(["validate", "--config", str(tiny_config(tmp_path)), "--ckpt_path", "~/last.ckpt"], monkeypatch)
+    assert "val/acc" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("READABLE_VIT_DOWNLOAD_TIMEOUT", "soon", "expected a number of seconds > 0 (default 60)"),
+    ("READABLE_VIT_DOWNLOAD_TIMEOUT", "0", "expected a number of seconds > 0 (default 60)"),
+    ("READABLE_VIT_DOWNLOAD_MAX_BYTES", "4G", "expected a whole number of bytes > 0 (default 4294967296)"),
+])
+def test_a_bad_limit_in_the_environment_is_named(variable, value, expected, served, monkeypatch):
+    _, url = served
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(CheckpointError, match=re.escape(f"{variable}={value!r} is not allowed: {expected}")):
+        fetch_checkpoint(f"{url}/x.ckpt")

@@ -3,6 +3,7 @@
 import logging
 import pickle
 import re
+import zipfile
 
 import huggingface_hub.constants
 import numpy as np
@@ -130,6 +131,47 @@ def test_a_missing_file_is_named_as_a_file(monkeypatch, source):
     with pytest.raises(PretrainedError, match=re.escape(f"pretrained={source!r}: there is no such file")):
         VisionTransformer(pretrained=source, **SMALL)
     assert asked == []  # a path is never looked up on the Hub
+
+
+def test_a_local_folder_named_like_a_hub_id_says_how_to_write_the_hub_id(hub_repo, monkeypatch, tmp_path):
+    folder, _ = hub_repo
+    asked = serve_hub(monkeypatch, folder)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / HUB_ID).mkdir(parents=True)  # e.g. a folder left by `hf download ... --local-dir` that failed
+    with pytest.raises(PretrainedError) as err:
+        VisionTransformer(pretrained=HUB_ID, **SMALL)
+    assert str(err.value) == (f"pretrained={HUB_ID!r} is a folder without a model.safetensors, not a weights file "
+                              f"(.safetensors, .pth or .bin); it was read as a local path because {HUB_ID} exists "
+                              f"here: a Hugging Face Hub id is written hf-hub:{HUB_ID}")
+    assert asked == []
+    VisionTransformer(img_size=224, num_classes=IN21K, pretrained=f"hf-hub:{HUB_ID}", **TINY)  # the advice works
+    assert (HUB_ID, "model.safetensors") in asked
+
+
+SUPPORTED = ".safetensors, or a torch.save file (.pth, .pt, .bin, .ckpt, .tar)"
+
+
+@pytest.mark.parametrize("name", ["vit.npz", "vit.bin"])
+def test_a_numpy_archive_is_named_as_an_unsupported_format_not_a_corrupted_file(tmp_path, name):
+    path = tmp_path / name
+    with open(path, "wb") as f:  # big_vision's layout: one array per parameter
+        np.savez(f, **{"Transformer/encoder_norm/scale": np.ones(192, np.float32), "cls": np.zeros((1, 1, 192))})
+    with pytest.raises(PretrainedError) as err:
+        VisionTransformer(pretrained=str(path), **SMALL)
+    message = str(err.value)
+    assert message.startswith(f"pretrained={str(path)!r} is a NumPy .npz archive (JAX / big_vision weights), a "
+                              f"format not supported here: expected {SUPPORTED}. ")
+    assert "corrupted" not in message and "\n" not in message
+
+
+def test_a_zip_archive_that_torch_save_did_not_write_lists_the_formats(tmp_path):
+    path = tmp_path / "weights.pth"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("weights.json", "{}")
+    with pytest.raises(PretrainedError, match=re.escape(
+            f"pretrained={str(path)!r} is a zip archive, but not one torch.save writes (it has no data.pkl): "
+            f"expected {SUPPORTED}")):
+        VisionTransformer(pretrained=str(path), **SMALL)
 
 
 def test_a_wrong_tag_lists_the_tags_timm_has():

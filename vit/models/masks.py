@@ -2,7 +2,8 @@
 
 Conventions (as `F.scaled_dot_product_attention`): a boolean mask is True where attention is
 allowed; a float mask is added to the scores (0 / -inf, or any finite bias). Shapes broadcast to
-`(B, H, M, N)` (batch, heads, queries, keys).
+`(B, H, M, N)` (batch, heads, queries, keys). An integer mask is refused: a 0/1 tensor read as a
+bias would add 0 or 1 to the scores and block nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +21,35 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = N
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A boolean mask becomes 0 / -inf; a float mask is returned as it is (in `dtype`)."""
+    """A boolean mask becomes 0 / -inf; a float mask is returned as it is (in `dtype`); any other dtype is refused."""
+    _check_dtype(mask)
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
     return mask.to(dtype)
+
+
+def check_mask(mask: torch.Tensor) -> None:
+    """Raise `ValueError` unless `mask` is a bool mask, or a float bias whose values are finite or -inf.
+
+    NaN or +inf in a bias make every weight of their query's row NaN. Reads the whole mask (a
+    device sync on a GPU), so it is checked once where a mask is handed over, not at every forward.
+    """
+    _check_dtype(mask)
+    if mask.dtype == torch.bool:
+        return
+    for name, bad in (("NaN", mask.isnan()), ("+inf", mask == float("inf"))):
+        count = int(bad.sum())
+        if count:
+            raise ValueError(f"the mask holds {name} ({count} of {mask.numel()} values): an additive bias must be "
+                             "finite (0 = may attend) or -inf (blocked)")
+
+
+def _check_dtype(mask: torch.Tensor) -> None:
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(
+            f"a mask of dtype {mask.dtype} is not allowed: pass a bool mask (True = may attend; `mask.bool()` "
+            "for a 0/1 mask) or a float additive bias (0 = may attend, -inf = blocked)"
+        )
 
 
 def attention_bias(
@@ -78,6 +104,7 @@ def mask_attention(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
     broadcast to each layer's `(B, H, M, N)`; it is combined with the layer's own masks. Layers
     take part through their `extra_mask` attribute (None when idle).
     """
+    check_mask(mask)
     layers = [m for m in model.modules() if hasattr(m, "extra_mask")]
     if any(layer.extra_mask is not None for layer in layers):
         raise RuntimeError("mask_attention is already open on this model; nested masks are not supported")

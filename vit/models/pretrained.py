@@ -39,6 +39,7 @@ _TIMM_ONLY = ("head_drop.", "norm_pre.")
 _HUB_PREFIXES = ("hf-hub:", "hf_hub:")  # timm's source prefix, and its older spelling
 _WEIGHT_SUFFIXES = (".safetensors", ".pth", ".bin", ".pt", ".ckpt", ".tar", ".npz")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?")  # org/name[@revision]
+_FORMATS = ".safetensors, or a torch.save file (.pth, .pt, .bin, .ckpt, .tar)"
 
 
 class PretrainedError(ValueError):
@@ -54,7 +55,14 @@ def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:
     """
     kind = source_kind(source)
     if kind == "file":
-        state = _read_file(Path(source).expanduser(), f"pretrained={str(source)!r}")
+        try:
+            state = _read_file(Path(source).expanduser(), f"pretrained={str(source)!r}")
+        except PretrainedError as err:
+            if isinstance(source, str) and _REPO_ID.fullmatch(source) and not source.lower().endswith(_WEIGHT_SUFFIXES):
+                # `org/name` is a Hub id unless a file or folder of that name exists; here one did.
+                raise PretrainedError(f"{err}; it was read as a local path because {source} exists here: a Hugging "
+                                      f"Face Hub id is written hf-hub:{source}") from None
+            raise
     else:
         state = _download(str(source), kind)
     for key, tensor in state.items():
@@ -101,9 +109,18 @@ def _read_file(path: Path, name: str) -> dict[str, torch.Tensor]:
         raise PretrainedError(f"{name} cannot be read ({err.strerror})") from None
     if size == 0:
         raise PretrainedError(f"{name} is empty (0 bytes)")
+    if path.suffix.lower() == ".npz":
+        raise _numpy_archive(name)
     if path.suffix == ".safetensors":
         return _read_safetensors(path, name, head, size)
     return _read_torch(path, name, head, size)
+
+
+def _numpy_archive(name: str) -> PretrainedError:
+    return PretrainedError(
+        f"{name} is a NumPy .npz archive (JAX / big_vision weights), a format not supported here: expected {_FORMATS}. "
+        "timm reads a big_vision ViT's .npz (timm.models.load_checkpoint(model, path)); save that model's "
+        "state_dict() with safetensors.torch.save_file and pass the .safetensors file")
 
 
 def _truncated(name: str, kind: str, size: int) -> PretrainedError:
@@ -132,9 +149,16 @@ def _read_torch(path: Path, name: str, head: bytes, size: int) -> dict[str, torc
     if head.startswith(b"PK\x03\x04"):
         if not zipfile.is_zipfile(path):
             raise _truncated(name, "torch.save", size)
+        with zipfile.ZipFile(path) as archive:
+            members = archive.namelist()
+        if members and all(m.endswith(".npy") for m in members):  # an .npz under another name
+            raise _numpy_archive(name)
+        if not any(m.endswith("data.pkl") for m in members):  # torch.save writes <name>/data.pkl, <name>/data/0, ...
+            raise PretrainedError(f"{name} is a zip archive, but not one torch.save writes (it has no data.pkl): "
+                                  f"expected {_FORMATS}")
     elif not head.startswith(b"\x80"):  # the pickle protocol opcode
         raise PretrainedError(f"{name} is not a PyTorch weights file (neither the zip archive torch.save writes "
-                              "nor a pickle)")
+                              f"nor a pickle): expected {_FORMATS}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
