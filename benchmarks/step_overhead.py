@@ -12,13 +12,14 @@ the ratios are printed. Any `train.py` option can be appended after `--` (e.g.
 `-- --trainer.enable_progress_bar false`) to see what it costs.
 
 With `--study CONFIG --model NAME`, what is timed is a whole run of the relation study instead:
-`vit.experiments.study.run_one` of that model on `same_different` (building the data, fit with
+`studies.relation.run.run_one` of that model on `same_different` (building the data, fit with
 the study's validations, loggers and checkpoints, test, the scoring by distance and the
 translation test), against `steps` bare steps, where `steps` is the run's own number of steps. The
 run is shortened to `--num_train` pairs for 2 epochs (the study: 64,000); its fixed costs then
 weigh more than in a full run, so the ratio is an upper bound for the study's 2000-step runs:
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --study configs/study/relation.yaml --model vit-learned
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --study studies/relation/configs/relation.yaml \
+        --model vit-learned
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
 
 def study_run(cfg: dict, model: str, num_train: int):
     """The study's run of ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs, from ``cfg``."""
-    from vit.experiments.grid import plan
+    from studies.relation.grid import plan
 
     experiment = {"name": "relation", "tasks": ["same_different"], "models": [model], "num_train": [num_train],
                   "train_region": "left", "test_region": "left", "shift_region": "right",
@@ -97,8 +98,8 @@ def study_run(cfg: dict, model: str, num_train: int):
 
 
 def main_study(args) -> None:
-    from vit.experiments.grid import load_config
-    from vit.experiments.study import run_one
+    from studies.relation.grid import load_config
+    from studies.relation.run import run_one
 
     cfg = load_config(args.study)
     run = study_run(cfg, args.model, args.num_train)

@@ -100,6 +100,7 @@ def run_cli(args, tmp_path, monkeypatch):
     return main(args)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch, offline_wandb):
     cli = run_cli(["fit", "--config", VIT_CONFIG, "--config", WANDB_CONFIG, *TINY], tmp_path, monkeypatch)
     logger = cli.trainer.logger
@@ -146,6 +147,7 @@ def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch
     assert list((tmp_path / "runs/vit" / logger.version / "checkpoints").glob("*.ckpt"))
 
 
+@pytest.mark.slow
 def test_tensorboard_run_holds_rollout_and_confusion_images(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -49,7 +49,8 @@ def served(tmp_path, monkeypatch):
     handler = functools.partial(SimpleHTTPRequestHandler, directory=str(folder))
     handler.log_message = lambda *args: None
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # serve_forever polls for shutdown every 0.5 s by default: each test's teardown waited that long.
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
     thread.start()
     try:
         yield folder, f"http://127.0.0.1:{server.server_address[1]}"
@@ -65,6 +66,7 @@ def malicious_copy(trained: Path, path: Path, marker: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("subcommand", ["validate", "fit"])
 @pytest.mark.parametrize("scheme", ["http", "file", "path"])
 def test_a_checkpoint_that_would_run_code_is_refused_from_every_source(
@@ -81,6 +83,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_from_every_source(
     assert not (tmp_path / "runs").exists()  # refused before any run folder
 
 
+@pytest.mark.slow
 def test_the_checkpoint_io_loads_with_weights_only_whatever_it_is_asked(trained, tmp_path):
     marker = tmp_path / "code_ran"
     evil = malicious_copy(trained, tmp_path / "x.ckpt", marker)
@@ -89,6 +92,7 @@ def test_the_checkpoint_io_loads_with_weights_only_whatever_it_is_asked(trained,
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["file", "path"])
 def test_a_checkpoint_with_a_nan_weight_is_refused_whatever_the_scheme(scheme, trained, tmp_path, monkeypatch, capsys):
     checkpoint = torch.load(trained, weights_only=True)
@@ -102,6 +106,7 @@ def test_a_checkpoint_with_a_nan_weight_is_refused_whatever_the_scheme(scheme, t
     assert "backbone.head.bias holds NaN or infinite values" in error_line(stderr)
 
 
+@pytest.mark.slow
 def test_a_good_checkpoint_from_a_url_validates(trained, served, tmp_path, monkeypatch, capsys):
     folder, url = served
     (folder / "last.ckpt").write_bytes(trained.read_bytes())
@@ -129,6 +134,7 @@ def test_two_urls_ending_in_the_same_name_are_two_files(served, tmp_path):
     assert Path(fetch_checkpoint(f"{url}/a/last.ckpt")).read_bytes() == changed
 
 
+@pytest.mark.slow
 def test_a_url_that_cannot_be_reached_is_one_line(tmp_path, monkeypatch, capsys):
     with contextlib.closing(socket.socket()) as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -141,6 +147,7 @@ def test_a_url_that_cannot_be_reached_is_one_line(tmp_path, monkeypatch, capsys)
     assert code == 2 and "could not be downloaded" in error_line(stderr)
 
 
+@pytest.mark.slow
 def test_predict_refuses_a_url_checkpoint_that_would_run_code(trained, served, tmp_path, capsys):
     folder, url = served
     marker = tmp_path / "code_ran"
@@ -154,6 +161,7 @@ def test_predict_refuses_a_url_checkpoint_that_would_run_code(trained, served, t
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_explain_refuses_a_url_checkpoint_that_would_run_code(trained, served, tmp_path, capsys):
     from vit.explain.__main__ import main as explain_main
 
@@ -184,7 +192,7 @@ def http_server(respond):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
@@ -254,6 +262,7 @@ def test_a_file_above_the_size_limit_is_refused_and_not_kept(announced, tmp_path
         assert Path(fetch_checkpoint(f"{url}/big.ckpt")).read_bytes() == body
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("content", "expected"), [
     (b"<!DOCTYPE html>\n<html><body>Sign in to download</body></html>",
      "returned a web page, not a checkpoint (a login, error or download page? give the file's direct download link)"),
@@ -277,6 +286,7 @@ def test_what_is_not_a_checkpoint_is_refused_naming_the_url_and_not_kept(
         assert code == 2 and error_line(stderr) == f"error: checkpoint {url}/x.ckpt {expected}"
 
 
+@pytest.mark.slow
 def test_an_ftp_url_that_cannot_be_reached_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     message = "checkpoint ftp://127.0.0.1:1/x.ckpt could not be downloaded: ConnectionRefusedError: "
@@ -287,6 +297,7 @@ def test_an_ftp_url_that_cannot_be_reached_is_one_line(tmp_path, monkeypatch, ca
     assert code == 2 and error_line(stderr).startswith(f"error: {message}")
 
 
+@pytest.mark.slow
 def test_a_query_string_stays_out_of_the_cache_name_and_the_messages(trained, served):
     folder, url = served
     (folder / "last.ckpt").write_bytes(trained.read_bytes())
@@ -303,6 +314,7 @@ def test_a_query_string_stays_out_of_the_cache_name_and_the_messages(trained, se
     assert str(err.value).startswith("checkpoint ftp://***@127.0.0.1:1/x.ckpt?... could not be downloaded")
 
 
+@pytest.mark.slow
 def test_a_path_starting_with_a_tilde_is_expanded(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()

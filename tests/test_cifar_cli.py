@@ -12,6 +12,8 @@ from torchvision.transforms import v2
 from vit.models import ResNet, VisionTransformer
 from vit.training.cli import main
 
+pytestmark = pytest.mark.slow  # every test runs train.py (in this process)
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 

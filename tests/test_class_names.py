@@ -140,6 +140,7 @@ def test_sample_names_are_the_files_relative_to_the_image_folder(tmp_path):
     assert sample_name(TensorDataset(torch.zeros(4)), 2) == "2"  # data without files: the index in the split
 
 
+@pytest.mark.slow
 def test_train_py_predict_writes_named_predictions_in_its_run_folder(tmp_path_factory, tmp_path, monkeypatch, capsys):
     import csv
 

@@ -1,4 +1,4 @@
-"""The optimizer the classifier builds: which parameters decay, and the learning rate at every step."""
+"""The optimizer the classifier builds: which parameters train and decay, and the learning rate at every step."""
 
 import math
 from types import SimpleNamespace
@@ -38,6 +38,35 @@ def test_frozen_parameters_are_not_given_to_the_optimizer():
     optimizer, _ = optimizer_and_schedule(model, total_steps=10, max_epochs=1)
     given = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert given == {id(p) for p in model.backbone.head.parameters()}
+
+
+@pytest.mark.parametrize("trainable, trained, pool", [
+    ("head", {"head"}, "cls"),
+    (1, {"head", "norm", "blocks.1"}, "cls"),
+    (1, {"head", "fc_norm", "blocks.1"}, "mean"),  # timm's average pooling normalises after the mean
+    ("all", {"head", "norm", "blocks.1", "blocks.0", "patch_embed", "cls_token", "pos_embed"}, "cls"),
+])
+def test_freezing_trains_only_what_it_names(trainable, trained, pool):
+    torch.manual_seed(0)
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2, pool=pool)
+    model = ImageClassifier(backbone, trainable=trainable, lr=0.1, weight_decay=0.0)
+    before = {n: p.detach().clone() for n, p in backbone.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.tensor([0, 1, 2, 0])).backward()
+    optimizer.step()
+    for name, p in backbone.named_parameters():
+        moved = not torch.equal(p, before[name])
+        expected = any(name == t or name.startswith(t + ".") for t in trained)
+        assert moved == expected, name
+        assert p.requires_grad == expected and (p.grad is not None) == expected, name
+
+
+def test_freezing_options_name_what_is_allowed():
+    vit = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2)
+    with pytest.raises(ValueError, match=r"trainable=3 is not allowed: expected an int in \[0, 2\]"):
+        ImageClassifier(vit, trainable=3)
+    with pytest.raises(ValueError, match="trainable=1 counts Transformer blocks; ResNet has no `blocks`"):
+        ImageClassifier(ResNet(img_size=16, in_chans=3, num_classes=3, widths=(4,)), trainable=1)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

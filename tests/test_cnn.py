@@ -74,7 +74,7 @@ def test_circular_padding_cannot_tell_the_diagonal_pair_from_the_anti_diagonal_o
     # negative (top-right and bottom-left) drawn by the same generator, and 16 is a multiple of
     # cnn-rf21's total stride (4): the circularly padded network scores both the same. The two
     # pairs are half the data and a tenth of it, so no such network beats 50 + 40 = 90%
-    # (docs/study.md). With zero padding the two scores differ.
+    # (studies/relation/README.md). With zero padding the two scores differ.
     ds = TwoCirclesDataset(num_samples=64, task="diagonal", noise=0.0, seed=5)
     pos = ds.labels == 1
     images, centers, radii = ds.images[pos], ds.centers[pos], ds.radii[pos]

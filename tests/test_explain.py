@@ -272,6 +272,7 @@ def test_the_explain_command_refuses_an_output_format_before_any_work(out, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backbone, methods", [("vit", "attention,rollout,chefer,gradcam"), ("cnn", "gradcam,random")])
 def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods, tmp_path, monkeypatch, capsys):
     from PIL import Image
@@ -292,7 +293,7 @@ def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods,
     assert "already exists" in capsys.readouterr().err
     if backbone == "cnn":
         assert main(["--ckpt_path", str(last), "--method", "rollout", "--out", str(tmp_path / "x.png")]) == 2
-        assert "needs attention layers; ResNet has none" in capsys.readouterr().err
+        assert "--method 'rollout' needs a model with attention layers (a ViT); ResNet has none" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -328,6 +329,7 @@ def record_grids(monkeypatch) -> list[dict]:
     return drawn
 
 
+@pytest.mark.slow
 def test_the_explain_command_explains_any_image_with_class_names_and_a_target(shared_checkpoint, tmp_path,
                                                                               monkeypatch, capsys):
     from PIL import Image
@@ -365,6 +367,7 @@ def test_the_explain_command_explains_any_image_with_class_names_and_a_target(sh
     torch.testing.assert_close(drawn[1]["maps"]["chefer: diagonal"], grid["maps"]["chefer: diagonal"][1:2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--target", "cow"], "error: --target 'cow' is not a class of this model: expected one of "
                           "['not_diagonal', 'diagonal'] or an index in [0, 1]"),

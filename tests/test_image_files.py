@@ -60,6 +60,7 @@ def train_folder(root: Path, runs: Path, monkeypatch) -> None:
                      "--model.backbone.init_args.num_heads", "2"], monkeypatch)
 
 
+@pytest.mark.slow
 def test_a_file_name_that_is_not_utf8_is_written_with_a_backslash_escape(checkpoint, tmp_path, capsys):
     folder = tmp_path / "images"
     folder.mkdir()
@@ -72,6 +73,7 @@ def test_a_file_name_that_is_not_utf8_is_written_with_a_backslash_escape(checkpo
     assert "skipped bad\\xff.png: not a readable image" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_class_folder_whose_name_is_not_utf8_trains_tests_and_names_the_class_as_text(tmp_path, monkeypatch, capsys):
     root = tmp_path / "data"
     for split in ("train", "val"):  # val/ as given, so that the test after fit has images of both classes
@@ -139,6 +141,7 @@ def test_a_fifo_and_devices_in_a_class_folder_are_skipped_not_waited_on(tmp_path
     assert len(dm.train_set) + len(dm.val_set) == 6
 
 
+@pytest.mark.slow
 def test_predict_lists_fifos_and_links_to_devices_as_skipped(checkpoint, tmp_path, capsys):
     folder = tmp_path / "images"
     folder.mkdir()
@@ -153,6 +156,7 @@ def test_predict_lists_fifos_and_links_to_devices_as_skipped(checkpoint, tmp_pat
     assert [row["file"] for row in csv.DictReader(output.open())] == ["fine.png"]
 
 
+@pytest.mark.slow
 def test_names_a_spreadsheet_would_run_as_formulas_are_quoted(checkpoint, tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
@@ -232,6 +236,7 @@ def test_an_image_over_the_decompression_bomb_limit_is_refused_with_its_name(tmp
                                 "against decompression bombs; raise that limit only for a file you trust)")
 
 
+@pytest.mark.slow
 def test_a_class_whose_only_file_is_broken_is_named_with_the_file_and_why(tmp_path, monkeypatch, capsys):
     root = two_classes(tmp_path / "data")
     for path in (root / "b").iterdir():

@@ -63,6 +63,7 @@ def weights(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
     # The path of docs/finetune.md: a folder of named classes -> fine-tune from a timm-made .safetensors
     # -> test -> predict with names and top-k -> explain a new image -> export -> timm loads the export.

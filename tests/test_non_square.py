@@ -1,4 +1,4 @@
-"""Non-square images, `img_size: [H, W]`: through the CLI, the data modules, the baselines and `vit.predict`."""
+"""Non-square images, `img_size: [H, W]`: through the CLI, the data modules, the models and `vit.predict`."""
 
 import csv
 
@@ -13,7 +13,7 @@ from robust_helpers import main_in_process, tiny_config
 from vit.data import CIFARDataModule, SameDifferentDataset, TwoCirclesDataModule
 from vit.data.same_different import SHAPE_PIXELS, SHAPE_SIZE
 from vit.data.transforms import build_eval_transform
-from vit.models import ResNet
+from vit.models import ResNet, VisionTransformer
 from vit.models.coordconv import CoordConvResNet, coord_channels
 from vit.predict import main as predict_main
 
@@ -44,6 +44,7 @@ class RecordInputs(L.Callback):
         RecordInputs.seen.append((type(pl_module.backbone).__name__, tuple(batch[0].shape)))
 
 
+@pytest.mark.slow
 def test_fit_then_predict_on_32_by_48_images(tmp_path, monkeypatch):
     main_in_process(["fit", "--config", str(same_different_config(tmp_path)), "--data.init_args.img_size", "[32,48]",
                      "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "1", "--test_after_fit", "false"],
@@ -66,6 +67,7 @@ def test_fit_then_predict_on_32_by_48_images(tmp_path, monkeypatch):
     assert all(r["class_name"] in ("different", "same") and 0.5 <= float(r["probability"]) <= 1 for r in rows)
 
 
+@pytest.mark.slow
 def test_resnet_fast_dev_run_on_32_by_48_images(tmp_path, monkeypatch):
     RecordInputs.seen.clear()
     main_in_process(["fit", "--config", str(same_different_config(tmp_path, RESNET)),
@@ -74,6 +76,7 @@ def test_resnet_fast_dev_run_on_32_by_48_images(tmp_path, monkeypatch):
     assert RecordInputs.seen == [("ResNet", (32, 1, 32, 48))] * 2
 
 
+@pytest.mark.slow
 def test_two_circles_refuses_a_non_square_size_in_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main_in_process(["fit", "--config", str(tiny_config(tmp_path)), "--data.init_args.img_size", "[32,48]"],
@@ -110,6 +113,23 @@ def test_resnet_and_coordconv_take_32_by_48_inputs():
     rows, cols = (torch.arange(32) + 0.5) / 32 * 2 - 1, (torch.arange(48) + 0.5) / 48 * 2 - 1
     torch.testing.assert_close(coords[0], rows[:, None].expand(32, 48), rtol=0, atol=1e-6)
     torch.testing.assert_close(coords[1], cols[None, :].expand(32, 48), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "sincos1d", "sincos2d", "none"])
+def test_non_square_images_work_with_every_position_encoding_and_rollout(pos_embed):
+    from vit.explain.relevance import relevance
+
+    model = VisionTransformer(img_size=(16, 24), patch_size=8, in_chans=1, num_classes=3, embed_dim=16, depth=2,
+                              num_heads=2, pos_embed=pos_embed).eval()
+    x = torch.randn(2, 1, 16, 24)
+    assert model(x).shape == (2, 3)
+    assert relevance(model, x, "rollout").shape == (2, 2, 3)
+    maps = model.forward_intermediates(x, indices=1, intermediates_only=True)
+    assert maps[0].shape == (2, 16, 2, 3)
+    with pytest.raises(ValueError, match=r"expected input of shape \(B, 1, 16, 24\), got \(2, 1, 24, 16\)"):
+        model(torch.randn(2, 1, 24, 16))
+    with pytest.raises(ValueError, match=r"img_size=\(16, 0\) is not allowed"):
+        VisionTransformer(img_size=(16, 0), patch_size=8)
 
 
 def test_cifar_upsamples_to_a_non_square_size_and_refuses_shrinking():

@@ -66,6 +66,7 @@ def images_in(nb):
     return sum("image/png" in o.get("data", {}) for cell in nb.cells for o in cell.get("outputs", []))
 
 
+@pytest.mark.slow
 def test_two_circles_notebook_runs_and_measures_shares(kernel_env):
     nb, printed = execute("attention_rollout_two_circles.ipynb")
     text = "\n".join(printed)
@@ -83,6 +84,7 @@ def test_two_circles_notebook_runs_and_measures_shares(kernel_env):
         assert float(ratio) == pytest.approx(float(share) / float(area), abs=0.02)
 
 
+@pytest.mark.slow
 def test_cifar_notebook_says_it_is_a_demo_and_runs_through(kernel_env):
     nb, printed = execute("attention_rollout_cifar.ipynb")
     first_output = next(text for text in printed if text)
@@ -91,6 +93,7 @@ def test_cifar_notebook_says_it_is_a_demo_and_runs_through(kernel_env):
     assert images_in(nb) == 2  # one image per class, and the class-mean maps per head fusion
 
 
+@pytest.mark.slow
 def test_explain_notebook_maps_every_method_and_scores_it(kernel_env):
     from vit.explain.relevance import METHODS
 
@@ -104,6 +107,7 @@ def test_explain_notebook_maps_every_method_and_scores_it(kernel_env):
         assert all(0 <= float(v) <= 1 for v in (pointing, mass, ap, deletion, insertion))
 
 
+@pytest.mark.slow
 def test_attention_notebook_passes_its_checks_and_compares_every_score(kernel_env):
     from vit.models.scores import SCORES
 

@@ -1,9 +1,11 @@
 """Two processes with Lightning's DDP strategy on the CPU (gloo): metrics agree across processes."""
 
+import pytest
 import torch
 from robust_helpers import read_metrics, run, run_dirs, tiny_config
 
 
+@pytest.mark.slow
 def test_two_process_ddp_on_cpu_trains_with_synchronised_metrics(tmp_path):
     config = tiny_config(tmp_path)
     metrics = tmp_path / "metrics_rank{rank}.jsonl"

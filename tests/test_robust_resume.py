@@ -39,6 +39,7 @@ def final_weights(run_dir: Path) -> dict:
     return checkpoint["state_dict"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(stop, tmp_path, reference, monkeypatch,
                                                                               caplog):
@@ -104,6 +105,7 @@ def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(st
     torch.testing.assert_close(final_weights(run_dir), final_weights(reference_dir), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_identical_metrics_and_record_how_to_rerun(tmp_path, reference, monkeypatch):
     config = tiny_config(tmp_path)
     main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",

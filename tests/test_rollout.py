@@ -488,6 +488,7 @@ def trained_vit():
     return model, test.images[:16], test.labels[:16]
 
 
+@pytest.mark.slow
 def test_grad_rollout_of_trained_vit_differs_from_rollout_and_between_targets(trained_vit):
     model, x, _ = trained_vit
     grid = model.patch_embed.grid_size
@@ -505,6 +506,7 @@ def test_grad_rollout_of_trained_vit_differs_from_rollout_and_between_targets(tr
         assert (distance > 0.05).all() and distance.mean() > 0.2, distance
 
 
+@pytest.mark.slow
 def test_grad_rollout_of_trained_vit_is_identity_where_the_gradient_is_zero(trained_vit):
     model, x, labels = trained_vit
     logits, attentions = logits_and_maps(model, x)

@@ -152,6 +152,7 @@ def test_bad_register_and_norm_options_name_the_value():
         VisionTransformer(**SMALL, fc_norm="yes")
 
 
+@pytest.mark.slow
 def test_train_py_refuses_an_old_mean_pooled_checkpoint_in_one_line_naming_fc_norm(tmp_path_factory, monkeypatch,
                                                                                    capsys):
     # A checkpoint of `pool: mean` from before fc_norm: its hyperparameters say pool='mean' and nothing

@@ -18,8 +18,8 @@ Then `timm.create_model("local-dir:exported/", pretrained=True)`, or from the Hu
 (`hf upload org/name exported/`), gives the same logits as the checkpoint, and this project reads it
 back with `VisionTransformer(pretrained="exported/model.safetensors", ...)` (or the folder).
 
-Refused, in one line naming the option, are models timm cannot compute: `stem: conv`, a
-`patch_kernel` other than the patch size, and another `attn_score` than `scaled_dot`. Fixed sin/cos
+Refused, in one line naming the option, are models timm cannot compute: a `patch_kernel` other
+than the patch size, and another `attn_score` than `scaled_dot`. Fixed sin/cos
 position encodings are exported as timm's position table holding the same values (equal logits;
 in timm the table is then a parameter that fine-tuning may change). An existing non-empty `--out`
 folder is refused unless `--overwrite` is given.
@@ -39,9 +39,8 @@ from timm.models import save_for_hf
 from torch import nn
 
 from vit.checks import first_line
+from vit.commands import fail, run
 from vit.models import VisionTransformer
-from vit.models.pretrained import PretrainedError
-from vit.training.checkpointing import CheckpointError
 from vit.training.rebuild import open_checkpoint
 
 # timm's ViTs by width, depth and heads, for naming the architecture when one fits.
@@ -64,9 +63,6 @@ def timm_args(model: VisionTransformer) -> dict:
     if not isinstance(model, VisionTransformer):
         raise ExportError(f"the backbone is a {type(model).__name__}; only a VisionTransformer exports to timm")
     embed = model.patch_embed
-    if embed.stem is not None:
-        raise ExportError("stem='conv' cannot be exported: timm's ViT embeds patches with one convolution "
-                          "(stem='patch')")
     kernel = embed.proj.kernel_size[0]
     if kernel != embed.patch_size:
         raise ExportError(f"patch_kernel={kernel} cannot be exported: timm's patch embedding has a kernel equal "
@@ -163,18 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py")
     parser.add_argument("--out", required=True, type=Path, help="folder to write model.safetensors and config.json")
     parser.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
-    args = parser.parse_args(argv)
-    try:
-        check_out(args.out, args.overwrite)
-        backbone, data_config, names = load(args.ckpt_path)
-    except (ExportError, CheckpointError, PretrainedError) as err:  # PretrainedError: weights of another layout
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run(parser.parse_args(argv), prepare, write)
+
+
+def prepare(args: argparse.Namespace) -> tuple[VisionTransformer, dict, list[str]]:
+    """`--out` checked, then the checkpoint opened and what timm cannot compute refused (`load`)."""
+    check_out(args.out, args.overwrite)
+    return load(args.ckpt_path)  # a PretrainedError (a ValueError) for weights of another layout
+
+
+def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, list[str]]) -> int:
+    """Write the export into `--out`; 1 when it cannot be written."""
+    backbone, data_config, names = prepared
     try:
         export(backbone, args.out, data_config, names)
     except OSError as err:
-        print(f"error: --out {args.out} cannot be written ({first_line(err)})", file=sys.stderr)
-        return 1
+        return fail(f"--out {args.out} cannot be written ({first_line(err)})", status=1)
     print(f"wrote {args.out / 'model.safetensors'} and {args.out / 'config.json'} ({len(names)} classes); "
           f"load with timm.create_model('local-dir:{args.out}', pretrained=True)")
     return 0

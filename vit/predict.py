@@ -41,11 +41,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torchvision.transforms import v2
 
+from vit.commands import fail, note_unnamed, run
 from vit.data.image_folder import build_transform, read_images  # noqa: F401  (build_transform: what predict applies)
-from vit.training.checkpointing import CheckpointError
 from vit.training.classifier import ImageClassifier
-from vit.training.predictions import check_topk, load_for_prediction, prediction_table, write_csv
+from vit.training.predictions import check_topk, inference_transform, prediction_table, write_csv
+from vit.training.rebuild import open_checkpoint
 
 
 class PredictError(ValueError):
@@ -106,26 +108,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    try:
-        check_paths(args.input_dir, args.output, args.overwrite)
-        check_options(args.batch_size, args.device)
-        if args.topk < 1:  # before the checkpoint is read; its number of classes bounds --topk from above
-            raise PredictError(f"--topk {args.topk} is not allowed: expected an int >= 1")
-        model, transform, named = load_for_prediction(args.ckpt_path)
-        check_topk(args.topk, len(model.class_names))
-    except (ValueError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if not named:
-        print(f"note: checkpoint {args.ckpt_path} records no class names (it was written before they were stored): "
-              "class_name is the class index", file=sys.stderr)
+    return run(parser.parse_args(argv), prepare, predict)
+
+
+def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict]:
+    """The arguments checked, then the checkpoint opened: its model, input transform and the checkpoint itself."""
+    check_paths(args.input_dir, args.output, args.overwrite)
+    check_options(args.batch_size, args.device)
+    if args.topk < 1:  # before the checkpoint is read; its number of classes bounds --topk from above
+        raise PredictError(f"--topk {args.topk} is not allowed: expected an int >= 1")
+    model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
+    transform = inference_transform(inputs)
+    check_topk(args.topk, len(model.class_names))
+    return model, transform, checkpoint
+
+
+def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compose, dict]) -> int:
+    """Classify the readable images of `--input_dir` and write the CSV; 1 when there is none."""
+    model, transform, checkpoint = prepared
+    note_unnamed(args.ckpt_path, checkpoint, "class_name is the class index")
     names, images, skipped = read_images(args.input_dir, transform)
     for name, reason in skipped.items():
         print(f"skipped {name}: not a readable image ({reason})", file=sys.stderr)
     if not images:
-        print(f"error: no readable image in {args.input_dir}; nothing was written", file=sys.stderr)
-        return 1
+        return fail(f"no readable image in {args.input_dir}; nothing was written", status=1)
     probs = predict_folder(model, images, args.batch_size, args.device)
     write_csv(args.output, *prediction_table(names, probs, model.class_names, args.topk))
     print(f"wrote {len(names)} predictions to {args.output}" + (f"; skipped {len(skipped)} file(s)" if skipped else ""))

@@ -14,16 +14,11 @@ from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
+from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.base import DataNotFoundError, SplitDataModule
-from vit.data.transforms import (
-    CIFAR_MEAN_STD,
-    AutoAugmentName,
-    DatasetName,
-    build_eval_transform,
-    build_train_transform,
-)
+from vit.data.transforms import CIFAR_MEAN_STD, AutoAugmentName, DatasetName, to_normalised_tensor, train_transform
 
 DATASETS: dict[str, type[datasets.CIFAR10]] = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
@@ -59,10 +54,9 @@ class CIFARDataModule(SplitDataModule):
     over the same files that carries the eval transforms, so validation images are never augmented.
 
     Per-image augmentations (training only, in the DataLoader workers), in this order:
-    `random_crop` (32x32 crop of the image zero-padded by 4), `horizontal_flip`, `auto_augment`
-    ("randaugment" with `randaugment_num_ops` / `randaugment_magnitude`, "trivialaugment", or
-    "autoaugment" with torchvision's CIFAR10 policy), then normalisation with the dataset's mean/std,
-    then `random_erasing` (the probability of erasing one rectangle to 0, the mean after normalising).
+    `random_crop` (32x32 crop of the image zero-padded by 4), then `vit.data.transforms.train_transform`'s:
+    `horizontal_flip`, `auto_augment` (with torchvision's CIFAR10 policy for "autoaugment"),
+    normalisation with the dataset's mean/std, `random_erasing`.
 
     Mixup / CutMix (timm's `Mixup`) is applied to whole batches in `on_after_batch_transfer`, i.e. on
     the device, while the trainer is training and `mixup_alpha > 0` or `cutmix_alpha > 0`. The batch
@@ -123,11 +117,7 @@ class CIFARDataModule(SplitDataModule):
         check_int("val_size", val_size, 1)
         check_int("batch_size", batch_size, 1)
         check_int("num_workers", num_workers, 0)
-        check_int("randaugment_num_ops", randaugment_num_ops, 0)
-        # RandAugment splits its strength range into 31 bins; the magnitude picks one of them.
-        check_int("randaugment_magnitude", randaugment_magnitude, 0, 30)
-        for name, value in [("random_erasing", random_erasing), ("mixup_prob", mixup_prob),
-                            ("mixup_switch_prob", mixup_switch_prob)]:
+        for name, value in [("mixup_prob", mixup_prob), ("mixup_switch_prob", mixup_switch_prob)]:
             check_float(name, value, 0.0, 1.0)  # probabilities
         for name, value in [("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)]:
             check_float(name, value, 0.0)  # 0 turns it off
@@ -147,21 +137,21 @@ class CIFARDataModule(SplitDataModule):
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
 
-        check_size("img_size", img_size, 32)  # a side or [H, W]: the 32x32 images are only upsampled
+        size = check_size("img_size", img_size, 32)  # (H, W) from a side or [H, W]: the 32x32 images are only upsampled
         check_choice("normalization", normalization, ("cifar", "imagenet", "inception"))
         check_int("repeated_augmentation", repeated_augmentation, 1)
-        self.train_transform = build_train_transform(
-            dataset,
-            img_size=img_size,
-            mean_std=self.normalization,
-            random_crop=random_crop,
+        to_tensor = to_normalised_tensor(dataset, size, self.normalization)
+        self.train_transform = train_transform(
+            [v2.RandomCrop(32, padding=4)] if random_crop else [],
+            to_tensor,
+            policy=v2.AutoAugmentPolicy.CIFAR10,
             horizontal_flip=horizontal_flip,
             auto_augment=auto_augment,
             randaugment_num_ops=randaugment_num_ops,
             randaugment_magnitude=randaugment_magnitude,
             random_erasing=random_erasing,
         )
-        self.eval_transform = build_eval_transform(dataset, img_size, self.normalization)
+        self.eval_transform = v2.Compose(to_tensor)
         self.mixup: Mixup | None = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
             self.mixup = Mixup(

@@ -38,7 +38,7 @@ from torchvision.transforms import v2
 from vit.checks import check_choice, check_float, check_int, check_size, first_line
 from vit.data.base import DataNotFoundError, SplitDataModule
 from vit.data.files import list_files, not_a_file, text_name, visible_folders
-from vit.data.transforms import AutoAugmentName, auto_augment_step
+from vit.data.transforms import AutoAugmentName, train_transform
 
 Normalization = Literal["imagenet", "inception", "none"]
 NORMALIZATIONS = {
@@ -82,8 +82,9 @@ class ImageFolderDataModule(SplitDataModule):
         normalization: the mean/std the pretrained weights expect: "imagenet" (timm's default),
             "inception" (0.5/0.5, the augreg ViTs), or "none" (pixels in [0, 1]). timm's
             `resolve_data_config(model=...)` tells which a timm model wants.
-        random_resized_crop, horizontal_flip, auto_augment, randaugment_*, random_erasing: training
-            augmentations (the CIFAR switches; the crop is timm's / torchvision's `RandomResizedCrop`).
+        random_resized_crop: timm's / torchvision's `RandomResizedCrop` for training (else a resize);
+            then `vit.data.transforms.train_transform`'s augmentations (`horizontal_flip`, `auto_augment`
+            with ImageNet's policy for "autoaugment", `randaugment_*`, `random_erasing`), as for CIFAR.
     """
 
     def __init__(
@@ -112,7 +113,6 @@ class ImageFolderDataModule(SplitDataModule):
         check_int("batch_size", batch_size, 1)
         check_int("num_workers", num_workers, 0)
         check_choice("normalization", normalization, Normalization)
-        check_float("random_erasing", random_erasing, 0.0, 1.0)
         self.save_hyperparameters()
         self.root = Path(root)
         self.num_classes: int | None = None
@@ -123,12 +123,17 @@ class ImageFolderDataModule(SplitDataModule):
         self.train_set = self.val_set = self.test_set = None
         to_tensor = [v2.Grayscale(1) if in_chans == 1 else v2.RGB(), v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
         norm = [v2.Normalize(*map(list, NORMALIZATIONS[normalization]))] if NORMALIZATIONS[normalization] else []
-        train = [v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)]
-        train += [v2.RandomHorizontalFlip()] if horizontal_flip else []
-        train += auto_augment_step(auto_augment, randaugment_num_ops, randaugment_magnitude, v2.AutoAugmentPolicy.IMAGENET)
-        erase = [v2.RandomErasing(p=random_erasing, value=0)] if random_erasing > 0 else []
-        self.train_transform = v2.Compose([*train, *to_tensor, *norm, *erase])
-        self.eval_transform = build_transform(img_size, in_chans, self.normalization)  # what vit.predict uses
+        self.train_transform = train_transform(
+            [v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)],
+            [*to_tensor, *norm],
+            policy=v2.AutoAugmentPolicy.IMAGENET,
+            horizontal_flip=horizontal_flip,
+            auto_augment=auto_augment,
+            randaugment_num_ops=randaugment_num_ops,
+            randaugment_magnitude=randaugment_magnitude,
+            random_erasing=random_erasing,
+        )
+        self.eval_transform = build_transform(size, in_chans, self.normalization)  # what vit.predict uses
         self._decode = partial(decode_image, size=size)
         self._scan_classes()  # fail now, before any training: num_classes is linked into the model
 

@@ -7,7 +7,7 @@ the label away:
 
 * **Position carries nothing.** Both positions are drawn before and independently of the label
   (uniform over the allowed placements, boxes never touching), so every position-only classifier,
-  corners and borders included, is at chance by construction (``vit.experiments.shortcuts``
+  corners and borders included, is at chance by construction (``studies.relation.shortcuts``
   measures it).
 * **Ink carries nothing.** Every pattern has exactly ``SHAPE_PIXELS`` pixels on, so every image has
   the same amount of ink.
@@ -26,7 +26,7 @@ The patterns (``make_shapes``) are part of the task: four straight strokes 5 pix
 is "same orientation". No pattern is a shifted copy of another, so the pattern of a shape is known
 from its pixels wherever it is. (Eight patterns, the strokes and four corners, lower the ceiling
 to 64.3%, but in pilots the best CNN reached only 84% in the study's 1000 steps, against 92% with
-the four strokes; docs/study.md.)
+the four strokes; studies/relation/README.md.)
 
 Distance. ``span`` is the side of the smallest square that holds both shapes' boxes,
 ``max(|d_row|, |d_col|) + SHAPE_SIZE``: a convolutional unit can see both shapes whole only if its

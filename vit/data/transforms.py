@@ -1,11 +1,11 @@
-"""Per-image transforms for CIFAR: the training augmentations and the deterministic eval transform."""
+"""Per-image transforms: the training augmentations the data modules of photographs share, and CIFAR's eval transform."""
 
 from typing import Literal, get_args
 
 import torch
 from torchvision.transforms import v2
 
-from vit.checks import check_choice, check_size
+from vit.checks import check_choice, check_float, check_int
 
 DatasetName = Literal["cifar10", "cifar100"]
 AutoAugmentName = Literal["none", "randaugment", "trivialaugment", "autoaugment"]
@@ -20,61 +20,51 @@ CIFAR_MEAN_STD = {
 }
 
 
-def build_train_transform(
-    dataset: DatasetName,
+def train_transform(
+    crop: list,
+    to_tensor: list,
     *,
-    img_size: int | tuple[int, int] = 32,
-    mean_std: tuple | None = None,
-    random_crop: bool = True,
-    horizontal_flip: bool = True,
-    auto_augment: AutoAugmentName = "none",
-    randaugment_num_ops: int = 2,
-    randaugment_magnitude: int = 9,
-    random_erasing: float = 0.0,
+    policy: v2.AutoAugmentPolicy,
+    horizontal_flip: bool,
+    auto_augment: AutoAugmentName,
+    randaugment_num_ops: int,
+    randaugment_magnitude: int,
+    random_erasing: float,
 ) -> v2.Compose:
-    """Per-image training transform: PIL image -> normalised float32 tensor (3, 32, 32)."""
-    # Crop, flip and the policies run on the PIL image: for 32x32 images that is faster than on
-    # uint8 tensors, where every op pays the dispatch overhead of a tiny tensor.
-    steps: list = []
-    if random_crop:
-        steps.append(v2.RandomCrop(32, padding=4))
-    if horizontal_flip:
-        steps.append(v2.RandomHorizontalFlip())
-    steps += auto_augment_step(auto_augment, randaugment_num_ops, randaugment_magnitude)
-    steps += _to_normalised_tensor(dataset, img_size, mean_std)
+    """The per-image training transform of the data modules of photographs (CIFAR, image folders), in this order:
+
+    `crop` (the data set's own: CIFAR's padded crop, an image folder's `RandomResizedCrop`), `horizontal_flip`,
+    `auto_augment` ("randaugment" with `randaugment_num_ops` / `randaugment_magnitude`, "trivialaugment",
+    or "autoaugment" with `policy`: torchvision's CIFAR-10 policy, or ImageNet's for photographs), then
+    `to_tensor` (the PIL image to a normalised float tensor), then `random_erasing` (the probability of
+    erasing one rectangle to 0, the data set's mean after normalising, as in the paper).
+    """
+    check_choice("auto_augment", auto_augment, AutoAugmentName)
+    check_int("randaugment_num_ops", randaugment_num_ops, 0)
+    # RandAugment splits its strength range into 31 bins; the magnitude picks one of them.
+    check_int("randaugment_magnitude", randaugment_magnitude, 0, 30)
+    check_float("random_erasing", random_erasing, 0.0, 1.0)
+    steps = [*crop, *([v2.RandomHorizontalFlip()] if horizontal_flip else [])]
+    if auto_augment == "randaugment":
+        steps.append(v2.RandAugment(num_ops=randaugment_num_ops, magnitude=randaugment_magnitude))
+    elif auto_augment == "trivialaugment":
+        steps.append(v2.TrivialAugmentWide())
+    elif auto_augment == "autoaugment":
+        steps.append(v2.AutoAugment(policy))
+    steps += to_tensor
     if random_erasing > 0:
-        # After normalising, so the erased rectangle is 0 = the dataset mean, as in the paper.
         steps.append(v2.RandomErasing(p=random_erasing, value=0))
     return v2.Compose(steps)
 
 
-def auto_augment_step(
-    name: AutoAugmentName, num_ops: int = 2, magnitude: int = 9, policy: v2.AutoAugmentPolicy = v2.AutoAugmentPolicy.CIFAR10
-) -> list:
-    """The augmentation policy `name` as a list of at most one transform ("none": empty).
-
-    "randaugment" with `num_ops` / `magnitude`, "trivialaugment", or "autoaugment" with `policy`
-    (torchvision's CIFAR-10 policy by default; ImageNet's for photographs).
-    """
-    check_choice("auto_augment", name, AutoAugmentName)
-    if name == "randaugment":
-        return [v2.RandAugment(num_ops=num_ops, magnitude=magnitude)]
-    if name == "trivialaugment":
-        return [v2.TrivialAugmentWide()]
-    if name == "autoaugment":
-        return [v2.AutoAugment(policy)]
-    return []
-
-
-def build_eval_transform(dataset: DatasetName, img_size: int | tuple[int, int] = 32, mean_std: tuple | None = None) -> v2.Compose:
+def build_eval_transform(dataset: DatasetName, size: tuple[int, int] = (32, 32), mean_std: tuple | None = None) -> v2.Compose:
     """Deterministic transform for validation, test and predict: resizing (if asked) and normalisation only."""
-    return v2.Compose(_to_normalised_tensor(dataset, img_size, mean_std))
+    return v2.Compose(to_normalised_tensor(dataset, size, mean_std))
 
 
-def _to_normalised_tensor(dataset: DatasetName, img_size: int | tuple[int, int] = 32, mean_std: tuple | None = None) -> list:
-    """Upsampling for a pretrained model's resolution, a side or `(H, W)` (bicubic, after the 32x32
-    augmentations), then the tensor normalised with `mean_std` (default: the dataset's own statistics)."""
+def to_normalised_tensor(dataset: DatasetName, size: tuple[int, int] = (32, 32), mean_std: tuple | None = None) -> list:
+    """Upsampling to a pretrained model's resolution `size` `(H, W)` (bicubic, after the 32x32 augmentations),
+    then the tensor normalised with `mean_std` (default: the dataset's own statistics)."""
     mean, std = mean_std or CIFAR_MEAN_STD[dataset]
-    size = check_size("img_size", img_size)
     resize = [v2.Resize(size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True)] if size != (32, 32) else []
     return [*resize, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]

@@ -76,8 +76,8 @@ def square_side(img_size: int | tuple[int, int]) -> int:
 
 def check_options(
     *, task: str, img_size: int | tuple[int, int], in_chans: int, radius: tuple[int, int], noise: float, region: str
-) -> None:
-    """Validate the image options shared by the dataset and the datamodule (ValueError if bad)."""
+) -> int:
+    """Validate the image options shared by the dataset and the datamodule (ValueError if bad); the image's side."""
     check_choice("task", task, Task)
     check_choice("region", region, Region)
     img_size = square_side(img_size)
@@ -106,6 +106,7 @@ def check_options(
                          f"region={region!r}: a circle must fit inside a {half}x{half} quadrant"
                          f"{'' if region == 'all' else ' with room to move'}, "
                          f"so radius[1] <= {limit}")
+    return img_size
 
 
 def region_threshold(img_size: int, radius: tuple[int, int]) -> float:
@@ -265,9 +266,8 @@ class TwoCirclesDataset(Dataset):
     ) -> None:
         check_int("num_samples", num_samples, 1)
         check_int("seed", seed, 0)
-        check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
-                      region=region)
-        img_size = square_side(img_size)  # [32, 32] -> 32
+        img_size = check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
+                                 region=region)  # [32, 32] -> 32
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
         self.radius, self.noise, self.seed = tuple(radius), float(noise), seed
 

@@ -18,13 +18,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
+import lightning as L
 import torch
+from torchvision.transforms import v2
 
+from vit.commands import fail, note_unnamed, run
 from vit.data.image_folder import read_image_files, read_images
 from vit.explain.plot import rollout_grid
-from vit.explain.relevance import ATTENTION_METHODS, CLASS_METHODS, METHODS, has_attention, relevance
+from vit.explain.relevance import CLASS_METHODS, METHODS, relevance, usable_methods
 from vit.training.checkpointing import CheckpointError
+from vit.training.classifier import ImageClassifier
 from vit.training.predictions import inference_transform
 from vit.training.rebuild import build_datamodule, open_checkpoint
 
@@ -41,63 +46,60 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
     parser.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    args = parser.parse_args(argv)
-    try:
-        methods = parse_methods(args.method)
-        if args.num_images < 1:
-            raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
-        check_image_format(args.out)
-        if args.out.exists() and not args.overwrite:
-            raise ValueError(f"--out {args.out} already exists; pass --overwrite to replace it")
-        if not args.out.parent.is_dir():
-            raise ValueError(f"--out {args.out}: its folder {args.out.parent} does not exist")
-        if args.input_dir is not None and not args.input_dir.is_dir():
-            raise ValueError(f"--input_dir {args.input_dir} is not a folder"
-                             + ("" if args.input_dir.exists() else " (it does not exist)"))
-        for image in args.image or []:
-            if not image.is_file():
-                raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))
-        model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
-        transform, named = inference_transform(inputs), "class_names" in checkpoint
-        backbone = model.backbone
-        if methods == ["all"]:
-            methods = list(METHODS) if has_attention(backbone) else [m for m in METHODS if m not in ATTENTION_METHODS]
-        elif not has_attention(backbone):
-            unusable = [m for m in methods if m in ATTENTION_METHODS]
-            if unusable:
-                raise ValueError(f"--method {','.join(unusable)} needs attention layers; "
-                                 f"{type(backbone).__name__} has none: use gradcam or random")
-        target = None if args.target is None else class_index(args.target, model.class_names)
-    except (ValueError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if not named:
-        print(f"note: checkpoint {args.ckpt_path} records no class names (it was written before they were stored): "
-              "the titles show class indices", file=sys.stderr)
+    return run(parser.parse_args(argv), prepare, explain)
 
-    if args.input_dir is not None or args.image:
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """The arguments checked, then the checkpoint opened, with the methods its model can run and the class to
+    explain; without images given, the checkpoint's data module (for its test images)."""
+    methods = parse_methods(args.method)
+    if args.num_images < 1:
+        raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
+    check_image_format(args.out)
+    if args.out.exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out} already exists; pass --overwrite to replace it")
+    if not args.out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: its folder {args.out.parent} does not exist")
+    if args.input_dir is not None and not args.input_dir.is_dir():
+        raise ValueError(f"--input_dir {args.input_dir} is not a folder"
+                         + ("" if args.input_dir.exists() else " (it does not exist)"))
+    for image in args.image or []:
+        if not image.is_file():
+            raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))
+    model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
+    transform = inference_transform(inputs)
+    methods = usable_methods(model.backbone, methods, option="--method ")
+    target = None if args.target is None else class_index(args.target, model.class_names)
+    data = None
+    if args.input_dir is None and not args.image:  # the checkpoint's own test images
+        try:
+            data = build_datamodule(checkpoint, args.ckpt_path)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
+    return Prepared(model, transform, checkpoint, methods, target, data)
+
+
+def explain(args: argparse.Namespace, prepared: Prepared) -> int:
+    """Draw the relevance maps of the images, one row per image and one column per method; 1 without an image."""
+    model, transform, checkpoint, methods, target, data = prepared
+    note_unnamed(args.ckpt_path, checkpoint, "the titles show class indices")
+    if data is None:
         files, images, skipped = (read_images(args.input_dir, transform) if args.input_dir is not None
                                   else read_image_files(args.image, transform))
         for name, reason in skipped.items():
             print(f"skipped {name}: not a readable image ({reason})", file=sys.stderr)
         if not images:
-            print("error: no readable image to explain; nothing was written", file=sys.stderr)
-            return 1
+            return fail("no readable image to explain; nothing was written", status=1)
         if len(images) > args.num_images:
             print(f"note: explaining the first {args.num_images} of {len(images)} images (--num_images)", file=sys.stderr)
         files, x, labels = files[: args.num_images], torch.stack(images[: args.num_images]), None
     else:  # the checkpoint's own test images, with their labels
-        try:
-            data = build_datamodule(checkpoint, args.ckpt_path)
-        except CheckpointError as err:
-            print(f"error: {err}; give images to explain with --input_dir or --image", file=sys.stderr)
-            return 2
         data.setup("test")
         batch = [data.test_set[i] for i in range(min(args.num_images, len(data.test_set)))]
         x, labels = torch.stack([b[0] for b in batch]), [int(b[1]) for b in batch]
         files = [f"test image {i}" for i in range(len(batch))]
 
-    maps = {}
+    backbone, maps = model.backbone, {}
     for method in methods:
         explains_target = target is not None and method in CLASS_METHODS
         column = f"{method}: {model.class_names[target]}" if explains_target else method
@@ -108,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     figure.savefig(args.out, dpi=80)
     print(f"wrote {args.out}: {len(x)} images x {len(methods)} methods")
     return 0
+
+
+class Prepared(NamedTuple):
+    """What `prepare` hands `explain`."""
+
+    model: ImageClassifier
+    transform: v2.Compose
+    checkpoint: dict
+    methods: list[str]
+    target: int | None
+    data: L.LightningDataModule | None  # the checkpoint's data module when no image is given
 
 
 def parse_methods(text: str) -> list[str]:

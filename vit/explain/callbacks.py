@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int
 from vit.explain.plot import rollout_grid
-from vit.explain.relevance import ATTENTION_METHODS, METHODS, Method, has_attention, relevance
+from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
 from vit.training.dashboard import figure_to_array, log_image
@@ -29,8 +29,8 @@ class RolloutImages(L.Callback):
     column per method in `methods`, computed with `vit.explain.relevance.relevance` on the backbone
     (`pl_module.backbone`, else the module itself), whatever its `pool`, and drawn min-max scaled.
 
-    Backbones without attention layers or `patch_embed` (the CNN) are skipped with a single
-    warning.
+    Methods the backbone cannot run (the attention methods on the CNN: `usable_methods`) are left
+    out with a single warning; a backbone that can run none of them logs nothing.
 
     Args:
         every_n_epochs: log after epochs n, 2n, ... and after the last epoch (`max_epochs`).
@@ -125,13 +125,15 @@ class RolloutImages(L.Callback):
             return
         model = getattr(pl_module, "backbone", pl_module)
         self._model_names = getattr(pl_module, "class_names", None)
-        if not has_attention(model):
-            if not self._warned:
-                rank_zero_warn(
-                    f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, "
-                    "so no rollout images are logged for it."
-                )
-                self._warned = True
+        usable = usable_methods(model, self.methods, skip=True)
+        if len(usable) < len(self.methods) and not self._warned:
+            left_out = [m for m in self.methods if m not in usable]
+            rank_zero_warn(
+                f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, so "
+                + (f"{left_out} are left out." if usable else "no rollout images are logged for it.")
+            )
+            self._warned = True
+        if not usable:
             return
         with trainer.precision_plugin.forward_context():  # autocast as in validation, if any
             figure = self.render(model, trainer.precision_plugin.convert_input(self.images))
@@ -152,7 +154,7 @@ class RolloutImages(L.Callback):
             METHOD_TITLES.get(method, method): relevance(
                 model, x, method, **(rollout_options if method == "rollout" else {})
             ).cpu()
-            for method in self.methods
+            for method in usable_methods(model, self.methods, skip=True)
         }
         with torch.no_grad():
             probs = model(x).float().softmax(-1).cpu()  # (B, num_classes)
@@ -205,8 +207,9 @@ class RelevanceScores(L.Callback):
         x = torch.stack([val[i][0] for i in range(n)]).to(pl_module.device)
         masks = torch.stack([val.circle_mask(i) for i in range(n)])
         model = getattr(pl_module, "backbone", pl_module)
+        usable = usable_methods(model, self.methods, skip=True)
         for method in self.methods:
-            if method in ATTENTION_METHODS and not has_attention(model):
+            if method not in usable:
                 self._warn_once(method, f"RelevanceScores: {type(model).__name__} has no attention layers; '{method}' is skipped.")
                 continue
             maps = relevance(model, x, method).cpu()

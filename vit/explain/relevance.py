@@ -31,7 +31,7 @@ are functions of tensors in `vit.explain.rollout`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal, get_args
 
 import numpy as np
@@ -106,6 +106,25 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
 def has_attention(model: nn.Module) -> bool:
     """Whether `model` has what the attention methods read: layers `record_attention` records, and `patch_embed`."""
     return hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())
+
+
+def usable_methods(model: nn.Module, requested: Sequence[str], *, skip: bool = False,
+                   option: str = "method=") -> list[str]:
+    """The methods of `requested` that `model` can run, in order; `["all"]`: every method it can run.
+
+    An attention method (`ATTENTION_METHODS`) on a model without attention layers (the CNN) is a
+    `ValueError` naming it after `option` ("--method " on the command line) and saying what works
+    instead, or with `skip` is left out (the callbacks warn about what they leave out).
+    """
+    if list(requested) == ["all"]:
+        requested, skip = METHODS, True
+    attention = has_attention(model)
+    usable = [m for m in requested if m not in ATTENTION_METHODS or attention]
+    unusable = [m for m in requested if m not in usable]
+    if unusable and not skip:
+        raise ValueError(f"{option}{','.join(unusable)!r} needs a model with attention layers (a ViT); "
+                         f"{type(model).__name__} has none: use 'gradcam' or 'random'")
+    return usable
 
 
 def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int | None = None
@@ -249,9 +268,7 @@ def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None,
     if method not in CLASS_METHODS and target is not None:
         raise ValueError(f"target={target!r} applies to the class-specific methods {list(CLASS_METHODS)} only; "
                          f"method={method!r} is class-agnostic")
-    if method in ATTENTION_METHODS and not has_attention(model):
-        raise ValueError(f"method={method!r} needs a model with attention layers (a ViT); "
-                         f"{type(model).__name__} has none: use 'gradcam' or 'random'")
+    usable_methods(model, [method])
 
 
 def _target_score(logits: Tensor, target: Tensor | int | None) -> Tensor:

@@ -16,8 +16,10 @@ from vit.models.masks import attention_bias, to_additive
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
 # Scores that are a (rescaled) dot product of projected queries with keys, and so can run through
-# the fused `F.scaled_dot_product_attention` kernel. The additive forms cannot.
+# the fused `F.scaled_dot_product_attention` kernel: by option name, and by the module `build_score` makes
+# for them. The additive forms cannot.
 FUSED_SCORES = ("scaled_dot", "dot", "general")
+FUSED_SCORE_MODULES = (DotScore, GeneralScore)
 
 
 class Attention(nn.Module):
@@ -136,14 +138,30 @@ class Attention(nn.Module):
             bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=k.shape[2], mask=mask,
                                   key_mask=key_mask, causal=causal, device=q.device)
         dropout_p = self.attn_drop.p if self.training else 0.0
-        if self.recorder is None and self.attn_score in FUSED_SCORES:
-            out = attend_fused(q, k, v, self.score, bias, dropout_p=dropout_p)  # (B, H, M, d)
-        else:
-            out, weights = attend(q, k, v, self.score, bias, dropout_p=dropout_p)  # weights (B, H, M, N)
-            if self.recorder is not None:
-                self.recorder.append(weights)
+        out = attend_or_record(q, k, v, self.score, self.recorder, bias, dropout_p=dropout_p)  # (B, H, M, d)
         out = out.transpose(1, 2).reshape(B, M, H * self.head_dim)  # heads concatenated: (B, M, H * d)
         return self.proj_drop(self.proj(out))
+
+
+def attend_or_record(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score: nn.Module,
+    recorder: list[torch.Tensor] | None,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """`softmax(f(q, k) + M) v` `(B, H, M, d)` by the fused kernel where the score allows it (`attend_fused`),
+    else explicitly (`attend`); while `recorder` is a list (`vit.models.record_attention`), always explicitly,
+    the weights `(B, H, M, N)` appended to it."""
+    if recorder is None and isinstance(score, FUSED_SCORE_MODULES):
+        return attend_fused(q, k, v, score, bias, dropout_p=dropout_p)
+    out, weights = attend(q, k, v, score, bias, dropout_p=dropout_p)
+    if recorder is not None:
+        recorder.append(weights)
+    return out
 
 
 def attend(

@@ -3,7 +3,7 @@
 ``conv (k x k, stride s) -> BatchNorm -> ReLU`` layers, then global pooling and a head. By default
 global average pooling and a linear head, so the classifier sees a sum of local features and
 nothing else. The readout is an option, because it decides what a local view can do with a
-relation (docs/study.md):
+relation (studies/relation/README.md):
 
 * ``pool="avg"``, ``head="linear"`` (the default): the logit is a sum over units. If each unit sees
   one part, the score is additive over the parts, ``h(a) + h(b)``, and on same/different pairs no
@@ -46,8 +46,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from vit.checks import check_choice
-from vit.models.inputs import check_image_batch, to_2tuple
+from vit.checks import check_choice, check_size
+from vit.models.inputs import check_image_batch
 
 Padding = Literal["zero", "circular", "valid"]
 Pool = Literal["avg", "max"]
@@ -100,7 +100,7 @@ class ConvNet(nn.Module):
             raise ValueError(f"strides={strides!r} is not allowed: expected {len(widths)} ints >= 1, one per width")
         if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={kernel_size!r} is not allowed: expected an odd int >= 1")
-        self.img_size, self.in_chans, self.num_classes = to_2tuple(img_size), in_chans, num_classes
+        self.img_size, self.in_chans, self.num_classes = check_size("img_size", img_size), in_chans, num_classes
         self.widths, self.strides, self.kernel_size, self.padding = widths, strides, kernel_size, padding
         self.receptive_field = receptive_field((kernel_size,) * len(widths), strides)
         if padding == "valid":

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vit.models.inputs import check_image_batch, to_2tuple
+from vit.checks import check_size
+from vit.models.inputs import check_image_batch
 from vit.models.resnet import ResNet
 
 
@@ -21,7 +22,7 @@ def coord_channels(img_size: int | tuple[int, int], *, dtype: torch.dtype = torc
 
     `img_size` is a side or `(H, W)`; each axis is scaled by its own length, so both span [-1, 1].
     """
-    H, W = to_2tuple(img_size)
+    H, W = check_size("img_size", img_size)
     y = (torch.arange(H, dtype=dtype, device=device) + 0.5) / H * 2 - 1  # (H,)
     x = (torch.arange(W, dtype=dtype, device=device) + 0.5) / W * 2 - 1  # (W,)
     rows, cols = torch.meshgrid(y, x, indexing="ij")  # (H, W) each
@@ -45,12 +46,12 @@ class CoordConvResNet(nn.Module):
         blocks_per_stage: int = 1,
     ) -> None:
         super().__init__()
-        self.img_size = to_2tuple(img_size)  # (H, W)
+        self.img_size = check_size("img_size", img_size)  # (H, W)
         self.in_chans = in_chans
         self.num_classes = num_classes
-        self.resnet = ResNet(img_size=img_size, in_chans=in_chans + 2, num_classes=num_classes, widths=widths,
+        self.resnet = ResNet(img_size=self.img_size, in_chans=in_chans + 2, num_classes=num_classes, widths=widths,
                              blocks_per_stage=blocks_per_stage)
-        self.register_buffer("coords", coord_channels(img_size), persistent=False)  # (2, H, W)
+        self.register_buffer("coords", coord_channels(self.img_size), persistent=False)  # (2, H, W)
 
     def add_coords(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, C, H, W) -> (B, C + 2, H, W)`: the input followed by its row and column channels."""

@@ -8,7 +8,7 @@ import torch
 from timm.layers import AttentionPoolLatent
 from torch import nn
 
-from vit.models.attention import FUSED_SCORES, attend, attend_fused
+from vit.models.attention import attend_or_record
 from vit.models.scores import Score, build_score
 
 
@@ -40,12 +40,7 @@ class MAPHead(AttentionPoolLatent):
         q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, H, d).transpose(1, 2)  # (B, H, 1, d)
         k, v = self.kv(x).reshape(B, N, 2, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, d) each
         q, k = self.q_norm(q), self.k_norm(k)
-        if self.recorder is None and self.attn_score in FUSED_SCORES:
-            p = attend_fused(q, k, v, self.score)  # (B, H, 1, d)
-        else:
-            p, weights = attend(q, k, v, self.score)  # weights (B, H, 1, N)
-            if self.recorder is not None:
-                self.recorder.append(weights)
+        p = attend_or_record(q, k, v, self.score, self.recorder)  # (B, H, 1, d); recorded: weights (B, H, 1, N)
         p = self.proj_drop(self.proj(p.transpose(1, 2).reshape(B, 1, H * d)))  # the probe's reading: (B, 1, D)
         p = p + self.mlp(self.norm(p))  # (B, 1, D)
         return p[:, 0]

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from vit.checks import check_size
-
-
-def to_2tuple(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    """`(H, W)` from a side or a pair; a pair of anything but two ints >= 1 is an error naming it."""
-    return check_size("img_size", img_size, 1)
-
 
 def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: tuple[int, int],
                       dtype: torch.dtype | None = None) -> None:
     """Raise a ValueError naming what was expected and what came when `x` does not fit the model.
 
-    `img_size` is `(H, W)`, as the models store it (converted once, in their constructors, by `to_2tuple`).
+    `img_size` is `(H, W)`, as the models store it (converted once, in their constructors, by
+    `vit.checks.check_size`).
 
     `dtype` is the weights' dtype: inputs must have it, except under autocast, which casts them
     (Lightning's `bf16-mixed` keeps float32 inputs and autocasts the layers).

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vit.models.inputs import check_image_batch, to_2tuple
+from vit.checks import check_size
+from vit.models.inputs import check_image_batch
 
 
 class BasicBlock(nn.Module):
@@ -55,7 +56,7 @@ class ResNet(nn.Module):
                             ("blocks_per_stage", blocks_per_stage)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
-        self.img_size = to_2tuple(img_size)  # (H, W)
+        self.img_size = check_size("img_size", img_size)  # (H, W)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.stem = nn.Sequential(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -10,7 +9,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn.init import trunc_normal_
 
-from vit.checks import check_choice, check_float, check_int
+from vit.checks import check_choice, check_float, check_int, check_size
 from vit.models.block import Block
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
@@ -19,11 +18,8 @@ from vit.models.pretrained import check_layout, load_pretrained
 from vit.models.scores import Score
 
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
-MAX_WIDTH, MAX_DEPTH, MAX_MLP_RATIO, MAX_REG_TOKENS = 65536, 1024, 64.0, 1024
 Pool = Literal["cls", "mean", "map"]
-Stem = Literal["patch", "conv"]
-QKInit = Literal["normal", "mimetic"]
-MIMETIC_ALPHA, MIMETIC_BETA = 0.7, 0.7  # W_q^T W_k = alpha Z + beta I at init (qk_init="mimetic")
+MAX_WIDTH, MAX_DEPTH, MAX_MLP_RATIO, MAX_REG_TOKENS = 65536, 1024, 64.0, 1024
 
 
 class VisionTransformer(nn.Module):
@@ -35,54 +31,59 @@ class VisionTransformer(nn.Module):
     loads strictly and gives the same features and logits, so timm checkpoints can be brought in.
 
     Tokens: `[CLS] [registers] [patches]`, `num_prefix_tokens` = (1 with a CLS token) + `reg_tokens`.
-
-    Pooling (`pool`), how the token sequence becomes one vector for the head:
-      - `"cls"`: a learned CLS token is prepended (token 0) and read out after the last block.
-      - `"mean"`: no CLS token; the average of the patch tokens (registers left out).
-      - `"map"`: no CLS token; a learned query cross-attends to the patch tokens (`MAPHead`, timm's
-        `AttentionPoolLatent`).
-    The final LayerNorm sits before the pooling (`norm`, on every token) or after it (`fc_norm`, on
-    the pooled vector), as timm's `fc_norm` says: by default after for "mean" (timm's
-    `global_pool="avg"`), before for "cls" and "map". The unused one is an `nn.Identity` without
-    parameters, as in timm. `pool="mean", fc_norm=False` normalises every token, then averages
-    (timm's `global_pool="avg", fc_norm=False`): the only mean pooling before `fc_norm` existed,
-    kept by the relation study's configs.
-
-    Registers (`reg_tokens`; Darcet et al. 2024, "Vision Transformers Need Registers"): learned
-    tokens after the CLS token that every token may attend to and that nothing reads out: extra
-    room for global computation, so that patch tokens are not taken over for it.
-
-    Position encodings (`pos_embed`), one per token that has a position: every token, or with
-    `no_embed_class=True` (timm's name; its register models use it) the patches only, the CLS token
-    and registers then having none:
-      - `"learned"`: a parameter `(1, N, D)`; the CLS token and registers have their own positions
-        unless `no_embed_class`.
-      - `"sincos1d"`: the fixed sin/cos encoding over the token index: position 0 is the first token
-        that has a position, the patches follow row-major.
-      - `"sincos2d"`: the fixed 2-D encoding over (patch row, patch column); the prefix tokens sit
-        outside the grid and get the zero vector, i.e. no position.
-      - `"none"`: no position information at all (an ablation: the encoder is then permutation
-        equivariant over patches).
-    Fixed encodings are non-persistent buffers: they are not learned and not in the state dict.
-    `pos_scale` multiplies a fixed table (1: as published, entries of RMS 0.71; the patch embedding's
-    output starts near 0.1, so at init the tokens are then mostly position).
-
-    Args use timm's names. `drop_rate` is dropout before the head (as in timm),
-    `proj_drop_rate` dropout after the attention projection and in the MLP, `attn_drop_rate`
-    dropout on the attention weights, `drop_path_rate` the stochastic-depth rate of the last
-    block (rising linearly from 0 in the first). `attn_score` picks the score function `f(q, k)`
-    of every attention layer (`vit.models.scores`), `score_dim` the hidden width d_a of the
-    additive forms. `pretrained`: weights to start from, a timm model name, a hub id or a local file,
-    adapted to this config (`vit.models.pretrained`).
-
     timm's model API is there too: `forward_intermediates`, `get_classifier`, `reset_classifier`,
-    `set_grad_checkpointing`, `num_features`. Non-square images: `img_size=(H, W)`; the patch grid is
-    then `(H / P, W / P)` and every position encoding follows it.
+    `set_grad_checkpointing`, `num_features`.
+
+    The options, by what they are (timm's names wherever timm has the option):
+
+    Shape. `img_size` is the side of a square image or `(H, W)`; the patch grid is then
+    `(H / P, W / P)` for `patch_size` P, and every position encoding follows it. `embed_dim`, `depth`,
+    `num_heads` and `mlp_ratio` (the MLP's hidden width over `embed_dim`) size the encoder.
+
+    timm's layout.
+      - `pool`, how the token sequence becomes one vector for the head: `"cls"`, a learned CLS token
+        prepended (token 0) and read out after the last block; `"mean"`, no CLS token, the average of
+        the patch tokens (registers left out); `"map"`, no CLS token, a learned query cross-attending
+        to the patch tokens (`MAPHead`, timm's `AttentionPoolLatent`).
+      - `fc_norm`: the final LayerNorm sits before the pooling (`norm`, on every token) or after it
+        (`fc_norm`, on the pooled vector); by default after for "mean" (timm's `global_pool="avg"`),
+        before for "cls" and "map". The unused one is an `nn.Identity` without parameters, as in timm.
+        `pool="mean", fc_norm=False` normalises every token, then averages (timm's
+        `global_pool="avg", fc_norm=False`): the only mean pooling before `fc_norm` existed, kept by
+        the relation study's configs.
+      - `reg_tokens` (Darcet et al. 2024, "Vision Transformers Need Registers"): learned tokens after
+        the CLS token that every token may attend to and that nothing reads out: extra room for
+        global computation, so that patch tokens are not taken over for it.
+      - `no_embed_class`: positions for the patches only, the CLS token and registers having none
+        (timm's register models use it); otherwise every token has one.
+      - `qkv_bias`, `qk_norm` (a LayerNorm on each head's queries and keys).
+      - `pos_embed="learned"`: a parameter `(1, N, D)`, timm's position table.
+
+    Regularisation. `drop_rate` is dropout before the head (as in timm), `proj_drop_rate` dropout after
+    the attention projection and in the MLP, `attn_drop_rate` dropout on the attention weights,
+    `drop_path_rate` the stochastic-depth rate of the last block (rising linearly from 0 in the first).
+
+    This project's.
+      - `attn_score`: the score function `f(q, k)` of every attention layer (`vit.models.scores`);
+        `score_dim` the hidden width d_a of the additive forms.
+      - `pos_embed`'s fixed encodings, non-persistent buffers (not learned, not in the state dict):
+        `"sincos1d"`, the sin/cos encoding over the token index (position 0 is the first token that
+        has a position, the patches follow row-major); `"sincos2d"`, the 2-D encoding over (patch row,
+        patch column), the prefix tokens sitting outside the grid with the zero vector; `"none"`, no
+        position information at all (an ablation: the encoder is then permutation equivariant over
+        patches). `pos_scale` multiplies a fixed table (1: as published, entries of RMS 0.71; the
+        patch embedding's output starts near 0.1, so at init the tokens are then mostly position).
+      - `qk_init_std`: the init std of the query and key projections (`init_weights`).
+      - `patch_kernel`: overlapping patches, a window wider than the patch (`PatchEmbed`).
+
+    Weights. `pretrained`: weights to start from, a timm model name, a hub id or a local file, adapted
+    to this config (`vit.models.pretrained`).
     """
 
     def __init__(
         self,
         *,
+        # Shape.
         img_size: int | tuple[int, int] = 32,
         patch_size: int = 4,
         in_chans: int = 3,
@@ -91,53 +92,34 @@ class VisionTransformer(nn.Module):
         depth: int = 6,
         num_heads: int = 3,
         mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        qk_norm: bool = False,
-        qk_init_std: float = 0.02,
-        qk_init: QKInit = "normal",
-        patch_kernel: int | None = None,
-        stem: Stem = "patch",
-        drop_rate: float = 0.0,
-        proj_drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.0,
-        pos_embed: PosEmbed = "learned",
-        pos_scale: float = 1.0,
+        # timm's layout.
         pool: Pool = "cls",
         fc_norm: bool | None = None,
         reg_tokens: int = 0,
         no_embed_class: bool = False,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        pos_embed: PosEmbed = "learned",
+        # Regularisation.
+        drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        # This project's.
         attn_score: Score = "scaled_dot",
         score_dim: int = 16,
+        pos_scale: float = 1.0,
+        qk_init_std: float = 0.02,
+        patch_kernel: int | None = None,
+        # Weights.
         pretrained: str | None = None,
     ) -> None:
         super().__init__()
-        check_choice("pos_embed", pos_embed, PosEmbed)
-        check_float("pos_scale", pos_scale, 0.0, 100.0, low_open=True)
-        if pos_scale != 1.0 and not pos_embed.startswith("sincos"):
-            raise ValueError(f"pos_scale={pos_scale!r} is not allowed with pos_embed={pos_embed!r}: it scales the "
-                             "fixed tables only (sincos1d, sincos2d)")
-        check_choice("pool", pool, Pool)
-        check_choice("stem", stem, Stem)
-        # Upper bounds far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo
-        # fails here instead of allocating for hours.
-        check_int("embed_dim", embed_dim, 1, MAX_WIDTH)
-        check_int("num_heads", num_heads, 1, embed_dim)
-        check_int("depth", depth, 1, MAX_DEPTH)
-        check_float("mlp_ratio", mlp_ratio, 0.0, MAX_MLP_RATIO, low_open=True)
-        check_int("score_dim", score_dim, 1, MAX_WIDTH)
-        check_int("reg_tokens", reg_tokens, 0, MAX_REG_TOKENS)
-        for name, value in (("fc_norm", fc_norm), ("no_embed_class", no_embed_class)):
-            if not isinstance(value, bool) and not (name == "fc_norm" and value is None):
-                raise ValueError(f"{name}={value!r} is not allowed: expected true or false")
-        check_float("qk_init_std", qk_init_std, 0.0, 10.0, low_open=True)
-        check_choice("qk_init", qk_init, QKInit)
-        self.qk_init_std, self.qk_init = qk_init_std, qk_init
-        for name, value in (("num_classes", num_classes), ("in_chans", in_chans)):
-            check_int(name, value, 1)
-        for name, value in (("drop_rate", drop_rate), ("proj_drop_rate", proj_drop_rate),
-                            ("attn_drop_rate", attn_drop_rate), ("drop_path_rate", drop_path_rate)):
-            check_float(name, value, 0.0, 1.0, high_open=True)
+        _check_args(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, in_chans=in_chans,
+                    num_classes=num_classes, pool=pool, fc_norm=fc_norm, reg_tokens=reg_tokens,
+                    no_embed_class=no_embed_class, pos_embed=pos_embed, pos_scale=pos_scale, score_dim=score_dim,
+                    qk_init_std=qk_init_std, drop_rate=drop_rate, proj_drop_rate=proj_drop_rate,
+                    attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
         self.num_classes = num_classes
         self.embed_dim = self.num_features = embed_dim  # timm's name for the width the head reads
         self.pos_embed_type = pos_embed
@@ -145,9 +127,10 @@ class VisionTransformer(nn.Module):
         self.use_fc_norm = pool == "mean" if fc_norm is None else fc_norm
         self.num_reg_tokens, self.no_embed_class = reg_tokens, no_embed_class
         self.num_prefix_tokens = (1 if pool == "cls" else 0) + reg_tokens  # the CLS token if any, then the registers
+        self.qk_init_std = qk_init_std
 
-        self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
-                                      kernel_size=patch_kernel, stem=stem)
+        self.patch_embed = PatchEmbed(img_size=check_size("img_size", img_size), patch_size=patch_size,
+                                      in_chans=in_chans, embed_dim=embed_dim, kernel_size=patch_kernel)
         num_patches = self.patch_embed.num_patches
         unplaced = self.num_prefix_tokens if no_embed_class else 0  # prefix tokens without a position
         num_placed = self.num_prefix_tokens + num_patches - unplaced  # the tokens that have one
@@ -206,12 +189,7 @@ class VisionTransformer(nn.Module):
         attention logits start with a std of about 0.02 at width 64: every row is near uniform, and
         each token reads the average of all the others. At `1 / sqrt(embed_dim)` a query's entries
         have unit variance (its input is layer-normalised), so the scaled logits start with a std of
-        about 1: attention depends on content from the first step. `qk_init="mimetic"` (after
-        Trockman & Kolter 2023, "Mimetic initialization of self-attention layers") sets the query
-        and key projections so that `W_q^T W_k = alpha Z + beta I` (Z Gaussian with std
-        1/sqrt(D), alpha = beta = 0.7): each token's query then matches keys of tokens like
-        itself, so from the first step tokens read similar tokens (ink reads ink) rather than the
-        average of all.
+        about 1: attention depends on content from the first step.
         """
         if isinstance(self.pos_embed, nn.Parameter):
             trunc_normal_(self.pos_embed, std=0.02)
@@ -223,15 +201,7 @@ class VisionTransformer(nn.Module):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        if self.qk_init == "mimetic":
-            width = self.embed_dim
-            for block in self.blocks:
-                z = torch.randn(width, width) / math.sqrt(width)
-                u, s, vh = torch.linalg.svd(MIMETIC_ALPHA * z + MIMETIC_BETA * torch.eye(width))
-                qkv = block.attn.qkv.weight.data  # (3 * D, D): rows of W_q, then W_k, then W_v
-                qkv[:width] = (u * s.sqrt()).T  # W_q = sqrt(S) U^T
-                qkv[width:2 * width] = s.sqrt()[:, None] * vh  # W_k = sqrt(S) V^T, so W_q^T W_k = U S V^T
-        elif self.qk_init_std != 0.02:
+        if self.qk_init_std != 0.02:
             for block in self.blocks:
                 qkv = block.attn.qkv.weight  # (3 * D, D): the q rows, then k, then v
                 trunc_normal_(qkv.data[: 2 * qkv.shape[0] // 3], std=self.qk_init_std)
@@ -338,6 +308,38 @@ class VisionTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits `(B, num_classes)`. Attention maps: `with vit.models.record_attention(model) as maps`."""
         return self.forward_head(self.forward_features(x))
+
+
+def _check_args(*, embed_dim, depth, num_heads, mlp_ratio, in_chans, num_classes, pool, fc_norm, reg_tokens,
+                no_embed_class, pos_embed, pos_scale, score_dim, qk_init_std, drop_rate, proj_drop_rate,
+                attn_drop_rate, drop_path_rate) -> None:
+    """Raise `ValueError` naming the first of `VisionTransformer`'s options that is not allowed, and what is.
+
+    Upper bounds far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo fails here
+    instead of allocating for hours. `img_size` and the patch options are checked where they are used
+    (`check_size`, `PatchEmbed`).
+    """
+    check_choice("pos_embed", pos_embed, PosEmbed)
+    check_float("pos_scale", pos_scale, 0.0, 100.0, low_open=True)
+    if pos_scale != 1.0 and not pos_embed.startswith("sincos"):
+        raise ValueError(f"pos_scale={pos_scale!r} is not allowed with pos_embed={pos_embed!r}: it scales the "
+                         "fixed tables only (sincos1d, sincos2d)")
+    check_choice("pool", pool, Pool)
+    check_int("embed_dim", embed_dim, 1, MAX_WIDTH)
+    check_int("num_heads", num_heads, 1, embed_dim)
+    check_int("depth", depth, 1, MAX_DEPTH)
+    check_float("mlp_ratio", mlp_ratio, 0.0, MAX_MLP_RATIO, low_open=True)
+    check_int("score_dim", score_dim, 1, MAX_WIDTH)
+    check_int("reg_tokens", reg_tokens, 0, MAX_REG_TOKENS)
+    for name, value in (("fc_norm", fc_norm), ("no_embed_class", no_embed_class)):
+        if not isinstance(value, bool) and not (name == "fc_norm" and value is None):
+            raise ValueError(f"{name}={value!r} is not allowed: expected true or false")
+    check_float("qk_init_std", qk_init_std, 0.0, 10.0, low_open=True)
+    for name, value in (("num_classes", num_classes), ("in_chans", in_chans)):
+        check_int(name, value, 1)
+    for name, value in (("drop_rate", drop_rate), ("proj_drop_rate", proj_drop_rate),
+                        ("attn_drop_rate", attn_drop_rate), ("drop_path_rate", drop_path_rate)):
+        check_float(name, value, 0.0, 1.0, high_open=True)
 
 
 def _check_layout_hook(module: VisionTransformer, state_dict: dict, prefix: str, *args) -> None:

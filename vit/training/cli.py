@@ -32,7 +32,7 @@ from vit.training.checkpointing import (
 )
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.predictions import PredictionWriter, check_topk
-from vit.training.rebuild import check_hyperparameters
+from vit.training.rebuild import check_hyperparameters, current_hyperparameters
 from vit.training.preflight import (
     ConfigError,
     check_checkpoint,
@@ -108,6 +108,7 @@ class ViTCLI(LightningCLI):
         # `test` prints `format_test_results` (per class, by name) instead of Lightning's table; --verbose true adds the table.
         parser.set_defaults({"test.verbose": False})
         super().parse_arguments(parser, args)
+        self._checkpoint_hparams: dict | None = None  # what `_parse_ckpt_path` merges into the config
         # Before LightningCLI reads the checkpoint's hyperparameters into the config (it loads the
         # file right after parsing): resolve `last`, and fail with a message on an unreadable file.
         subcommand = self.config.get("subcommand")
@@ -130,8 +131,25 @@ class ViTCLI(LightningCLI):
                 # LightningCLI parses the checkpoint's hyperparameters into the config next, and jsonargparse
                 # builds every class path it meets: only this project's classes and plain values get that far.
                 check_hyperparameters(checkpoint)
+                self._checkpoint_hparams = current_hyperparameters(checkpoint, config.ckpt_path)
                 for line in check_given_config(subcommand, config, checkpoint, ImageClassifier, config.ckpt_path):
                     rank_zero_warn(f"--ckpt_path {config.ckpt_path}: the checkpoint's value is used for {line}")
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI's own merge of the checkpoint's hyperparameters into the config (the same steps)
+        # reads the file again, and refuses one that records an option the model no longer has; this one
+        # merges what `parse_arguments` read and checked, as today's classes take it.
+        hparams = dict(self._checkpoint_hparams or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
 
     def instantiate_classes(self) -> None:
         # Constructors (ours and the Trainer's) check their arguments and raise ValueError or

@@ -1,9 +1,10 @@
-"""Predictions on new images: a checkpoint's model and input transform, and the CSV its predictions are written to.
+"""Predictions on new images: a checkpoint's input transform, and the CSV its predictions are written to.
 
 The CSV has one row per image: `file`, `class_name`, `class_index`, `probability` (the softmax of the
 best class); with `topk=K` the next classes follow as `class_name_2`, `class_index_2`,
 `probability_2`, ... up to K. `vit.predict` writes it for a folder of files, `PredictionWriter` for
-`train.py predict`; `vit.explain` loads its model the same way.
+`train.py predict`; both commands that read images (`vit.predict`, `vit.explain`) take their transform from
+`inference_transform`.
 
 The `file` and `class_name` cells are made safe to open in a spreadsheet (`csv_text`): a name that is
 not valid UTF-8 is written with backslash escapes (`caf\\xff.png`, the byte 0xFF), and one that
@@ -30,16 +31,6 @@ from vit.checks import check_int
 from vit.data.files import text_name
 from vit.data.image_folder import build_transform
 from vit.training.checkpointing import CheckpointError
-from vit.training.classifier import ImageClassifier
-from vit.training.rebuild import open_checkpoint
-
-
-def load_for_prediction(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, v2.Compose, bool]:
-    """The model (eval mode, CPU) of a checkpoint (a path or URL), the input transform it records, and whether it
-    records class names (without them `model.class_names` are the indices). Opened by `vit.training.rebuild`:
-    nothing but this project's classes is built, and nothing is fetched but the checkpoint itself."""
-    model, inputs, checkpoint = open_checkpoint(ckpt_path)
-    return model, inference_transform(inputs), "class_names" in checkpoint
 
 
 def inference_transform(inputs: dict) -> v2.Compose:

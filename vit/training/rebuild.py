@@ -26,8 +26,9 @@ depend on a file of the machine it was trained on. The data module is not rebuil
 either: `inputs` says the image size, channels, normalisation and interpolation, so an image-folder
 checkpoint works without its training folder.
 
-`train.py --ckpt_path` goes through the same check (`check_hyperparameters`) before LightningCLI
-merges the checkpoint's hyperparameters into the config.
+`train.py --ckpt_path` goes through the same check (`check_hyperparameters`), and merges the
+checkpoint's hyperparameters into the config as today's classes take them (`current_hyperparameters`:
+an option the model no longer has, recorded at the value that is now the only one, is left out).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def _public_classes(package, base: type) -> dict[str, type]:
 
 BACKBONES = _public_classes(vit.models, nn.Module)
 DATA_MODULES = _public_classes(vit.data, L.LightningDataModule)
+# Options `VisionTransformer` no longer has (the recipe screen tried them and dropped them), with the value every
+# checkpoint written while it had them records unless the run chose otherwise: at that value the model is the
+# one built today, so the option is left out; at another, the model cannot be rebuilt.
+RETIRED_OPTIONS = {"stem": "patch", "qk_init": "normal"}
 
 
 def check_plain(value: Any, key: str) -> None:
@@ -140,6 +145,24 @@ def check_hyperparameters(checkpoint: Mapping) -> None:
             check_plain(checkpoint[key], key)
 
 
+def current_hyperparameters(checkpoint: Mapping, source: str) -> dict:
+    """The checkpoint's `hyper_parameters` as today's classes take them: a `RETIRED_OPTIONS` entry at its old
+    default left out of a `VisionTransformer`'s arguments; at another value, a `CheckpointError` naming it."""
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    spec = hparams.get("backbone")
+    if not isinstance(spec, Mapping) or BACKBONES.get(spec.get("class_path")) is not vit.models.VisionTransformer:
+        return hparams
+    init_args = dict(spec.get("init_args") or {})
+    for name, default in RETIRED_OPTIONS.items():
+        value = init_args.pop(name, default)
+        if value != default:
+            raise CheckpointError(f"checkpoint {source}: its backbone was built with {name}={value!r}, an option the "
+                                  f"recipe screen tried and VisionTransformer no longer has; only {name}={default!r} "
+                                  "(the model as it is now) can be rebuilt")
+    hparams["backbone"] = {**spec, "init_args": init_args}
+    return hparams
+
+
 def _call(cls: type, kwargs: Mapping, what: str, source: str):
     """`cls(**kwargs)`, with a wrong or unknown argument reported as a `CheckpointError` naming `what`."""
     accepted = inspect.signature(cls).parameters
@@ -156,7 +179,7 @@ def _call(cls: type, kwargs: Mapping, what: str, source: str):
 
 def build_backbone(checkpoint: Mapping, source: str) -> nn.Module:
     """The checkpoint's backbone, untrained: its class and arguments, `pretrained` left out (see the module doc)."""
-    spec = (checkpoint.get("hyper_parameters") or {}).get("backbone")
+    spec = current_hyperparameters(checkpoint, source).get("backbone")
     if not isinstance(spec, Mapping):
         raise CheckpointError(f"checkpoint {source} does not record its backbone (it was not trained with train.py), "
                               "so the model cannot be rebuilt from it")

@@ -1,0 +1,1 @@
+"""Which relevance method to trust: every method scored on two-circles, where the circles are known (README.md)."""

@@ -1,0 +1,170 @@
+"""Does attention carry the relation? Block attention between the two strokes at test time and measure.
+
+    python -m studies.recipe.attention_blocking --ckpt_paths runs/same_different/vit/version_*/checkpoints/step*.ckpt \
+        --out_dir studies/recipe/results/same_different/attention_blocking --name recipe
+
+For each trained ViT (a `same_different` checkpoint written by `train.py`) and each test image, the
+tokens that *see* stroke A are those whose receptive window in the patch embedding (found by
+gradients, so it holds for overlapping patches and convolutional stems) touches one of A's ink
+pixels; likewise for B. Then, in every attention layer at once (`vit.models.masks.mask_attention`):
+
+* `none`: nothing blocked (the model's own accuracy);
+* `cross`: A's tokens may not attend to B's, nor B's to A's;
+* `random`: as many (query, key) pairs as `cross` blocks in that image, drawn at random among all
+  pairs of distinct tokens (the control for blocking that many pairs);
+* `within`: each stroke's tokens may not attend to the other tokens of the same stroke;
+* `isolate`: B's tokens attend only to each other, and no other token attends to them: B's
+  information never leaves B's tokens and nothing enters them, so no token ever holds both
+  strokes (the mean pooling then adds a part that knows A to a part that knows B);
+* `isolate_random`: the same for as many tokens that see neither stroke (its control);
+* `self_only`: every token attends only to itself, which makes the model a bag of local
+  features (no token ever reads another).
+
+Images where a token sees both strokes (they lie closer than a receptive window) are left out:
+there the relation can be read by the patch embedding alone. The accuracy of each condition on the
+remaining test images goes to `<out_dir>/runs.csv`, one row per checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from vit.checks import check_size
+from vit.data.same_different import make_shapes, render
+from vit.models.masks import mask_attention
+from vit.training.checkpointing import CheckpointError
+from vit.training.rebuild import build_datamodule, open_checkpoint
+
+CONDITIONS = ("none", "cross", "random", "within", "isolate", "isolate_random", "self_only")
+
+
+def receptive_windows(model, img_size: int | tuple[int, int], in_chans: int) -> torch.Tensor:
+    """`(num_patches, H, W)` bool: the pixels each token's patch embedding reads (nonzero gradient)."""
+    embed = model.patch_embed
+    return _windows(embed, img_size, in_chans)
+
+
+@torch.enable_grad()
+def _windows(embed, img_size: int | tuple[int, int], in_chans: int) -> torch.Tensor:
+    was_training = embed.training
+    embed.eval()
+    x = torch.randn(1, in_chans, *check_size("img_size", img_size), dtype=torch.float64, requires_grad=True)
+    embed64 = embed.double()
+    tokens = embed64(x)[0]  # (N, D)
+    windows = []
+    for t in range(tokens.shape[0]):
+        (grad,) = torch.autograd.grad(tokens[t].sum(), x, retain_graph=True)
+        windows.append(grad[0].abs().sum(0) > 0)
+    embed.float().train(was_training)
+    return torch.stack(windows)
+
+
+def stroke_tokens(windows: torch.Tensor, positions: torch.Tensor, shape_ids: torch.Tensor,
+                  img_size: int | tuple[int, int]) -> torch.Tensor:
+    """`(n, 2, num_patches)` bool: for each image and stroke, the tokens whose window touches its ink."""
+    shapes = make_shapes()
+    out = []
+    for k in range(2):
+        ink = torch.from_numpy(render(positions[:, k:k + 1].repeat(1, 2, 1).numpy(),
+                                      shape_ids[:, k:k + 1].repeat(1, 2).numpy(), shapes, img_size)) > 0
+        out.append((ink[:, None] & windows[None]).flatten(2).any(-1))  # (n, N)
+    return torch.stack(out, 1)
+
+
+def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: torch.Generator) -> torch.Tensor:
+    """`(n, 1, T, T)` bool, True where a query may attend to a key, T = prefix + num_patches tokens."""
+    n, _, num_patches = sees.shape
+    a, b = sees[:, 0], sees[:, 1]  # (n, N)
+    eye = torch.eye(num_patches, dtype=torch.bool)
+    if condition == "none":
+        blocked = torch.zeros(n, num_patches, num_patches, dtype=torch.bool)
+    elif condition == "cross":
+        blocked = (a[:, :, None] & b[:, None, :]) | (b[:, :, None] & a[:, None, :])
+    elif condition == "within":
+        blocked = ((a[:, :, None] & a[:, None, :]) | (b[:, :, None] & b[:, None, :])) & ~eye
+    elif condition in ("isolate", "isolate_random"):
+        group = b
+        if condition == "isolate_random":
+            group = torch.zeros_like(b)
+            for i, count in enumerate(b.sum(1).tolist()):
+                free = (~(a[i] | b[i])).nonzero().squeeze(1)
+                group[i, free[torch.randperm(len(free), generator=generator)[:count]]] = True
+        blocked = group[:, :, None] ^ group[:, None, :]  # in the group to outside it, and outside to in
+    elif condition == "self_only":
+        blocked = ~eye.expand(n, -1, -1)
+    elif condition == "random":
+        cross = (a[:, :, None] & b[:, None, :]) | (b[:, :, None] & a[:, None, :])
+        blocked = torch.zeros(n, num_patches * num_patches, dtype=torch.bool)
+        off_diagonal = (~eye).flatten().nonzero().squeeze(1)
+        for i, count in enumerate(cross.flatten(1).sum(1).tolist()):
+            chosen = off_diagonal[torch.randperm(len(off_diagonal), generator=generator)[:count]]
+            blocked[i, chosen] = True
+        blocked = blocked.view(n, num_patches, num_patches)
+    else:
+        raise ValueError(f"condition={condition!r} is not allowed: expected one of {list(CONDITIONS)}")
+    allowed = torch.ones(n, prefix + num_patches, prefix + num_patches, dtype=torch.bool)
+    allowed[:, prefix:, prefix:] = ~blocked
+    return allowed[:, None]
+
+
+@torch.no_grad()
+def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 250) -> dict[str, float]:
+    """Test accuracy of one checkpoint under each condition, on the images whose strokes no token sees both of."""
+    classifier, _, checkpoint = open_checkpoint(ckpt_path)
+    model = classifier.backbone
+    data = build_datamodule(checkpoint, str(ckpt_path))
+    data.setup("test")
+    test = data.test_set
+    windows = receptive_windows(model, test.img_size, test.in_chans)
+    sees = stroke_tokens(windows, test.positions, test.shape_ids, test.img_size)
+    separate = ~(sees[:, 0] & sees[:, 1]).any(1)
+    x, y, sees = test.images[separate], test.labels[separate], sees[separate]
+    generator = torch.Generator().manual_seed(seed)
+    config = Path(ckpt_path).resolve().parents[1] / "config.yaml"  # the run folder's resolved config
+    seed_everything = yaml.safe_load(config.read_text()).get("seed_everything", "") if config.exists() else ""
+    result = {"ckpt_path": str(ckpt_path), "seed_everything": seed_everything,
+              "images": int(separate.sum()), "left_out": int((~separate).sum())}
+    for condition in CONDITIONS:
+        correct = 0
+        for i in range(0, len(y), batch_size):
+            allowed = allowed_pairs(condition, sees[i:i + batch_size], model.num_prefix_tokens, generator)
+            with mask_attention(model, allowed):
+                correct += (model(x[i:i + batch_size]).argmax(-1) == y[i:i + batch_size]).sum().item()
+        result[condition] = round(correct / len(y), 4)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m studies.recipe.attention_blocking",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt_paths", nargs="+", required=True, help="same_different ViT checkpoints of train.py")
+    parser.add_argument("--out_dir", required=True, type=Path)
+    parser.add_argument("--name", default="", help="a label for these checkpoints in the CSV (e.g. the recipe)")
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out_dir / "runs.csv"
+    columns = ["name", "ckpt_path", "seed_everything", "images", "left_out", *CONDITIONS]
+    for ckpt_path in args.ckpt_paths:
+        try:
+            row = {"name": args.name, **blocking_accuracies(ckpt_path)}
+        except CheckpointError as err:  # the rows of the checkpoints before it are kept
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        new = not csv_path.exists()
+        with csv_path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        print(" ".join(f"{k}={row[k]}" for k in ("name", "images", *CONDITIONS)), ckpt_path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

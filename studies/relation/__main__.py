@@ -1,0 +1,138 @@
+"""The relation study: a resumable grid of train.py runs fanned out by submitit, and its reports.
+
+    python -m studies.relation --config studies/relation/configs/relation.yaml
+
+Run from the repository root (the configs' paths are relative to it). The study config (YAML)
+names a base train.py config, the models (backbone blocks as in any train.py config), the seeds,
+the training budget, and a list of experiments; each experiment is a grid
+``task x model x num_train x seed`` with one train/test placement region. One invocation
+(``study.run_study``):
+
+1. the shortcut audit (``studies.relation.shortcuts``) into ``out_dir``, if the config asks for it;
+2. the learning-rate calibration runs, if the config has ``families`` and ``calibration``; the
+   best rate of each family on the validation split is then fixed for its models (``grid.choose_lr``);
+3. every run of the grid;
+4. the reports (``studies.relation.report``).
+
+Every run (``run.run_one``) is one ``vit.training.cli.main(["fit", "--config", base, "--config",
+overrides])`` call, the same Lightning code as ``python train.py fit``: the best checkpoint (by
+``val/acc``) is tested after fit, then scored again per distance between the two parts, and its
+per-image predictions go to ``<out_dir>/predictions/<run key>.npz`` (what the report re-bins by
+visibility, ``studies.relation.visibility``). Logs (TensorBoard and CSV) and checkpoints go to
+``<log_dir>/<run key>/``.
+
+Executors (submitit; ``--executor``): ``local`` runs each run in a subprocess, ``--parallel`` (2)
+at a time with ``threads`` torch threads each; ``debug`` runs them one by one in this process (the
+tests); ``slurm`` submits one job array (``--partition``, ``--gpus``, ``--cpus``, ``--timeout-min``;
+at most ``--parallel`` tasks at a time), in which Lightning's own SLURM auto-requeue is off and
+submitit requeues a preempted run (``run.StudyJob`` is checkpointable). Only this process writes
+``runs.csv``, as the runs finish.
+
+Resuming. A run is keyed by its grid coordinates (experiment, task, model, num_train, seed; the
+learning rate too for calibration runs). Its row is appended to ``runs.csv`` in one write, only
+after it has finished, so the CSV never holds a partial run (``runs_csv``). On start, every key
+already in the CSV is skipped. A run that was killed midway has no row: it is redone from scratch,
+and its unfinished log directory is moved aside first (to ``<run key>.unfinished-N``), never
+deleted or overwritten. A row records a fingerprint of the run's settings and the code revision;
+if the config changed since, the study stops with an error instead of mixing the two in one table.
+A row that is damaged (cut short, edited by hand) stops the study too, naming its line.
+
+One invocation at a time per ``out_dir`` (``lock``): it holds ``<out_dir>/study.lock``
+(``fcntl.flock``, released by the kernel when the process ends, ``kill -9`` included) and a second
+one is refused. After a ``kill -9``, the local jobs it had started run on: the lock names them
+(``processes``), and the next invocation refuses to start while one still runs. On SIGTERM or
+Ctrl-C the study cancels its runs under way (submitit's local jobs would outlive it) and exits with
+128 + the signal; its finished rows are kept, and the same command goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from studies.relation import study
+from studies.relation.grid import calibration_plan, choose_lr, load_config, plan
+from studies.relation.lock import Stopped
+from studies.relation.report import write_reports
+from studies.relation.runs_csv import StudyError, read_rows
+
+PROG = "python -m studies.relation"
+EXECUTORS = ("local", "debug", "slurm")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m studies.relation`. A config it cannot use, a damaged runs.csv, an out_dir it cannot
+    create or in use (also by the runs of a killed invocation) or nothing to report is one `error:` line
+    and exit status 2, before anything runs; SIGTERM and
+    Ctrl-C are one line and 128 + the signal; an error during the runs keeps its traceback."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True,
+                        help="study config YAML, e.g. studies/relation/configs/relation.yaml")
+    parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite summary and plots from runs.csv, run nothing")
+    parser.add_argument("--list", action="store_true", help="print the planned runs and whether each is done")
+    parser.add_argument("--executor", choices=EXECUTORS, default="local",
+                        help="submitit executor: local subprocesses (default), debug (in this process), slurm (a job array)")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2: one per core here)")
+    parser.add_argument("--timeout-min", type=int, default=120, help="wall-time limit of one run, in minutes")
+    slurm = parser.add_argument_group("slurm", "with --executor slurm")
+    slurm.add_argument("--partition", default=None, help="SLURM partition")
+    slurm.add_argument("--gpus", type=int, default=1, help="GPUs per run")
+    slurm.add_argument("--cpus", type=int, default=8, help="CPU cores per run")
+    args = parser.parse_args(argv)
+    for name in ("parallel", "timeout_min", "cpus"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: expected an int >= 1")
+    if args.gpus < 0:
+        parser.error(f"--gpus={args.gpus} is not allowed: expected an int >= 0")
+    if args.max_runs is not None and args.max_runs < 0:
+        parser.error(f"--max-runs={args.max_runs} is not allowed: expected an int >= 0")
+    try:
+        cfg = load_config(args.config)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    csv_path = Path(cfg["out_dir"]) / "runs.csv"
+    try:
+        if args.list or args.report_only:
+            _list_and_report(args, cfg, csv_path)
+            return
+        slurm_params = study.slurm_parameters(partition=args.partition, time_min=args.timeout_min, gpus=args.gpus,
+                                        cpus=args.cpus, parallel=args.parallel)
+        study.run_study(args.config, max_runs=args.max_runs, executor=args.executor, parallel=args.parallel,
+                  slurm=slurm_params, timeout_min=args.timeout_min)
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (Stopped, KeyboardInterrupt) as err:
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        print(f"stopped by {signal.Signals(signum).name}: the {len(read_rows(csv_path))} finished runs are kept in "
+              f"{csv_path} and the runs under way were stopped; rerun the same command to go on (those are redone)",
+              file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+
+
+def _list_and_report(args, cfg: dict, csv_path: Path) -> None:
+    """``--list`` and ``--report-only``: read runs.csv, run nothing."""
+    rows = read_rows(csv_path)
+    if args.list:
+        keys = {r["key"] for r in rows}
+        runs = calibration_plan(cfg)
+        try:
+            runs += plan(cfg, choose_lr(cfg, rows) if "calibration" in cfg else None)
+        except ValueError:
+            print("(the study's runs are planned once the calibration has finished)")
+        for run in runs:
+            print(f"{'done' if run.key in keys else 'todo'}  {run.key}  epochs={run.epochs}")
+        print(f"{sum(r.key in keys for r in runs)}/{len(runs)} runs done")
+    if args.report_only:
+        if not rows:
+            raise StudyError(f"no finished runs in {csv_path.parent} yet (no rows in {csv_path.name}), so there is "
+                             f"nothing to report: start the study with {PROG} --config {args.config}")
+        write_reports(rows, csv_path.parent, cfg)
+
+
+if __name__ == "__main__":
+    main()

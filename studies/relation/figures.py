@@ -1,0 +1,117 @@
+"""The study's figures: per experiment and task a dot per run, the moved test set, and the headline
+curve of accuracy against the distance between the two parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from studies.relation.cells import PERCENT, distance_edges, model_rf, pooled_by_distance
+from studies.relation.grid import experiments
+
+
+def draw(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
+    """``<experiment>_<task>_runs.png``, ``_shift.png`` (with a ``shift_region``) and ``_by_distance.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for exp in experiments(cfg):
+        for task in exp["tasks"]:
+            models = [m for m in exp["models"] if any(k[:3] == (exp["name"], task, m) for k in cells)]
+            if not models:
+                continue
+            runs = {m: [r for k, v in cells.items() if k[:3] == (exp["name"], task, m) for r in v] for m in models}
+            colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(models)}
+            where = f"train {exp['train_region']}, test {exp['test_region']}"
+            ceiling = max(shortcuts[task].values()) if task in shortcuts else None
+            # Dots: every run, and the median.
+            fig, ax = plt.subplots(figsize=(1.1 * len(models) + 2.5, 4))
+            for i, m in enumerate(models):
+                accs = [float(r["test_acc"]) * PERCENT for r in runs[m]]
+                ax.plot(np.full(len(accs), i) + np.linspace(-0.12, 0.12, len(accs)), accs, "o", color=colors[m], ms=5)
+                ax.plot([i - 0.3, i + 0.3], [np.median(accs)] * 2, "k-", lw=2)
+            per_model_axes(ax, models, ceiling, "test accuracy (%): dot = one seed, bar = median",
+                           f"{exp['name']}: {task} ({where})")
+            fig.tight_layout()
+            fig.savefig(out_dir / f"{exp['name']}_{task}_runs.png", dpi=110)
+            plt.close(fig)
+            if exp.get("shift_region"):
+                shift_figure(runs, models, colors, ceiling, exp, task, out_dir)
+            # Accuracy against the distance between the parts.
+            dists = [int(d) for m in models for r in runs[m] if r.get("test_by_distance")
+                     for d in json.loads(r["test_by_distance"])]
+            if not dists:
+                continue
+            hi = max(dists)
+            edges = distance_edges(dists)
+            centres = (edges[:-1] + edges[1:] - 1) / 2
+            fig, ax = plt.subplots(figsize=(7.5, 4.5))
+            for m in models:
+                acc, count = pooled_by_distance(runs[m], edges)
+                rf = model_rf(cfg, m) if m in cfg["models"] else None
+                ls = "-" if rf is not None else "--"
+                ax.plot(centres, acc * PERCENT, ls, marker="o", ms=4, color=colors[m],
+                        label=f"{m} (RF {rf})" if rf else m)
+                for r in runs[m]:  # each seed, thin: a cell whose seeds split shows it
+                    seed_acc, _ = pooled_by_distance([r], edges)
+                    ax.plot(centres, seed_acc * PERCENT, ls, color=colors[m], lw=0.6, alpha=0.35)
+                if rf is not None:
+                    x = min(rf, hi + 1.5)
+                    ax.axvline(x, color=colors[m], ls=":", lw=1.2)
+                    ax.annotate(f"RF {rf}" + ("→" if rf > hi + 1.5 else ""), (x, 41), rotation=90, fontsize=7,
+                                color=colors[m], ha="right", va="bottom")
+            if task in shortcuts:
+                local = shortcuts[task].get("bag_of_shapes")
+                best = max(v for k, v in shortcuts[task].items() if k != "bag_of_shapes")
+                ax.axhline(best * PERCENT, color="crimson", ls=":", lw=1, label=f"best shortcut ({best * PERCENT:.0f}%)")
+                if local is not None:
+                    ax.axhline(local * PERCENT, color="black", ls="-.", lw=1,
+                               label=f"local-view ceiling ({local * PERCENT:.1f}%)")
+            ax.axhline(50, color="grey", lw=0.8, ls="--")
+            xlabel = ("span of the pair (px): side of the smallest square holding both shapes"
+                      if task == "same_different" else "distance between the circle centres (px)")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("test accuracy (%): thick = seeds pooled, thin = one seed")
+            ax.set_ylim(40, 101)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+            ax.set_title(f"{exp['name']}: {task} ({where}); dotted line: a CNN's receptive field", fontsize=9)
+            fig.tight_layout()
+            fig.savefig(out_dir / f"{exp['name']}_{task}_by_distance.png", dpi=110)
+            plt.close(fig)
+
+
+def shift_figure(runs: dict, models: list[str], colors: dict, ceiling: float | None, exp: dict, task: str,
+                 out_dir: Path) -> None:
+    """Each run's accuracy in its region and moved, joined by a line: the translation test at a glance."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.3 * len(models) + 2.5, 4))
+    for i, m in enumerate(models):
+        for r in runs[m]:
+            if r.get("shift_acc"):
+                ax.plot([i - 0.18, i + 0.18], [float(r["test_acc"]) * PERCENT, float(r["shift_acc"]) * PERCENT],
+                        "-o", color=colors[m], ms=4, lw=1, alpha=0.8)
+    per_model_axes(ax, models, ceiling, "test accuracy (%): left dot in region, right dot moved",
+                   f"{exp['name']}: {task}, trained and tested in {exp['train_region']}, then moved to "
+                   f"{exp['shift_region']}")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{exp['name']}_{task}_shift.png", dpi=110)
+    plt.close(fig)
+
+
+def per_model_axes(ax, models: list[str], ceiling: float | None, ylabel: str, title: str) -> None:
+    """One column per model on a 40-100% axis, with chance and the best shortcut (or local-view ceiling) drawn."""
+    if ceiling is not None:
+        ax.axhline(ceiling * PERCENT, color="crimson", ls=":", lw=1, label="best shortcut or local-view ceiling")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.axhline(50, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(40, 101)
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title(title, fontsize=9)

@@ -1,0 +1,225 @@
+"""The study's order of work (``run_study``): the shortcut audit, the calibration, every run fanned out
+through a submitit executor at most ``parallel`` at a time, then the reports (see ``studies.relation``'s
+``__main__`` for the whole story)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import submitit
+
+from studies.relation import processes
+from studies.relation.grid import Run, calibration_plan, choose_lr, load_config, plan
+from studies.relation.lock import lock_out_dir, make_dirs, stop_on_sigterm
+from studies.relation.report import write_reports
+from studies.relation.run import PREDICTIONS, StudyJob, code_revision
+from studies.relation.runs_csv import StudyError, append_row, read_rows
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root, which holds the `studies` package
+
+
+def slurm_parameters(*, partition: str | None, time_min: int, gpus: int, cpus: int, parallel: int) -> dict:
+    """The ``submitit.SlurmExecutor`` parameters of ``--executor slurm``: one array, ``parallel`` tasks at a time."""
+    params = {"job_name": "vit-study", "time": time_min, "gpus_per_node": gpus, "cpus_per_task": cpus,
+              "array_parallelism": parallel, "nodes": 1, "ntasks_per_node": 1}
+    if partition:
+        params["partition"] = partition
+    return params
+
+
+def make_executor(kind: str, folder: Path, *, timeout_min: int, slurm: dict | None = None):
+    """A submitit executor: ``local`` (subprocesses here), ``debug`` (in this process), ``slurm`` (a job array)."""
+    if kind == "slurm":
+        executor = submitit.SlurmExecutor(folder=folder)
+        executor.update_parameters(**(slurm or {}))
+        return executor
+    executor = submitit.AutoExecutor(folder=folder, cluster=kind)
+    executor.update_parameters(timeout_min=timeout_min)
+    return executor
+
+
+def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, on_submit=lambda job, handle: None,
+            poll_s: float = 1.0) -> list[tuple[str, str]]:
+    """Run ``jobs`` with at most ``parallel`` in flight, calling ``on_done(job, row)`` in the order they finish
+    (and ``on_submit(job, handle)`` as each is submitted).
+
+    Only this process writes ``runs.csv`` (in ``on_done``), so two runs never write it at once. A run
+    that fails is reported and skipped; the others go on. Returns ``[(run key, error)]`` of the failures.
+    """
+    failures: list[tuple[str, str]] = []
+    pending, running = list(jobs), []
+
+    def collect(job: StudyJob, handle) -> None:
+        try:
+            row = handle.result()
+        except Exception as err:  # noqa: BLE001 - every failure is reported at the end, with its log
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            failures.append((job.run.key, lines[-1]))
+            print(f"FAILED {job.run.key}: {lines[-1]} (log: {getattr(handle, 'paths', None) and handle.paths.stderr})",
+                  file=sys.stderr, flush=True)
+            return
+        on_done(job, row)
+
+    try:
+        if isinstance(executor, submitit.SlurmExecutor):  # one array; SLURM keeps `array_parallelism` running
+            with executor.batch():
+                handles = [executor.submit(job) for job in jobs]
+            pending, running = [], list(zip(jobs, handles))
+            for job, handle in running:
+                on_submit(job, handle)
+        while pending or running:
+            while pending and len(running) < parallel:
+                job = pending.pop(0)
+                handle = executor.submit(job)
+                on_submit(job, handle)
+                if getattr(executor, "cluster", None) == "debug":
+                    collect(job, handle)  # a debug job runs when its result is asked for
+                    continue
+                running.append((job, handle))
+            finished = [(job, handle) for job, handle in running if handle.done()]
+            for job, handle in finished:
+                running.remove((job, handle))
+                collect(job, handle)
+            if running and not finished:
+                time.sleep(poll_s)
+    except BaseException:
+        # Stopped (SIGTERM, Ctrl-C): no row of the runs under way would be written, and submitit's
+        # local jobs outlive this process, so a rerun would start them again beside the old ones.
+        _cancel([handle for _, handle in running], wait_s=10.0 if getattr(executor, "cluster", None) == "local" else 0)
+        raise
+    return failures
+
+
+def _cancel(handles: list, *, wait_s: float) -> None:
+    """Cancel submitit jobs and wait up to ``wait_s`` for them to end.
+
+    A local job is killed with its processes (``processes.kill_process_tree``): submitit cancels it with
+    SIGINT, which its controller ignores when the study was started in the background from a
+    script (such jobs inherit an ignored SIGINT), and its task shrugs off SIGTERM. A stopped run is
+    redone from scratch, so nothing is lost by not letting it finish its step.
+    """
+    for handle in handles:
+        try:
+            if isinstance(handle, submitit.LocalJob):
+                processes.kill_process_tree(int(handle.job_id))  # the job id of a local job is its controller's PID
+            else:
+                handle.cancel(check=False)
+        except Exception:  # noqa: BLE001 - e.g. no scancel here: cancel what can be cancelled
+            pass
+    deadline = time.monotonic() + wait_s
+    while handles and time.monotonic() < deadline and not all(handle.done() for handle in handles):
+        time.sleep(0.1)
+
+
+@contextmanager
+def studies_importable():
+    """The repository root on ``PYTHONPATH`` while jobs are submitted.
+
+    A job's process unpickles its ``StudyJob`` by importing ``studies.relation.run``, and ``studies``
+    is not installed with ``vit``: it is found from the repository root. submitit's local controller
+    and ``sbatch`` both copy this process's environment as a job is submitted, so the jobs find it
+    wherever they start.
+    """
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *([previous] if previous else [])])
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool = True, executor: str = "local",
+              parallel: int = 2, slurm: dict | None = None, timeout_min: int = 120) -> list[dict]:
+    """Run every unfinished run of the study (at most ``max_runs`` of them) through a submitit
+    executor, ``parallel`` at a time, then write the reports.
+
+    With a calibration in the config, its runs come first; the learning rate of each family is then
+    chosen on their validation accuracy (``choose_lr``) and fixed for the study's runs. Holds
+    ``<out_dir>/study.lock`` meanwhile (``lock_out_dir``); SIGTERM raises ``Stopped``.
+    """
+    cfg = load_config(config)
+    out_dir = Path(cfg["out_dir"])
+    make_dirs("out_dir", out_dir)
+    with lock_out_dir(out_dir) as record_job, stop_on_sigterm():
+        return _run_study(cfg, max_runs=max_runs, progress=progress, executor=executor, parallel=parallel,
+                          slurm=slurm, timeout_min=timeout_min, record_job=record_job)
+
+
+def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str, parallel: int, slurm: dict | None,
+               timeout_min: int, record_job) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
+    csv_path = out_dir / "runs.csv"
+    read_rows(csv_path)  # a damaged row stops the study here, before any work
+    make_dirs("log_dir", log_dir)
+    revision = code_revision()
+    pool = make_executor(executor, log_dir / "submitit", timeout_min=timeout_min, slurm=slurm)
+    budget = [max_runs]
+
+    def todo_of(runs: list[Run]) -> list[Run]:
+        done = {row["key"]: row for row in read_rows(csv_path)}
+        for run in runs:
+            row = done.get(run.key)
+            if row is not None and row["fingerprint"] != run.fingerprint:
+                raise StudyError(f"{csv_path} holds run {run.key} made with other settings (fingerprint "
+                                 f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
+                                 f"out_dir/log_dir for the new settings, or move the old results away")
+        todo = [run for run in runs if run.key not in done]
+        if budget[0] is not None:
+            todo, budget[0] = todo[:budget[0]], budget[0] - min(budget[0], len(todo))
+        return todo
+
+    def execute(runs: list[Run], desc: str) -> None:
+        todo = todo_of(runs)
+        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=not progress)
+
+        def on_done(job: StudyJob, row: dict) -> None:
+            append_row(csv_path, row)
+            bar.update()
+            bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
+
+        def on_submit(job: StudyJob, handle) -> None:
+            if isinstance(handle, submitit.LocalJob):  # the job id of a local job is its controller's PID
+                record_job(int(handle.job_id), job.run.key)
+
+        jobs = [StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision, str(out_dir / PREDICTIONS))
+                for run in todo]
+        try:
+            with studies_importable():
+                failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done, on_submit=on_submit)
+        finally:
+            bar.close()  # also when stopped: the message that follows starts a line of its own
+        if failures:
+            raise RuntimeError(f"{len(failures)} runs failed (rerun the same command to retry them): "
+                               + "; ".join(f"{k}: {e}" for k, e in failures))
+
+    if "shortcuts" in cfg and not (out_dir / "shortcuts.csv").exists():
+        # Measure the shortcuts before the models: every task, on fresh draws.
+        from studies.relation import shortcuts
+
+        shortcuts.write([r for t in shortcuts.TASKS for r in shortcuts.audit(t, **cfg["shortcuts"])], out_dir)
+        print(f"shortcut audit written to {out_dir / 'shortcuts.md'}", flush=True)
+    lrs = None
+    if "calibration" in cfg:
+        execute(calibration_plan(cfg), "calibration runs")
+        rows = read_rows(csv_path)
+        try:
+            lrs = choose_lr(cfg, rows)
+        except ValueError:  # stopped by --max-runs before the calibration finished
+            if rows:
+                write_reports(rows, out_dir, cfg)
+            return rows
+    execute(plan(cfg, lrs), "study runs")
+    rows = read_rows(csv_path)
+    if rows:  # none with --max-runs 0 on a new study
+        write_reports(rows, out_dir, cfg)
+    return rows
+

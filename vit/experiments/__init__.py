@@ -1,1 +1,0 @@
-"""Experiments made of many training runs: the spatial-relation study."""
