@@ -49,40 +49,63 @@ def draw(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             hi = max(dists)
             edges = distance_edges(dists)
             centres = (edges[:-1] + edges[1:] - 1) / 2
-            fig, ax = plt.subplots(figsize=(7.5, 4.5))
-            for m in models:
-                acc, count = pooled_by_distance(runs[m], edges)
-                rf = model_rf(cfg, m) if m in cfg["models"] else None
-                ls = "-" if rf is not None else "--"
-                ax.plot(centres, acc * PERCENT, ls, marker="o", ms=4, color=colors[m],
-                        label=f"{m} (RF {rf})" if rf else m)
-                for r in runs[m]:  # each seed, thin: a cell whose seeds split shows it
-                    seed_acc, _ = pooled_by_distance([r], edges)
-                    ax.plot(centres, seed_acc * PERCENT, ls, color=colors[m], lw=0.6, alpha=0.35)
-                if rf is not None:
-                    x = min(rf, hi + 1.5)
-                    ax.axvline(x, color=colors[m], ls=":", lw=1.2)
-                    ax.annotate(f"RF {rf}" + ("→" if rf > hi + 1.5 else ""), (x, 41), rotation=90, fontsize=7,
-                                color=colors[m], ha="right", va="bottom")
-            if task in shortcuts:
-                local = shortcuts[task].get("bag_of_shapes")
-                best = max(v for k, v in shortcuts[task].items() if k != "bag_of_shapes")
-                ax.axhline(best * PERCENT, color="crimson", ls=":", lw=1, label=f"best shortcut ({best * PERCENT:.0f}%)")
-                if local is not None:
-                    ax.axhline(local * PERCENT, color="black", ls="-.", lw=1,
-                               label=f"local-view ceiling ({local * PERCENT:.1f}%)")
-            ax.axhline(50, color="grey", lw=0.8, ls="--")
+            # One panel per family, each with its own colours: no two curves share a style.
+            panels = {name: [m for m in models if family(cfg, m) == name] for name in FAMILIES}
+            panels = {name: members for name, members in panels.items() if members}
+            fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 7.5), 5.4), sharey=True, squeeze=False)
+            for ax, (name, members) in zip(axes[0], panels.items()):
+                for i, m in enumerate(members):
+                    color = plt.cm.tab10(i % 10)
+                    acc, _ = pooled_by_distance(runs[m], edges)
+                    rf = model_rf(cfg, m) if m in cfg["models"] else None
+                    ax.plot(centres, acc * PERCENT, "-", marker="o", ms=4, color=color,
+                            label=f"{m} (RF {rf})" if rf else m)
+                    for r in runs[m]:  # each seed, thin: a cell whose seeds split shows it
+                        seed_acc, _ = pooled_by_distance([r], edges)
+                        ax.plot(centres, seed_acc * PERCENT, "-", color=color, lw=0.6, alpha=0.35)
+                    if rf is not None:
+                        x = min(rf, hi + 1.5)
+                        ax.axvline(x, color=color, ls=":", lw=1.2)
+                        ax.annotate(f"RF {rf}" + ("→" if rf > hi + 1.5 else ""), (x, 41), rotation=90, fontsize=7,
+                                    color=color, ha="right", va="bottom")
+                if task in shortcuts:
+                    local = shortcuts[task].get("bag_of_shapes")
+                    best = max(v for k, v in shortcuts[task].items() if k != "bag_of_shapes")
+                    ax.axhline(best * PERCENT, color="crimson", ls=":", lw=1,
+                               label=f"{best * PERCENT:.1f}%: best shortcut")
+                    if local is not None and name == AVERAGE_LINEAR:  # the bound holds for this readout only
+                        ax.axhline(local * PERCENT, color="black", ls="-.", lw=1,
+                                   label=f"{local * PERCENT:.1f}%: local-view ceiling, avg pool + linear head")
+                ax.axhline(50, color="grey", lw=0.8, ls="--")
+                ax.set_title(name, fontsize=9)
+                ax.set_ylim(40, 101)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
             xlabel = ("span of the pair (px): side of the smallest square holding both shapes"
                       if task == "same_different" else "distance between the circle centres (px)")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("test accuracy (%): thick = seeds pooled, thin = one seed")
-            ax.set_ylim(40, 101)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-            ax.set_title(f"{exp['name']}: {task} ({where}); dotted line: a CNN's receptive field", fontsize=9)
+            for ax in axes[0]:
+                ax.set_xlabel(xlabel, fontsize=8)
+            axes[0][0].set_ylabel("test accuracy (%): thick = seeds pooled, thin = one seed")
+            fig.suptitle(f"{exp['name']}: {task} ({where}); dotted line: a CNN's receptive field", fontsize=10)
             fig.tight_layout()
             fig.savefig(out_dir / f"{exp['name']}_{task}_by_distance.png", dpi=110)
             plt.close(fig)
+
+
+AVERAGE_LINEAR = "CNN, average pool + linear head, by receptive field"
+FAMILIES = (AVERAGE_LINEAR, "CNN, other readouts (max pool or MLP head)", "ViT")
+
+
+def family(cfg: dict, model: str) -> str:
+    """The panel of ``model`` in the by-distance figure: CNNs with the additive readout, CNNs with
+    another readout (max pooling or an MLP head), and the rest (the ViTs)."""
+    spec = cfg["models"].get(model, {})
+    if not spec.get("class_path", "").endswith("ConvNet"):
+        return FAMILIES[2]
+    args = spec.get("init_args", {})
+    if args.get("pool", "avg") != "avg" or args.get("head", "linear") != "linear":
+        return FAMILIES[1]
+    return AVERAGE_LINEAR
 
 
 def shift_figure(runs: dict, models: list[str], colors: dict, ceiling: float | None, exp: dict, task: str,
