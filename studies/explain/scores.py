@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from studies.rows import append_rows
 from vit.explain.relevance import METHODS, relevance
 from vit.explain.scores import average_precision, deletion_insertion, pointing_game, rank_correlation, relevance_mass
 
@@ -154,12 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                    (t, m, s) for t, m, s in todo}
         for future in futures:
             rows = future.result()
-            new = not csv_path.exists()
-            with csv_path.open("a", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=COLUMNS)
-                if new:
-                    writer.writeheader()
-                writer.writerows(rows)
+            append_rows(csv_path, COLUMNS, rows)
             print(f"{futures[future]}: test acc {rows[0]['test_acc']}", flush=True)
     with csv_path.open() as f:
         write_table(list(csv.DictReader(f)), args.out / "scores.md")

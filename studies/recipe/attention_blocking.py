@@ -28,13 +28,13 @@ remaining test images goes to `<out_dir>/runs.csv`, one row per checkpoint.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 import torch
 import yaml
 
+from studies.rows import append_rows
 from vit.checks import check_size
 from vit.data.same_different import make_shapes, render
 from vit.models.masks import mask_attention
@@ -156,12 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         except CheckpointError as err:  # the rows of the checkpoints before it are kept
             print(f"error: {err}", file=sys.stderr)
             return 2
-        new = not csv_path.exists()
-        with csv_path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        append_rows(csv_path, columns, [row])
         print(" ".join(f"{k}={row[k]}" for k in ("name", "images", *CONDITIONS)), ckpt_path, flush=True)
     return 0
 

@@ -29,6 +29,7 @@ import yaml
 from timm.optim import param_groups_weight_decay
 
 from studies.recipe import screened
+from studies.rows import append_rows
 from vit.data.same_different import SameDifferentDataModule
 from vit.training.diagnostics import attention_stats, grad_norms, token_probe
 
@@ -190,12 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             row = {"candidate": name, "seed": seed, "lr": settings["lr"], "steps": settings["steps"],
                    **train_one(settings, seed, curves / f"{name}-s{seed}.json"), "settings": yaml.safe_dump(settings, default_flow_style=True).strip()}
-            header = not csv_path.exists()
-            with csv_path.open("a", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=COLUMNS)
-                if header:
-                    writer.writeheader()
-                writer.writerow(row)
+            append_rows(csv_path, COLUMNS, [row])
             print(f"{name} seed {seed}: test {row['test_acc']}, left the plateau at {row['left_plateau_at'] or '-'}, "
                   f"{row['s_per_step']} s/step", flush=True)
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import csv
-import io
 import json
-import os
 import re
 import time
 from pathlib import Path
 
 from studies.relation.grid import CALIBRATE, Run
+from studies.rows import append_rows
 
 COLUMNS = (
     "key", "experiment", "task", "model", "num_train", "seed", "train_region", "test_region", "lr",
@@ -93,22 +92,6 @@ def read_rows(csv_path: Path) -> list[dict]:
 
 
 def append_row(csv_path: Path, row: dict) -> None:
-    """Append one row in a single ``write`` on an O_APPEND descriptor, then fsync: all of it or none."""
-    header = not csv_path.exists() or csv_path.stat().st_size == 0
-    lines = []
-    if not header:
-        with csv_path.open("rb") as f:  # a last line without its newline (an editor's) must not take this row in
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                lines.append("\n")
-    for values in ([dict(zip(COLUMNS, COLUMNS))] if header else []) + [row]:
-        buf = io.StringIO()
-        csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n").writerow(values)
-        lines.append(buf.getvalue())
-    fd = os.open(csv_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, "".join(lines).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Append one row whole (`studies.rows.append_rows`): a killed invocation leaves no half line."""
+    append_rows(csv_path, COLUMNS, [row])
 
