@@ -321,10 +321,10 @@ def circle_pngs(folder, n=3):
 
 def record_grids(monkeypatch) -> list[dict]:
     """Keep what `python -m vit.explain` draws: the images, the maps by column and the row titles."""
-    import vit.explain.__main__ as command
+    import vit.explain.plot as plot  # the command imports rollout_grid from here when it draws
 
-    drawn, draw = [], command.rollout_grid
-    monkeypatch.setattr(command, "rollout_grid", lambda images, maps, titles: (
+    drawn, draw = [], plot.rollout_grid
+    monkeypatch.setattr(plot, "rollout_grid", lambda images, maps, titles: (
         drawn.append({"images": images, "maps": maps, "titles": titles}), draw(images, maps, titles))[1])
     return drawn
 

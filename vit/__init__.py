@@ -1,0 +1,20 @@
+"""A readable Vision Transformer: the model (`vit.models`), its data, training and explanations.
+
+`vit.load(checkpoint)` gives a trained model ready for inference (`vit.api.Predictor`); torch is
+imported when it is called, so `import vit` stays light.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vit.api import Predictor
+
+
+def load(path_or_url: str | os.PathLike) -> Predictor:
+    """The trained model of a `train.py` checkpoint (a path or URL), ready for inference: `vit.api.load`."""
+    from vit.api import load as load_checkpoint
+
+    return load_checkpoint(path_or_url)

@@ -33,15 +33,15 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
-
-import timm
-from timm.models import save_for_hf
-from torch import nn
+from typing import TYPE_CHECKING
 
 from vit.checks import first_line
-from vit.commands import fail, run
-from vit.models import VisionTransformer
-from vit.training.rebuild import open_checkpoint
+from vit.commands import fail, parser, run
+
+if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
+    from torch import nn
+
+    from vit.models import VisionTransformer
 
 # timm's ViTs by width, depth and heads, for naming the architecture when one fits.
 _FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large"}
@@ -60,6 +60,10 @@ class ExportError(ValueError):
 def timm_args(model: VisionTransformer) -> dict:
     """The arguments of timm's `VisionTransformer` that compute what `model` computes, or `ExportError` naming
     the option timm has no counterpart for."""
+    from torch import nn
+
+    from vit.models import VisionTransformer
+
     if not isinstance(model, VisionTransformer):
         raise ExportError(f"the backbone is a {type(model).__name__}; only a VisionTransformer exports to timm")
     embed = model.patch_embed
@@ -84,6 +88,8 @@ def timm_args(model: VisionTransformer) -> dict:
 
 def architecture(args: dict) -> str:
     """timm's name for a ViT of this size (`vit_small_patch16_224`), else a generic one (sizes go in `model_args`)."""
+    import timm
+
     family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
     height, width = args["img_size"]
     name = f"vit_{family}_patch{args['patch_size']}_{height}"
@@ -95,6 +101,8 @@ def architecture(args: dict) -> str:
 def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Module:
     """A timm `VisionTransformer` holding `model`'s weights (loaded strictly), in eval mode; its `pretrained_cfg`
     says `data_config` (timm's keys: `input_size`, `mean`, `std`, ...) instead of timm's own weights' preprocessing."""
+    import timm
+
     args = timm_args(model)
     exported = timm.create_model(architecture(args), pretrained=False, **args)
     state = model.state_dict()
@@ -119,6 +127,8 @@ def class_names(checkpoint: dict, num_classes: int) -> list[str]:
 
 def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str]]:
     """`(backbone, data_config, class names)` of a train.py checkpoint; `data_config` in timm's keys."""
+    from vit.training.rebuild import open_checkpoint
+
     model, inputs, checkpoint = open_checkpoint(ckpt_path)
     backbone = model.backbone
     timm_args(backbone)  # refuse what timm cannot compute before anything else is done
@@ -131,6 +141,8 @@ def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[st
 
 def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str]) -> None:
     """Write `model.safetensors` and `config.json` into `out` (created), through a temporary folder beside it."""
+    from timm.models import save_for_hf
+
     exported = to_timm(backbone, data_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
@@ -155,11 +167,11 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vit.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py")
-    parser.add_argument("--out", required=True, type=Path, help="folder to write model.safetensors and config.json")
-    parser.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
-    return run(parser.parse_args(argv), prepare, write)
+    options = parser("vit.export", __doc__)
+    options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
+    options.add_argument("--out", required=True, type=Path, help="folder to write model.safetensors and config.json")
+    options.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
+    return run(options.parse_args(argv), prepare, write)
 
 
 def prepare(args: argparse.Namespace) -> tuple[VisionTransformer, dict, list[str]]:

@@ -39,28 +39,30 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torchvision.transforms import v2
+from vit.commands import fail, note_unnamed, parser, run
 
-from vit.commands import fail, note_unnamed, run
-from vit.data.image_folder import build_transform, read_images  # noqa: F401  (build_transform: what predict applies)
-from vit.training.classifier import ImageClassifier
-from vit.training.predictions import check_topk, inference_transform, prediction_table, write_csv
-from vit.training.rebuild import open_checkpoint
+if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
+    import torch
+    from torchvision.transforms import v2
+
+    from vit.training.classifier import ImageClassifier
 
 
 class PredictError(ValueError):
     """Arguments or inputs that `vit.predict` cannot work with."""
 
 
-@torch.no_grad()
 def predict_folder(model: ImageClassifier, images: list[torch.Tensor], batch_size: int = 256,
                    device: str = "cpu") -> torch.Tensor:
     """Class probabilities `(N, num_classes)` of the images."""
+    import torch
+
     model.to(device)
-    probs = [model(torch.stack(images[i : i + batch_size]).to(device)).softmax(dim=-1).cpu()
-             for i in range(0, len(images), batch_size)]
+    with torch.no_grad():
+        probs = [model(torch.stack(images[i : i + batch_size]).to(device)).softmax(dim=-1).cpu()
+                 for i in range(0, len(images), batch_size)]
     return torch.cat(probs)
 
 
@@ -83,38 +85,48 @@ def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
         raise PredictError(f"--output {output}: its folder {output.parent} cannot be written ({err.strerror or err})") from None
 
 
-def check_options(batch_size: int, device: str) -> None:
-    """Refuse a batch size or device that cannot work, before any image is decoded."""
+def check_options(batch_size: int, device: str) -> str:
+    """The device to use (`auto`: cuda when there is a GPU, else cpu); refuse a batch size or device that cannot
+    work, before any image is decoded."""
+    import torch
+
     if batch_size < 1:
         raise PredictError(f"--batch_size {batch_size} is not allowed: expected an int >= 1")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         target = torch.device(device)
     except RuntimeError:
-        raise PredictError(f"--device {device!r} is not a device: expected cpu, cuda or cuda:N") from None
+        raise PredictError(f"--device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise PredictError(f"--device {device} was asked for, but this machine has no CUDA GPU: use --device cpu")
     if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
         raise PredictError(f"--device {device}: there are only {torch.cuda.device_count()} GPUs")
     if target.type not in ("cpu", "cuda"):
-        raise PredictError(f"--device {device!r} is not supported: expected cpu, cuda or cuda:N")
+        raise PredictError(f"--device {device!r} is not supported: expected auto, cpu, cuda or cuda:N")
+    return device
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vit.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py")
-    parser.add_argument("--input_dir", required=True, type=Path, help="folder of images (not searched recursively)")
-    parser.add_argument("--output", required=True, type=Path, help="CSV file to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    parser.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
-    parser.add_argument("--batch_size", type=int, default=256)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return run(parser.parse_args(argv), prepare, predict)
+    options = parser("vit.predict", __doc__)
+    options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
+    options.add_argument("--input_dir", required=True, type=Path, help="folder of images (not searched recursively)")
+    options.add_argument("--output", required=True, type=Path, help="CSV file to write")
+    options.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    options.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
+    options.add_argument("--batch_size", type=int, default=256, help="images per forward pass")
+    options.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
+    return run(options.parse_args(argv), prepare, predict)
 
 
 def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict]:
-    """The arguments checked, then the checkpoint opened: its model, input transform and the checkpoint itself."""
+    """The arguments checked (`--device auto` resolved), then the checkpoint opened: its model, input transform and
+    the checkpoint itself."""
+    from vit.training.predictions import check_topk, inference_transform
+    from vit.training.rebuild import open_checkpoint
+
     check_paths(args.input_dir, args.output, args.overwrite)
-    check_options(args.batch_size, args.device)
+    args.device = check_options(args.batch_size, args.device)
     if args.topk < 1:  # before the checkpoint is read; its number of classes bounds --topk from above
         raise PredictError(f"--topk {args.topk} is not allowed: expected an int >= 1")
     model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
@@ -125,6 +137,9 @@ def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict
 
 def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compose, dict]) -> int:
     """Classify the readable images of `--input_dir` and write the CSV; 1 when there is none."""
+    from vit.data.image_folder import read_images
+    from vit.training.predictions import prediction_table, write_csv
+
     model, transform, checkpoint = prepared
     note_unnamed(args.ckpt_path, checkpoint, "class_name is the class index")
     names, images, skipped = read_images(args.input_dir, transform)

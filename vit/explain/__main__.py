@@ -18,40 +18,43 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import lightning as L
-import torch
-from torchvision.transforms import v2
+from vit.commands import fail, note_unnamed, parser, run
+from vit.explain.methods import CLASS_METHODS, METHODS
 
-from vit.commands import fail, note_unnamed, run
-from vit.data.image_folder import read_image_files, read_images
-from vit.explain.plot import rollout_grid
-from vit.explain.relevance import CLASS_METHODS, METHODS, relevance, usable_methods
-from vit.training.checkpointing import CheckpointError
-from vit.training.classifier import ImageClassifier
-from vit.training.predictions import inference_transform
-from vit.training.rebuild import build_datamodule, open_checkpoint
+if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
+    import lightning as L
+    import torch
+    from torchvision.transforms import v2
+
+    from vit.training.classifier import ImageClassifier
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vit.explain", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py")
-    source = parser.add_mutually_exclusive_group()
+    options = parser("vit.explain", __doc__)
+    options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
+    source = options.add_mutually_exclusive_group()
     source.add_argument("--input_dir", type=Path, help="folder of images to explain (not searched recursively)")
     source.add_argument("--image", type=Path, action="append", help="an image to explain (repeat for more)")
-    parser.add_argument("--method", default="rollout,chefer,gradcam",
+    options.add_argument("--method", default="rollout,chefer,gradcam",
                         help=f"comma-separated, from {list(METHODS)}, or 'all' (every method the model allows)")
-    parser.add_argument("--target", help="class to explain (a name or an index); default: each image's prediction")
-    parser.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
-    parser.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    return run(parser.parse_args(argv), prepare, explain)
+    options.add_argument("--target", help="class to explain (a name or an index); default: each image's prediction")
+    options.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
+    options.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
+    options.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return run(options.parse_args(argv), prepare, explain)
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
     """The arguments checked, then the checkpoint opened, with the methods its model can run and the class to
     explain; without images given, the checkpoint's data module (for its test images)."""
+    from vit.explain.relevance import usable_methods
+    from vit.training.checkpointing import CheckpointError
+    from vit.training.classifier import class_index
+    from vit.training.predictions import inference_transform
+    from vit.training.rebuild import build_datamodule, open_checkpoint
+
     methods = parse_methods(args.method)
     if args.num_images < 1:
         raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
@@ -69,7 +72,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
     transform = inference_transform(inputs)
     methods = usable_methods(model.backbone, methods, option="--method ")
-    target = None if args.target is None else class_index(args.target, model.class_names)
+    target = None if args.target is None else class_index(args.target, model.class_names, option="--target ")
     data = None
     if args.input_dir is None and not args.image:  # the checkpoint's own test images
         try:
@@ -81,6 +84,12 @@ def prepare(args: argparse.Namespace) -> Prepared:
 
 def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     """Draw the relevance maps of the images, one row per image and one column per method; 1 without an image."""
+    import torch
+
+    from vit.data.image_folder import read_image_files, read_images
+    from vit.explain.plot import rollout_grid
+    from vit.explain.relevance import relevance
+
     model, transform, checkpoint, methods, target, data = prepared
     note_unnamed(args.ckpt_path, checkpoint, "the titles show class indices")
     if data is None:
@@ -133,16 +142,6 @@ def parse_methods(text: str) -> list[str]:
         raise ValueError(f"--method {text!r}: {bad or 'nothing'} is not allowed: expected names from {list(METHODS)} "
                          "or 'all'")
     return methods
-
-
-def class_index(target: str, class_names: list[str]) -> int:
-    """The index of `--target`: a class name, or an index when no class has that name; `ValueError` listing the names."""
-    if target in class_names:
-        return class_names.index(target)
-    if target.isdigit() and int(target) < len(class_names):
-        return int(target)
-    raise ValueError(f"--target {target!r} is not a class of this model: expected one of {class_names} "
-                     f"or an index in [0, {len(class_names) - 1}]")
 
 
 def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], labels: list[int] | None,

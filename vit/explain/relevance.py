@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int
+from vit.explain.methods import ATTENTION_METHODS, CLASS_METHODS, METHODS, Method  # noqa: F401  (importable here)
 from vit.explain.rollout import (
     HeadFusion,
     attention_rollout,
@@ -55,10 +55,6 @@ from vit.explain.rollout import (
 from vit.models.record import record_attention
 from vit.models.vision_transformer import Pool
 
-Method = Literal["attention", "rollout", "grad_rollout", "flow", "chefer", "gradcam", "random"]
-METHODS = get_args(Method)
-ATTENTION_METHODS = ("attention", "rollout", "grad_rollout", "flow", "chefer")
-CLASS_METHODS = ("grad_rollout", "chefer", "gradcam")  # they explain `target`; the others are class-agnostic
 
 
 def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", target: Tensor | int | None = None, *,

@@ -60,6 +60,18 @@ def check_class_names(names: object, num_classes: int, source: str) -> list[str]
     return list(names)
 
 
+def class_index(target: str | int, class_names: list[str], option: str = "target=") -> int:
+    """The index of a class given by name, or by index (an int, or digits when no class has that name);
+    `ValueError` naming `{option}{target!r}` and listing the names otherwise."""
+    if isinstance(target, str) and target in class_names:
+        return class_names.index(target)
+    index = int(target) if isinstance(target, str) and target.isdigit() else target
+    if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(class_names):
+        return index
+    raise ValueError(f"{option}{target!r} is not a class of this model: expected one of {class_names} "
+                     f"or an index in [0, {len(class_names) - 1}]")
+
+
 def freeze(backbone: nn.Module, trainable: str | int) -> None:
     """Leave trainable only what `trainable` names (see `ImageClassifier`); the rest gets `requires_grad=False`."""
     if trainable == "all":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -227,6 +229,7 @@ def main(args=None) -> ViTCLI:
     folder, a loss that diverged) are printed as one `error: ...` paragraph without a traceback,
     and the process exits with status 2 (usage) or 1 (`SystemExit` when called in-process).
     """
+    _quiet_lightning()
     try:
         return ViTCLI(
             ImageClassifier,
@@ -253,6 +256,21 @@ def main(args=None) -> ViTCLI:
         # the interpreter's shutdown aborted a gloo process at times ("terminate called").
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _quiet_lightning() -> None:
+    """Silence two lines every run printed that say nothing about the run: Lightning's advertisement for its
+    litlogger service, and torch's `LeafSpec` deprecation, raised inside Lightning's own code (not fixable here)."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoLitLoggerTip) for f in logger.filters):
+            logger.addFilter(_NoLitLoggerTip())
+
+
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pypi.org/project/litlogger" not in record.getMessage()
 
 
 def script(args: list[str] | None = None) -> int:

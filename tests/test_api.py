@@ -1,0 +1,161 @@
+"""`vit.load`: a checkpoint in Python gives what the commands give, opened under the same rules.
+
+On a real `train.py` checkpoint: `.predict` gives the classes and probabilities of `python -m vit.predict`'s
+CSV for the same files, `.explain` the map `relevance` computes and `python -m vit.explain` draws; a
+hostile checkpoint raises `CheckpointError` and builds nothing; bad arguments get the commands' messages.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from robust_helpers import main_in_process, tiny_config
+from test_checkpoint_trust import NAMED, hostile
+
+import vit
+import vit.explain.plot
+from vit.api import Prediction, Predictor
+from vit.explain.__main__ import main as explain_main
+from vit.explain.relevance import relevance
+from vit.predict import main as predict_main
+from vit.training.checkpointing import CheckpointError
+
+pytestmark = pytest.mark.slow  # every test opens a checkpoint that train.py wrote in this session
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """A real `train.py` checkpoint of the tiny two-circles ViT (one epoch)."""
+    root = tmp_path_factory.mktemp("api")
+    config = tiny_config(root, max_epochs=1)
+    with pytest.MonkeyPatch.context() as mp:
+        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], mp)
+    return root / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture
+def images(tmp_path) -> Path:
+    """Images of every kind the commands read: 8-bit gray, RGB at another size, 16-bit, and a JPEG stored sideways."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (32, 32), dtype=np.uint8)).save(folder / "gray.png")
+    Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(folder / "rgb.png")
+    Image.fromarray(rng.integers(0, 65536, (32, 32), dtype=np.uint16)).save(folder / "deep.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # EXIF orientation: rotate 90 degrees to show it upright
+    Image.fromarray(rng.integers(0, 256, (32, 64), dtype=np.uint8)).save(folder / "sideways.jpg", exif=exif)
+    return folder
+
+
+def test_import_vit_does_not_import_torch():
+    code = "import sys, vit; assert callable(vit.load); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_predict_gives_the_csv_of_vit_predict(checkpoint, images, tmp_path):
+    output = tmp_path / "p.csv"
+    assert predict_main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
+                         "--topk", "2", "--device", "cpu"]) == 0
+    rows = list(csv.DictReader(output.open()))
+    predictor = vit.load(checkpoint)
+    assert isinstance(predictor, Predictor) and not predictor.model.training
+    assert predictor.class_names == ["not_diagonal", "diagonal"]
+
+    files = [images / row["file"] for row in rows]
+    predictions = predictor.predict(files, topk=2)
+    assert len(predictions) == len(rows) == 4
+    for row, top in zip(rows, predictions):
+        assert [p.class_name for p in top] == [row["class_name"], row["class_name_2"]]
+        assert all(isinstance(p, Prediction) for p in top)
+        assert top[0].probability == pytest.approx(float(row["probability"]), abs=1e-6)
+        assert top[1].probability == pytest.approx(float(row["probability_2"]), abs=1e-6)
+
+    # A single path, a PIL image and a batch of model inputs give the same numbers.
+    [one] = predictor.predict(str(files[0]), topk=2)
+    assert one == predictions[0]
+    with Image.open(files[3]) as image:  # the sideways JPEG: turned upright as the file is
+        assert predictor.predict(image, topk=2)[0] == predictions[3]
+    batch = predictor.images(files)
+    assert batch.shape == (4, 1, 32, 32)
+    assert predictor.predict(batch, topk=2) == predictions
+
+
+def test_explain_gives_the_map_of_relevance_and_of_vit_explain(checkpoint, images, tmp_path, monkeypatch):
+    predictor = vit.load(checkpoint)
+    file = images / "rgb.png"
+    x = predictor.images([file])  # (1, 1, 32, 32); patches of 8: a (4, 4) grid
+    rollout = predictor.explain(file)
+    assert rollout.shape == (4, 4) and float(rollout.sum()) == pytest.approx(1.0)
+    torch.testing.assert_close(rollout, relevance(predictor.model.backbone, x, "rollout")[0], rtol=0, atol=0)
+    chefer = predictor.explain(file, method="chefer", target="diagonal")
+    torch.testing.assert_close(chefer, relevance(predictor.model.backbone, x, "chefer", 1)[0], rtol=0, atol=0)
+    assert torch.equal(predictor.explain(file, method="chefer", target=1), chefer)
+    assert torch.equal(predictor.explain(x[0], method="chefer", target=1), chefer)
+
+    drawn = {}
+
+    def keep(images, maps, titles=None):  # what vit.explain draws, kept instead of drawn
+        from matplotlib.figure import Figure
+
+        drawn.update(maps)
+        return Figure()
+
+    monkeypatch.setattr(vit.explain.plot, "rollout_grid", keep)
+    assert explain_main(["--ckpt_path", str(checkpoint), "--image", str(file), "--method", "rollout,chefer",
+                         "--target", "diagonal", "--out", str(tmp_path / "maps.png")]) == 0
+    assert torch.equal(drawn["rollout"][0], rollout)
+    assert torch.equal(drawn["chefer: diagonal"][0], chefer)
+
+
+@pytest.mark.parametrize("shape", ["nested class path", "nested under an owned backbone"])
+def test_a_hostile_checkpoint_raises_and_builds_nothing(shape, checkpoint, tmp_path, monkeypatch):
+    from vit.training import rebuild
+
+    marker = tmp_path / "MARKER"
+    bad = tmp_path / "bad.ckpt"
+    torch.save(hostile(torch.load(checkpoint, weights_only=True), shape, marker), bad)
+    monkeypatch.setattr(rebuild, "ImageClassifier", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(CheckpointError, match=NAMED[shape].replace("[", r"\[").replace(".", r"\.")):
+        vit.load(bad)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda p, f: p.predict(f, topk=3), "topk=3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
+    (lambda p, f: p.predict(f, topk=0), "topk=0 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
+    (lambda p, f: p.explain(f, method="lime"), ("method='lime' is not allowed: expected one of ['attention', "
+     "'rollout', 'grad_rollout', 'flow', 'chefer', 'gradcam', 'random']")),
+    (lambda p, f: p.explain(f, method="chefer", target="cat"), ("target='cat' is not a class of this model: expected "
+     "one of ['not_diagonal', 'diagonal'] or an index in [0, 1]")),
+    (lambda p, f: p.explain(f, method="chefer", target=2), ("target=2 is not a class of this model: expected "
+     "one of ['not_diagonal', 'diagonal'] or an index in [0, 1]")),
+    (lambda p, f: p.explain(f, method="rollout", target="diagonal"), ("target='diagonal' applies to the "
+     "class-specific methods ['grad_rollout', 'chefer', 'gradcam'] only; method='rollout' is class-agnostic")),
+])
+def test_bad_arguments_get_the_commands_messages(call, message, checkpoint, images):
+    with pytest.raises(ValueError) as err:
+        call(vit.load(checkpoint), images / "gray.png")
+    assert str(err.value) == message
+
+
+def test_a_predict_run_prints_no_head_or_lightning_noise(checkpoint, images, tmp_path):
+    # A fine-tuned checkpoint records the pretrained file it started from; opening it loads no pretrained
+    # weights, so no head is replaced and nothing says one was.
+    recorded = torch.load(checkpoint, weights_only=True)
+    recorded["hyper_parameters"]["backbone"]["init_args"]["pretrained"] = str(tmp_path / "gone.safetensors")
+    finetuned = tmp_path / "finetuned.ckpt"
+    torch.save(recorded, finetuned)
+    done = subprocess.run([sys.executable, "-m", "vit.predict", "--ckpt_path", str(finetuned), "--input_dir",
+                           str(images), "--output", str(tmp_path / "p.csv"), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    for noise in ("re-initialised", "litlogger", "LeafSpec", "Warning"):
+        assert noise not in done.stderr, done.stderr

@@ -1,0 +1,118 @@
+"""A trained checkpoint in Python: `vit.load(path_or_url)` -> a `Predictor`, the model ready for inference.
+
+    import vit
+
+    predictor = vit.load("runs/folder/vit/version_0/checkpoints/last.ckpt")
+    predictor.predict(["cat.jpg", "dog.png"], topk=2)   # [[Prediction('cat', 0.93), Prediction('dog', 0.05)], ...]
+    predictor.explain("cat.jpg", method="chefer", target="dog")   # (gh, gw) relevance, summing to 1
+
+The checkpoint is opened as the commands open it (`vit.training.rebuild.open_checkpoint`): no code
+from it runs, nothing is fetched but the checkpoint URL itself, and pretrained weights are not read
+again. Images are read as `vit.predict` reads them (`vit.data.image_folder.decode_image`: EXIF
+orientation, 16-bit and float images at their real range), then resized and normalised as the
+checkpoint records (`transform`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from PIL import Image, ImageOps
+from torch import Tensor
+
+from vit.checks import check_choice
+from vit.data.image_folder import decode_image, to_input
+from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
+from vit.training.classifier import class_index
+from vit.training.predictions import check_topk, inference_transform
+from vit.training.rebuild import open_checkpoint
+
+if TYPE_CHECKING:
+    from torchvision.transforms import v2
+
+    from vit.training.classifier import ImageClassifier
+
+ImageLike = str | os.PathLike | Image.Image
+
+
+class Prediction(NamedTuple):
+    """One of an image's top-k classes: its name and softmax probability (unpacks as `name, probability`)."""
+
+    class_name: str
+    probability: float
+
+
+class Predictor:
+    """A checkpoint's model for inference: `model` (an `ImageClassifier`, eval mode, CPU), `class_names`,
+    `inputs` (what the checkpoint records of its input: `img_size`, `in_chans`, `mean`, `std`,
+    `interpolation`) and `transform` (PIL image -> the model's input `(C, H, W)`)."""
+
+    def __init__(self, model: ImageClassifier, inputs: dict) -> None:
+        self.model = model.eval()
+        self.inputs = inputs
+        self.class_names: list[str] = list(model.class_names)
+        self.transform: v2.Compose = inference_transform(inputs)
+
+    def images(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
+        """The model's input `(B, C, H, W)`: files and PIL images read and transformed, a batch tensor as it is.
+
+        A file that cannot be read raises `vit.data.image_folder.UnreadableImageError` (`file: why`).
+        """
+        if isinstance(images, Tensor):
+            if images.ndim != 4:
+                raise ValueError(f"images: a tensor must be a batch (B, C, H, W), got shape {tuple(images.shape)}")
+            return images
+        if isinstance(images, (str, os.PathLike, Image.Image)):
+            images = [images]
+        size = tuple(self.inputs["img_size"])
+        return torch.stack([self.transform(decode_image(Path(image), size) if not isinstance(image, Image.Image)
+                                           else to_input(ImageOps.exif_transpose(image)))
+                            for image in images])
+
+    @torch.no_grad()
+    def probabilities(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
+        """Class probabilities `(B, num_classes)` (softmax of the logits) of the images."""
+        x = self.images(images)
+        device = next(self.model.parameters()).device
+        return self.model(x.to(device)).softmax(dim=-1).cpu()
+
+    def predict(self, images: ImageLike | Sequence[ImageLike] | Tensor, topk: int = 1) -> list[list[Prediction]]:
+        """Per image (a file path, a PIL image, a list of those, or a batch tensor of model inputs), its `topk`
+        most probable classes as `Prediction(class_name, probability)`, best first (one list per image, also
+        for a single image): what `python -m vit.predict` writes in its CSV."""
+        check_topk(topk, len(self.class_names), option="topk=")
+        confidence, classes = self.probabilities(images).topk(topk, dim=-1)  # (B, K) each, best first
+        return [[Prediction(self.class_names[k], p) for k, p in zip(ks, ps)]
+                for ks, ps in zip(classes.tolist(), confidence.tolist())]
+
+    def explain(self, image: ImageLike | Tensor, method: str = "rollout", target: str | int | None = None) -> Tensor:
+        """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`) on the
+        model's patch grid, summing to 1 (`vit.explain.relevance.relevance`: what `python -m vit.explain` draws).
+
+        `target`, a class name or index, is the class the class-specific methods (`CLASS_METHODS`) explain;
+        by default the prediction. `vit.explain.relevance.to_pixels` spreads the map over the image's pixels.
+        """
+        check_choice("method", method, Method)
+        usable_methods(self.model.backbone, [method])
+        if target is not None and method in CLASS_METHODS:  # relevance refuses a target for the other methods
+            target = class_index(target, self.class_names)
+        x = image[None] if isinstance(image, Tensor) and image.ndim == 3 else self.images(image)
+        if x.shape[0] != 1:
+            raise ValueError(f"explain takes one image, got {x.shape[0]}; call it once per image")
+        return relevance(self.model.backbone, x, method, target)[0]
+
+
+
+def load(path_or_url: str | os.PathLike) -> Predictor:
+    """The trained model of a `train.py` checkpoint (a path or an http(s) URL), ready for inference.
+
+    Opened as the commands open it (`open_checkpoint`): a checkpoint that names a class outside this
+    project, or holds anything but plain values, raises `CheckpointError` (a `ValueError`) before
+    anything is built.
+    """
+    model, inputs, _ = open_checkpoint(path_or_url)
+    return Predictor(model, inputs)
