@@ -80,7 +80,7 @@ def bag_of_shapes_ceiling(num_shapes: int = NUM_SHAPES) -> float:
     return max(0.5, *(m / (2 * k) + (1 - m * (m - 1) / (k * (k - 1))) / 2 for m in range(1, k + 1)))
 
 
-def _column_range(region: str, width: int, size: int) -> tuple[int, int]:
+def column_range(region: str, width: int, size: int) -> tuple[int, int]:
     """Inclusive range of a box's left column for ``region`` in an image ``width`` columns wide."""
     band = width * 5 // 8
     return {"all": (0, width - size), "left": (0, band - size), "right": (width - band, width - size)}[region]
@@ -94,7 +94,7 @@ def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int
     side or ``(H, W)``.
     """
     height, width = check_size("img_size", img_size)
-    c_lo, c_hi = _column_range(region, width, size)
+    c_lo, c_hi = column_range(region, width, size)
     out = np.empty((n, 2, 2), dtype=np.int64)
     todo = np.arange(n)
     for _ in range(1000):
