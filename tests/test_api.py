@@ -102,7 +102,7 @@ def test_explain_gives_the_map_of_relevance_and_of_vit_explain(checkpoint, image
 
     drawn = {}
 
-    def keep(images, maps, titles=None):  # what vit.explain draws, kept instead of drawn
+    def keep(images, maps, titles=None, scale="row"):  # what vit.explain draws, kept instead of drawn
         from matplotlib.figure import Figure
 
         drawn.update(maps)

@@ -37,8 +37,8 @@ TINY = [
     "--model.backbone.init_args.num_heads=2",
     "--model.backbone.init_args.patch_size=8",
 ]
-# RolloutImages in vit.yaml: 8 rows of 2-inch cells at 64 dpi; columns: image, rollout, grad rollout.
-ROLLOUT_PIXELS = (8 * 2 * 64, 3 * 2 * 64)  # (height, width)
+# RolloutImages in vit.yaml: 8 rows of 3-inch cells at 64 dpi; columns: image, rollout, grad rollout; 0.75 inch of colour bars.
+ROLLOUT_PIXELS = (8 * 3 * 64, int((3 * 3 + 0.75) * 64))  # (height, width)
 
 
 @pytest.fixture(autouse=True)
@@ -245,6 +245,7 @@ def test_cnn_backbone_skips_rollout_with_one_warning_but_logs_confusion_matrix(t
         ({"methods": []}, "non-empty"),
         ({"head_fusion": "median"}, "head_fusion='median'.*mean.*max.*min"),
         ({"discard_ratio": 1.0}, r"discard_ratio=1.0 must be in \[0, 1\)"),
+        ({"scale": "image"}, r"scale='image' must be one of \['panel', 'row', 'figure'\]"),
     ],
 )
 def test_rollout_images_rejects_bad_options(kwargs, message):

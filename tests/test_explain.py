@@ -288,7 +288,8 @@ def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods,
     out = tmp_path / "maps.png"
     assert main(["--ckpt_path", str(last), "--method", methods, "--out", str(out), "--num_images", "3"]) == 0
     width, height = Image.open(out).size
-    assert width / height == pytest.approx((1 + len(methods.split(","))) / 3, rel=0.05)  # 3 rows, image + methods
+    # 3 rows, image + methods, and the colour bars
+    assert width / height == pytest.approx((3 * (1 + len(methods.split(","))) + 0.75) / (3 * 3), rel=0.01)
     assert main(["--ckpt_path", str(last), "--method", methods, "--out", str(out)]) == 2  # never overwritten
     assert "already exists" in capsys.readouterr().err
     if backbone == "cnn":
@@ -324,8 +325,9 @@ def record_grids(monkeypatch) -> list[dict]:
     import vit.explain.plot as plot  # the command imports rollout_grid from here when it draws
 
     drawn, draw = [], plot.rollout_grid
-    monkeypatch.setattr(plot, "rollout_grid", lambda images, maps, titles: (
-        drawn.append({"images": images, "maps": maps, "titles": titles}), draw(images, maps, titles))[1])
+    monkeypatch.setattr(plot, "rollout_grid", lambda images, maps, titles, scale: (
+        drawn.append({"images": images, "maps": maps, "titles": titles, "scale": scale}),
+        draw(images, maps, titles, scale))[1])
     return drawn
 
 
@@ -384,3 +386,102 @@ def test_the_explain_command_refuses_an_unknown_target_or_method_in_one_line(arg
     assert main(["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), *args,
                  "--out", str(tmp_path / "maps.png")]) == 2
     assert capsys.readouterr().err.strip() == message and not (tmp_path / "maps.png").exists()
+
+
+# --- the figure: one colour scale per panel, row or figure; the raw maps saved --------------------------------
+
+
+def grid_norms(fig, B: int, M: int) -> list[list[tuple[float, float]]]:
+    """`(vmin, vmax)` of each overlay of a `rollout_grid` of B rows and M methods (its second image: the map)."""
+    panels = fig.axes[: B * (1 + M)]
+    return [[(ax.images[1].norm.vmin, ax.images[1].norm.vmax) for ax in panels[row * (1 + M) + 1:(row + 1) * (1 + M)]]
+            for row in range(B)]
+
+
+@pytest.mark.parametrize("scale", ["panel", "row", "figure"])
+def test_the_grid_shares_one_colour_scale_per_row_or_figure_with_its_colour_bars(scale):
+    from vit.explain.plot import rollout_grid
+
+    torch.manual_seed(0)
+    maps = {"rollout": normalise(torch.rand(2, 4, 4)), "chefer": normalise(torch.rand(2, 4, 4) ** 8)}  # (B, gh, gw)
+    maps["rollout"][1] *= 3  # not a distribution any more: the second row's scale differs from the first's
+    fig = rollout_grid(torch.rand(2, 1, 32, 32), maps, scale=scale)
+    norms = grid_norms(fig, B=2, M=2)
+    for row in range(2):
+        # The map drawn is the grey image's second layer, in inferno: never the image's own colours under jet.
+        ax = fig.axes[row * 3 + 1]
+        assert [im.get_cmap().name for im in ax.images] == ["gray", "inferno"]
+        row_max = max(float(m[row].max()) for m in maps.values())
+        for (vmin, vmax), m in zip(norms[row], maps.values()):
+            expected = {"panel": (float(m[row].min()), float(m[row].max())), "row": (0.0, row_max),
+                        "figure": (0.0, max(float(m.max()) for m in maps.values()))}[scale]
+            assert (vmin, vmax) == pytest.approx(expected)
+    assert (norms[0][0] != norms[0][1]) == (scale == "panel")  # a row shares its scale unless per panel
+    assert (norms[0][0] != norms[1][0]) == (scale != "figure")  # rows differ unless one scale for the figure
+    # The colour bars after the panels: one per row for per-row scales, else one; each spans its scale.
+    bars = fig.axes[2 * 3:]
+    assert len(bars) == (2 if scale == "row" else 1)
+    if scale == "panel":
+        assert [t.get_text() for t in bars[0].get_yticklabels()] == ["min", "max"]
+    else:
+        for bar, row in zip(bars, [0, 1]):
+            assert bar.get_ylim() == pytest.approx(norms[row][0])
+
+
+def test_the_grid_refuses_an_unknown_scale():
+    from vit.explain.plot import rollout_grid
+
+    with pytest.raises(ValueError, match=r"scale='image' is not allowed: expected one of \['panel', 'row', 'figure'\]"):
+        rollout_grid(torch.rand(1, 1, 8, 8), {"rollout": torch.rand(1, 2, 2)}, scale="image")
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_the_explain_command_refuses_save_maps_it_would_overwrite_or_cannot_write_before_any_work(existing, tmp_path,
+                                                                                                  capsys):
+    from vit.explain.__main__ import main
+
+    npz = tmp_path / "maps.npz" if existing else tmp_path / "missing" / "maps.npz"
+    if existing:
+        npz.write_bytes(b"earlier maps")
+    # The checkpoint does not exist either: the file is checked first, before anything is loaded.
+    assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "maps.png"),
+                 "--save-maps", str(npz)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (f"error: --save-maps {npz} already exists; pass --overwrite to replace it" if existing else
+                    f"error: --save-maps {npz}: its folder {npz.parent} does not exist")
+    assert (npz.read_bytes() == b"earlier maps") if existing else not npz.parent.exists()
+    assert not (tmp_path / "maps.png").exists()
+
+
+@pytest.mark.slow
+def test_the_explain_command_saves_the_maps_it_draws_at_the_scale_asked(shared_checkpoint, tmp_path, monkeypatch,
+                                                                        capsys):
+    from PIL import Image
+
+    from vit.explain.__main__ import main
+    from vit.training.classifier import ImageClassifier
+
+    folder, drawn = circle_pngs(tmp_path / "photos"), record_grids(monkeypatch)
+    npz, out = tmp_path / "maps.npz", tmp_path / "maps.png"
+    args = ["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), "--method", "rollout,chefer",
+            "--scale", "figure", "--out", str(out), "--save-maps", str(npz)]
+    assert main(args) == 0
+    assert drawn[0]["scale"] == "figure"
+    x = torch.stack([torch.from_numpy(np.array(Image.open(folder / f"c{i}.png"))).float()[None] / 255
+                     for i in range(3)])
+    backbone = ImageClassifier.load_from_checkpoint(shared_checkpoint, map_location="cpu", weights_only=True).backbone
+    with torch.no_grad():
+        probs = backbone.eval()(x).softmax(-1)
+    with np.load(npz) as saved:  # no pickles: plain arrays and strings
+        assert saved["methods"].tolist() == ["rollout", "chefer"]
+        for method in ("rollout", "chefer"):
+            torch.testing.assert_close(torch.from_numpy(saved[method]), relevance(backbone, x, method))
+        assert saved["files"].tolist() == ["c0.png", "c1.png", "c2.png"]
+        assert saved["predicted"].tolist() == probs.argmax(-1).tolist()
+        np.testing.assert_allclose(saved["probability"], probs.max(-1).values.numpy(), rtol=1e-6)
+        assert saved["class_names"].tolist() == ["not_diagonal", "diagonal"] and int(saved["target"]) == -1
+    before = npz.read_bytes()
+    out.unlink()
+    assert main(args) == 2  # the maps are never overwritten without --overwrite
+    assert "--save-maps" in capsys.readouterr().err and npz.read_bytes() == before and not out.exists()
+    assert main([*args, "--overwrite"]) == 0

@@ -404,7 +404,7 @@ def test_rollout_grid_renders_rows_by_columns():
     maps = {"rollout": torch.rand(3, 2, 3), "grad rollout": torch.rand(3, 2, 3)}
     fig = rollout_grid(torch.randn(3, 3, 16, 24), maps, titles=["a", "b", "c"])
     assert isinstance(fig, Figure)
-    assert len(fig.axes) == 3 * 3
+    assert len(fig.axes) == 3 * 3 + 3  # and a colour bar per row (the default scale)
     assert [ax.get_title() for ax in fig.axes[:3]] == ["a", "rollout", "grad rollout"]
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

@@ -10,7 +10,9 @@ every mode and bit depth, unreadable files skipped with the reason, hidden files
 first `--num_images` of the checkpoint's data module's test split. Each row is titled with the
 image, the predicted class name and its probability. The class-specific methods (`grad_rollout`,
 `chefer`, `gradcam`) explain the prediction, or `--target` (a class name, or an index when no class
-has that name); the others show what the model looks at whatever the class.
+has that name); the others show what the model looks at whatever the class. The maps are drawn in a
+perceptual colour map over the image in grey, on the colour scale `--scale` picks; `--save-maps` keeps
+the raw maps, predictions and names in an `.npz` for your own plots.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from vit.commands import fail, note_unnamed, parser, run
 from vit.explain.methods import CLASS_METHODS, METHODS
+
+SCALES = ("panel", "row", "figure")  # `vit.explain.plot.SCALES`, named here so `--help` loads no torch
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     import lightning as L
@@ -42,7 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--target", help="class to explain (a name or an index); default: each image's prediction")
     options.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
     options.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
-    options.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    options.add_argument("--scale", choices=SCALES, default="row",
+                         help="which maps share one colour scale, from 0 to their largest value: each image's row "
+                              "(default: the maps of one image are shares of the same relevance, so a flat map looks "
+                              "flat beside a peaked one, as an untrained model's should, while each image keeps its "
+                              "own range), the whole figure (rows comparable too), or each panel alone, stretched "
+                              "from its own min to max (every map looks sharp, however flat)")
+    options.add_argument("--save-maps", dest="save_maps", type=Path,
+                         help="also write the raw maps to this .npz: one (B, gh, gw) array per method, and files, "
+                              "predicted, probability, class_names, methods, target (-1: each prediction)")
+    options.add_argument("--overwrite", action="store_true", help="replace --out and --save-maps if they exist")
     return run(options.parse_args(argv), prepare, explain)
 
 
@@ -59,10 +72,11 @@ def prepare(args: argparse.Namespace) -> Prepared:
     if args.num_images < 1:
         raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
     check_image_format(args.out)
-    if args.out.exists() and not args.overwrite:
-        raise ValueError(f"--out {args.out} already exists; pass --overwrite to replace it")
-    if not args.out.parent.is_dir():
-        raise ValueError(f"--out {args.out}: its folder {args.out.parent} does not exist")
+    check_new_file("--out", args.out, args.overwrite)
+    if args.save_maps is not None:
+        if args.save_maps.suffix != ".npz":
+            raise ValueError(f"--save-maps {args.save_maps}: expected a name ending in .npz")
+        check_new_file("--save-maps", args.save_maps, args.overwrite)
     if args.input_dir is not None and not args.input_dir.is_dir():
         raise ValueError(f"--input_dir {args.input_dir} is not a folder"
                          + ("" if args.input_dir.exists() else " (it does not exist)"))
@@ -115,10 +129,26 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
         maps[column] = relevance(backbone, x, method, target if explains_target else None)
     with torch.no_grad():
         probs = backbone(x).softmax(-1)  # (B, num_classes)
-    figure = rollout_grid(x, maps, titles=row_titles(files, probs, model.class_names, labels, target))
+    figure = rollout_grid(x, maps, titles=row_titles(files, probs, model.class_names, labels, target),
+                          scale=args.scale)
     figure.savefig(args.out, dpi=80)
     print(f"wrote {args.out}: {len(x)} images x {len(methods)} methods")
+    if args.save_maps is not None:
+        save_maps(args.save_maps, dict(zip(methods, maps.values())), files, probs, model.class_names, target)
+        print(f"wrote {args.save_maps}: the maps of {list(methods)}")
     return 0
+
+
+def save_maps(path: Path, maps: dict[str, torch.Tensor], files: list[str], probs: torch.Tensor,
+              class_names: list[str], target: int | None) -> None:
+    """Write the raw maps, method -> `(B, gh, gw)`, with what the rows are, to an `.npz` (plain arrays, no pickles)."""
+    import numpy as np
+
+    confidence, predicted = probs.max(dim=-1)
+    np.savez(path, **{method: m.detach().cpu().numpy() for method, m in maps.items()},
+             methods=np.array(list(maps)), files=np.array(files), predicted=predicted.numpy(),
+             probability=confidence.numpy(), class_names=np.array(class_names),
+             target=np.array(-1 if target is None else target))
 
 
 class Prepared(NamedTuple):
@@ -156,6 +186,14 @@ def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], la
             lines.append(f"target {class_names[target]} ({float(probs[i, target]):.2f})")
         titles.append("\n".join(lines))
     return titles
+
+
+def check_new_file(option: str, path: Path, overwrite: bool) -> None:
+    """Raise `ValueError` if `path` exists (unless `overwrite`) or its folder does not: before any work is done."""
+    if path.exists() and not overwrite:
+        raise ValueError(f"{option} {path} already exists; pass --overwrite to replace it")
+    if not path.parent.is_dir():
+        raise ValueError(f"{option} {path}: its folder {path.parent} does not exist")
 
 
 def check_image_format(out: Path) -> None:

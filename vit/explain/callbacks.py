@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int
-from vit.explain.plot import rollout_grid
+from vit.explain.plot import SCALES, Scale, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
@@ -27,7 +27,8 @@ class RolloutImages(L.Callback):
     whole run, so the dashboard shows how one set of maps changes with training. Each logged image
     is a grid: one row per image (titled with label, prediction and its probability) and one
     column per method in `methods`, computed with `vit.explain.relevance.relevance` on the backbone
-    (`pl_module.backbone`, else the module itself), whatever its `pool`, and drawn min-max scaled.
+    (`pl_module.backbone`, else the module itself), whatever its `pool`, and drawn as `python -m vit.explain`
+    draws them (`vit.explain.plot.rollout_grid`: the image in grey under a colour map, with colour bars).
 
     Methods the backbone cannot run (the attention methods on the CNN: `usable_methods`) are left
     out with a single warning; a backbone that can run none of them logs nothing.
@@ -40,8 +41,10 @@ class RolloutImages(L.Callback):
         head_fusion, discard_ratio: options of "rollout"; see `vit.explain.rollout.attention_rollout`.
         class_names: names for the titles; by default the model's `class_names` (the data module's),
             else the class indices.
+        scale: which maps share one colour scale: each image's `"row"`, the whole `"figure"`, or each
+            `"panel"` alone (see `rollout_grid`); one scale per row keeps an untrained model's flat maps flat.
         tag: the name of the image on the dashboard.
-        dpi: resolution of the rendered grid (each cell is 2 x 2 inches).
+        dpi: resolution of the rendered grid (each cell is `vit.explain.plot.PANEL_INCHES` square).
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class RolloutImages(L.Callback):
         head_fusion: HeadFusion = "mean",
         discard_ratio: float = 0.0,
         class_names: Sequence[str] | None = None,
+        scale: Scale = "row",
         tag: str = "val/rollout",
         dpi: int = 64,
     ) -> None:
@@ -69,6 +73,8 @@ class RolloutImages(L.Callback):
             raise ValueError(f"head_fusion={head_fusion!r} must be one of {list(HEAD_FUSIONS)}")
         if not 0.0 <= discard_ratio < 1.0:
             raise ValueError(f"discard_ratio={discard_ratio} must be in [0, 1)")
+        if scale not in SCALES:
+            raise ValueError(f"scale={scale!r} must be one of {list(SCALES)}")
         if dpi < 1:
             raise ValueError(f"dpi={dpi} must be >= 1")
         self.every_n_epochs = every_n_epochs
@@ -78,6 +84,7 @@ class RolloutImages(L.Callback):
         self.discard_ratio = discard_ratio
         self.class_names = list(class_names) if class_names is not None else None
         self._model_names: list[str] | None = None  # the LightningModule's, used when class_names is None
+        self.scale = scale
         self.tag = tag
         self.dpi = dpi
         self.images: Tensor | None = None  # (num_images, C, H, W) on the CPU, once chosen
@@ -160,10 +167,10 @@ class RolloutImages(L.Callback):
             probs = model(x).float().softmax(-1).cpu()  # (B, num_classes)
         confidence, predicted = probs.max(-1)
         titles = [
-            f"y={self._name(int(label))} pred={self._name(int(pred))} ({p:.2f})"
+            f"label {self._name(int(label))}\npredicted {self._name(int(pred))} ({p:.2f})"
             for label, pred, p in zip(self.labels, predicted, confidence)
         ]
-        return rollout_grid(self.images, maps, titles=titles)
+        return rollout_grid(self.images, maps, titles=titles, scale=self.scale)
 
     def _name(self, index: int) -> str:
         names = self.class_names or self._model_names

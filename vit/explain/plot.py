@@ -1,4 +1,4 @@
-"""Relevance maps drawn over their images: one overlay, and a grid of images x methods.
+"""Relevance maps drawn over their images in grey: one overlay, and a grid of images x methods with colour bars.
 
 Matplotlib is imported inside the functions, so importing `vit.explain` stays light.
 """
@@ -6,65 +6,74 @@ Matplotlib is imported inside the functions, so importing `vit.explain` stays li
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from vit.explain.rollout import minmax
 
 if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
 
 
-def overlay(
-    image: Tensor, patch_map: Tensor, alpha: float = 0.5, cmap: str = "jet"
-) -> np.ndarray:
-    """Blend a patch map `(gh, gw)` over an image `(C, H, W)`; returns `(H, W, 3)` floats in [0, 1].
+Scale = Literal["panel", "row", "figure"]
+SCALES: tuple[Scale, ...] = ("panel", "row", "figure")
+PANEL_INCHES = 3.0  # each image and overlay of `rollout_grid` is this many inches square
+COLORBAR_INCHES = 0.75  # the width `rollout_grid` adds for its colour bars
+CMAP = "inferno"  # perceptually uniform and readable in grey print, unlike jet
+ALPHA = 0.6  # of the colour map over the grey image
 
-    The map is min-max scaled (`vit.explain.rollout.minmax`: where the relevance is, relative to the
-    rest of this image), upsampled bilinearly to the image size and coloured with `cmap`, so the
-    maps of `relevance` (which sum to 1) can be passed as they are. The image is min-max scaled
-    too, so normalised network inputs can be passed as they are; one channel is shown as grayscale.
+
+def overlay(
+    image: Tensor, patch_map: Tensor, alpha: float = ALPHA, cmap: str = CMAP,
+    vmin: float | None = None, vmax: float | None = None,
+) -> np.ndarray:
+    """Blend a patch map `(gh, gw)` over an image `(C, H, W)` shown in grey; returns `(H, W, 3)` floats in [0, 1].
+
+    The map is upsampled bilinearly to the image size and coloured with `cmap` from `vmin` (default:
+    the map's min) to `vmax` (default: its max), so the maps of `relevance` (which sum to 1) can be
+    passed as they are. The image is min-max scaled and shown in grey, so its own colours do not
+    mix with the colour map's.
     """
     import matplotlib
+    from matplotlib.colors import Normalize
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    patch_map = torch.as_tensor(patch_map)
-    if patch_map.ndim != 2:
-        raise ValueError(f"patch_map must have shape (gh, gw), got {tuple(patch_map.shape)}")
-    rgb = _display_image(image)  # (H, W, 3)
-    H, W, _ = rgb.shape
-    heat = F.interpolate(
-        minmax(patch_map.detach().cpu().float()[None, None]), size=(H, W), mode="bilinear",
-        align_corners=False,
-    )[0, 0].clamp(0.0, 1.0)  # (H, W); bilinear stays in [0, 1] up to rounding
-    colours = matplotlib.colormaps[cmap](heat.numpy())[..., :3]  # (H, W, 3), drop alpha channel
-    return ((1.0 - alpha) * rgb + alpha * colours).astype("float32")
+    grey = _display_image(image).mean(-1, keepdims=True)  # (H, W, 1)
+    heat = _upsample(patch_map, grey.shape[:2]).numpy()  # (H, W)
+    lo, hi = _limits([torch.as_tensor(patch_map)])
+    norm = Normalize(lo if vmin is None else vmin, hi if vmax is None else vmax, clip=True)
+    colours = matplotlib.colormaps[cmap](norm(heat))[..., :3]  # (H, W, 3), drop alpha
+    return ((1.0 - alpha) * grey + alpha * colours).astype("float32")
 
 
 def rollout_grid(
-    images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None
+    images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None, scale: Scale = "row",
 ) -> Figure:
-    """A figure with one row per image: the image, then its overlay for each map in `maps`.
+    """A figure with one row per image: the image, then each map in `maps` over it in grey, and colour bars.
 
     Args:
         images: `(B, C, H, W)`.
-        maps: column name -> patch maps `(B, gh, gw)`, e.g. {"rollout": ..., "grad rollout": ...};
-            each map is drawn min-max scaled (`overlay`).
+        maps: column name -> patch maps `(B, gh, gw)`, e.g. {"rollout": ..., "grad rollout": ...}.
         titles: optional per-row title shown above each image (e.g. label and prediction).
+        scale: which maps share one colour scale, from 0 (or the lowest value, if negative) to the
+            largest value among them: those of a `"row"` (one image, every method: one colour bar
+            per row) or of the whole `"figure"` (one colour bar). `"panel"` stretches each map from
+            its own min to its own max: where the relevance is within that map, however flat the
+            map is, so a near-uniform map looks as sharp as a peaked one.
 
     Built on `matplotlib.figure.Figure`, not pyplot, so it needs no display and leaves no global
     figure state behind (safe in a Lightning callback).
     """
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
     if images.ndim != 4:
         raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
-    B = images.shape[0]
+    B, _, H, W = images.shape
     if not maps:
         raise ValueError("maps must hold at least one (B, gh, gw) map")
     for name, patch_maps in maps.items():
@@ -74,23 +83,61 @@ def rollout_grid(
             )
     if titles is not None and len(titles) != B:
         raise ValueError(f"titles must hold one title per image ({B}), got {len(titles)}")
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is not allowed: expected one of {list(SCALES)}")
+
+    # The limits are the patch maps' own: bilinear upsampling stays within them.
+    rows = [[m[row].detach().cpu().float() for m in maps.values()] for row in range(B)]
+    if scale == "figure":
+        norms = [[Normalize(*_limits([m for r in rows for m in r], from_zero=True))] * len(maps)] * B
+    elif scale == "row":
+        norms = [[Normalize(*_limits(r, from_zero=True))] * len(maps) for r in rows]
+    else:
+        norms = [[Normalize(*_limits([m])) for m in r] for r in rows]
 
     cols = 1 + len(maps)
-    fig = Figure(figsize=(2.0 * cols, 2.0 * B), layout="constrained")
+    fig = Figure(figsize=(PANEL_INCHES * cols + COLORBAR_INCHES, PANEL_INCHES * B), layout="constrained")
     axes = fig.subplots(B, cols, squeeze=False)
     for row in range(B):
-        axes[row, 0].imshow(_display_image(images[row]))
+        rgb = _display_image(images[row])  # (H, W, 3)
+        axes[row, 0].imshow(rgb)
         if titles is not None:
             axes[row, 0].set_title(titles[row], fontsize="small")
         elif row == 0:
             axes[row, 0].set_title("image", fontsize="small")
-        for col, (name, patch_maps) in enumerate(maps.items(), start=1):
-            axes[row, col].imshow(overlay(images[row], patch_maps[row]))
+        for col, (name, patch_map, norm) in enumerate(zip(maps, rows[row], norms[row]), start=1):
+            axes[row, col].imshow(rgb.mean(-1), cmap="gray", vmin=0.0, vmax=1.0)
+            axes[row, col].imshow(_upsample(patch_map, (H, W)).numpy(), cmap=CMAP, norm=norm, alpha=ALPHA)
             if row == 0:
                 axes[row, col].set_title(name, fontsize="small")
+        if scale == "row":  # the bars are opaque: the colours as they are, not blended with the image
+            fig.colorbar(ScalarMappable(norm, CMAP), ax=axes[row, 1:], shrink=0.9,
+                         label="relevance per patch (this row)")
+    if scale == "figure":
+        fig.colorbar(ScalarMappable(norm, CMAP), ax=axes[:, 1:], shrink=0.6, label="relevance per patch (one scale)")
+    elif scale == "panel":
+        bar = fig.colorbar(ScalarMappable(Normalize(0.0, 1.0), CMAP), ax=axes[:, 1:], shrink=0.6,
+                           label="each map from its own min to its max")
+        bar.set_ticks([0.0, 1.0], labels=["min", "max"])
     for ax in axes.flat:
         ax.set_axis_off()
     return fig
+
+
+def _upsample(patch_map: Tensor, size: tuple[int, int]) -> Tensor:
+    """A patch map `(gh, gw)` upsampled bilinearly to `size` `(H, W)`, as floats on the CPU."""
+    patch_map = torch.as_tensor(patch_map)
+    if patch_map.ndim != 2:
+        raise ValueError(f"patch_map must have shape (gh, gw), got {tuple(patch_map.shape)}")
+    return F.interpolate(patch_map.detach().cpu().float()[None, None], size=tuple(size), mode="bilinear",
+                         align_corners=False)[0, 0]  # (H, W)
+
+
+def _limits(maps: Sequence[Tensor], from_zero: bool = False) -> tuple[float, float]:
+    """`(vmin, vmax)` over `maps`; from 0 when asked (relevance is a share, so 0 means none), never an empty range."""
+    lo, hi = min(float(m.min()) for m in maps), max(float(m.max()) for m in maps)
+    lo = min(lo, 0.0) if from_zero else lo
+    return (lo, hi) if hi > lo else (lo, lo + 1.0)
 
 
 def _display_image(image: Tensor) -> np.ndarray:
