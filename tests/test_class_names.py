@@ -132,8 +132,8 @@ def test_sample_names_are_the_files_relative_to_the_image_folder(tmp_path):
         (tmp_path / label).mkdir()
         for i in range(3):
             Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / label / f"{i}.png")
-    data = ImageFolderDataModule(root=str(tmp_path), img_size=8, val_fraction=0.5, num_workers=0)
-    data.setup("predict")  # no test/ folder: the predict split is the held-out half (a Subset)
+    data = ImageFolderDataModule(root=str(tmp_path), img_size=8, val_fraction=0.25, test_fraction=0.5, num_workers=0)
+    data.setup("predict")  # no test/ folder: the predict split is the held-out test half (a Subset)
     names = [sample_name(data.test_set, i) for i in range(len(data.test_set))]
     assert len(names) == 3 and all((tmp_path / name).is_file() for name in names)
     assert [name.split("/")[0] for name in names] == [data.class_names[int(data.test_set[i][1])] for i in range(3)]

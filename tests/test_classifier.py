@@ -105,3 +105,68 @@ def test_learning_rate_at_every_step_follows_warmup_then_cosine_also_after_a_res
         assert schedule.get_last_lr()[0] == pytest.approx(expected, rel=0, abs=lr * 1e-12), step
         optimizer.step()
         schedule.step()
+
+
+def layer_of(name: str, depth: int) -> int:
+    """BEiT's layer of a ViT parameter, written out: the stem 0, block N at N + 1 (the final norm with the last
+    block), the head after them at depth + 1."""
+    if name.startswith(("patch_embed.", "cls_token", "reg_token", "pos_embed")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    if name.startswith("norm."):
+        return depth
+    return depth + 1  # fc_norm, attn_pool, head
+
+
+@pytest.mark.parametrize("pool", ["cls", "map"])
+def test_layer_decay_gives_each_layer_lr_times_decay_to_the_depth_above_it_at_every_step(pool):
+    depth, decay, lr, total_steps, warmup_steps = 3, 0.75, 0.01, 20, 10
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=depth, num_heads=2,
+                                 pool=pool, reg_tokens=1)
+    model = ImageClassifier(backbone, lr=lr, weight_decay=0.05, warmup_epochs=1.0, layer_decay=decay)
+    optimizer, schedule = optimizer_and_schedule(model, total_steps=total_steps, max_epochs=2)
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    named = list(backbone.named_parameters())
+    assert len(group_of) == len(named)
+    num_layers = depth + 2
+    scale = {name: decay ** (num_layers - 1 - layer_of(name, depth)) for name, _ in named}
+    assert scale["head.weight"] == 1.0 and scale["patch_embed.proj.weight"] == decay ** (depth + 1)
+    for name, p in named:
+        assert group_of[id(p)]["lr_scale"] == pytest.approx(scale[name], rel=1e-12), name
+        is_weight = p.ndim >= 2 and name not in ("cls_token", "reg_token", "pos_embed", "attn_pool.latent")
+        assert group_of[id(p)]["weight_decay"] == (0.05 if is_weight else 0.0), name
+    # torch's schedulers ignore `lr_scale`: what the optimizer uses is each group's lr, scaled at every step.
+    for step in range(total_steps + 1):
+        factor = warmup_cosine(step, warmup_steps, total_steps, 0.0)
+        for name, p in named:
+            assert group_of[id(p)]["lr"] == pytest.approx(lr * scale[name] * factor, rel=1e-9, abs=1e-15), (step, name)
+        optimizer.step()
+        schedule.step()
+
+
+def test_layer_decay_groups_are_those_timm_gives_its_own_vision_transformer():
+    import timm
+    from timm.optim import param_groups_layer_decay
+
+    cfg = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2, "reg_tokens": 1}
+    ours, theirs = VisionTransformer(**cfg), timm.create_model("vit_tiny_patch16_224", pretrained=False, **cfg)
+
+    def scales(model):
+        return {name: group["lr_scale"] for group in param_groups_layer_decay(model, layer_decay=0.5)
+                for name, p in model.named_parameters() if any(p is q for q in group["params"])}
+
+    assert scales(ours) == scales(theirs)
+    assert len(set(scales(ours).values())) == 4  # stem, 2 blocks, head: the matcher is used, not timm's fallback
+
+
+def test_layer_decay_options_name_what_is_allowed():
+    vit = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2)
+    for bad in (0.0, 1.5, -0.5):
+        with pytest.raises(ValueError, match=f"layer_decay={bad}"):
+            ImageClassifier(vit, layer_decay=bad)
+    ImageClassifier(vit, layer_decay=1.0)  # every layer at lr: allowed
+    with pytest.raises(ValueError, match="layer_decay=0.75 needs a backbone with timm's `group_matcher`.*ResNet"):
+        ImageClassifier(ResNet(img_size=16, in_chans=3, num_classes=3, widths=(4,)), layer_decay=0.75)
+    with pytest.raises(ValueError, match="layer_decay=0.75 needs min_lr_ratio=0, got 0.01"):
+        ImageClassifier(vit, layer_decay=0.75, min_lr_ratio=0.01)

@@ -47,7 +47,7 @@ def logits(model, x):
 def test_the_export_is_read_by_timm_and_by_this_project_with_equal_logits(checkpoint, tmp_path, capsys):
     out = tmp_path / "exported"
     assert main(["--ckpt_path", str(checkpoint), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     ours = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).backbone.eval()
     assert sorted(load_file(out / "model.safetensors")) == sorted(ours.state_dict())  # timm's keys, no prefix
     config = json.loads((out / "config.json").read_text())
@@ -118,11 +118,11 @@ def test_bad_outputs_and_checkpoints_are_refused_in_one_line_before_anything_is_
     (full / "notes.txt").write_text("mine")
     assert main(["--ckpt_path", str(checkpoint), "--out", str(full)]) == 2
     assert error_line(capsys.readouterr().err) == (f"error: --out {full} is a folder that is not empty; pass --overwrite "
-                                                   "to write model.safetensors and config.json into it (other files "
+                                                   "to write model.safetensors, config.json and README.md into it (other files "
                                                    "are left alone)")
     assert sorted(p.name for p in full.iterdir()) == ["notes.txt"]
     assert main(["--ckpt_path", str(checkpoint), "--out", str(full), "--overwrite"]) == 0
-    assert sorted(p.name for p in full.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert sorted(p.name for p in full.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
     capsys.readouterr()
     (tmp_path / "file").write_text("x")
     assert main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "file")]) == 2
@@ -152,3 +152,40 @@ def test_the_weights_file_gets_the_permissions_of_the_config_the_umask_decides(t
     out = tmp_path / "out"
     mode = {name: stat.S_IMODE(os.stat(out / name).st_mode) for name in ("model.safetensors", "config.json")}
     assert mode == {"model.safetensors": 0o666 & ~umask, "config.json": 0o666 & ~umask}  # as open() makes a new file
+
+
+@pytest.mark.slow
+def test_the_model_card_says_what_a_person_needs_and_its_code_runs(checkpoint, tmp_path, monkeypatch):
+    import re
+
+    from PIL import Image
+
+    out = tmp_path / "out"
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: timm\n")  # the Hub's front matter: its timm loading widget
+    config = json.loads((out / "config.json").read_text())
+    args, cfg = config["model_args"], config["pretrained_cfg"]
+    assert f"width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads" in card
+    exported = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    assert f"{sum(p.numel() for p in exported.parameters()) / 1e6:.2f} M parameters" in card
+    assert "2 classes, label i is the i-th (`config.json`'s `label_names`): `one circle`, `two circles`." in card
+    C, H, W = cfg["input_size"]
+    assert f"{C} channel(s), resized to {H} x {W} pixels" in card
+    assert f"normalised with mean {list(cfg['mean'])} and std {list(cfg['std'])}" in card
+    data = torch.load(checkpoint, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"]
+    assert f"- data module: `{data['_class_path']}`\n- seed of its splits: {data['seed']}\n" in card
+    # The card's code, run as written (this folder, a photo here), gives the model's probabilities.
+    code = re.search(r"```python\n(.*?)```", card, re.DOTALL)[1].replace("path/to/this/folder", str(out))
+    Image.new("RGB", (W + 7, H + 3), (200, 30, 30)).save(tmp_path / "photo.jpg")
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(code, scope)
+    assert scope["probabilities"].shape == (1, 2) and torch.allclose(scope["probabilities"].sum(), torch.tensor(1.0))
+
+
+def test_a_model_card_without_a_training_record_says_so(tmp_path):
+    export(random_vit(), tmp_path / "out", dict(input_size=(3, 32, 32), **DATA), list("abcde"))
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "## Training\n\n- not recorded in the checkpoint\n" in card
+    assert "5 classes, label i is the i-th (`config.json`'s `label_names`): `a`, `b`, `c`, `d`, `e`." in card

@@ -76,13 +76,13 @@ def test_a_file_name_that_is_not_utf8_is_written_with_a_backslash_escape(checkpo
 @pytest.mark.slow
 def test_a_class_folder_whose_name_is_not_utf8_trains_tests_and_names_the_class_as_text(tmp_path, monkeypatch, capsys):
     root = tmp_path / "data"
-    for split in ("train", "val"):  # val/ as given, so that the test after fit has images of both classes
+    for split in ("train", "val", "test"):  # as given, so that the test after fit has images of both classes
         two_classes(root / split, per_class=4)
         (root / split / "a").rename(root / split / f"caf{FF}")
     dm = ImageFolderDataModule(root=str(root), img_size=32)
     assert dm.class_names == ["b", "caf\\xff"]  # sorted as the folders are on disk: b'b' < b'caf\xff'
     dm.setup("fit")  # the files are read from the folder's real name
-    assert (len(dm.train_set), len(dm.val_set)) == (8, 8)
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (8, 8, 8)
     # Before, TensorBoard failed to encode `test/class_acc/caf\udcff` after fit; now the run ends and its
     # checkpoint and metrics hold the name as text.
     train_folder(root, tmp_path / "runs", monkeypatch)
@@ -104,9 +104,9 @@ def test_a_symlink_loop_and_a_second_link_to_a_file_count_each_image_once(tmp_pa
     [message] = [str(w.message) for w in warned]
     assert message == (f"skipped 2 file(s) under {root}: a/again.png: the same file as 0.png, listed once; "
                        "b/current: a link to a folder listed already (not entered again)")
-    train, val = ({os.path.realpath(split.dataset.samples[i][0]) for i in split.indices}
-                  for split in (dm.train_set, dm.val_set))
-    assert len(train) + len(val) == 6 and not train & val  # 6 files, no image in both splits
+    train, val, test = ({os.path.realpath(split.dataset.samples[i][0]) for i in split.indices}
+                        for split in (dm.train_set, dm.val_set, dm.test_set))
+    assert len(train) + len(val) + len(test) == 6 and not (train & val or train & test or val & test)  # no image twice
 
 
 def open_fifo_for_writing(path: Path) -> None:
@@ -138,7 +138,7 @@ def test_a_fifo_and_devices_in_a_class_folder_are_skipped_not_waited_on(tmp_path
     assert not hung, "setup waited on the FIFO"
     assert caught == [(f"skipped 2 file(s) under {root}: a/pipe.png: a named pipe (FIFO), not a regular file; "
                        "b/zero.png: a character device, not a regular file")]
-    assert len(dm.train_set) + len(dm.val_set) == 6
+    assert len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 6
 
 
 @pytest.mark.slow

@@ -21,9 +21,6 @@ from vit.predict import main as predict_main
 from vit.training.classifier import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_BACKBONE = ["--model.backbone.init_args.patch_size", "8", "--model.backbone.init_args.embed_dim", "32",
-                 "--model.backbone.init_args.depth", "2", "--model.backbone.init_args.num_heads", "2",
-                 "--model.backbone.init_args.drop_path_rate", "0.0"]
 
 
 def write_folder(root: Path, per_class: int = 12, seed: int = 0) -> Path:
@@ -67,24 +64,33 @@ def weights(tmp_path) -> Path:
 def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
     # The path of docs/finetune.md: a folder of named classes -> fine-tune from a timm-made .safetensors
     # -> test -> predict with names and top-k -> explain a new image -> export -> timm loads the export.
-    images = write_folder(tmp_path / "my images", per_class=24)
+    images = write_folder(tmp_path / "my images", per_class=40)
     write_truncated_jpeg(images / "blue" / "cut.jpg")  # would stop training mid-epoch if it were not found at setup
     with pytest.warns(UserWarning, match=r"skipped 3 file\(s\).*blue/cut.jpg: image file is truncated"):
         main_in_process(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"),
                          "--data.root", str(images), "--data.img_size", "32", "--data.batch_size", "8",
-                         "--data.num_workers", "0", "--data.val_fraction", "0.25", "--data.normalization", "imagenet",
+                         "--data.num_workers", "0", "--data.val_fraction", "0.2", "--data.test_fraction", "0.2",
+                         "--data.normalization", "imagenet",
                          "--trainer.precision", "32-true", "--trainer.max_epochs", "8", "--trainer.accelerator", "cpu",
                          "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--model.lr", "3e-3",
-                         "--model.backbone.init_args.pretrained", str(weights), *TINY_BACKBONE], monkeypatch)
+                         "--model.backbone.init_args.pretrained", str(weights), "--model.backbone.init_args.patch_size",
+                         "8", "--model.backbone.init_args.num_heads", "2",  # width and depth: the file's
+                         "--model.backbone.init_args.drop_path_rate", "0.0"], monkeypatch)
     out = capsys.readouterr().out
     accuracy = float(re.search(r"test/acc = ([0-9.]+)", out)[1])
-    assert accuracy >= 0.75, accuracy  # 12 held-out images of a task a linear read-out of colour solves
+    assert accuracy >= 0.75, accuracy  # 16 test images (not the 16 that chose the checkpoint); colour solves the task
     [last] = (tmp_path / "runs").glob("folder/finetune_vit/version_0/checkpoints/last.ckpt")
+    backbone = torch.load(last, map_location="cpu", weights_only=True)["hyper_parameters"]["backbone"]["init_args"]
+    assert (backbone["embed_dim"], backbone["depth"], backbone["num_heads"]) == (32, 2, 2)  # recorded as numbers
+    events = b"".join(f.read_bytes() for f in last.parents[1].glob("events.out.tfevents.*"))
+    assert b"val/rollout" in events and b"val/confusion_matrix" in events  # the config's dashboard images
+    split = json.loads((last.parents[1] / "split.json").read_text())  # the 16 test images, apart from val and train
+    assert len(split["test"]) == 16 and not set(split["test"]) & (set(split["val"]) | set(split["train"]))
 
     output = tmp_path / "predictions.csv"
     assert predict_main(["--ckpt_path", str(last), "--input_dir", str(images / "red"), "--output", str(output)]) == 0
     rows = list(csv.DictReader(output.open()))
-    assert [r["file"] for r in rows] == [f"{i:02d}.png" for i in range(24)]  # broken.png listed as skipped
+    assert [r["file"] for r in rows] == [f"{i:02d}.png" for i in range(40)]  # broken.png listed as skipped
     assert "skipped broken.png" in capsys.readouterr().err
     # The CSV holds the model's own answer on the data module's eval transform of each file.
     model = ImageClassifier.load_from_checkpoint(last, map_location="cpu", weights_only=True).eval()
@@ -146,6 +152,37 @@ def test_a_seeded_split_is_disjoint_and_repeatable(tmp_path):
     assert splits[0] == splits[1] and len(splits[0][1]) == 4 and not set(splits[0][0]) & set(splits[0][1])
 
 
+def test_the_test_split_is_held_out_from_val_and_train_and_recorded(tmp_path):
+    write_folder(tmp_path / "data", per_class=10)  # 20 readable images
+    dm = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, val_fraction=0.2, test_fraction=0.3, seed=3)
+    with pytest.warns(UserWarning):
+        dm.setup("fit")
+    train, val, test = (set(dm.split_files[k]) for k in ("train", "val", "test"))
+    assert (len(train), len(val), len(test)) == (10, 4, 6)
+    assert not (train & val or train & test or val & test)
+    assert train | val | test == {f"{c}/{i:02d}.png" for c in ("blue", "red") for i in range(10)}
+    assert dm.test_set is not dm.val_set and len(dm.test_set) == 6
+    # The recorded names are the files the test loader reads, and the validation images stay those of test_fraction=0.
+    assert [dm.test_set.dataset.samples[i][0] for i in dm.test_set.indices] == [
+        str(tmp_path / "data" / name) for name in dm.split_files["test"]]
+    old = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, val_fraction=0.2, test_fraction=0, seed=3)
+    with pytest.warns(UserWarning):
+        old.setup("fit")
+    assert old.split_files["val"] == dm.split_files["val"] and old.test_set is old.val_set
+
+
+def test_a_missing_test_folder_is_split_off_train_and_fractions_must_leave_training_images(tmp_path):
+    for split, n in (("train", 10), ("val", 3)):
+        write_folder(tmp_path / "data" / split, per_class=n)
+    dm = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, test_fraction=0.25)
+    with pytest.warns(UserWarning):
+        dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (15, 6, 5)
+    assert all(name.startswith("train/") for name in dm.split_files["test"])
+    with pytest.raises(ValueError, match="val_fraction \\+ test_fraction = 1 leaves no image to train on"):
+        ImageFolderDataModule(root=str(tmp_path / "data"), val_fraction=0.5, test_fraction=0.5)
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda root: root.mkdir(), "holds no class folders"),
     (lambda root: (root / "only").mkdir(parents=True), r"holds one class folder \(only\)"),
@@ -177,9 +214,9 @@ def test_a_truncated_jpeg_is_found_at_setup_not_mid_epoch(tmp_path):
     with pytest.warns(UserWarning, match=r"skipped 3 file\(s\) under .*: .*red/cut\.jpg: image file is truncated"):
         dm.setup("fit")
     assert str(cut) in dm.skipped
-    # Every image the splits hold decodes: training does not meet the cut file (the 8 good ones, 2 held out).
-    assert len(dm.train_set) + len(dm.val_set) == 8
-    assert all(x.shape == (3, 32, 32) for split in (dm.train_set, dm.val_set) for x, _ in split)
+    # Every image the splits hold decodes: training does not meet the cut file (the 8 good ones, 2 + 1 held out).
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (5, 2, 1)
+    assert all(x.shape == (3, 32, 32) for split in (dm.train_set, dm.val_set, dm.test_set) for x, _ in split)
 
 
 def test_hidden_entries_are_ignored_everywhere(tmp_path):
@@ -197,7 +234,7 @@ def test_hidden_entries_are_ignored_everywhere(tmp_path):
     dm = ImageFolderDataModule(root=str(root), img_size=32, val_fraction=0.25)
     with pytest.warns(UserWarning, match=r"skipped 2 file\(s\)"):  # broken.png and notes.txt only
         dm.setup("fit")
-    assert dm.classes == ["blue", "red"] and len(dm.train_set) + len(dm.val_set) == 8
+    assert dm.classes == ["blue", "red"] and len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 8
     assert sorted(Path(p).name for p in dm.skipped) == ["broken.png", "notes.txt"]
 
     given = tmp_path / "given"
@@ -209,7 +246,7 @@ def test_hidden_entries_are_ignored_everywhere(tmp_path):
     dm = ImageFolderDataModule(root=str(given), img_size=32)
     with pytest.warns(UserWarning, match=r"skipped 4 file\(s\)"):
         dm.setup("fit")
-    assert (dm.classes, len(dm.train_set), len(dm.val_set)) == (["blue", "red"], 6, 6)
+    assert (dm.classes, len(dm.train_set) + len(dm.test_set), len(dm.val_set)) == (["blue", "red"], 6, 6)
 
 
 @pytest.mark.parametrize(("splits", "named"), [
@@ -232,7 +269,7 @@ def test_a_root_that_fits_neither_layout_is_refused_in_one_line(tmp_path, splits
         ImageFolderDataModule(root=str(root))
     message = str(error.value)
     assert "\n" not in message and re.match(rf"{re.escape(str(root))} has {named}, so it fits neither layout: expected "
-                                             r"root/<class>/<image> \(split into train and val by val_fraction\) or "
+                                             r"root/<class>/<image> \(split into train, val and test by val_fraction and test_fraction\) or "
                                              r"root/train/<class>/<image> with optional root/val/ and root/test/", message)
 
 
@@ -245,3 +282,27 @@ def test_non_square_images_keep_their_height_and_width(tmp_path):
         assert dm.train_set[0][0].shape == dm.val_set[0][0].shape == (3, 32, 48)
     with pytest.raises(ValueError, match=r"img_size=\(32, 4\) is not allowed: expected an int >= 8 \(a square\) or a pair"):
         ImageFolderDataModule(root=str(root), img_size=(32, 4))
+
+
+def test_mixup_and_cutmix_give_folder_batches_soft_targets_that_sum_to_one(tmp_path):
+    from types import SimpleNamespace
+
+    write_folder(tmp_path / "data", per_class=6)
+    dm = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, batch_size=4, num_workers=0,
+                               mixup_alpha=0.8, cutmix_alpha=1.0, test_fraction=0)
+    with pytest.warns(UserWarning):
+        dm.setup("fit")
+    dm.trainer = SimpleNamespace(training=True)  # what on_after_batch_transfer reads of the trainer
+    loader = dm.train_dataloader()
+    assert loader.drop_last and all(len(y) == 4 for _, y in loader)  # every batch even, for timm's flip
+    x, _ = next(iter(loader))
+    y = torch.tensor([0, 0, 1, 1])  # each image mixed with one of the other class (timm mixes with the flip)
+    np.random.seed(0)  # timm draws the mixing weight with numpy
+    x_mixed, y_out, y_soft = dm.on_after_batch_transfer((x.clone(), y), 0)
+    assert x_mixed.shape == x.shape and torch.equal(y_out, y)  # the hard labels stay, for train accuracy
+    assert y_soft.shape == (4, 2) and torch.allclose(y_soft.sum(1), torch.ones(4))
+    assert ((y_soft > 0) & (y_soft < 1)).all()  # soft: both classes in every row
+    dm.trainer = SimpleNamespace(training=False)  # validation batches stay as they are
+    assert dm.on_after_batch_transfer((x, y), 0)[1] is y
+    with pytest.raises(ValueError, match="batch_size=5 must be even when Mixup/CutMix is on"):
+        ImageFolderDataModule(root=str(tmp_path / "data"), batch_size=5, cutmix_alpha=1.0)

@@ -277,3 +277,47 @@ def test_non_square_images_load_pretrained_weights_as_timm_does(timm_file):
     x = torch.randn(2, 3, 96, 128)
     with torch.no_grad():
         assert (ours.forward_features(x) - reference.forward_features(x)).abs().max() < 1e-5
+
+
+def test_width_depth_and_heads_come_from_a_timm_name_without_a_download(monkeypatch):
+    from vit.models.pretrained import pretrained_shape
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert pretrained_shape("vit_small_patch16_224.augreg_in21k_ft_in1k") == dict(embed_dim=384, depth=12, num_heads=6)
+    assert pretrained_shape("hf-hub:timm/vit_tiny_patch16_224.augreg_in21k") == dict(embed_dim=192, depth=12, num_heads=3)
+    with pytest.raises(PretrainedError, match=r"'resnet18' is not a ViT of timm's layout \(ResNet\): set embed_dim"):
+        pretrained_shape("resnet18")
+
+
+def test_width_and_depth_come_from_a_file_and_the_model_equals_timms(timm_file):
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
+    ours = VisionTransformer(img_size=224, num_classes=1000, patch_size=16, num_heads=3, pretrained=str(timm_file)).eval()
+    assert (ours.embed_dim, len(ours.blocks)) == (192, 12)
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert (ours(x) - reference(x)).abs().max() < 1e-5
+    # The heads are in no tensor's shape: asked for by name, not guessed.
+    with pytest.raises(PretrainedError, match=r"number of attention heads is not in the weights' shapes \(embed_dim=192, "
+                                              r"depth=12 are\): set num_heads"):
+        VisionTransformer(img_size=224, patch_size=16, pretrained=str(timm_file))
+    # What is given wins, so weights of another width are still refused.
+    with pytest.raises(PretrainedError, match="does not fit this config"):
+        VisionTransformer(img_size=224, patch_size=16, embed_dim=96, num_heads=3, pretrained=str(timm_file))
+
+
+def test_heads_come_from_the_config_json_of_a_hub_layout_folder(timm_file, tmp_path):
+    import json
+    import shutil
+
+    from vit.models.pretrained import DEFAULT_SHAPE, resolve_shape
+
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    shutil.copy(timm_file, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"architecture": "vit_tiny_patch16_224",
+                                                    "model_args": {"num_heads": 3}}))
+    assert resolve_shape(str(folder), embed_dim=None, depth=4, num_heads=None) == dict(embed_dim=192, depth=4, num_heads=3)
+    assert resolve_shape(None, embed_dim=None, depth=None, num_heads=None) == DEFAULT_SHAPE == dict(
+        embed_dim=192, depth=6, num_heads=3)

@@ -1,4 +1,4 @@
-"""Export a trained checkpoint as timm and the Hugging Face Hub read it: `model.safetensors` and `config.json`.
+"""Export a trained checkpoint as timm and the Hugging Face Hub read it: `model.safetensors`, `config.json`, `README.md`.
 
     python -m vit.export --ckpt_path runs/folder/vit/version_0/checkpoints/last.ckpt --out exported/
 
@@ -12,7 +12,10 @@ the layout is exactly the one timm's Hub loader reads:
   "0", "1", ...), `model_args` (every argument that differs from the architecture's defaults:
   `img_size`, `patch_size`, `embed_dim`, `depth`, ...) and `pretrained_cfg` (`input_size`, `mean`,
   `std`, `interpolation`, `crop_pct: 1.0`, `crop_mode: squash`: the resize without crop that
-  `vit.predict` does).
+  `vit.predict` does);
+- `README.md`: the model card a person reads (`model_card`), with the Hub's `library_name: timm` front
+  matter: the architecture and its size, the classes, the input size and normalisation, how to load
+  it with timm, and the data module and seed the checkpoint records.
 
 Then `timm.create_model("local-dir:exported/", pretrained=True)`, or from the Hub after an upload
 (`hf upload org/name exported/`), gives the same logits as the checkpoint, and this project reads it
@@ -125,8 +128,78 @@ def class_names(checkpoint: dict, num_classes: int) -> list[str]:
     return list(names)
 
 
-def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str]]:
-    """`(backbone, data_config, class names)` of a train.py checkpoint; `data_config` in timm's keys."""
+def training_record(checkpoint: dict) -> dict:
+    """What the checkpoint says of its training data, for the model card: `data_module` (its class path) and `seed`."""
+    data = checkpoint.get("datamodule_hyper_parameters") or {}
+    record = {"data_module": data.get("_class_path"), "seed": data.get("seed")}
+    return {key: value for key, value in record.items() if isinstance(value, (str, int)) and not isinstance(value, bool)}
+
+
+def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None) -> str:
+    """The export's `README.md`: Hub front matter (`library_name: timm`), then what a person needs to use the model.
+
+    `args` are `timm_args`, `data_config` timm's preprocessing keys, `training` what `training_record` found.
+    """
+    name = architecture(args)
+    channels, height, width = data_config["input_size"]
+    params = _parameter_count(args)
+    shown = ", ".join(f"`{n}`" for n in names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    training = training or {}
+    lines = [
+        "---", "library_name: timm", "tags:", "- image-classification", "- timm", "- vision-transformer", "---", "",
+        "# Vision Transformer image classifier", "",
+        (f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
+         f"architecture (`{name}`, with the sizes below in `model_args`)."), "",
+        "## Architecture", "",
+        (f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
+         f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
+        f"- pooling `{args['global_pool']}`, {args['reg_tokens']} register token(s), position table `{args['pos_embed']}`",
+        f"- {params / 1e6:.2f} M parameters",
+        "",
+        "## Classes", "",
+        f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "",
+        "## Input", "",
+        (f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
+         f"(`{data_config['interpolation']}` interpolation; the aspect ratio is not kept)"),
+        (f"- pixels scaled to [0, 1], then normalised with mean {list(data_config['mean'])} and std "
+         f"{list(data_config['std'])}"),
+        "",
+        "## Use with timm", "",
+        "```python",
+        "import timm",
+        "import torch",
+        "from PIL import Image",
+        "",
+        'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
+        "config = timm.data.resolve_data_config(model=model)",
+        "transform = timm.data.create_transform(**config)",
+        f'x = transform(Image.open("photo.jpg").convert("{"RGB" if channels == 3 else "L"}"))[None]',
+        "with torch.no_grad():",
+        "    probabilities = model(x).softmax(-1)  # (1, num_classes), in the order of the classes above",
+        "```",
+        "",
+        "## Training", "",
+    ]
+    if training:
+        lines += [f"- data module: `{training.get('data_module', 'not recorded')}`",
+                  f"- seed of its splits: {training.get('seed', 'not recorded')}"]
+    else:
+        lines.append("- not recorded in the checkpoint")
+    return "\n".join(lines) + "\n"
+
+
+def _parameter_count(args: dict) -> int:
+    """The exported timm model's parameter count, built on the meta device (no memory)."""
+    import timm
+    import torch
+
+    with torch.device("meta"):
+        model = timm.create_model(architecture(args), pretrained=False, **args)
+    return sum(p.numel() for p in model.parameters())
+
+
+def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str], dict]:
+    """`(backbone, data_config, class names, training_record)` of a train.py checkpoint; `data_config` in timm's keys."""
     from vit.training.rebuild import open_checkpoint
 
     model, inputs, checkpoint = open_checkpoint(ckpt_path)
@@ -136,11 +209,13 @@ def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[st
     mean, std = (inputs["mean"], inputs["std"]) if inputs["mean"] is not None else ([0.0] * channels, [1.0] * channels)
     data_config = dict(input_size=(channels, *inputs["img_size"]), mean=tuple(mean), std=tuple(std),
                        interpolation=inputs["interpolation"], crop_pct=1.0, crop_mode="squash")
-    return backbone, data_config, class_names(checkpoint, backbone.num_classes)
+    return backbone, data_config, class_names(checkpoint, backbone.num_classes), training_record(checkpoint)
 
 
-def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str]) -> None:
-    """Write `model.safetensors` and `config.json` into `out` (created), through a temporary folder beside it."""
+def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str],
+           training: dict | None = None) -> None:
+    """Write `model.safetensors`, `config.json` and `README.md` (`model_card`) into `out` (created), through a
+    temporary folder beside it."""
     from timm.models import save_for_hf
 
     exported = to_timm(backbone, data_config)
@@ -152,8 +227,9 @@ def export(backbone: VisionTransformer, out: Path, data_config: dict, names: lis
         # safetensors creates its file with mode 0600; config.json was created by open(), under the umask,
         # as every new file is: the weights get the same permissions, so whoever may read one reads both.
         os.chmod(Path(tmp) / "model.safetensors", stat.S_IMODE(os.stat(Path(tmp) / "config.json").st_mode))
+        (Path(tmp) / "README.md").write_text(model_card(timm_args(backbone), data_config, names, training))
         out.mkdir(exist_ok=True)
-        for name in ("model.safetensors", "config.json"):
+        for name in ("model.safetensors", "config.json", "README.md"):
             os.replace(Path(tmp) / name, out / name)  # each file replaced whole, never half-written
 
 
@@ -162,32 +238,33 @@ def check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a folder (it is created)")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out} is a folder that is not empty; pass --overwrite to write model.safetensors "
-                          "and config.json into it (other files are left alone)")
+        raise ExportError(f"--out {out} is a folder that is not empty; pass --overwrite to write model.safetensors, "
+                          "config.json and README.md into it (other files are left alone)")
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parser("vit.export", __doc__)
     options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
-    options.add_argument("--out", required=True, type=Path, help="folder to write model.safetensors and config.json")
+    options.add_argument("--out", required=True, type=Path,
+                         help="folder to write model.safetensors, config.json and README.md")
     options.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
     return run(options.parse_args(argv), prepare, write)
 
 
-def prepare(args: argparse.Namespace) -> tuple[VisionTransformer, dict, list[str]]:
+def prepare(args: argparse.Namespace) -> tuple[VisionTransformer, dict, list[str], dict]:
     """`--out` checked, then the checkpoint opened and what timm cannot compute refused (`load`)."""
     check_out(args.out, args.overwrite)
     return load(args.ckpt_path)  # a PretrainedError (a ValueError) for weights of another layout
 
 
-def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, list[str]]) -> int:
+def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, list[str], dict]) -> int:
     """Write the export into `--out`; 1 when it cannot be written."""
-    backbone, data_config, names = prepared
+    backbone, data_config, names, training = prepared
     try:
-        export(backbone, args.out, data_config, names)
+        export(backbone, args.out, data_config, names, training)
     except OSError as err:
         return fail(f"--out {args.out} cannot be written ({first_line(err)})", status=1)
-    print(f"wrote {args.out / 'model.safetensors'} and {args.out / 'config.json'} ({len(names)} classes); "
+    print(f"wrote {args.out / 'model.safetensors'}, config.json and README.md ({len(names)} classes); "
           f"load with timm.create_model('local-dir:{args.out}', pretrained=True)")
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import numpy as np
+from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset
 
 from vit.checks import check_size
@@ -21,7 +22,12 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     default one does not fit); the training loader takes its sampler from `train_sampler` so that its
     order survives a resume.
     `img_size` and `in_chans` are read from the hyperparameters of the same names unless overridden.
+    A subclass that sets `mixup` (`vit.data.transforms.batch_mixup`) gets its training batches mixed on the
+    device: `(x, y)` becomes `(x_mixed, y, y_soft)`, `y` the hard labels (train accuracy is measured
+    against them) and `y_soft` the `(B, num_classes)` mixed targets, whose rows sum to 1.
     """
+
+    mixup: Mixup | None = None
 
     train_set: Dataset | None = None
     val_set: Dataset | None = None
@@ -69,6 +75,14 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         sampler = self.train_sampler(dataset, batch_size) if train else None
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
                           num_workers=workers, persistent_workers=workers > 0)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """Mix training batches on the device (when `mixup` is set): `(x, y)` -> `(x_mixed, y, y_soft)`."""
+        if self.mixup is None or self.trainer is None or not self.trainer.training:
+            return batch
+        x, y = batch
+        x_mixed, y_soft = self.mixup(x, y)  # mixes x in place; y_soft (B, num_classes), rows sum to 1
+        return x_mixed, y, y_soft
 
     def _split(self, name: str) -> Dataset:
         dataset = getattr(self, name)

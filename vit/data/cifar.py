@@ -10,15 +10,21 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 from torchvision.transforms import v2
 
-from vit.checks import check_choice, check_float, check_int, check_size
+from vit.checks import check_choice, check_int, check_size
 from vit.data.base import DataNotFoundError, SplitDataModule
-from vit.data.transforms import CIFAR_MEAN_STD, AutoAugmentName, DatasetName, to_normalised_tensor, train_transform
+from vit.data.transforms import (
+    CIFAR_MEAN_STD,
+    AutoAugmentName,
+    DatasetName,
+    batch_mixup,
+    to_normalised_tensor,
+    train_transform,
+)
 
 DATASETS: dict[str, type[datasets.CIFAR10]] = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
@@ -58,11 +64,12 @@ class CIFARDataModule(SplitDataModule):
     `horizontal_flip`, `auto_augment` (with torchvision's CIFAR10 policy for "autoaugment"),
     normalisation with the dataset's mean/std, `random_erasing`.
 
-    Mixup / CutMix (timm's `Mixup`) is applied to whole batches in `on_after_batch_transfer`, i.e. on
-    the device, while the trainer is training and `mixup_alpha > 0` or `cutmix_alpha > 0`. The batch
-    `(x, y)` then becomes `(x_mixed, y, y_soft)`: `y` stays the hard labels (train accuracy is measured
-    against them) and `y_soft` is the `(B, num_classes)` float target, mixed with the flipped batch
-    and WITHOUT label smoothing: the LightningModule applies its own label smoothing with
+    Mixup / CutMix (timm's `Mixup`, built by `vit.data.transforms.batch_mixup`, shared with the image
+    folders) is applied to whole batches in `on_after_batch_transfer`, i.e. on the device, while the
+    trainer is training and `mixup_alpha > 0` or `cutmix_alpha > 0`. The batch `(x, y)` then becomes
+    `(x_mixed, y, y_soft)`: `y` stays the hard labels (train accuracy is measured against them) and
+    `y_soft` is the `(B, num_classes)` float target, mixed with the flipped batch and WITHOUT label
+    smoothing: the LightningModule applies its own label smoothing with
     `F.cross_entropy(logits, y_soft, label_smoothing=...)`, which accepts probability targets.
     `mixup_prob` is the probability of mixing a batch at all, `mixup_switch_prob` the probability of
     CutMix instead of Mixup when both alphas are positive. timm mixes a batch with its flip, which
@@ -117,14 +124,8 @@ class CIFARDataModule(SplitDataModule):
         check_int("val_size", val_size, 1)
         check_int("batch_size", batch_size, 1)
         check_int("num_workers", num_workers, 0)
-        for name, value in [("mixup_prob", mixup_prob), ("mixup_switch_prob", mixup_switch_prob)]:
-            check_float(name, value, 0.0, 1.0)  # probabilities
-        for name, value in [("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)]:
-            check_float(name, value, 0.0)  # 0 turns it off
-        if (mixup_alpha > 0 or cutmix_alpha > 0) and batch_size % 2 != 0:
-            raise ValueError(
-                f"batch_size={batch_size} must be even when Mixup/CutMix is on (timm mixes a batch with its flip)"
-            )
+        self.mixup = batch_mixup(NUM_CLASSES[dataset], batch_size=batch_size, mixup_alpha=mixup_alpha,
+                                 cutmix_alpha=cutmix_alpha, mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob)
         self.save_hyperparameters()
 
         self.dataset = dataset
@@ -152,17 +153,6 @@ class CIFARDataModule(SplitDataModule):
             random_erasing=random_erasing,
         )
         self.eval_transform = v2.Compose(to_tensor)
-        self.mixup: Mixup | None = None
-        if mixup_alpha > 0 or cutmix_alpha > 0:
-            self.mixup = Mixup(
-                mixup_alpha=mixup_alpha,
-                cutmix_alpha=cutmix_alpha,
-                prob=mixup_prob,
-                switch_prob=mixup_switch_prob,
-                mode="batch",
-                label_smoothing=0.0,  # the LightningModule smooths; smoothing twice would compound
-                num_classes=self.num_classes,
-            )
 
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
@@ -267,14 +257,6 @@ class CIFARDataModule(SplitDataModule):
 
 
 
-
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        """Mix training batches on the device: `(x, y)` -> `(x_mixed, y, y_soft)`."""
-        if self.mixup is None or self.trainer is None or not self.trainer.training:
-            return batch
-        x, y = batch
-        x_mixed, y_soft = self.mixup(x, y)  # mixes x in place; y_soft (B, num_classes), rows sum to 1
-        return x_mixed, y, y_soft
 
     def _loader(self, dataset: Dataset, *, train: bool) -> DataLoader:
         return DataLoader(

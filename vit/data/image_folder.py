@@ -1,7 +1,11 @@
 """Your own images: one sub-folder per class (torchvision's `ImageFolder` layout), as a LightningDataModule.
 
-    my_images/cats/001.jpg, my_images/dogs/002.png, ...            a seeded train/val split
+    my_images/cats/001.jpg, my_images/dogs/002.png, ...            a seeded train/val/test split
     my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
+
+A split that has no folder of its own is drawn from the training images (`val_fraction`,
+`test_fraction`), so the images that choose the checkpoint are never the ones that score it; which
+file went where is `split_files`, and `split.json` in the run folder.
 
 A root with `val/` or `test/` but no `train/`, or with `train/` beside other folders, fits neither
 layout and is an error. Hidden entries (`.ipynb_checkpoints/`, `.git/`, `.DS_Store`: any name
@@ -20,6 +24,7 @@ is an error.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +35,12 @@ from typing import Literal
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from timm.data import (
+    IMAGENET_DEFAULT_MEAN,
+    IMAGENET_DEFAULT_STD,
+    IMAGENET_INCEPTION_MEAN,
+    IMAGENET_INCEPTION_STD,
+)
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.transforms import v2
@@ -38,7 +48,7 @@ from torchvision.transforms import v2
 from vit.checks import check_choice, check_float, check_int, check_size, first_line
 from vit.data.base import DataNotFoundError, SplitDataModule
 from vit.data.files import list_files, not_a_file, text_name, visible_folders
-from vit.data.transforms import AutoAugmentName, train_transform
+from vit.data.transforms import AutoAugmentName, batch_mixup, train_transform
 
 Normalization = Literal["imagenet", "inception", "none"]
 NORMALIZATIONS = {
@@ -47,7 +57,7 @@ NORMALIZATIONS = {
     "none": None,
 }
 SPLITS = ("train", "val", "test")
-LAYOUTS = ("root/<class>/<image> (split into train and val by val_fraction) or "
+LAYOUTS = ("root/<class>/<image> (split into train, val and test by val_fraction and test_fraction) or "
            "root/train/<class>/<image> with optional root/val/ and root/test/ beside it")
 # A JPEG is decoded at 1/2, 1/4 or 1/8 scale while it stays this many times the input's longest side:
 # even RandomResizedCrop's smallest crop (8% of the area, 0.28 of a side) keeps the input's resolution.
@@ -75,16 +85,23 @@ class ImageFolderDataModule(SplitDataModule):
     """Train / val / test splits of a folder of class folders, resized to `img_size` (a side, or `[H, W]`).
 
     Args:
-        root: the folder. With `train/` inside, `train/`, `val/` (else a split of `train/`) and
-            `test/` (else `val/`) are used as given; otherwise `root`'s class folders are split.
-        val_fraction: share of the images held out for validation when the split is made here,
-            seeded by `seed` and stratified by nothing (a random permutation).
+        root: the folder. With `train/` inside, `train/`, `val/` and `test/` are used as given (each
+            missing one split off `train/`); otherwise `root`'s class folders are split three ways.
+        val_fraction: share of the images held out for validation (choosing the checkpoint) when there
+            is no `val/`, seeded by `seed` and stratified by nothing (a random permutation).
+        test_fraction: share held out for the test after `fit` when there is no `test/`, drawn from the
+            same permutation, after the validation images: disjoint from both other splits. The
+            default 0.1 keeps the reported score off the images that chose the checkpoint; 0 asks for
+            the old behaviour, where the validation split is also the test split (a score biased upward).
         normalization: the mean/std the pretrained weights expect: "imagenet" (timm's default),
             "inception" (0.5/0.5, the augreg ViTs), or "none" (pixels in [0, 1]). timm's
             `resolve_data_config(model=...)` tells which a timm model wants.
         random_resized_crop: timm's / torchvision's `RandomResizedCrop` for training (else a resize);
             then `vit.data.transforms.train_transform`'s augmentations (`horizontal_flip`, `auto_augment`
             with ImageNet's policy for "autoaugment", `randaugment_*`, `random_erasing`), as for CIFAR.
+        mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: Mixup / CutMix of training batches on
+            the device, as for CIFAR (`vit.data.transforms.batch_mixup`): a batch becomes `(x, y, y_soft)`,
+            `batch_size` must be even and the last incomplete training batch is dropped. Off by default.
     """
 
     def __init__(
@@ -94,6 +111,7 @@ class ImageFolderDataModule(SplitDataModule):
         img_size: int | tuple[int, int] = 224,
         in_chans: int = 3,
         val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
         seed: int = 0,
         batch_size: int = 64,
         num_workers: int = 4,
@@ -104,11 +122,19 @@ class ImageFolderDataModule(SplitDataModule):
         randaugment_num_ops: int = 2,
         randaugment_magnitude: int = 9,
         random_erasing: float = 0.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mixup_prob: float = 1.0,
+        mixup_switch_prob: float = 0.5,
     ) -> None:
         super().__init__()
         size = check_size("img_size", img_size, 8)  # (H, W)
         check_choice("in_chans", in_chans, (1, 3))
         check_float("val_fraction", val_fraction, 0.0, 1.0, low_open=True, high_open=True)
+        check_float("test_fraction", test_fraction, 0.0, 1.0, high_open=True)
+        if val_fraction + test_fraction >= 1:
+            raise ValueError(f"val_fraction + test_fraction = {val_fraction + test_fraction:g} leaves no image to "
+                             "train on: their sum must be below 1")
         check_int("seed", seed, 0)
         check_int("batch_size", batch_size, 1)
         check_int("num_workers", num_workers, 0)
@@ -121,6 +147,8 @@ class ImageFolderDataModule(SplitDataModule):
         self.skipped: dict[str, str] = {}
         self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
         self.train_set = self.val_set = self.test_set = None
+        self.split_files: dict[str, list[str]] = {}  # split -> its files, relative to root (set up by `setup`)
+        self._split_written: Path | None = None
         to_tensor = [v2.Grayscale(1) if in_chans == 1 else v2.RGB(), v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
         norm = [v2.Normalize(*map(list, NORMALIZATIONS[normalization]))] if NORMALIZATIONS[normalization] else []
         self.train_transform = train_transform(
@@ -136,6 +164,8 @@ class ImageFolderDataModule(SplitDataModule):
         self.eval_transform = build_transform(size, in_chans, self.normalization)  # what vit.predict uses
         self._decode = partial(decode_image, size=size)
         self._scan_classes()  # fail now, before any training: num_classes is linked into the model
+        self.mixup = batch_mixup(self.num_classes, batch_size=batch_size, mixup_alpha=mixup_alpha,
+                                 cutmix_alpha=cutmix_alpha, mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob)
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -214,31 +244,64 @@ class ImageFolderDataModule(SplitDataModule):
             return err.reason
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+        if self.train_set is None:
+            self._make_splits()
+        self._write_split()  # here, not in _make_splits: a check before the run may have set up without a trainer
+
+    def _make_splits(self) -> None:
         train_dir, val_dir, test_dir = self._folder("train"), self._folder("val"), self._folder("test")
-        if train_dir is not None and val_dir is not None:
-            self.train_set = self._images(train_dir, self.train_transform)
-            self.val_set = self._images(val_dir, self.eval_transform)
+        source = train_dir or self.root
+        train_full = self._images(source, self.train_transform)
+        eval_full = self._images(source, self.eval_transform)
+        n = len(train_full)
+        # One seeded permutation: validation first (the same images as before test_fraction existed), then test.
+        n_val = 0 if val_dir is not None else max(1, round(self.hparams.val_fraction * n))
+        n_test = 0 if test_dir is not None or self.hparams.test_fraction == 0 else max(
+            1, round(self.hparams.test_fraction * n))
+        if n - n_val - n_test < 1:
+            raise ValueError(f"{source} has {n} readable image(s): too few to hold out {n_val} for validation and "
+                             f"{n_test} for the test")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed)).tolist()
+        val_idx, test_idx, train_idx = order[:n_val], order[n_val:n_val + n_test], order[n_val + n_test:]
+        self.train_set = Subset(train_full, train_idx) if n_val or n_test else train_full
+        self.val_set = self._images(val_dir, self.eval_transform) if val_dir is not None else Subset(eval_full, val_idx)
+        if test_dir is not None:
+            self.test_set = self._images(test_dir, self.eval_transform)
         else:
-            source = train_dir or self.root
-            train_full, eval_full = self._images(source, self.train_transform), self._images(source, self.eval_transform)
-            n = len(train_full)
-            n_val = max(1, round(self.hparams.val_fraction * n))
-            if n - n_val < 1:
-                raise ValueError(f"{source} has {n} readable image(s): too few to hold out {n_val} for validation")
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed)).tolist()
-            self.train_set, self.val_set = Subset(train_full, order[n_val:]), Subset(eval_full, order[:n_val])
-        self.test_set = self._images(test_dir, self.eval_transform) if test_dir is not None else self.val_set
+            self.test_set = Subset(eval_full, test_idx) if n_test else self.val_set
+        self.split_files = {name: self._relative(dataset)
+                            for name, dataset in (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))}
         if self.skipped:
             listed = "; ".join(f"{os.path.relpath(p, self.root)}: {why}" for p, why in sorted(self.skipped.items()))
-            warnings.warn(text_name(f"skipped {len(self.skipped)} file(s) under {self.root}: {listed}"), stacklevel=2)
+            warnings.warn(text_name(f"skipped {len(self.skipped)} file(s) under {self.root}: {listed}"), stacklevel=3)
+
+    def _relative(self, dataset: Dataset) -> list[str]:
+        """The files of `dataset` (a folder, or a `Subset` of one), as text relative to `root`, in its order."""
+        folder, indices = (dataset.dataset, dataset.indices) if isinstance(dataset, Subset) else (dataset, range(len(dataset)))
+        return [text_name(os.path.relpath(folder.samples[i][0], self.root)) for i in indices]
+
+    def _write_split(self) -> None:
+        """`split.json` (`{"train": [...], "val": [...], "test": [...]}`, paths under `root`) in the run folder,
+        when there is a trainer with one: the record of which image scored the model."""
+        trainer = self.trainer
+        if trainer is None or trainer.log_dir is None or not trainer.is_global_zero:
+            return
+        path = Path(trainer.log_dir) / "split.json"
+        if path == self._split_written:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._split_written = path
+        path.write_text(json.dumps({"root": text_name(str(self.root)), **self.split_files}, indent=1))
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         batch_size, workers = self.hparams.batch_size, self.hparams.num_workers
+        drop_last = train and self.mixup is not None  # timm mixes a batch with its flip: every batch even-sized
+        if drop_last and len(dataset) < batch_size:  # else no batch at all, and training would silently do nothing
+            raise ValueError(f"batch_size={batch_size} is larger than the {len(dataset)} training images, and with "
+                             "Mixup/CutMix the last incomplete batch is dropped")
         return DataLoader(dataset, batch_size=batch_size, sampler=self.train_sampler(dataset, batch_size) if train else None,
                           generator=self.loader_generator(), num_workers=workers, persistent_workers=workers > 0,
-                          pin_memory=torch.cuda.is_available())
+                          pin_memory=torch.cuda.is_available(), drop_last=drop_last)
 
 
 class _ListedImageFolder(datasets.ImageFolder):

@@ -1,8 +1,10 @@
-"""Per-image transforms: the training augmentations the data modules of photographs share, and CIFAR's eval transform."""
+"""Training augmentations the data modules of photographs share (per image, and Mixup/CutMix per batch), and CIFAR's eval
+transform."""
 
 from typing import Literal, get_args
 
 import torch
+from timm.data import Mixup
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int
@@ -55,6 +57,36 @@ def train_transform(
     if random_erasing > 0:
         steps.append(v2.RandomErasing(p=random_erasing, value=0))
     return v2.Compose(steps)
+
+
+def batch_mixup(
+    num_classes: int,
+    *,
+    batch_size: int,
+    mixup_alpha: float,
+    cutmix_alpha: float,
+    mixup_prob: float,
+    mixup_switch_prob: float,
+) -> Mixup | None:
+    """timm's batch `Mixup` for these options, or None when both alphas are 0 (mixing off).
+
+    `mixup_prob` is the probability of mixing a batch at all, `mixup_switch_prob` the probability of
+    CutMix instead of Mixup when both alphas are positive. The targets come out without label
+    smoothing: the LightningModule smooths hard and soft targets alike, and smoothing twice would
+    compound. timm mixes a batch with its flip, so `batch_size` must be even when mixing is on (and
+    the training loader drops its last incomplete batch). `SplitDataModule.on_after_batch_transfer`
+    applies it.
+    """
+    for name, value in [("mixup_prob", mixup_prob), ("mixup_switch_prob", mixup_switch_prob)]:
+        check_float(name, value, 0.0, 1.0)  # probabilities
+    for name, value in [("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)]:
+        check_float(name, value, 0.0)  # 0 turns it off
+    if mixup_alpha == 0 and cutmix_alpha == 0:
+        return None
+    if batch_size % 2 != 0:
+        raise ValueError(f"batch_size={batch_size} must be even when Mixup/CutMix is on (timm mixes a batch with its flip)")
+    return Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob,
+                 mode="batch", label_smoothing=0.0, num_classes=num_classes)
 
 
 def build_eval_transform(dataset: DatasetName, size: tuple[int, int] = (32, 32), mean_std: tuple | None = None) -> v2.Compose:

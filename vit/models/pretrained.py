@@ -10,6 +10,8 @@ as `timm.create_model(..., pretrained=True)` does for a new image size:
 - a classifier head whose `num_classes` differs is dropped and stays freshly initialised;
 - fixed sin/cos encodings are not weights: they are regenerated for the grid. A pretrained
   *learned* table cannot become a fixed encoding, so loading one into a `sincos*` config is an error;
+- `embed_dim`, `depth` and `num_heads` left unset are read from the source (`resolve_shape`): a timm
+  name's architecture (built on the meta device, nothing downloaded), or a file's tensor shapes;
 - the layout is checked first (`check_layout`): this project's MAP heads from before they took
   timm's names are renamed (exactly), and weights whose final LayerNorm sits on the other side of
   the pooling (`norm` against `fc_norm`) are refused with the option that fits them.
@@ -17,6 +19,7 @@ as `timm.create_model(..., pretrained=True)` does for a new image size:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -44,6 +47,90 @@ _FORMATS = ".safetensors, or a torch.save file (.pth, .pt, .bin, .ckpt, .tar)"
 
 class PretrainedError(ValueError):
     """Pretrained weights that cannot be had or do not fit the config."""
+
+
+# The encoder's size without pretrained weights (a ViT-Ti width at half depth, for 32 px images).
+DEFAULT_SHAPE = {"embed_dim": 192, "depth": 6, "num_heads": 3}
+
+
+def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None, depth: int | None,
+                  num_heads: int | None) -> dict[str, int]:
+    """`embed_dim`, `depth` and `num_heads`: each as given, else the pretrained source's (`pretrained_shape`),
+    else (no `pretrained`) `DEFAULT_SHAPE`'s. What is given wins, so weights that do not fit are still refused."""
+    given = {"embed_dim": embed_dim, "depth": depth, "num_heads": num_heads}
+    missing = [name for name, value in given.items() if value is None]
+    if not missing:
+        return given
+    found = pretrained_shape(pretrained, tuple(missing)) if pretrained else DEFAULT_SHAPE
+    return {name: found[name] if value is None else value for name, value in given.items()}
+
+
+def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(DEFAULT_SHAPE)) -> dict[str, int]:
+    """The `embed_dim`, `depth` and `num_heads` of the ViT that `source` holds, without downloading its weights.
+
+    A timm model name (with or without its tag) or a `timm/<name>` hub id: timm's architecture for the
+    name, built on the meta device. A file (or a `vit.export` folder): `embed_dim` from
+    `patch_embed.proj.weight` `(D, C, P, P)`, `depth` from the `blocks.N` keys; the number of heads
+    is in no tensor's shape, so it comes from a `config.json` beside the file (timm's Hub layout,
+    `model_args.num_heads`) or must be given: `PretrainedError` naming the option.
+    """
+    kind = source_kind(source)
+    text = str(source)
+    if kind == "hub" and text.split(":", 1)[-1].startswith("timm/"):  # timm's own repos are named after the model
+        kind, text = "name", text.split(":", 1)[-1].removeprefix("timm/").split("@", 1)[0]
+    if kind == "name":
+        return _timm_shape(text)
+    shapes = _weight_shapes(source, kind)
+    if "patch_embed.proj.weight" not in shapes or not any(k.startswith("blocks.") for k in shapes):
+        raise PretrainedError(f"pretrained={text!r} holds no ViT weights (no patch_embed.proj.weight and blocks.N.*): "
+                              f"set {', '.join(wanted)} by hand")
+    found = {"embed_dim": shapes["patch_embed.proj.weight"][0],
+             "depth": 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks."))}
+    config = Path(text).expanduser()
+    config = (config if config.is_dir() else config.parent) / "config.json"
+    heads = json.loads(config.read_text()).get("model_args", {}).get("num_heads") if config.is_file() else None
+    if heads is not None:
+        found["num_heads"] = int(heads)
+    elif "num_heads" in wanted:
+        raise PretrainedError(f"pretrained={text!r}: the number of attention heads is not in the weights' shapes "
+                              f"(embed_dim={found['embed_dim']}, depth={found['depth']} are): set num_heads "
+                              "(--model.backbone.init_args.num_heads; timm's ViTs have embed_dim / 64)")
+    return found
+
+
+def _timm_shape(name: str) -> dict[str, int]:
+    import timm
+
+    try:
+        with torch.device("meta"):  # no memory, no download: only the architecture is wanted
+            model = timm.create_model(name, pretrained=False)
+    except RuntimeError as err:
+        if not str(err).startswith(("Unknown model", "Invalid pretrained tag")):
+            raise
+        raise PretrainedError(f"pretrained={name!r} is neither a file nor a timm model name "
+                              "(see timm.list_models(pretrained=True))") from None
+    blocks = getattr(model, "blocks", None)
+    attn = getattr(blocks[0], "attn", None) if blocks else None
+    if getattr(model, "embed_dim", None) is None or getattr(attn, "num_heads", None) is None:
+        raise PretrainedError(f"pretrained={name!r} is not a ViT of timm's layout ({type(model).__name__}): "
+                              "set embed_dim, depth and num_heads by hand")
+    return {"embed_dim": int(model.embed_dim), "depth": len(blocks), "num_heads": int(attn.num_heads)}
+
+
+def _weight_shapes(source: str | os.PathLike, kind: str) -> dict[str, tuple[int, ...]]:
+    """`{key: shape}` of the weights at `source`; a .safetensors file is read for its header only."""
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "model.safetensors").is_file():
+        path = path / "model.safetensors"
+    if kind == "file" and path.suffix == ".safetensors" and path.is_file():
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118  (safe_open is no dict)
+        except SafetensorError:
+            pass  # load_state_dict says what is wrong with the file
+    return {key: tuple(value.shape) for key, value in load_state_dict(source).items()}
 
 
 def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:

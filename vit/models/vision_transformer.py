@@ -14,7 +14,7 @@ from vit.models.block import Block
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
-from vit.models.pretrained import check_layout, load_pretrained
+from vit.models.pretrained import check_layout, load_pretrained, resolve_shape
 from vit.models.scores import Score
 
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
@@ -38,7 +38,9 @@ class VisionTransformer(nn.Module):
 
     Shape. `img_size` is the side of a square image or `(H, W)`; the patch grid is then
     `(H / P, W / P)` for `patch_size` P, and every position encoding follows it. `embed_dim`, `depth`,
-    `num_heads` and `mlp_ratio` (the MLP's hidden width over `embed_dim`) size the encoder.
+    `num_heads` and `mlp_ratio` (the MLP's hidden width over `embed_dim`) size the encoder. Left
+    unset (None), `embed_dim`, `depth` and `num_heads` are the `pretrained` weights' (a timm name's
+    architecture, or a file's shapes: `vit.models.pretrained.resolve_shape`), and 192, 6 and 3 without them.
 
     timm's layout.
       - `pool`, how the token sequence becomes one vector for the head: `"cls"`, a learned CLS token
@@ -88,9 +90,9 @@ class VisionTransformer(nn.Module):
         patch_size: int = 4,
         in_chans: int = 3,
         num_classes: int = 10,
-        embed_dim: int = 192,
-        depth: int = 6,
-        num_heads: int = 3,
+        embed_dim: int | None = None,
+        depth: int | None = None,
+        num_heads: int | None = None,
         mlp_ratio: float = 4.0,
         # timm's layout.
         pool: Pool = "cls",
@@ -115,6 +117,8 @@ class VisionTransformer(nn.Module):
         pretrained: str | None = None,
     ) -> None:
         super().__init__()
+        shape = resolve_shape(pretrained, embed_dim=embed_dim, depth=depth, num_heads=num_heads)
+        embed_dim, depth, num_heads = shape["embed_dim"], shape["depth"], shape["num_heads"]
         _check_args(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, in_chans=in_chans,
                     num_classes=num_classes, pool=pool, fc_norm=fc_norm, reg_tokens=reg_tokens,
                     no_embed_class=no_embed_class, pos_embed=pos_embed, pos_scale=pos_scale, score_dim=score_dim,
@@ -210,6 +214,14 @@ class VisionTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names that are not weight matrices but still have ndim > 1 (timm's convention)."""
         return {"cls_token", "reg_token", "pos_embed", "attn_pool.latent"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, str | list]:
+        """timm's layer groups, read by `timm.optim.param_groups_layer_decay`: the stem (patch embedding, CLS,
+        registers, positions), then `blocks.N` one group each, then `norm`; the rest (`fc_norm`, the MAP head,
+        `head`) is the last group."""
+        return {"stem": r"^cls_token|reg_token|pos_embed|patch_embed",
+                "blocks": [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))]}
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, C, H, W) -> (B, N, D)`: the tokens after the last block, `[CLS] [registers] [patches]`, normalised

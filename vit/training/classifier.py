@@ -9,7 +9,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from timm.optim import param_groups_weight_decay
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
+from timm.utils import ModelEmaV3
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError, MulticlassConfusionMatrix
@@ -108,6 +109,17 @@ class ImageClassifier(L.LightningModule):
         trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`);
             or an int k, the last k blocks with the final norm (`norm`, or `fc_norm` after the mean pooling)
             and the head (k=0 is "head" plus the norm). Frozen parameters get no gradient and are not given to the optimizer.
+        layer_decay: layer-wise learning-rate decay d in (0, 1] (BEiT, Bao et al. 2022; MAE), off by default, with
+            timm's `param_groups_layer_decay` and the backbone's `group_matcher`: of L = depth + 2 layers (the stem
+            `patch_embed`/`cls_token`/`reg_token`/`pos_embed` is layer 0, block `blocks.N` is layer N + 1 with the
+            final `norm` in the last block's layer, the head (`fc_norm`, MAP head, `head`) is layer L - 1), layer i
+            trains at `lr * d ** (L - 1 - i)`: the head at `lr`, the stem at `lr * d ** (depth + 1)`. The schedule
+            scales every group alike, so it needs `min_lr_ratio=0` (torch's cosine has one floor for all groups).
+        ema_decay: keep an exponential moving average of the backbone, off by default (timm's `ModelEmaV3`: after
+            every optimizer step `ema = ema_decay * ema + (1 - ema_decay) * weights`, starting from the weights
+            training starts from). Validation, test and prediction use the average; the checkpoint holds it under
+            `ema.module.*` beside the trained `backbone.*`, so a resumed `fit` continues both, and
+            `vit.training.rebuild.build_classifier` puts the average in `backbone` for every command.
 
     Class names: `class_names` (`["0", "1", ...]` until known) is taken from the data module's
     `class_names` when a trainer runs the model with one, and travels in every checkpoint under the
@@ -140,6 +152,8 @@ class ImageClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
         compile: bool = False,
         trainable: Literal["all", "head"] | int = "all",
+        layer_decay: float | None = None,
+        ema_decay: float | None = None,
     ) -> None:
         super().__init__()
         check_float("lr", lr, 0.0, low_open=True)
@@ -147,6 +161,16 @@ class ImageClassifier(L.LightningModule):
         check_float("warmup_epochs", warmup_epochs, 0.0)
         check_float("label_smoothing", label_smoothing, 0.0, 1.0, high_open=True)
         check_float("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
+        if layer_decay is not None:
+            check_float("layer_decay", layer_decay, 0.0, 1.0, low_open=True)
+            if not callable(getattr(backbone, "group_matcher", None)):
+                raise ValueError(f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its layers); "
+                                 f"{type(backbone).__name__} has none")
+            if min_lr_ratio != 0:
+                raise ValueError(f"layer_decay={layer_decay} needs min_lr_ratio=0, got {min_lr_ratio}: torch's "
+                                 "CosineAnnealingLR ends every parameter group at the same floor, not at a scaled one")
+        if ema_decay is not None:
+            check_float("ema_decay", ema_decay, 0.0, 1.0, high_open=True)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"betas={betas!r} is not allowed: expected two numbers in [0, 1)")
         for i, beta in enumerate(betas):
@@ -164,6 +188,11 @@ class ImageClassifier(L.LightningModule):
             self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
         freeze(backbone, trainable)
+        # The average starts from the weights training starts from; it is a submodule, so it moves with the
+        # model and is saved and restored with its state dict (`ema.module.*`). Never trained: no gradients.
+        self.ema = ModelEmaV3(backbone, decay=ema_decay).requires_grad_(False) if ema_decay is not None else None
+        if self.ema is not None:  # timm puts its copy in eval mode; it only runs in evaluation, which sets the mode
+            self.ema.module.train(backbone.training)  # so training does not start with modules left in eval mode
         if compile:
             self.backbone.compile()
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -190,7 +219,7 @@ class ImageClassifier(L.LightningModule):
         self.train_acc(logits, y)
         self.log("train/loss", mean_loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], on_step=True, on_epoch=False)
+        self.log("train/lr", max(self.lr_schedulers().get_last_lr()), on_step=True, on_epoch=False)  # the head's
         return {"loss": loss, "mean_loss": mean_loss}
 
     def on_fit_start(self) -> None:
@@ -199,9 +228,19 @@ class ImageClassifier(L.LightningModule):
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
                                 category=PossibleUserWarning)
 
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.ema is not None:  # once per optimizer step, after it (also under gradient accumulation)
+            self.ema.update(self.backbone)
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """The backbone that validation, test and prediction run: the moving average when `ema_decay` is set."""
+        return self.ema.module if self.ema is not None else self.backbone
+
     def _eval_step(self, batch, split: str, metric: MulticlassAccuracy) -> torch.Tensor:
         x, y = batch[0], batch[1]
-        logits = self(x)
+        logits = self.evaluated(x)
         metric(logits, y)
         self.log(f"{split}/loss", self._loss(logits, y), on_epoch=True, prog_bar=split == "val", sync_dist=True)
         self.log(f"{split}/acc", metric, on_epoch=True, prog_bar=split == "val")
@@ -259,14 +298,22 @@ class ImageClassifier(L.LightningModule):
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Class probabilities `(B, num_classes)`."""
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(x).softmax(dim=-1)
+        return self.evaluated(x).softmax(dim=-1)
 
     def configure_optimizers(self):
         hp = self.hparams
         # Weight decay on weight matrices only: norms, biases and the backbone's `no_weight_decay()`
         # names (position embedding, CLS token) are not weights, and decaying them pulls them to 0.
         skip = getattr(self.backbone, "no_weight_decay", set)()
-        groups = param_groups_weight_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip)
+        if hp.get("layer_decay") is None:
+            groups = param_groups_weight_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip)
+        else:
+            groups = param_groups_layer_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip,
+                                              layer_decay=hp.layer_decay)
+            for group in groups:
+                # timm's schedulers read `lr_scale`, torch's do not: it enters through each group's own lr,
+                # which LinearLR and CosineAnnealingLR (floor 0) then scale alike.
+                group["lr"] = hp.lr * group["lr_scale"]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1

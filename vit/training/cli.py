@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from vit.checks import check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
+from vit.models.pretrained import DEFAULT_SHAPE, resolve_shape
 from vit.training.callbacks import (
     NonFiniteError,
     Preempted,
@@ -86,6 +87,12 @@ class ViTCLI(LightningCLI):
             # The checkpoint's weights replace the pretrained ones: loading them would only cost time, and
             # a file or hub id that is not there (another machine, offline) would stop the run.
             backbone_args.pretrained = None
+        if backbone_args.get("pretrained") and any(backbone_args.get(k, 0) is None for k in DEFAULT_SHAPE):
+            # Written into the config, so that the saved config.yaml and every checkpoint hold the numbers
+            # (a checkpoint is rebuilt without its pretrained source: vit.training.rebuild).
+            given = {name: backbone_args.get(name) for name in DEFAULT_SHAPE}
+            for name, value in resolve_shape(backbone_args.pretrained, **given).items():
+                backbone_args[name] = value
 
     def after_fit(self) -> None:
         # Runs in every process under DDP (test is a collective), prints on rank 0 only.

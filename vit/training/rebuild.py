@@ -5,7 +5,9 @@ A checkpoint is data. `train.py` records in it, beside the weights:
 - `hyper_parameters`: the `ImageClassifier` settings and the backbone as `{"class_path": ..., "init_args": ...}`;
 - `datamodule_hyper_parameters`: the data module's `_class_path` and its arguments;
 - `inputs`: what turns an image into the model's input (`vit.data.base.SplitDataModule.inputs`);
-- `class_names`.
+- `class_names`;
+- in `state_dict`, with `ema_decay` on, the moving average as `ema.module.*` beside the trained `backbone.*`:
+  the model built for inference runs the average (`inference_state`).
 
 Lightning's `load_from_checkpoint` hands the hyperparameters to jsonargparse, which imports and
 calls any class path it meets, nested ones included (an untyped argument accepts anything): a
@@ -190,22 +192,36 @@ def build_backbone(checkpoint: Mapping, source: str) -> nn.Module:
     return _call(cls, init_args, "backbone", source)
 
 
+def inference_state(state_dict: Mapping) -> dict:
+    """The weights a command runs: with EMA on (`ImageClassifier(ema_decay=...)`), the moving average
+    `ema.module.*` as `backbone.*` (the trained weights are left out); without, the state dict unchanged."""
+    prefix = "ema.module."
+    if not any(key.startswith(prefix) for key in state_dict):
+        return dict(state_dict)
+    state = {key: value for key, value in state_dict.items() if not key.startswith(("backbone.", prefix))}
+    state.update({"backbone." + key.removeprefix(prefix): value for key, value in state_dict.items()
+                  if key.startswith(prefix)})
+    return state
+
+
 def build_classifier(checkpoint: Mapping, source: str) -> ImageClassifier:
-    """The trained `ImageClassifier` of a checkpoint read by `read_checkpoint`, in eval mode on the CPU."""
+    """The trained `ImageClassifier` of a checkpoint read by `read_checkpoint`, in eval mode on the CPU; its
+    `backbone` holds the moving average of the weights when the run kept one (`inference_state`)."""
     check_hyperparameters(checkpoint)
     try:
         check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))
     except NonFiniteError as err:
         raise CheckpointError(f"checkpoint {source} is unusable: {str(err).split(';')[0]}") from err
     backbone = build_backbone(checkpoint, source)
+    # compile left out: the same numbers, without the compile time; ema_decay too: the average is the model.
     settings = {k: v for k, v in checkpoint["hyper_parameters"].items()
-                if k in inspect.signature(ImageClassifier).parameters and k not in ("backbone", "compile")}
+                if k in inspect.signature(ImageClassifier).parameters and k not in ("backbone", "compile", "ema_decay")}
     try:
-        model = ImageClassifier(backbone, **settings)  # compile left out: the same numbers, without the compile time
+        model = ImageClassifier(backbone, **settings)
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"checkpoint {source}: its model settings cannot be used: {first_line(err)}") from err
     try:
-        model.load_state_dict(checkpoint["state_dict"])
+        model.load_state_dict(inference_state(checkpoint["state_dict"]))
     except (RuntimeError, ValueError) as err:  # weights that do not fit the model the checkpoint records
         raise CheckpointError(f"checkpoint {source} cannot be loaded into the model it records: {first_line(err)}") from err
     model.on_load_checkpoint(checkpoint)
