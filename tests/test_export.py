@@ -173,8 +173,14 @@ def test_the_model_card_says_what_a_person_needs_and_its_code_runs(checkpoint, t
     C, H, W = cfg["input_size"]
     assert f"{C} channel(s), resized to {H} x {W} pixels" in card
     assert f"normalised with mean {list(cfg['mean'])} and std {list(cfg['std'])}" in card
-    data = torch.load(checkpoint, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"]
+    content = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    data = content["datamodule_hyper_parameters"]
     assert f"- data module: `{data['_class_path']}`\n- seed of its splits: {data['seed']}\n" in card
+    assert f"- written after epoch {content['epoch']}, step {content['global_step']}\n" in card
+    assert f"`lr: {content['hyper_parameters']['lr']}`" in card
+    # The metric each ModelCheckpoint monitored, as the checkpoint records it.
+    states = [s for s in content["callbacks"].values() if s.get("monitor") == "val/acc"]
+    assert states and f"- val/acc (best): {float(states[0]['best_model_score']):.4f}\n" in card
     # The card's code, run as written (this folder, a photo here), gives the model's probabilities.
     code = re.search(r"```python\n(.*?)```", card, re.DOTALL)[1].replace("path/to/this/folder", str(out))
     Image.new("RGB", (W + 7, H + 3), (200, 30, 30)).save(tmp_path / "photo.jpg")

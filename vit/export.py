@@ -129,10 +129,28 @@ def class_names(checkpoint: dict, num_classes: int) -> list[str]:
 
 
 def training_record(checkpoint: dict) -> dict:
-    """What the checkpoint says of its training data, for the model card: `data_module` (its class path) and `seed`."""
+    """What the checkpoint says of its training, for the model card: `data_module` (its class path), `seed`,
+    `epoch`, `global_step`, `model` (the classifier's plain settings: lr, weight decay, ...) and `metrics`
+    (each ModelCheckpoint's monitored metric: its best and its value when this checkpoint was written)."""
     data = checkpoint.get("datamodule_hyper_parameters") or {}
-    record = {"data_module": data.get("_class_path"), "seed": data.get("seed")}
-    return {key: value for key, value in record.items() if isinstance(value, (str, int)) and not isinstance(value, bool)}
+    record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
+              "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step")}
+    record = {key: value for key, value in record.items() if isinstance(value, (str, int)) and not isinstance(value, bool)}
+    settings = {key: value for key, value in (checkpoint.get("hyper_parameters") or {}).items()
+                if not key.startswith("_") and key != "backbone" and isinstance(value, (str, int, float, bool, list))}
+    if settings:
+        record["model"] = settings
+    metrics = {}
+    for state in (checkpoint.get("callbacks") or {}).values():
+        monitor = state.get("monitor") if isinstance(state, dict) else None
+        if isinstance(monitor, str):
+            for key, label in (("best_model_score", "best"), ("current_score", "at this checkpoint")):
+                value = state.get(key)
+                if value is not None:
+                    metrics[f"{monitor} ({label})"] = float(value)
+    if metrics:
+        record["metrics"] = metrics
+    return record
 
 
 def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None) -> str:
@@ -183,8 +201,19 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     if training:
         lines += [f"- data module: `{training.get('data_module', 'not recorded')}`",
                   f"- seed of its splits: {training.get('seed', 'not recorded')}"]
+        if "epoch" in training:
+            lines.append(f"- written after epoch {training['epoch']}, step {training.get('global_step', '?')}")
+        if "model" in training:
+            lines.append("- settings: " + ", ".join(f"`{k}: {v}`" for k, v in training["model"].items()))
+        lines += ["", "## Metrics", ""]
+        lines += ([f"- {name}: {value:.4f}" for name, value in training.get("metrics", {}).items()]
+                  or ["- none recorded in the checkpoint"])
     else:
         lines.append("- not recorded in the checkpoint")
+    lines += ["", "## Use with this project", "",
+              "The checkpoint this folder was exported from opens with `vit.load(\"last.ckpt\")` "
+              "(`.predict(...)`, `.explain(...)`), and this folder's weights with "
+              "`VisionTransformer(pretrained=\"path/to/this/folder/model.safetensors\", ...)` and the sizes above."]
     return "\n".join(lines) + "\n"
 
 
