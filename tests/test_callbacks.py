@@ -326,3 +326,29 @@ def test_rollout_images_draws_any_relevance_method(tmp_path):
     assert [ax.get_title() for ax in figure.axes[1:4]] == ["rollout", "chefer", "gradcam"]
     with pytest.raises(ValueError, match="must be a non-empty list of"):
         RolloutImages(methods=["saliency"])
+
+
+def test_figures_name_the_epoch_and_step_as_the_checkpoints_do(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from vit.training import dashboard
+
+    titles = []
+    to_array = dashboard.figure_to_array
+    monkeypatch.setattr("vit.explain.callbacks.figure_to_array",
+                        lambda figure, dpi: (titles.append(("rollout", figure.get_suptitle())), to_array(figure, dpi))[1])
+    figure = ConfusionMatrix._figure
+    monkeypatch.setattr(ConfusionMatrix, "_figure", lambda self, title, names=None: (titles.append(("confusion", title)),
+                                                                                      figure(self, title, names))[1])
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="epoch{epoch:02d}-step{step}",
+                                  auto_insert_metric_name=False, save_top_k=-1)
+    trainer = L.Trainer(max_epochs=2, logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[checkpoints, RolloutImages(num_images=2, every_n_epochs=1), ConfusionMatrix()])
+    model = ImageClassifier(VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2,
+                                              in_chans=1, num_classes=2))
+    trainer.fit(model, datamodule=tiny_data())  # 2 steps an epoch
+
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch00-step2.ckpt", "epoch01-step4.ckpt"]
+    assert titles == [("rollout", "after epoch 00 (step 2)"), ("rollout", "after epoch 01 (step 4)"),
+                      ("confusion", "the last validation, after epoch 01 (step 4)")]

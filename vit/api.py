@@ -98,13 +98,12 @@ class Predictor:
         """
         check_choice("method", method, Method)
         usable_methods(self.model.backbone, [method])
-        if target is not None and method in CLASS_METHODS:  # relevance refuses a target for the other methods
+        if target is not None and method in CLASS_METHODS:  # for the others, relevance refuses the target as given
             target = class_index(target, self.class_names)
         x = image[None] if isinstance(image, Tensor) and image.ndim == 3 else self.images(image)
         if x.shape[0] != 1:
             raise ValueError(f"explain takes one image, got {x.shape[0]}; call it once per image")
         return relevance(self.model.backbone, x, method, target)[0]
-
 
 
 def load(path_or_url: str | os.PathLike) -> Predictor:

@@ -14,7 +14,7 @@ from vit.explain.plot import SCALES, Scale, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
-from vit.training.dashboard import figure_to_array, log_image
+from vit.training.dashboard import epoch_title, figure_to_array, log_image
 
 METHOD_TITLES = {"grad_rollout": "grad rollout"}  # a column's title; the others are titled by their name
 
@@ -144,6 +144,7 @@ class RolloutImages(L.Callback):
             return
         with trainer.precision_plugin.forward_context():  # autocast as in validation, if any
             figure = self.render(model, trainer.precision_plugin.convert_input(self.images))
+        figure.suptitle(epoch_title(trainer.current_epoch, trainer.global_step))
         log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
         self.logged_epochs.append(trainer.current_epoch)
 

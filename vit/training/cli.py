@@ -34,6 +34,7 @@ from vit.training.checkpointing import (
     read_checkpoint,
 )
 from vit.training.classifier import ImageClassifier, format_test_results
+from vit.training.dashboard import HParamsTable
 from vit.training.predictions import PredictionWriter, check_topk
 from vit.training.rebuild import check_hyperparameters, current_hyperparameters
 from vit.training.preflight import (
@@ -244,8 +245,8 @@ def main(args=None) -> ViTCLI:
             subclass_mode_data=True,
             save_config_callback=RunConfig,
             save_config_kwargs={"overwrite": False, "command": _command(args)},
-            # Always present, not configurable: exact resumes and a loud stop on a diverged loss.
-            trainer_defaults={"callbacks": [RestoreRNGState(), StopOnNonFinite(), StopOnSignal()]},
+            # Always present, not configurable: exact resumes, a loud stop on a diverged loss, the HParams table.
+            trainer_defaults={"callbacks": [RestoreRNGState(), StopOnNonFinite(), StopOnSignal(), HParamsTable()]},
             args=args,
         )
     # Errors a user can fix are one paragraph, not a traceback.

@@ -1,4 +1,4 @@
-"""Putting pictures on the dashboard: figures to arrays, one image to every logger, the confusion matrix.
+"""Filling the dashboard: figures to arrays, one image to every logger, the confusion matrix, the HParams table.
 
 Images go to whichever loggers the trainer has: W&B (`wandb.Image`), TensorBoard (`add_image`) or
 CSV (PNG files in the run's folder).
@@ -6,8 +6,11 @@ CSV (PNG files in the run's folder).
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -44,11 +47,11 @@ class ConfusionMatrix(L.Callback):
         self.dpi = dpi
         self.matrix: Tensor | None = None
         self._counts: MulticlassConfusionMatrix | None = None
-        self._epoch = 0
+        self._epoch = self._step = 0
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
-            self._counts, self._epoch = None, trainer.current_epoch
+            self._counts, self._epoch, self._step = None, trainer.current_epoch, trainer.global_step
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
@@ -67,7 +70,7 @@ class ConfusionMatrix(L.Callback):
             return
         self.matrix = self._counts.compute().cpu()  # synchronised across processes
         if trainer.is_global_zero:
-            figure = self._figure(f"the last validation, in epoch {self._epoch + 1}",
+            figure = self._figure(f"the last validation, {epoch_title(self._epoch, self._step)}",
                                   self.class_names or getattr(pl_module, "class_names", None))
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
 
@@ -84,6 +87,87 @@ class ConfusionMatrix(L.Callback):
         accuracy = self.matrix.trace().item() / max(1, self.matrix.sum().item())
         ax.set_title(f"confusion matrix, accuracy {accuracy:.4f}\n{title}", fontsize="medium")
         return fig
+
+
+class HParamsTable(L.Callback):
+    """Fill TensorBoard's HParams tab: one row per run, its settings beside its final metrics.
+
+    At the start of `fit` (or of a `test` on its own) each TensorBoard logger gets, through
+    `TensorBoardLogger.log_hyperparams`, the model's and the data's hyperparameters (the backbone's
+    `class_path` and `init_args` among them, flattened to `backbone/init_args/depth` and so on),
+    the seed and the trainer's `max_epochs` and `precision`, with the metrics `hp/val_acc`,
+    `hp/val_loss`, `hp/test_acc`, `hp/test_loss` declared as NaN (not known yet). TensorBoard shows
+    a metric's last value in the run, so each validation of `fit` logs the `hp/val_*` values
+    (the table ends with the last one) and the end of `test` the `hp/test_*` values. Loggers that are
+    not TensorBoard are left alone: W&B gets the whole config from `RunConfig`, CSV keeps `hparams.yaml`.
+
+    Args:
+        metrics: the logged metrics to copy into the table, each as `hp/<name with / as _>`.
+    """
+
+    def __init__(self, *, metrics: Sequence[str] = ("val/acc", "val/loss", "test/acc", "test/loss")) -> None:
+        super().__init__()
+        self.metrics = list(metrics)
+        self._started = False
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start(trainer, pl_module)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start(trainer, pl_module)  # a `test` after `fit` is the same run: already started
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._log(trainer, "val/")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._log(trainer, "test/")
+
+    def _start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._started:
+            return
+        self._started = True
+        settings = self.settings(trainer, pl_module)
+        # Lightning writes the HParams summary only with metrics; their names are the table's columns.
+        declared = {hp_tag(name): math.nan for name in self.metrics}
+        for logger in _tensorboard_loggers(trainer):
+            logger.log_hyperparams(settings, declared, step=trainer.global_step)
+
+    @staticmethod
+    def settings(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """The run's settings as a nested dict (the logger flattens it): model, data, seed, trainer."""
+        datamodule = trainer.datamodule
+        seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything (LightningCLI's `seed_everything`)
+        return {
+            **pl_module.hparams_initial,
+            **(datamodule.hparams_initial if datamodule is not None else {}),
+            "seed_everything": int(seed) if seed is not None else None,
+            "trainer": {"max_epochs": trainer.max_epochs, "precision": str(trainer.precision)},
+        }
+
+    def _log(self, trainer: L.Trainer, prefix: str) -> None:
+        values = {hp_tag(name): float(trainer.callback_metrics[name]) for name in self.metrics
+                  if name.startswith(prefix) and name in trainer.callback_metrics}
+        if values:
+            for logger in _tensorboard_loggers(trainer):
+                logger.log_metrics(values, step=trainer.global_step)
+
+
+def hp_tag(metric: str) -> str:
+    """The HParams table's name for a logged metric: `val/acc` -> `hp/val_acc`."""
+    return "hp/" + metric.replace("/", "_")
+
+
+def _tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def epoch_title(epoch: int, step: int) -> str:
+    """When a figure was drawn, named as the checkpoints are: `after epoch 00 (step 8)` for `epoch00-....ckpt`.
+
+    `epoch` is Lightning's 0-based `current_epoch`, the number in ModelCheckpoint's file names.
+    """
+    return f"after epoch {epoch:02d} (step {step})"
 
 
 def figure_to_array(figure, dpi: int = 100) -> np.ndarray:

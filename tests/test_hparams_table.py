@@ -1,0 +1,83 @@
+"""TensorBoard's HParams tab: each `train.py` run's settings beside its final validation and test metrics."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import lightning as L
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+from robust_helpers import run_dirs, tiny_config
+
+from vit.data import TwoCirclesDataModule
+from vit.models import VisionTransformer
+from vit.training.classifier import ImageClassifier
+from vit.training.dashboard import HParamsTable, hp_tag
+
+
+def hparams_plugin_data(events) -> dict:
+    """The hparams plugin's records of a run: {"experiment": ..., "session_start_info": ..., ...} as protos."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    records = {}
+    for tag, content in events.PluginTagToContent("hparams").items():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        records[tag.removeprefix("_hparams_/")] = getattr(data, data.WhichOneof("data"))
+    return records
+
+
+def test_metric_names_in_the_table():
+    assert hp_tag("val/acc") == "hp/val_acc"
+    assert hp_tag("test/class_acc/a") == "hp/test_class_acc_a"
+
+
+@pytest.mark.slow
+def test_a_run_fills_the_hparams_table_with_its_settings_and_final_metrics(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vit.training.cli import main
+
+    config = tiny_config(tmp_path, max_epochs=2)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    cli = main(["fit", "--config", str(config), "--model.lr=0.003"])  # the test after fit runs too
+    [run_dir] = run_dirs(tmp_path)
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    plugin = hparams_plugin_data(events)
+
+    columns = {info.name.tag for info in plugin["experiment"].metric_infos}
+    assert columns == {"hp/val_acc", "hp/val_loss", "hp/test_acc", "hp/test_loss"}
+    settings = {name: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
+                for name, value in plugin["session_start_info"].hparams.items()}
+    assert settings["backbone/class_path"] == "vit.models.VisionTransformer"
+    assert settings["backbone/init_args/embed_dim"] == 32  # tiny_config's, over the YAML's 64
+    assert settings["backbone/init_args/pos_embed"] == "learned"
+    assert settings["lr"] == pytest.approx(0.003)
+    assert settings["weight_decay"] == pytest.approx(0.05)
+    assert settings["batch_size"] == 32
+    assert settings["task"] == "diagonal"
+    assert settings["seed_everything"] == 0
+    assert settings["trainer/max_epochs"] == 2
+
+    # The table shows each metric's last value in the run: the last validation's, then the test's.
+    last = {tag: events.Scalars(tag)[-1] for tag in columns}
+    assert math.isnan(events.Scalars("hp/val_acc")[0].value)  # declared at the start, not known yet
+    assert last["hp/val_acc"].value == pytest.approx(events.Scalars("val/acc")[-1].value)
+    assert last["hp/val_loss"].value == pytest.approx(events.Scalars("val/loss")[-1].value)
+    assert last["hp/val_acc"].step == cli.trainer.global_step == 2 * 8
+    assert last["hp/test_acc"].value == pytest.approx(cli.trainer.callback_metrics["test/acc"].item())
+    assert last["hp/test_loss"].value == pytest.approx(cli.trainer.callback_metrics["test/loss"].item())
+
+
+def test_loggers_other_than_tensorboard_are_left_alone(tmp_path):
+    model = ImageClassifier(VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, in_chans=1,
+                                              num_classes=2))
+    data = TwoCirclesDataModule(num_train=16, num_val=16, num_test=16, batch_size=16, seed=3)
+    trainer = L.Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="csv"), callbacks=[HParamsTable()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=data)
+    trainer.test(model, datamodule=data, verbose=False)
+    metrics = (tmp_path / "csv/version_0/metrics.csv").read_text()
+    assert "test/acc" in metrics and "hp/" not in metrics
