@@ -7,7 +7,7 @@ import numpy as np
 from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset
 
-from vit.checks import check_size
+from vit.checks import check_int, check_size
 from vit.data.resumable import ResumableTrainingData
 
 
@@ -110,6 +110,14 @@ class SyntheticDataModule(SplitDataModule):
     Subclasses save ``num_train``, ``num_val``, ``num_test``, ``train_region``, ``test_region`` and
     ``seed`` as hyperparameters and write ``make_split``. Pixels are raw values: no normalisation.
     """
+
+    @staticmethod
+    def check_sizes(*, num_train: int, num_val: int, num_test: int, seed: int, batch_size: int,
+                    num_workers: int) -> None:
+        """Raise `ValueError` naming the first split size, seed or loader setting that is not an int in range."""
+        for name, value, minimum in (("num_train", num_train, 1), ("num_val", num_val, 1), ("num_test", num_test, 1),
+                                     ("seed", seed, 0), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+            check_int(name, value, minimum)
 
     @property
     def num_classes(self) -> int:

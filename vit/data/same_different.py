@@ -199,9 +199,8 @@ class SameDifferentDataModule(SyntheticDataModule):
         for name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(name, region, Region)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
-        for name, value, minimum in (("num_train", num_train, 1), ("num_val", num_val, 1), ("num_test", num_test, 1),
-                                     ("seed", seed, 0), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            check_int(name, value, minimum)
+        self.check_sizes(num_train=num_train, num_val=num_val, num_test=num_test, seed=seed, batch_size=batch_size,
+                         num_workers=num_workers)
         self.save_hyperparameters()
 
     @property

@@ -331,10 +331,8 @@ class TwoCirclesDataModule(SyntheticDataModule):
             check_choice(region_name, region, Region)
             check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius,
                           noise=noise, region=region)
-        for name, value, minimum in (("num_train", num_train, 1), ("num_val", num_val, 1),
-                                     ("num_test", num_test, 1), ("seed", seed, 0),
-                                     ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            check_int(name, value, minimum)
+        self.check_sizes(num_train=num_train, num_val=num_val, num_test=num_test, seed=seed, batch_size=batch_size,
+                         num_workers=num_workers)
         self.save_hyperparameters()
         self.train_set: TwoCirclesDataset | None = None
         self.val_set: TwoCirclesDataset | None = None
