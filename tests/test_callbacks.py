@@ -138,6 +138,41 @@ def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch
     # The resolved config of both YAML files, as the run's config: the second file's logger wins.
     assert config["trainer"]["logger"]["class_path"] == "vit.training.loggers.WandbLogger"
     assert "default_hp_metric" not in config["trainer"]["logger"]["init_args"]
+    # Logged once, nested: Lightning's flattened copy of the hyperparameters is not logged beside it.
+    assert config["model"]["lr"] == 0.002 and not {"lr", "backbone", "_instantiator", "batch_size"} & set(config)
+    keys = [item.key for record in records for item in record.config.update if item.key != "_wandb"]  # _wandb: charts
+    assert len(keys) == len(set(keys))
+
+    # W&B's own confusion matrix of the test set, with the class names: a table of (Actual, Predicted, nPredictions).
+    charts = [entry.local_path for record in records if record.WhichOneof("record_type") == "artifact"
+              for entry in record.artifact.manifest.contents if entry.path == "test/confusion_matrix_table.table.json"]
+    assert len(charts) == 1
+    chart = json.loads(Path(charts[0]).read_text())
+    assert {row[0] for row in chart["data"]} == set(cli.model.class_names)
+    assert sum(row[2] for row in chart["data"]) == 32
+
+    # The overlay adds TestPredictionsTable to the experiment's callbacks (`callbacks+`), not in their place.
+    callbacks = {type(c).__name__ for c in cli.trainer.callbacks}
+    assert {"TestPredictionsTable", "RolloutImages", "ConfusionMatrix"} <= callbacks
+    # test/predictions: every test image (32 < num_rows=64), mistakes first, most confident mistake first.
+    # W&B keeps a table with its images in a run_table artifact; offline, its files wait in the staging folder.
+    staged = [entry.local_path for record in records if record.WhichOneof("record_type") == "artifact"
+              for entry in record.artifact.manifest.contents if entry.path == "test/predictions.table.json"]
+    assert len(staged) == 1
+    table = json.loads(Path(staged[0]).read_text())
+    assert table["columns"] == ["image", "true", "predicted", "probability", "rollout"]
+    rows = table["data"]
+    assert len(rows) == 32
+    names = cli.model.class_names
+    assert {r[1] for r in rows} <= set(names) and {r[2] for r in rows} <= set(names)
+    assert all(r[0]["_type"] == r[4]["_type"] == "image-file" for r in rows)
+    assert all(r[0]["width"] == r[4]["width"] == 32 for r in rows)
+    wrong = [r[1] != r[2] for r in rows]
+    assert any(wrong) and not all(wrong)  # one tiny epoch: both kinds of row, so the order below is tested
+    assert wrong == sorted(wrong, reverse=True)  # no mistake after a correct prediction
+    mistakes = [r[3] for r in rows if r[1] != r[2]]
+    assert mistakes == sorted(mistakes, reverse=True)
+    assert all(1 / len(names) <= r[3] <= 1 for r in rows)
     assert config["model"]["backbone"]["init_args"]["embed_dim"] == 16
     assert config["data"]["init_args"]["num_train"] == 64
     # ... and as config.yaml beside the run's checkpoints, not a config.yaml shared by all runs.

@@ -1,16 +1,19 @@
-"""The dashboard callbacks of interpretation: rollout overlays of fixed validation images, and relevance scores."""
+"""The dashboard callbacks of interpretation: rollout overlays of fixed validation images, relevance scores, and a
+W&B table of test predictions with their overlays."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import lightning as L
+import numpy as np
 import torch
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int
-from vit.explain.plot import SCALES, Scale, rollout_grid
+from vit.explain.plot import SCALES, Scale, display_image, overlay, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
@@ -223,3 +226,98 @@ class RelevanceScores(L.Callback):
             maps = relevance(model, x, method).cpu()
             pl_module.log(f"val/pointing_game/{method}", pointing_game(maps, masks).mean(), sync_dist=False)
             pl_module.log(f"val/relevance_mass/{method}", relevance_mass(maps, masks).mean(), sync_dist=False)
+
+
+class TestPredictionsTable(L.Callback):
+    """After `test`, log a W&B table of test images, the mistakes first: `test/predictions`.
+
+    Columns: `image`, `true` and `predicted` (class names), `probability` (the softmax of the
+    predicted class) and, for a backbone with attention, `rollout` (the rollout overlay drawn as
+    `vit.explain.plot.overlay` draws it). Rows: the mistakes, most confident first, then correct
+    predictions in test order, at most `num_rows`. Only the best `num_rows` are kept while the test
+    runs, so a large test set costs no memory. The logits are those `test_step` returns
+    (`ImageClassifier` does); with several processes, rank 0's share of the test set is shown.
+    Without a W&B logger nothing is computed.
+
+    Args:
+        num_rows: the most rows the table has.
+        class_names: names for the class columns; by default the model's `class_names`, else indices.
+        tag: the table's name on the dashboard.
+    """
+
+    def __init__(self, *, num_rows: int = 64, class_names: Sequence[str] | None = None,
+                 tag: str = "test/predictions") -> None:
+        super().__init__()
+        check_int("num_rows", num_rows, 1)
+        self.num_rows = num_rows
+        self.class_names = list(class_names) if class_names is not None else None
+        self.tag = tag
+        self.columns: list[str] = []  # of the last table logged
+        self._reset()
+
+    def _reset(self) -> None:
+        self._images: Tensor | None = None  # (n, C, H, W) on the CPU, n <= num_rows, in table order
+        self._labels = self._predicted = self._probability = self._order = torch.empty(0)
+        self._seen = 0
+
+    @staticmethod
+    def _wandb_loggers(trainer: L.Trainer) -> list[WandbLogger]:
+        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+
+    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset()
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        if dataloader_idx != 0 or not trainer.is_global_zero or not self._wandb_loggers(trainer):
+            return
+        if not isinstance(outputs, Tensor):
+            raise TypeError(f"TestPredictionsTable needs test_step to return the logits (B, num_classes); "
+                            f"{type(pl_module).__name__}.test_step returned {type(outputs).__name__}")
+        x, y = batch[0].detach().cpu(), batch[1].detach().cpu()
+        probability, predicted = outputs.detach().float().softmax(-1).max(-1)  # (B,), (B,)
+        probability, predicted = probability.cpu(), predicted.cpu()
+        # Sort key: mistakes (most confident first) before correct predictions (in test order).
+        index = torch.arange(self._seen, self._seen + len(y), dtype=torch.float64)
+        self._seen += len(y)
+        order = torch.where(predicted != y, -probability.double() - 1.0, index)
+        images = x if self._images is None else torch.cat([self._images, x])
+        labels, predicted = torch.cat([self._labels.long(), y]), torch.cat([self._predicted.long(), predicted])
+        probability, order = torch.cat([self._probability, probability]), torch.cat([self._order.double(), order])
+        keep = order.argsort()[: self.num_rows]
+        self._images, self._labels, self._predicted = images[keep].clone(), labels[keep], predicted[keep]
+        self._probability, self._order = probability[keep], order[keep]
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loggers = self._wandb_loggers(trainer)
+        if self._images is None or not loggers or not trainer.is_global_zero:
+            return
+        import wandb
+
+        model = getattr(pl_module, "evaluated", getattr(pl_module, "backbone", pl_module))
+        maps = None
+        if usable_methods(model, ("rollout",), skip=True):
+            x = self._images.to(next(model.parameters()).device)
+            with trainer.precision_plugin.forward_context():
+                maps = relevance(model, trainer.precision_plugin.convert_input(x), "rollout").float().cpu()  # (n, gh, gw)
+        names = self.class_names or getattr(pl_module, "class_names", None)
+
+        def name(index: int) -> str:
+            return names[index] if names is not None else str(index)
+
+        self.columns = ["image", "true", "predicted", "probability"] + (["rollout"] if maps is not None else [])
+        rows = []
+        for i, image in enumerate(self._images):
+            row = [wandb.Image(_to_uint8(display_image(image))), name(int(self._labels[i])),
+                   name(int(self._predicted[i])), float(self._probability[i])]
+            if maps is not None:
+                row.append(wandb.Image(_to_uint8(overlay(image, maps[i]))))
+            rows.append(row)
+        for logger in loggers:
+            logger.log_table(key=self.tag, columns=self.columns, data=rows, step=trainer.global_step)
+        self._reset()
+
+
+def _to_uint8(image: np.ndarray) -> np.ndarray:
+    """`(H, W, 3)` floats in [0, 1] -> uint8, as W&B stores images."""
+    return (image * 255.0).round().clip(0, 255).astype("uint8")

@@ -41,7 +41,7 @@ def overlay(
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    grey = _display_image(image).mean(-1, keepdims=True)  # (H, W, 1)
+    grey = display_image(image).mean(-1, keepdims=True)  # (H, W, 1)
     heat = _upsample(patch_map, grey.shape[:2]).numpy()  # (H, W)
     lo, hi = _limits([torch.as_tensor(patch_map)])
     norm = Normalize(lo if vmin is None else vmin, hi if vmax is None else vmax, clip=True)
@@ -99,7 +99,7 @@ def rollout_grid(
     fig = Figure(figsize=(PANEL_INCHES * cols + COLORBAR_INCHES, PANEL_INCHES * B), layout="constrained")
     axes = fig.subplots(B, cols, squeeze=False)
     for row in range(B):
-        rgb = _display_image(images[row])  # (H, W, 3)
+        rgb = display_image(images[row])  # (H, W, 3)
         axes[row, 0].imshow(rgb)
         if titles is not None:
             axes[row, 0].set_title(titles[row], fontsize="small")
@@ -140,7 +140,7 @@ def _limits(maps: Sequence[Tensor], from_zero: bool = False) -> tuple[float, flo
     return (lo, hi) if hi > lo else (lo, lo + 1.0)
 
 
-def _display_image(image: Tensor) -> np.ndarray:
+def display_image(image: Tensor) -> np.ndarray:
     """`(C, H, W)` with C in {1, 3} -> `(H, W, 3)` floats in [0, 1], min-max over the image."""
     if image.ndim != 3 or image.shape[0] not in (1, 3):
         raise ValueError(f"image must have shape (C, H, W) with C 1 or 3, got {tuple(image.shape)}")

@@ -250,7 +250,8 @@ class ImageClassifier(L.LightningModule):
         """The logits `(B, num_classes)`, for callbacks (`vit.training.dashboard.ConfusionMatrix`)."""
         return self._eval_step(batch, "val", self.val_acc)
 
-    def test_step(self, batch, batch_idx: int) -> None:
+    def test_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """The logits `(B, num_classes)`, for callbacks (`vit.explain.callbacks.TestPredictionsTable`)."""
         logits = self._eval_step(batch, "test", self.test_acc)
         y = batch[1]
         # Probabilities, not logits: torchmetrics would take logits that happen to lie in [0, 1] for probabilities.
@@ -260,6 +261,7 @@ class ImageClassifier(L.LightningModule):
             self.test_top5(logits, y)
             self.log("test/top5_acc", self.test_top5, on_epoch=True)
         self.test_confusion.update(logits.argmax(dim=-1), y)
+        return logits
 
     def on_test_epoch_end(self) -> None:
         counts = self.test_confusion.compute()  # (K, K), rows true classes; summed over processes

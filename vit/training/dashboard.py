@@ -36,15 +36,22 @@ class ConfusionMatrix(L.Callback):
         class_names: axis labels; by default the model's `class_names` (the data module's, e.g. the
             folder names), else the class indices.
         tag: the name of the image on the dashboard.
+        test_tag: the name of W&B's own confusion matrix of the test set (`wandb.plot.confusion_matrix`,
+            from the logits `test_step` returns), logged at the end of `test` when the trainer has a
+            W&B logger.
         dpi: resolution of the rendered figure.
     """
 
-    def __init__(self, *, class_names: Sequence[str] | None = None, tag: str = "val/confusion_matrix", dpi: int = 100) -> None:
+    def __init__(self, *, class_names: Sequence[str] | None = None, tag: str = "val/confusion_matrix",
+                 test_tag: str = "test/confusion_matrix", dpi: int = 100) -> None:
         super().__init__()
         check_int("dpi", dpi, 1)
         self.class_names = list(class_names) if class_names is not None else None
         self.tag = tag
+        self.test_tag = test_tag
         self.dpi = dpi
+        self._test_true: list[int] = []
+        self._test_predicted: list[int] = []
         self.matrix: Tensor | None = None
         self._counts: MulticlassConfusionMatrix | None = None
         self._epoch = self._step = 0
@@ -73,6 +80,27 @@ class ConfusionMatrix(L.Callback):
             figure = self._figure(f"the last validation, {epoch_title(self._epoch, self._step)}",
                                   self.class_names or getattr(pl_module, "class_names", None))
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
+
+    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._test_true, self._test_predicted = [], []
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        # W&B's interactive matrix of the test set; the other loggers have the test metrics.
+        if isinstance(outputs, Tensor) and dataloader_idx == 0 and _wandb_loggers(trainer):
+            self._test_predicted += outputs.argmax(-1).tolist()
+            self._test_true += batch[1].tolist()
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._test_true or not trainer.is_global_zero:
+            return
+        import wandb
+
+        names = self.class_names or getattr(pl_module, "class_names", None)
+        chart = wandb.plot.confusion_matrix(y_true=self._test_true, preds=self._test_predicted, class_names=names,
+                                            title="test confusion matrix (rank 0's share)")
+        for logger in _wandb_loggers(trainer):
+            logger.experiment.log({self.test_tag: chart})
 
     def _figure(self, title: str, class_names: Sequence[str] | None = None):
         """`self.matrix` drawn by torchmetrics, on a Figure of its own (not pyplot's, which would keep it alive)."""
@@ -156,6 +184,10 @@ class HParamsTable(L.Callback):
 def hp_tag(metric: str) -> str:
     """The HParams table's name for a logged metric: `val/acc` -> `hp/val_acc`."""
     return "hp/" + metric.replace("/", "_")
+
+
+def _wandb_loggers(trainer: L.Trainer) -> list[WandbLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
 
 
 def _tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
