@@ -266,6 +266,5 @@ def open_checkpoint(ckpt_path: str | os.PathLike) -> tuple[ImageClassifier, dict
     its `input_description`, and the checkpoint dict itself. Every command that opens a checkpoint calls this."""
     local = fetch_checkpoint(ckpt_path)
     checkpoint = read_checkpoint(local)
-    check_hyperparameters(checkpoint)
-    model = build_classifier(checkpoint, str(ckpt_path))
+    model = build_classifier(checkpoint, str(ckpt_path))  # checks the hyperparameters before building anything
     return model, input_description(checkpoint, str(ckpt_path)), checkpoint
