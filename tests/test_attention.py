@@ -261,3 +261,41 @@ def test_a_bias_holding_nan_or_plus_inf_is_refused_naming_it(value, name):
     bias[0, 0, 3, 5] = float("-inf")  # -inf blocks: allowed
     with torch.no_grad(), mask_attention(model, bias):
         assert torch.isfinite(model(torch.randn(2, 1, 16, 16))).all()
+
+
+def test_local_mask_against_a_brute_force():
+    from vit.models.masks import local_mask
+
+    gh, gw, prefix = 4, 5, 1
+    for radius in (0, 1, 2):
+        mask = local_mask((gh, gw), radius, prefix)
+        for i in range(prefix + gh * gw):
+            for j in range(prefix + gh * gw):
+                if i < prefix or j < prefix:
+                    expected = True
+                else:
+                    (ri, ci), (rj, cj) = divmod(i - prefix, gw), divmod(j - prefix, gw)
+                    expected = max(abs(ri - rj), abs(ci - cj)) <= radius
+                assert bool(mask[i, j]) == expected, (radius, i, j)
+
+
+def test_a_local_vit_attends_within_its_radius_and_a_wide_radius_is_the_global_model():
+    torch.manual_seed(0)
+    kwargs = dict(img_size=16, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2, pool="mean")
+    local = VisionTransformer(attn_radius=1, **kwargs).eval()
+    x = torch.randn(2, 1, 16, 16)
+    with record_attention(local) as maps:
+        local(x)
+    grid = torch.arange(16)
+    far = ((grid[:, None] // 4 - grid[None] // 4).abs() > 1) | ((grid[:, None] % 4 - grid[None] % 4).abs() > 1)
+    for weights in maps:  # (B, H, N, N): zero beyond one grid step, rows still sum to one
+        assert weights[..., far].abs().max() == 0
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    wide = VisionTransformer(attn_radius=4, **kwargs).eval()
+    plain = VisionTransformer(**kwargs).eval()
+    plain.load_state_dict(wide.state_dict())  # the mask is a buffer, not in the state dict
+    torch.testing.assert_close(wide(x), plain(x))
+    plain.load_state_dict(local.state_dict())  # the same weights, attending globally: another output
+    assert not torch.allclose(local(x), plain(x))
+    with pytest.raises(ValueError, match="attn_radius=-1"):
+        VisionTransformer(attn_radius=-1, **kwargs)

@@ -168,3 +168,28 @@ def test_the_max_pool_readout_separates_a_hand_made_same_different_batch():
     torch.testing.assert_close(feats, torch.stack([one[int(a)] + one[int(b)] for a, b in ids]))  # additive
     fit = LogisticRegression(C=1e6, max_iter=10_000).fit(feats.numpy() * 100, labels.numpy())
     assert fit.score(feats.numpy() * 100, labels.numpy()) <= bag_of_shapes_ceiling(4) + 1e-9 < 0.67
+
+
+def test_the_flatten_readout_reads_every_unit_where_it_is():
+    model = ConvNet(in_chans=1, num_classes=2, widths=(4, 4, 4), strides=(2, 1, 1), pool="flatten").eval()
+    x = torch.randn(3, 1, 32, 32)
+    fmap = model.forward_features(x)
+    assert tuple(fmap.shape[1:]) == (4, *model.feature_size) == (4, 16, 16)
+    expected = fmap.flatten(1) @ model.head.weight.T + model.head.bias  # a linear map of the whole map
+    torch.testing.assert_close(model(x), expected)
+    assert model.head.in_features == model.num_features == 4 * 16 * 16
+    # Unlike a pooled readout, the same blob in two places gives two different logits even with circular
+    # padding (which makes the pooled map blind to circular shifts).
+    blob = torch.zeros(1, 1, 32, 32)
+    blob[..., 4:9, 4:9] = 1
+    for pool, blind in (("avg", True), ("flatten", False)):
+        net = ConvNet(in_chans=1, num_classes=2, widths=(4, 4), padding="circular", pool=pool).eval()
+        moved = torch.roll(blob, shifts=(10, 12), dims=(2, 3))
+        assert torch.allclose(net(blob), net(moved), atol=1e-5) == blind
+
+
+def test_the_mlp_head_is_twice_the_channels_wide_for_every_readout():
+    for pool in ("avg", "max", "flatten"):
+        model = ConvNet(in_chans=1, num_classes=2, widths=(8, 8), strides=(2, 2), pool=pool, head="mlp")
+        assert model.head.fc1.out_features == 16
+        assert model.head.fc1.in_features == (8 * 8 * 8 if pool == "flatten" else 8)

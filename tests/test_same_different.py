@@ -119,3 +119,28 @@ def test_datamodule_splits_are_different_draws():
     assert not torch.equal(dm.train_set.images[:32], dm.val_set.images)
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (16, 1, 32, 32) and y.dtype == torch.int64
+
+
+def test_a_held_out_pattern_is_never_trained_on_and_in_every_test_pair():
+    data = SameDifferentDataModule(num_train=2000, num_val=200, num_test=1000, held_out_shape=3, seed=5)
+    data.setup("fit")
+    data.setup("test")
+    for split in (data.train_set, data.val_set):
+        assert not (split.shape_ids == 3).any()
+        assert set(split.shape_ids.flatten().tolist()) == {0, 1, 2}
+        assert ((split.shape_ids[:, 0] == split.shape_ids[:, 1]) == (split.labels == 1)).all()
+    test = data.test_set
+    holds = test.shape_ids == 3
+    assert holds.any(1).all()  # every pair holds it
+    assert (holds.all(1) == (test.labels == 1)).all()  # twice exactly in the "same" pairs
+    assert 0.4 < holds[test.labels == 0, 0].float().mean() < 0.6  # on either side, by a fair coin
+    assert set(test.shape_ids[test.labels == 0].flatten().tolist()) == {0, 1, 2, 3}
+    # the pixels show the patterns the metadata names
+    shapes = make_shapes()
+    for i in range(20):
+        for k in range(2):
+            r, c = test.positions[i, k].tolist()
+            box = test.images[i, 0, r:r + SHAPE_SIZE, c:c + SHAPE_SIZE] > 0.5
+            assert (box.numpy() == shapes[test.shape_ids[i, k]]).all()
+    with pytest.raises(ValueError, match="held_out_shape=4"):
+        SameDifferentDataModule(held_out_shape=4)

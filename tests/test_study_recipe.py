@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from studies.recipe import screened
-from studies.recipe.attention_blocking import CONDITIONS, allowed_pairs, receptive_windows, stroke_tokens
+from studies.recipe.attention_blocking import (CLS_CONDITIONS, CONDITIONS, allowed_pairs, part_tokens, receptive_windows,
+                                              stroke_tokens)
+from vit.data.arrangement import ArrangementDataset
 from vit.data.same_different import SameDifferentDataset
 from vit.models import VisionTransformer
 
@@ -152,3 +154,28 @@ def test_each_condition_blocks_the_pairs_it_names():
     assert len(blocked["self_only"]) == 6 * 5  # every pair of distinct patches; the CLS token is left alone
     with pytest.raises(ValueError, match="condition='all' is not allowed"):
         allowed_pairs("all", sees, prefix=0, generator=g)
+
+
+def test_the_cls_conditions_block_only_the_cls_tokens_reading():
+    sees = torch.zeros(1, 2, 6, dtype=torch.bool)
+    sees[0, 0, [0, 1]] = True  # part A: patches 0, 1 (tokens 1, 2 after the CLS token)
+    sees[0, 1, [4]] = True  # part B: patch 4 (token 5)
+    g = torch.Generator().manual_seed(0)
+    blocked = {c: (~allowed_pairs(c, sees, prefix=1, generator=g)[0, 0]).nonzero().tolist() for c in CLS_CONDITIONS}
+    assert blocked["cls_a"] == [[0, 1], [0, 2]]
+    assert blocked["cls_b"] == [[0, 5]]
+    assert blocked["cls_parts"] == [[0, 1], [0, 2], [0, 5]]
+    assert len(blocked["cls_random"]) == 3 and all(q == 0 and k - 1 in (2, 3, 5) for q, k in blocked["cls_random"])
+    assert blocked["cls_self"] == [[0, k] for k in range(1, 7)]
+    with pytest.raises(ValueError, match="needs a model with a CLS token"):
+        allowed_pairs("cls_a", sees, prefix=0, generator=g)
+
+
+def test_the_discs_of_an_arrangement_image_are_seen_by_the_tokens_over_their_ink():
+    data = ArrangementDataset(num_samples=30, img_size=32, noise=0.0, seed=1)
+    model = VisionTransformer(img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=8, depth=1, num_heads=2)
+    sees = part_tokens(receptive_windows(model, 32, 1), data)  # (30, 2, 64)
+    for n in range(30):
+        ink_tokens = {(r // 4) * 8 + c // 4 for r, c in (data.images[n, 0] > 0.5).nonzero().tolist()}
+        assert set((sees[n, 0] | sees[n, 1]).nonzero().squeeze(1).tolist()) == ink_tokens
+        assert not (sees[n, 0] & sees[n, 1]).all()

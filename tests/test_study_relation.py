@@ -107,6 +107,25 @@ def test_fixed_rates_replace_the_calibration(tmp_path):
     assert {(r.train_region, r.test_region, r.shift_region) for r in runs} == {("left", "left", "right")}
 
 
+def test_an_experiments_data_options_reach_the_data_module_and_its_fingerprint():
+    cfg = grid.load_config(ROOT / "studies/arrangement/configs/arrangement.yaml")
+    runs = {r.key: r for r in grid.plan(cfg)}
+    ood = runs["span_ood-arrangement-cnn-rf45-n64000-s0"]
+    plain = runs["relation-arrangement-cnn-rf45-n64000-s0"]
+    held = runs["held_out-same_different-cnn-rf11-max-n64000-s0"]
+    assert ood.overrides["data"]["class_path"] == "vit.data.ArrangementDataModule"
+    assert {k: ood.overrides["data"]["init_args"][k] for k in ("train_max_span", "test_min_span")} == {
+        "train_max_span": 20, "test_min_span": 21}
+    assert "task" not in ood.overrides["data"]["init_args"] and "train_max_span" not in plain.overrides["data"]["init_args"]
+    assert held.overrides["data"]["init_args"]["held_out_shape"] == 3
+    assert ood.fingerprint != plain.fingerprint
+    from vit.training.rebuild import build_datamodule  # the plan's data module is one the checkpoints can rebuild
+    data = build_datamodule({"datamodule_hyper_parameters": {"_class_path": ood.overrides["data"]["class_path"],
+                                                             **ood.overrides["data"]["init_args"]}}, "plan")
+    data.setup("test")
+    assert int(data.test_set.span.min()) == 21
+
+
 def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ties(tmp_path):
     cfg = grid.load_config(_tiny_config(tmp_path))
     val = {("vit-learned", 1e-3): "0.60", ("vit-learned", 3e-3): "0.75", ("cnn-rf5", 1e-3): "0.70",
@@ -180,7 +199,7 @@ def test_default_study_is_the_documented_grid():
         ({"experiments": []}, (r"experiments=\[\] is not allowed: expected a non-empty list of experiments \(each "
                                r"a mapping with name, tasks, models, num_train\)")),
         ({"experiments": [{"name": "a", "tasks": ["diagonl"], "models": ["cnn-rf5"], "num_train": [8]}]},
-         r"tasks='diagonl' is not allowed: expected one of \['diagonal', 'relative', 'same_different'\]"),
+         r"tasks='diagonl' is not allowed: expected one of \['diagonal', 'relative', 'same_different', 'arrangement'\]"),
         ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["resnet"], "num_train": [8]}]},
          r"models='resnet' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]"),
         ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
@@ -216,6 +235,12 @@ def test_default_study_is_the_documented_grid():
                           {"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [16],
                            "train_samples": 16}]},
          r"experiment 'a' is listed with .* entries that share a name must share them"),
+
+        ({"experiments": [{"name": "a", "tasks": ["arrangement"], "models": ["cnn-rf5"], "num_train": [8],
+                           "data": {"seed": 3}}]},
+         r"data=\{'seed': 3\} is not allowed: expected a mapping of the data module's other options"),
+        ({"experiments": [{"name": "a", "tasks": ["arrangement"], "models": ["cnn-rf5"], "num_train": [8],
+                           "data": {"train_max_span": [20]}}]}, r"data=\{'train_max_span': \[20\]\} is not allowed"),
     ],
 )
 def test_bad_study_config_is_reported_with_the_value(tmp_path, change, message):

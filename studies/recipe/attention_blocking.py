@@ -20,6 +20,15 @@ pixels; likewise for B. Then, in every attention layer at once (`vit.models.mask
 * `self_only`: every token attends only to itself, which makes the model a bag of local
   features (no token ever reads another).
 
+For a model with a CLS token, the CLS token's own reading (`CLS_CONDITIONS`, in every layer):
+
+* `cls_a`, `cls_b`: the CLS token may not attend to the tokens that see part A (B);
+* `cls_parts`: to neither part's tokens (it can still read what other tokens took from them);
+* `cls_random`: to as many tokens that see neither part (the control for `cls_parts`);
+* `cls_self`: to nothing but itself: it never reads the image, so the head sees a constant.
+
+The same conditions apply to the two discs of the `arrangement` task (its parts A and B).
+
 Images where a token sees both strokes (they lie closer than a receptive window) are left out:
 there the relation can be read by the patch embedding alone. The accuracy of each condition on the
 remaining test images goes to `<out_dir>/runs.csv`, one row per checkpoint.
@@ -36,12 +45,14 @@ import yaml
 
 from studies.rows import append_rows
 from vit.checks import check_size
+from vit.data import arrangement
 from vit.data.same_different import make_shapes, render
 from vit.models.masks import mask_attention
 from vit.training.checkpointing import CheckpointError
 from vit.training.rebuild import build_datamodule, open_checkpoint
 
 CONDITIONS = ("none", "cross", "random", "within", "isolate", "isolate_random", "self_only")
+CLS_CONDITIONS = ("cls_a", "cls_b", "cls_parts", "cls_random", "cls_self")
 
 
 def receptive_windows(model, img_size: int | tuple[int, int], in_chans: int) -> torch.Tensor:
@@ -77,11 +88,47 @@ def stroke_tokens(windows: torch.Tensor, positions: torch.Tensor, shape_ids: tor
     return torch.stack(out, 1)
 
 
+def part_tokens(windows: torch.Tensor, test) -> torch.Tensor:
+    """`(n, 2, num_patches)` bool: the tokens that see each part of every image of a `same_different`
+    (strokes) or `arrangement` (discs) test set."""
+    if hasattr(test, "shape_ids"):
+        return stroke_tokens(windows, test.positions, test.shape_ids, test.img_size)
+    out = []
+    for k in range(2):  # one disc: both of render's discs at the same place
+        ink = torch.from_numpy(arrangement.render(test.positions[:, k:k + 1].repeat(1, 2, 1).numpy(), test.img_size)) > 0
+        out.append((ink[:, None] & windows[None]).flatten(2).any(-1))  # (n, N)
+    return torch.stack(out, 1)
+
+
+def _cls_allowed(condition: str, a: torch.Tensor, b: torch.Tensor, prefix: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """`(n, 1, T, T)` bool for a CLS condition: only the CLS token's row (query 0) loses keys."""
+    n, num_patches = a.shape
+    allowed = torch.ones(n, prefix + num_patches, prefix + num_patches, dtype=torch.bool)
+    if condition == "cls_self":
+        allowed[:, 0] = False
+        allowed[:, 0, 0] = True
+    else:
+        if condition == "cls_random":
+            group = torch.zeros_like(a)
+            for i, count in enumerate((a[i] | b[i]).sum().item() for i in range(n)):
+                free = (~(a[i] | b[i])).nonzero().squeeze(1)
+                group[i, free[torch.randperm(len(free), generator=generator)[:count]]] = True
+        else:
+            group = {"cls_a": a, "cls_b": b, "cls_parts": a | b}[condition]
+        allowed[:, 0, prefix:] = ~group
+    return allowed[:, None]
+
+
 def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: torch.Generator) -> torch.Tensor:
     """`(n, 1, T, T)` bool, True where a query may attend to a key, T = prefix + num_patches tokens."""
     n, _, num_patches = sees.shape
     a, b = sees[:, 0], sees[:, 1]  # (n, N)
     eye = torch.eye(num_patches, dtype=torch.bool)
+    if condition in CLS_CONDITIONS:
+        if prefix < 1:
+            raise ValueError(f"condition={condition!r} needs a model with a CLS token (pool='cls')")
+        return _cls_allowed(condition, a, b, prefix, generator)
     if condition == "none":
         blocked = torch.zeros(n, num_patches, num_patches, dtype=torch.bool)
     elif condition == "cross":
@@ -107,22 +154,24 @@ def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: to
             blocked[i, chosen] = True
         blocked = blocked.view(n, num_patches, num_patches)
     else:
-        raise ValueError(f"condition={condition!r} is not allowed: expected one of {list(CONDITIONS)}")
+        raise ValueError(f"condition={condition!r} is not allowed: expected one of {list(CONDITIONS + CLS_CONDITIONS)}")
     allowed = torch.ones(n, prefix + num_patches, prefix + num_patches, dtype=torch.bool)
     allowed[:, prefix:, prefix:] = ~blocked
     return allowed[:, None]
 
 
 @torch.no_grad()
-def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 250) -> dict[str, float]:
-    """Test accuracy of one checkpoint under each condition, on the images whose strokes no token sees both of."""
+def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 250,
+                        conditions: tuple[str, ...] = CONDITIONS) -> dict[str, float]:
+    """Test accuracy of one checkpoint under each condition, on the images whose parts no token sees both of
+    (a CLS condition is "" for a model without a CLS token)."""
     classifier, _, checkpoint = open_checkpoint(ckpt_path)
     model = classifier.backbone
     data = build_datamodule(checkpoint, str(ckpt_path))
     data.setup("test")
     test = data.test_set
     windows = receptive_windows(model, test.img_size, test.in_chans)
-    sees = stroke_tokens(windows, test.positions, test.shape_ids, test.img_size)
+    sees = part_tokens(windows, test)
     separate = ~(sees[:, 0] & sees[:, 1]).any(1)
     x, y, sees = test.images[separate], test.labels[separate], sees[separate]
     generator = torch.Generator().manual_seed(seed)
@@ -130,7 +179,10 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
     seed_everything = yaml.safe_load(config.read_text()).get("seed_everything", "") if config.exists() else ""
     result = {"ckpt_path": str(ckpt_path), "seed_everything": seed_everything,
               "images": int(separate.sum()), "left_out": int((~separate).sum())}
-    for condition in CONDITIONS:
+    for condition in conditions:
+        if condition in CLS_CONDITIONS and not model.num_prefix_tokens:
+            result[condition] = ""
+            continue
         correct = 0
         for i in range(0, len(y), batch_size):
             allowed = allowed_pairs(condition, sees[i:i + batch_size], model.num_prefix_tokens, generator)
@@ -143,16 +195,20 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m studies.recipe.attention_blocking",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt_paths", nargs="+", required=True, help="same_different ViT checkpoints of train.py")
+    parser.add_argument("--ckpt_paths", nargs="+", required=True,
+                        help="same_different or arrangement ViT checkpoints of train.py")
     parser.add_argument("--out_dir", required=True, type=Path)
     parser.add_argument("--name", default="", help="a label for these checkpoints in the CSV (e.g. the recipe)")
+    parser.add_argument("--cls", action="store_true",
+                        help=f"also the CLS token's conditions {', '.join(CLS_CONDITIONS)} (empty for mean pooling)")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = args.out_dir / "runs.csv"
-    columns = ["name", "ckpt_path", "seed_everything", "images", "left_out", *CONDITIONS]
+    conditions = CONDITIONS + (CLS_CONDITIONS if args.cls else ())
+    columns = ["name", "ckpt_path", "seed_everything", "images", "left_out", *conditions]
     for ckpt_path in args.ckpt_paths:
         try:
-            row = {"name": args.name, **blocking_accuracies(ckpt_path)}
+            row = {"name": args.name, **blocking_accuracies(ckpt_path, conditions=conditions)}
         except CheckpointError as err:  # the rows of the checkpoints before it are kept
             print(f"error: {err}", file=sys.stderr)
             return 2

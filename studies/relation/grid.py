@@ -12,13 +12,16 @@ from typing import get_args
 import yaml
 
 from vit.checks import check_choice
-from vit.data import same_different, two_circles
+from vit.data import arrangement, same_different, two_circles
 
 # Every task the study can run: its data module and the placement regions it knows.
 TASK_DATA = {
     **{task: ("vit.data.TwoCirclesDataModule", two_circles.REGIONS) for task in two_circles.TASKS},
     "same_different": ("vit.data.SameDifferentDataModule", get_args(same_different.Region)),
+    "arrangement": ("vit.data.ArrangementDataModule", get_args(arrangement.Region)),
 }
+# The value of a data option (an experiment's ``data``): a plain scalar, checked by the data module itself.
+PLAIN = (int, float, str, bool, type(None))
 
 
 CALIBRATE = "calibrate"  # the experiment name of the learning-rate calibration runs
@@ -133,7 +136,7 @@ def load_config(path: str | Path) -> dict:
         if not isinstance(exp, dict):
             raise ValueError(f"{w}: expected a mapping")
         extra = set(exp) - {"name", "tasks", "models", "num_train", "train_region", "test_region", "shift_region",
-                            "train_samples"}
+                            "train_samples", "data"}
         if extra:
             raise ValueError(f"{w}: unknown keys {sorted(extra)}")
         name = _require(exp, "name", str, w)
@@ -153,15 +156,21 @@ def load_config(path: str | Path) -> dict:
         if exp.setdefault("shift_region", None) is not None:
             for task in tasks:
                 check_choice(f"{w}.shift_region (task {task})", exp["shift_region"], TASK_DATA[task][1])
+        data = exp.setdefault("data", {})
+        reserved = {"num_train", "num_val", "num_test", "batch_size", "seed", "train_region", "test_region", "task"}
+        if not isinstance(data, dict) or set(data) & reserved or any(not isinstance(v, PLAIN) for v in data.values()):
+            raise ValueError(f"{w}: data={data!r} is not allowed: expected a mapping of the data module's other "
+                             f"options (e.g. train_max_span) to plain values; the grid sets {sorted(reserved)}")
         samples = exp.setdefault("train_samples", cfg.get("train_samples"))
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ValueError(f"{w}: train_samples={samples!r} is not allowed: expected an int >= 1")
         # Entries may share a name (e.g. all models at one size, a few models at more sizes): they
         # fill one table, so they must agree on the placements and the budget.
-        settings = (exp["train_region"], exp["test_region"], exp["shift_region"], exp["train_samples"])
+        settings = (exp["train_region"], exp["test_region"], exp["shift_region"], exp["train_samples"],
+                    sorted(exp["data"].items()))
         if seen.setdefault(name, settings) != settings:
             raise ValueError(f"{w}: experiment {name!r} is listed with (train_region, test_region, shift_region, "
-                             f"train_samples) {seen[name]} and {settings}; entries that share a name must share them")
+                             f"train_samples, data) {seen[name]} and {settings}; entries that share a name must share them")
         if name == CALIBRATE:
             raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
     _check_calibration(cfg, where)
@@ -301,7 +310,7 @@ def experiments(cfg: dict) -> list[dict]:
     for exp in cfg["experiments"]:
         m = merged.setdefault(exp["name"], {"name": exp["name"], "tasks": [], "models": [], "num_train": [],
                                             **{k: exp.get(k) for k in ("train_region", "test_region", "shift_region",
-                                                                       "train_samples")}})
+                                                                       "train_samples", "data")}})
         for key in ("tasks", "models", "num_train"):
             m[key] += [v for v in exp[key] if v not in m[key]]
     for m in merged.values():
@@ -353,8 +362,9 @@ def _runs(cfg: dict, entries: list[dict], seeds: list[int], lr_of) -> list[Run]:
                         init_args = {"num_train": num_train, "num_val": cfg["num_val"], "num_test": cfg["num_test"],
                                      "batch_size": cfg["batch_size"], "seed": seed,
                                      "train_region": exp["train_region"], "test_region": exp["test_region"]}
-                        if task != "same_different":
+                        if task in two_circles.TASKS:
                             init_args["task"] = task
+                        init_args.update(exp.get("data") or {})  # only when given: other runs keep their fingerprint
                         lr = lr_of(model)
                         model_args = {"backbone": cfg["models"][model],
                                       "warmup_epochs": round(cfg["warmup_fraction"] * epochs, 4)}

@@ -134,11 +134,13 @@ def placement_weights(rows: int, cols: int, lo: int, hi: int) -> np.ndarray:
     w = np.ones((rows, cols))
     uniform = marginal(w)
     target = (uniform + uniform[:, ::-1]) / 2
+    support = target > 0  # long spans leave the middle of the image to neither disc: no weight to fit there
     for _ in range(1000):
-        m = marginal(w)
-        if np.abs(m / target - 1).max() < 1e-6:
+        ratio = np.ones_like(w)
+        ratio[support] = target[support] / marginal(w)[support]
+        if np.abs(ratio - 1).max() < 1e-6:
             return w / w.max()
-        w *= np.sqrt(target / m)
+        w *= np.sqrt(ratio)
     raise RuntimeError(f"placement weights did not converge for rows={rows}, cols={cols}, spans [{lo}, {hi}]")
 
 

@@ -133,18 +133,35 @@ class SameDifferentDataset(Dataset):
     """
 
     def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
-                 noise: float = 0.05, region: Region = "all", seed: int = 0) -> None:
+                 noise: float = 0.05, region: Region = "all", held_out_shape: int | None = None,
+                 with_held_out: bool = False, seed: int = 0) -> None:
         check_int("num_samples", num_samples, 1)
         check_int("seed", seed, 0)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
+        if held_out_shape is not None:
+            check_int("held_out_shape", held_out_shape, 0, NUM_SHAPES - 1)
+        elif with_held_out:
+            raise ValueError("with_held_out=True needs a held_out_shape (0-3): the pattern every pair then holds")
         self.img_size, self.in_chans, self.noise, self.region, self.seed = img_size, in_chans, float(noise), region, seed
         self.shapes = make_shapes()
         rng = np.random.default_rng(seed)
         positions = sample_positions(rng, num_samples, img_size, region)
         labels = rng.permutation(np.arange(num_samples) % 2)
-        first = rng.integers(NUM_SHAPES, size=num_samples)
-        other = (first + rng.integers(1, NUM_SHAPES, size=num_samples)) % NUM_SHAPES  # uniform over the others
+        if held_out_shape is None:
+            first = rng.integers(NUM_SHAPES, size=num_samples)
+            other = (first + rng.integers(1, NUM_SHAPES, size=num_samples)) % NUM_SHAPES  # uniform over the others
+        else:
+            kept = np.array([k for k in range(NUM_SHAPES) if k != held_out_shape])
+            if with_held_out:  # every pair holds the held-out pattern: twice ("same") or beside a kept one
+                first = np.full(num_samples, held_out_shape)
+                other = kept[rng.integers(len(kept), size=num_samples)]
+            else:  # the held-out pattern never appears
+                i = rng.integers(len(kept), size=num_samples)
+                first, other = kept[i], kept[(i + rng.integers(1, len(kept), size=num_samples)) % len(kept)]
         shape_ids = np.stack([first, np.where(labels == 1, first, other)], axis=1)
+        if held_out_shape is not None:  # which of the two slots holds which pattern: a fair coin
+            swap = rng.integers(2, size=num_samples).astype(bool)
+            shape_ids[swap] = shape_ids[swap, ::-1]
         images = torch.from_numpy(render(positions, shape_ids, self.shapes, img_size))
         if noise > 0:
             gen = torch.Generator().manual_seed(int(rng.integers(2**63)))
@@ -189,13 +206,20 @@ class SameDifferentDataModule(SyntheticDataModule):
     """Train, val and test splits of ``SameDifferentDataset``, each from its own seed derived from ``seed``.
 
     Train and val are placed in ``train_region``, test in ``test_region`` (the translation test).
+    With ``held_out_shape`` (a pattern index, 0-3), train and val never show that pattern and every
+    test pair holds it: twice ("same") or beside one of the three trained patterns ("different"). A
+    model that compares the two strokes should still tell them apart; one that learned to detect the
+    three trained patterns has nothing to detect in a "same" pair.
     """
 
     def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 1, noise: float = 0.05,
                  num_train: int = 10_000,
                  num_val: int = 1_000, num_test: int = 2_000, train_region: Region = "all",
-                 test_region: Region = "all", seed: int = 0, batch_size: int = 128, num_workers: int = 0) -> None:
+                 test_region: Region = "all", held_out_shape: int | None = None, seed: int = 0,
+                 batch_size: int = 128, num_workers: int = 0) -> None:
         super().__init__()
+        if held_out_shape is not None:
+            check_int("held_out_shape", held_out_shape, 0, NUM_SHAPES - 1)
         for name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(name, region, Region)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
@@ -211,4 +235,6 @@ class SameDifferentDataModule(SyntheticDataModule):
     def make_split(self, split: str, num_samples: int, region: str) -> SameDifferentDataset:
         hp = self.hparams
         return SameDifferentDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans,
-                                    noise=hp.noise, region=region, seed=self.split_seeds()[split])
+                                    noise=hp.noise, region=region, held_out_shape=hp.get("held_out_shape"),
+                                    with_held_out=split == "test" and hp.get("held_out_shape") is not None,
+                                    seed=self.split_seeds()[split])

@@ -46,7 +46,7 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=proj_drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, N, D) -> (B, N, D)`."""
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`(B, N, D) -> (B, N, D)`; `mask` (bool or additive, `vit.models.masks`) limits the attention."""
+        x = x + self.drop_path1(self.attn(self.norm1(x), mask=mask))
         return x + self.drop_path2(self.mlp(self.norm2(x)))

@@ -12,9 +12,14 @@ relation (studies/relation/README.md):
 * ``pool="max"``: global max pooling. A bag of one-part detectors then reports *which* parts are
   present, not how many, and "one kind present" against "two kinds present" is linearly
   separable: a same/different relation read with no unit that sees both parts.
-* ``head="mlp"``: ``Linear(C, 2C) -> ReLU -> Linear(2C, num_classes)`` on the pooled features
-  (``head.fc1``, ``head.fc2``), hidden width twice the features as in the ViT's MLP: a nonlinear
+* ``head="mlp"``: ``Linear(F, 2C) -> ReLU -> Linear(2C, num_classes)`` on the pooled features (``F = C``
+  channels pooled, ``C x H' x W'`` flattened; ``head.fc1``, ``head.fc2``), hidden width twice the
+  channels as in the ViT's MLP: a nonlinear
   function of the pooled features, so not additive either.
+* ``pool="flatten"``: no pooling; the head reads the whole last feature map, flattened (``C x H' x
+  W'`` features). The readout keeps where each unit is, so a linear head can weigh a part by its
+  position and combine units that each see one part: a position-keeping readout (as in the
+  classic LeNet/AlexNet heads), against which the pooled ones are compared.
 
 The receptive field of the last layer (``receptive_field``) follows from the layers alone, by the
 recurrence over layers
@@ -50,7 +55,7 @@ from vit.checks import check_choice, check_size
 from vit.models.inputs import check_image_batch
 
 Padding = Literal["zero", "circular", "valid"]
-Pool = Literal["avg", "max"]
+Pool = Literal["avg", "max", "flatten"]
 Head = Literal["linear", "mlp"]
 
 
@@ -71,7 +76,8 @@ class ConvNet(nn.Module):
         strides: stride of each layer (default all 1).
         kernel_size: the side of every kernel (odd).
         padding: "zero", "circular" or "valid" (see the module doc).
-        pool: global "avg" (default) or "max" pooling of the last feature map.
+        pool: global "avg" (default) or "max" pooling of the last feature map, or "flatten" (none: the head
+            reads every unit of the last map).
         head: "linear" (default) or "mlp" (one hidden layer of width ``2 * widths[-1]``).
     """
 
@@ -103,13 +109,14 @@ class ConvNet(nn.Module):
         self.img_size, self.in_chans, self.num_classes = check_size("img_size", img_size), in_chans, num_classes
         self.widths, self.strides, self.kernel_size, self.padding = widths, strides, kernel_size, padding
         self.receptive_field = receptive_field((kernel_size,) * len(widths), strides)
-        if padding == "valid":
-            h, w = self.img_size
-            for s in strides:
-                h, w = (h - kernel_size) // s + 1, (w - kernel_size) // s + 1
-            if min(h, w) < 1:
-                raise ValueError(f"padding='valid' leaves no output for img_size={img_size!r} with kernel_size="
-                                 f"{kernel_size} and strides={strides}: use fewer layers or padding 'zero'/'circular'")
+        h, w = self.img_size
+        for s in strides:  # the last map's size: "zero"/"circular" pad by k // 2, "valid" not at all
+            shrink = kernel_size - 1 if padding == "valid" else 0
+            h, w = (h - shrink - 1) // s + 1, (w - shrink - 1) // s + 1
+        if min(h, w) < 1:
+            raise ValueError(f"padding='valid' leaves no output for img_size={img_size!r} with kernel_size="
+                             f"{kernel_size} and strides={strides}: use fewer layers or padding 'zero'/'circular'")
+        self.feature_size = (h, w)
         layers, in_chs = [], in_chans
         for width, stride in zip(widths, strides):
             layers += [
@@ -121,13 +128,14 @@ class ConvNet(nn.Module):
             ]
             in_chs = width
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1) if pool == "avg" else nn.AdaptiveMaxPool2d(1)
-        self.num_features = in_chs
+        self.pool = {"avg": nn.AdaptiveAvgPool2d(1), "max": nn.AdaptiveMaxPool2d(1), "flatten": nn.Identity()}[pool]
+        self.num_features = in_chs * (h * w if pool == "flatten" else 1)  # what the head reads
+        in_chs = self.num_features
         if head == "linear":  # the keys `head.weight`, `head.bias` of every checkpoint so far
             self.head = nn.Linear(in_chs, num_classes)
         else:
-            self.head = nn.Sequential(OrderedDict(fc1=nn.Linear(in_chs, 2 * in_chs), act=nn.ReLU(),
-                                                  fc2=nn.Linear(2 * in_chs, num_classes)))
+            self.head = nn.Sequential(OrderedDict(fc1=nn.Linear(in_chs, 2 * widths[-1]), act=nn.ReLU(),
+                                                  fc2=nn.Linear(2 * widths[-1], num_classes)))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's feature map ``(B, widths[-1], H', W')``, before pooling."""
@@ -135,7 +143,7 @@ class ConvNet(nn.Module):
         return self.features(x)
 
     def forward_head(self, fmap: torch.Tensor) -> torch.Tensor:
-        """Global pooling of the feature map ``(B, C, H', W')``, then the head: ``(B, num_classes)``."""
+        """Global pooling of the feature map ``(B, C, H', W')`` (or none, for "flatten"), then the head: ``(B, num_classes)``."""
         return self.head(self.pool(fmap).flatten(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,21 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = N
     return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril()
 
 
+def local_mask(grid_size: tuple[int, int], radius: int, num_prefix: int = 0,
+               device: torch.device | None = None) -> torch.Tensor:
+    """`(N, N)` bool, `N = num_prefix + gh * gw`: patch tokens attend to the patches within `radius` grid
+    steps (Chebyshev distance, so a `(2 radius + 1)^2` square, cut at the border); prefix tokens (CLS,
+    registers) attend to every token and every token to them. Patches are row-major after the prefix."""
+    gh, gw = grid_size
+    rows = torch.arange(gh, device=device).repeat_interleave(gw)  # (gh * gw,)
+    cols = torch.arange(gw, device=device).repeat(gh)
+    near = ((rows[:, None] - rows[None]).abs() <= radius) & ((cols[:, None] - cols[None]).abs() <= radius)
+    n = num_prefix + gh * gw
+    mask = torch.ones(n, n, dtype=torch.bool, device=device)
+    mask[num_prefix:, num_prefix:] = near
+    return mask
+
+
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A boolean mask becomes 0 / -inf; a float mask is returned as it is (in `dtype`); any other dtype is refused."""
     _check_dtype(mask)

@@ -12,6 +12,7 @@ from torch.nn.init import trunc_normal_
 from vit.checks import check_choice, check_float, check_int, check_size
 from vit.models.block import Block
 from vit.models.heads import MAPHead
+from vit.models.masks import local_mask
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
 from vit.models.pretrained import check_layout, load_pretrained, resolve_shape
@@ -77,6 +78,10 @@ class VisionTransformer(nn.Module):
         patch embedding's output starts near 0.1, so at init the tokens are then mostly position).
       - `qk_init_std`: the init std of the query and key projections (`init_weights`).
       - `patch_kernel`: overlapping patches, a window wider than the patch (`PatchEmbed`).
+      - `attn_radius`: local attention, in training and at test time: a patch attends only to the
+        patches within this many grid steps (`vit.models.masks.local_mask`; 1: its 3x3 neighbourhood);
+        the CLS token and registers still see and are seen by all. Stacked, `depth` layers reach
+        `depth * attn_radius` patches, as a CNN's receptive field grows. None (default): global.
 
     Weights. `pretrained`: weights to start from, a timm model name, a hub id or a local file, adapted
     to this config (`vit.models.pretrained`).
@@ -113,6 +118,7 @@ class VisionTransformer(nn.Module):
         pos_scale: float = 1.0,
         qk_init_std: float = 0.02,
         patch_kernel: int | None = None,
+        attn_radius: int | None = None,
         # Weights.
         pretrained: str | None = None,
     ) -> None:
@@ -124,6 +130,8 @@ class VisionTransformer(nn.Module):
                     no_embed_class=no_embed_class, pos_embed=pos_embed, pos_scale=pos_scale, score_dim=score_dim,
                     qk_init_std=qk_init_std, drop_rate=drop_rate, proj_drop_rate=proj_drop_rate,
                     attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
+        if attn_radius is not None:
+            check_int("attn_radius", attn_radius, 0, MAX_WIDTH)
         self.num_classes = num_classes
         self.embed_dim = self.num_features = embed_dim  # timm's name for the width the head reads
         self.pos_embed_type = pos_embed
@@ -151,6 +159,12 @@ class VisionTransformer(nn.Module):
             self.register_buffer("pos_embed", torch.cat([prefix_pos, grid])[None], persistent=False)
         else:
             self.pos_embed = None
+
+        # Local attention: a fixed mask, in training as at test time (None: every token sees every token).
+        self.attn_radius = attn_radius
+        mask = None if attn_radius is None else local_mask(self.patch_embed.grid_size, attn_radius,
+                                                           self.num_prefix_tokens)
+        self.register_buffer("attn_mask", mask, persistent=False)
 
         # Stochastic depth grows linearly with depth: early blocks are kept almost always.
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()
@@ -245,8 +259,8 @@ class VisionTransformer(nn.Module):
     def _run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and torch.is_grad_enabled():
             # Activation checkpointing: the block's activations are recomputed in the backward pass.
-            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        return block(x)
+            return torch.utils.checkpoint.checkpoint(block, x, self.attn_mask, use_reentrant=False)
+        return block(x, self.attn_mask)
 
     def forward_intermediates(
         self,
