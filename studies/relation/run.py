@@ -37,19 +37,43 @@ def _last_train_acc(log_dir: Path) -> float:
     return float(values[-1]) if values else float("nan")
 
 
+STUDY_WANDB = "READABLE_VIT_STUDY_WANDB"  # offline | online: each run also on W&B, grouped by its cell
+WANDB_MODES = ("offline", "online")
+
+
+def cell_key(run: Run) -> str:
+    """The run's cell, the run key without its seed: the runs that differ only in their seed share it."""
+    return run.key.removesuffix(f"-s{run.seed}")
+
+
 def run_overrides(run: Run, log_dir: Path, environ: dict | None = None) -> dict:
     """The run's train.py overrides, with its loggers. Under a submitit SLURM job, Lightning's own
     SLURM auto-requeue is switched off, so that only submitit requeues a preempted run, and the
-    accelerator is Lightning's choice (the GPU the job was given), not the base config's CPU."""
+    accelerator is Lightning's choice (the GPU the job was given), not the base config's CPU.
+
+    TensorBoard and CSV log every run to ``<log_dir>/<run key>``; the keys sort by cell, then seed.
+    With ``READABLE_VIT_STUDY_WANDB=offline`` (or ``online``) in the environment, W&B logs the run
+    too: project ``study-<log_dir's name>``, the cell as its group (``cell_key``), the run key as its
+    name, the cell and the seed in its config, files under ``<log_dir>/wandb``."""
     environ = os.environ if environ is None else environ
     logger_args = {"save_dir": str(log_dir), "name": run.key, "version": ""}
     overrides = json.loads(json.dumps(run.overrides))
+    loggers = [
+        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+         "init_args": {**logger_args, "default_hp_metric": False}},
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": logger_args},
+    ]
+    wandb_mode = environ.get(STUDY_WANDB, "")
+    if wandb_mode:
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"{STUDY_WANDB}={wandb_mode!r} is not allowed: expected one of {list(WANDB_MODES)} "
+                             "(or unset, for no W&B)")
+        loggers.append({"class_path": "vit.training.loggers.WandbLogger", "init_args": {
+            "project": f"study-{Path(log_dir).name}", "name": run.key, "group": cell_key(run),
+            "save_dir": str(log_dir), "offline": wandb_mode == "offline",
+            "config": {"cell": cell_key(run), "seed": run.seed}}})
     overrides["trainer"].update({
-        "logger": [
-            {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-             "init_args": {**logger_args, "default_hp_metric": False}},
-            {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": logger_args},
-        ],
+        "logger": loggers,
         "enable_progress_bar": False,
         "enable_model_summary": False,
     })
@@ -58,6 +82,16 @@ def run_overrides(run: Run, log_dir: Path, environ: dict | None = None) -> dict:
         overrides["trainer"]["plugins"] = [{"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
                                            "init_args": {"auto_requeue": False}}]
     return overrides
+
+
+def finish_wandb_run() -> None:
+    """Close the W&B run a study run opened, if any: in a process that runs several
+    (``--executor debug``), the next run's WandbLogger would otherwise log into it."""
+    import sys
+
+    wandb = sys.modules.get("wandb")  # not imported: no W&B run to close
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
 
 
 def flops_per_image(backbone, in_chans: int, img_size: int) -> int:
@@ -152,7 +186,10 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
         # about `python -m studies.relation`'s own sys.argv. TensorBoard and CSV share the run directory.
         warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
         warnings.filterwarnings("ignore", message=".*exists and is not empty")
-        cli = main(args=["fit", "--config", base_config, "--config", str(overrides_path)])
+        try:
+            cli = main(args=["fit", "--config", base_config, "--config", str(overrides_path)])
+        finally:
+            finish_wandb_run()
     seconds = time.perf_counter() - start
     trainer = cli.trainer
     if trainer.interrupted or "test/acc" not in trainer.callback_metrics:

@@ -1,8 +1,9 @@
-"""The dashboard callbacks of interpretation: rollout overlays of fixed validation images, relevance scores, and a
-W&B table of test predictions with their overlays."""
+"""The dashboard callbacks of interpretation: rollout overlays of fixed validation images, relevance scores, a
+W&B table of test predictions with their overlays, and a grid of the most confident test mistakes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import lightning as L
@@ -17,7 +18,12 @@ from vit.explain.plot import SCALES, Scale, display_image, overlay, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
-from vit.training.dashboard import epoch_title, figure_to_array, log_image
+from vit.training.dashboard import (
+    RankedPredictions,
+    epoch_title,
+    figure_to_array,
+    log_image,
+)
 
 METHOD_TITLES = {"grad_rollout": "grad rollout"}  # a column's title; the others are titled by their name
 
@@ -234,10 +240,9 @@ class TestPredictionsTable(L.Callback):
     Columns: `image`, `true` and `predicted` (class names), `probability` (the softmax of the
     predicted class) and, for a backbone with attention, `rollout` (the rollout overlay drawn as
     `vit.explain.plot.overlay` draws it). Rows: the mistakes, most confident first, then correct
-    predictions in test order, at most `num_rows`. Only the best `num_rows` are kept while the test
-    runs, so a large test set costs no memory. The logits are those `test_step` returns
-    (`ImageClassifier` does); with several processes, rank 0's share of the test set is shown.
-    Without a W&B logger nothing is computed.
+    predictions in test order, at most `num_rows`, chosen by `RankedPredictions` as `TestMistakesGrid`'s
+    are. The logits are those `test_step` returns (`ImageClassifier` does); with several processes,
+    rank 0's share of the test set is shown. Without a W&B logger nothing is computed.
 
     Args:
         num_rows: the most rows the table has.
@@ -253,69 +258,122 @@ class TestPredictionsTable(L.Callback):
         self.class_names = list(class_names) if class_names is not None else None
         self.tag = tag
         self.columns: list[str] = []  # of the last table logged
-        self._reset()
-
-    def _reset(self) -> None:
-        self._images: Tensor | None = None  # (n, C, H, W) on the CPU, n <= num_rows, in table order
-        self._labels = self._predicted = self._probability = self._order = torch.empty(0)
-        self._seen = 0
+        self.kept = RankedPredictions(num_rows)
 
     @staticmethod
     def _wandb_loggers(trainer: L.Trainer) -> list[WandbLogger]:
         return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
 
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._reset()
+        self.kept.reset()
 
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
                           dataloader_idx: int = 0) -> None:
         if dataloader_idx != 0 or not trainer.is_global_zero or not self._wandb_loggers(trainer):
             return
-        if not isinstance(outputs, Tensor):
-            raise TypeError(f"TestPredictionsTable needs test_step to return the logits (B, num_classes); "
-                            f"{type(pl_module).__name__}.test_step returned {type(outputs).__name__}")
-        x, y = batch[0].detach().cpu(), batch[1].detach().cpu()
-        probability, predicted = outputs.detach().float().softmax(-1).max(-1)  # (B,), (B,)
-        probability, predicted = probability.cpu(), predicted.cpu()
-        # Sort key: mistakes (most confident first) before correct predictions (in test order).
-        index = torch.arange(self._seen, self._seen + len(y), dtype=torch.float64)
-        self._seen += len(y)
-        order = torch.where(predicted != y, -probability.double() - 1.0, index)
-        images = x if self._images is None else torch.cat([self._images, x])
-        labels, predicted = torch.cat([self._labels.long(), y]), torch.cat([self._predicted.long(), predicted])
-        probability, order = torch.cat([self._probability, probability]), torch.cat([self._order.double(), order])
-        keep = order.argsort()[: self.num_rows]
-        self._images, self._labels, self._predicted = images[keep].clone(), labels[keep], predicted[keep]
-        self._probability, self._order = probability[keep], order[keep]
+        self.kept.update(batch[0], batch[1], _logits(self, pl_module, outputs))
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loggers = self._wandb_loggers(trainer)
-        if self._images is None or not loggers or not trainer.is_global_zero:
+        if self.kept.images is None or not loggers or not trainer.is_global_zero:
             return
         import wandb
 
         model = getattr(pl_module, "evaluated", getattr(pl_module, "backbone", pl_module))
         maps = None
         if usable_methods(model, ("rollout",), skip=True):
-            x = self._images.to(next(model.parameters()).device)
+            x = self.kept.images.to(next(model.parameters()).device)
             with trainer.precision_plugin.forward_context():
                 maps = relevance(model, trainer.precision_plugin.convert_input(x), "rollout").float().cpu()  # (n, gh, gw)
-        names = self.class_names or getattr(pl_module, "class_names", None)
-
-        def name(index: int) -> str:
-            return names[index] if names is not None else str(index)
-
+        name = _namer(self.class_names or getattr(pl_module, "class_names", None))
+        kept = self.kept
         self.columns = ["image", "true", "predicted", "probability"] + (["rollout"] if maps is not None else [])
         rows = []
-        for i, image in enumerate(self._images):
-            row = [wandb.Image(_to_uint8(display_image(image))), name(int(self._labels[i])),
-                   name(int(self._predicted[i])), float(self._probability[i])]
+        for i, image in enumerate(kept.images):
+            row = [wandb.Image(_to_uint8(display_image(image))), name(kept.labels[i]), name(kept.predicted[i]),
+                   float(kept.probability[i])]
             if maps is not None:
                 row.append(wandb.Image(_to_uint8(overlay(image, maps[i]))))
             rows.append(row)
         for logger in loggers:
             logger.log_table(key=self.tag, columns=self.columns, data=rows, step=trainer.global_step)
-        self._reset()
+        kept.reset()
+
+
+class TestMistakesGrid(L.Callback):
+    """After `test`, log a grid of the most confident test mistakes, each titled with its true and predicted class.
+
+    The dashboards without W&B's table get it (TensorBoard's Images tab, CSV's `images/` PNGs);
+    a W&B logger is left out, since `TestPredictionsTable` shows it the same mistakes, and more.
+    The mistakes are chosen by `RankedPredictions` (most confident first, at most `num_images`)
+    from the logits `test_step` returns; with several processes, rank 0's share of the test set.
+    A test without mistakes logs no grid. After the test, `kept` holds what was drawn.
+
+    Args:
+        num_images: the most mistakes shown.
+        columns: images in a row of the grid.
+        class_names: names for the titles; by default the model's `class_names`, else the class indices.
+        tag: the name of the image on the dashboard.
+        dpi: resolution of the rendered grid (each cell is 1.6 inches square).
+    """
+
+    def __init__(self, *, num_images: int = 16, columns: int = 8, class_names: Sequence[str] | None = None,
+                 tag: str = "test/mistakes", dpi: int = 100) -> None:
+        super().__init__()
+        check_int("num_images", num_images, 1)
+        check_int("columns", columns, 1)
+        check_int("dpi", dpi, 1)
+        self.columns, self.tag, self.dpi = columns, tag, dpi
+        self.class_names = list(class_names) if class_names is not None else None
+        self.kept = RankedPredictions(num_images, mistakes_only=True)
+
+    @staticmethod
+    def _loggers(trainer: L.Trainer) -> list:
+        return [logger for logger in trainer.loggers if not isinstance(logger, WandbLogger)]
+
+    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.kept.reset()
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        if dataloader_idx == 0 and trainer.is_global_zero and self._loggers(trainer):
+            self.kept.update(batch[0], batch[1], _logits(self, pl_module, outputs))
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if len(self.kept) and trainer.is_global_zero:
+            figure = self.render(_namer(self.class_names or getattr(pl_module, "class_names", None)))
+            log_image(trainer, self.tag, figure_to_array(figure, self.dpi), loggers=self._loggers(trainer))
+
+    def render(self, name=str):
+        """The grid of the kept mistakes as a matplotlib Figure; `name` turns a class index into its title."""
+        from matplotlib.figure import Figure
+
+        kept, cell = self.kept, 1.6
+        columns = min(self.columns, len(kept))
+        rows = math.ceil(len(kept) / columns)
+        figure = Figure(figsize=(cell * columns, cell * rows + 0.5), layout="constrained")
+        axes = figure.subplots(rows, columns, squeeze=False)
+        for i, ax in enumerate(axes.flat):
+            ax.set_axis_off()
+            if i < len(kept):
+                ax.imshow(display_image(kept.images[i]), interpolation="nearest")
+                ax.set_title(f"true {name(kept.labels[i])}\npredicted {name(kept.predicted[i])}"
+                             f" ({float(kept.probability[i]):.2f})", fontsize="small")
+        figure.suptitle(f"the {len(kept)} most confident of {kept.mistakes} mistakes in {kept.seen} test images")
+        return figure
+
+
+def _logits(callback: L.Callback, pl_module: L.LightningModule, outputs) -> Tensor:
+    """The logits `(B, num_classes)` that `test_step` returned, or a TypeError that says what it returned."""
+    if not isinstance(outputs, Tensor):
+        raise TypeError(f"{type(callback).__name__} needs test_step to return the logits (B, num_classes); "
+                        f"{type(pl_module).__name__}.test_step returned {type(outputs).__name__}")
+    return outputs
+
+
+def _namer(names: Sequence[str] | None):
+    """A class index (int or 0-d tensor) -> its name, or the index as text when there are no names."""
+    return lambda index: names[int(index)] if names is not None else str(int(index))
 
 
 def _to_uint8(image: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Filling the dashboard: figures to arrays, one image to every logger, the confusion matrix, the HParams table.
+"""Filling the dashboard: figures to arrays, one image to every logger, the confusion matrix, the HParams table,
+and the test predictions a predictions view shows (the most confident mistakes first).
 
 Images go to whichever loggers the trainer has: W&B (`wandb.Image`), TensorBoard (`add_image`) or
 CSV (PNG files in the run's folder).
@@ -14,6 +15,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_warn
@@ -120,11 +122,11 @@ class ConfusionMatrix(L.Callback):
 class HParamsTable(L.Callback):
     """Fill TensorBoard's HParams tab: one row per run, its settings beside its final metrics.
 
-    At the start of `fit` (or of a `test` on its own) each TensorBoard logger gets, through
-    `TensorBoardLogger.log_hyperparams`, the model's and the data's hyperparameters (the backbone's
+    At the start of `fit` (or of a `test` on its own) each TensorBoard logger gets the run's row of
+    the table (`write_session_start`): the model's and the data's hyperparameters (the backbone's
     `class_path` and `init_args` among them, flattened to `backbone/init_args/depth` and so on),
-    the seed and the trainer's `max_epochs` and `precision`, with the metrics `hp/val_acc`,
-    `hp/val_loss`, `hp/test_acc`, `hp/test_loss` declared as NaN (not known yet). TensorBoard shows
+    the seed and the trainer's `max_epochs` and `precision`; the metrics `hp/val_acc`,
+    `hp/val_loss`, `hp/test_acc`, `hp/test_loss` start as NaN (not known yet). TensorBoard shows
     a metric's last value in the run, so each validation of `fit` logs the `hp/val_*` values
     (the table ends with the last one) and the end of `test` the `hp/test_*` values. Loggers that are
     not TensorBoard are left alone: W&B gets the whole config from `RunConfig`, CSV keeps `hparams.yaml`.
@@ -156,19 +158,23 @@ class HParamsTable(L.Callback):
             return
         self._started = True
         settings = self.settings(trainer, pl_module)
-        # Lightning writes the HParams summary only with metrics; their names are the table's columns.
         declared = {hp_tag(name): math.nan for name in self.metrics}
         for logger in _tensorboard_loggers(trainer):
-            logger.log_hyperparams(settings, declared, step=trainer.global_step)
+            logger.log_metrics(declared, step=trainer.global_step)
+            write_session_start(logger, settings, step=trainer.global_step)
 
     @staticmethod
     def settings(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        """The run's settings as a nested dict (the logger flattens it): model, data, seed, trainer."""
+        """The run's settings as a nested dict (the logger flattens it): model, data, seed, trainer.
+
+        LightningCLI's bookkeeping (`_class_path`, `_instantiator`) is left out: not a setting, and
+        the tab would show it first.
+        """
         datamodule = trainer.datamodule
         seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything (LightningCLI's `seed_everything`)
+        hparams = {**pl_module.hparams_initial, **(datamodule.hparams_initial if datamodule is not None else {})}
         return {
-            **pl_module.hparams_initial,
-            **(datamodule.hparams_initial if datamodule is not None else {}),
+            **{name: value for name, value in hparams.items() if not name.startswith("_")},
             "seed_everything": int(seed) if seed is not None else None,
             "trainer": {"max_epochs": trainer.max_epochs, "precision": str(trainer.precision)},
         }
@@ -179,6 +185,70 @@ class HParamsTable(L.Callback):
         if values:
             for logger in _tensorboard_loggers(trainer):
                 logger.log_metrics(values, step=trainer.global_step)
+
+
+class RankedPredictions:
+    """The test predictions a predictions view shows, kept batch by batch: the mistakes, most confident first,
+    then (unless `mistakes_only`) the correct predictions in test order; at most `size` of them.
+
+    Only the first `size` in that order are held between batches, so a large test set costs no
+    memory. W&B's table (`TestPredictionsTable`) and TensorBoard's grid (`TestMistakesGrid`) both
+    choose their rows here. After the test: `images` `(n, C, H, W)`, `labels`, `predicted` and
+    `probability` (the softmax of the predicted class), each `(n,)` on the CPU, `n <= size`, in that order.
+    """
+
+    def __init__(self, size: int, *, mistakes_only: bool = False) -> None:
+        check_int("size", size, 1)
+        self.size, self.mistakes_only = size, mistakes_only
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was kept (a new test)."""
+        self.images: Tensor | None = None  # None until the first batch
+        self.labels = self.predicted = torch.empty(0, dtype=torch.long)
+        self.probability = torch.empty(0)
+        self.seen = self.mistakes = 0  # test images and mistakes so far, kept or not
+        self._order = torch.empty(0, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def update(self, images: Tensor, labels: Tensor, logits: Tensor) -> None:
+        """Add a batch: `images` `(B, C, H, W)`, `labels` `(B,)`, the model's `logits` `(B, num_classes)`."""
+        x, y = images.detach().cpu(), labels.detach().cpu().long()
+        probability, predicted = logits.detach().float().softmax(-1).max(-1)  # (B,), (B,)
+        probability, predicted = probability.cpu(), predicted.cpu()
+        wrong = predicted != y
+        # The sort key: a mistake's is -1 - probability (in [-2, -1)), a correct one's its index in the test set (>= 0).
+        order = torch.where(wrong, -probability.double() - 1.0,
+                            torch.arange(self.seen, self.seen + len(y), dtype=torch.float64))
+        self.seen, self.mistakes = self.seen + len(y), self.mistakes + int(wrong.sum())
+        if self.mistakes_only:
+            x, y, predicted, probability, order = x[wrong], y[wrong], predicted[wrong], probability[wrong], order[wrong]
+        images = x if self.images is None else torch.cat([self.images, x])
+        labels, predicted = torch.cat([self.labels, y]), torch.cat([self.predicted, predicted])
+        probability, order = torch.cat([self.probability, probability]), torch.cat([self._order, order])
+        keep = order.argsort(stable=True)[: self.size]  # stable: equal confidence keeps test order
+        self.images, self.labels, self.predicted = images[keep].clone(), labels[keep], predicted[keep]
+        self.probability, self._order = probability[keep], order[keep]
+
+
+def write_session_start(logger: TensorBoardLogger, settings: dict[str, Any], step: int = 0) -> None:
+    """Write a run's row of TensorBoard's HParams table (its settings), and no experiment summary.
+
+    `TensorBoardLogger.log_hyperparams` with metrics writes an experiment summary too, and
+    TensorBoard takes the table's columns from the first one it finds, in name order. Without
+    one, it builds the columns from every run's row: the settings whose values differ between the
+    runs first (the 5 shown at first), and every scalar tag as a metric, in name order (`epoch` and
+    the `hp/` ones first). So the logger keeps `default_hp_metric: false`, as the configs set it:
+    Lightning's `hp_metric` comes with an experiment summary of its own.
+    """
+    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+    from torch.utils.tensorboard.summary import hparams
+
+    params = logger._sanitize_params(_flatten_dict(_convert_params(settings)))  # as log_hyperparams flattens
+    _, session_start, _ = hparams(params, {})
+    logger.experiment._get_file_writer().add_summary(session_start, step)
 
 
 def hp_tag(metric: str) -> str:
@@ -215,15 +285,15 @@ def figure_to_array(figure, dpi: int = 100) -> np.ndarray:
 _unsupported_warned: set[str] = set()
 
 
-def log_image(trainer: L.Trainer, tag: str, image: np.ndarray) -> None:
-    """Log an RGB `(H, W, 3)` uint8 image to every logger of `trainer`, at the current global step.
+def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, loggers: Sequence | None = None) -> None:
+    """Log an RGB `(H, W, 3)` uint8 image to every logger of `trainer` (or those in `loggers`), at the current global step.
 
     W&B: `wandb.Image` under `tag`; TensorBoard: `add_image(tag, ...)`; CSV: a PNG file
     `<log_dir>/images/<tag with / as _>-step<step>.png` (never overwriting an existing file).
     Other loggers get a one-time warning.
     """
     step = trainer.global_step
-    for logger in trainer.loggers:
+    for logger in trainer.loggers if loggers is None else loggers:
         if isinstance(logger, DummyLogger):  # fast_dev_run: nothing is logged
             continue
         if isinstance(logger, WandbLogger):

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 # The values WANDB_MODE may take that keep a run on this machine.
 _LOCAL_MODES = ("offline", "dryrun", "disabled")
@@ -63,8 +63,9 @@ class WandbLogger(_LightningWandbLogger):
             go to `save_dir/project/run_id/`.
         entity, group, tags, notes, job_type: passed to `wandb.init`, as are any other keyword
             arguments (`**kwargs`).
-        log_model: upload checkpoints as W&B artifacts ("all", True or False); ignored (with a
-            warning) when the run is offline, where nothing can be uploaded.
+        log_model: the checkpoints as W&B artifacts: True, those ModelCheckpoint keeps (the best
+            one aliased "best"), when fit ends; "all", each as it is saved; False, none. Offline
+            too: the run records the artifact and W&B's staging folder keeps the file for `wandb sync`.
     """
 
     def __init__(
@@ -92,9 +93,6 @@ class WandbLogger(_LightningWandbLogger):
             offline = not online
         else:
             self.mode_reason = f"offline={offline} was asked for"
-        if offline and log_model:
-            rank_zero_warn(f"log_model={log_model!r} is ignored: the W&B run is offline ({self.mode_reason})")
-            log_model = False
         for key, value in dict(entity=entity, group=group, tags=tags, notes=notes, job_type=job_type).items():
             if value is not None:
                 kwargs[key] = value
@@ -102,6 +100,9 @@ class WandbLogger(_LightningWandbLogger):
             # Given to wandb.init directly: Lightning's own `offline` flag would instead set
             # WANDB_MODE for the whole process, and every later run in it.
             kwargs["mode"] = "offline"
+        # Absolute: W&B's service process, started by the first run of a process, resolves a relative
+        # folder against its own working directory, not the caller's at the time of this run.
+        save_dir = os.path.abspath(save_dir)
         super().__init__(name=name, save_dir=save_dir, project=project, log_model=log_model, prefix=prefix, **kwargs)
         self.is_offline = offline
 
