@@ -88,6 +88,15 @@ def stroke_tokens(windows: torch.Tensor, positions: torch.Tensor, shape_ids: tor
     return torch.stack(out, 1)
 
 
+def _first(test, n: int):
+    """A view of the first ``n`` images of an in-memory synthetic test set, with the metadata blocking reads."""
+    from types import SimpleNamespace
+
+    names = ("images", "labels", "positions", "shape_ids")
+    return SimpleNamespace(img_size=test.img_size, in_chans=test.in_chans,
+                           **{k: getattr(test, k)[:n] for k in names if hasattr(test, k)})
+
+
 def part_tokens(windows: torch.Tensor, test) -> torch.Tensor:
     """`(n, 2, num_patches)` bool: the tokens that see each part of every image of a `same_different`
     (strokes) or `arrangement` (discs) test set."""
@@ -162,14 +171,17 @@ def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: to
 
 @torch.no_grad()
 def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 250,
-                        conditions: tuple[str, ...] = CONDITIONS) -> dict[str, float]:
+                        conditions: tuple[str, ...] = CONDITIONS, max_images: int | None = None) -> dict[str, float]:
     """Test accuracy of one checkpoint under each condition, on the images whose parts no token sees both of
-    (a CLS condition is "" for a model without a CLS token)."""
+    (a CLS condition is "" for a model without a CLS token); with ``max_images``, on the first so many
+    test images only."""
     classifier, _, checkpoint = open_checkpoint(ckpt_path)
     model = classifier.backbone
     data = build_datamodule(checkpoint, str(ckpt_path))
     data.setup("test")
     test = data.test_set
+    if max_images is not None and max_images < len(test):
+        test = _first(test, max_images)
     windows = receptive_windows(model, test.img_size, test.in_chans)
     sees = part_tokens(windows, test)
     separate = ~(sees[:, 0] & sees[:, 1]).any(1)
@@ -201,14 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="", help="a label for these checkpoints in the CSV (e.g. the recipe)")
     parser.add_argument("--cls", action="store_true",
                         help=f"also the CLS token's conditions {', '.join(CLS_CONDITIONS)} (empty for mean pooling)")
+    parser.add_argument("--max_images", type=int, default=None, help="score the first N test images only")
     args = parser.parse_args(argv)
+    if args.max_images is not None and args.max_images < 1:
+        parser.error(f"--max_images={args.max_images} is not allowed: expected an int >= 1")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = args.out_dir / "runs.csv"
     conditions = CONDITIONS + (CLS_CONDITIONS if args.cls else ())
     columns = ["name", "ckpt_path", "seed_everything", "images", "left_out", *conditions]
     for ckpt_path in args.ckpt_paths:
         try:
-            row = {"name": args.name, **blocking_accuracies(ckpt_path, conditions=conditions)}
+            row = {"name": args.name, **blocking_accuracies(ckpt_path, conditions=conditions,
+                                                             max_images=args.max_images)}
         except CheckpointError as err:  # the rows of the checkpoints before it are kept
             print(f"error: {err}", file=sys.stderr)
             return 2

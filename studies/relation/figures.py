@@ -82,7 +82,7 @@ def draw(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
             xlabel = ("span of the pair (px): side of the smallest square holding both shapes"
-                      if task == "same_different" else "distance between the circle centres (px)")
+                      if task in ("same_different", "arrangement") else "distance between the circle centres (px)")
             for ax in axes[0]:
                 ax.set_xlabel(xlabel, fontsize=8)
             axes[0][0].set_ylabel("test accuracy (%): thick = seeds pooled, thin = one seed")

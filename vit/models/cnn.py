@@ -17,9 +17,10 @@ relation (studies/relation/README.md):
   channels as in the ViT's MLP: a nonlinear
   function of the pooled features, so not additive either.
 * ``pool="flatten"``: no pooling; the head reads the whole last feature map, flattened (``C x H' x
-  W'`` features). The readout keeps where each unit is, so a linear head can weigh a part by its
-  position and combine units that each see one part: a position-keeping readout (as in the
-  classic LeNet/AlexNet heads), against which the pooled ones are compared.
+  W'`` features), as the classic LeNet/AlexNet heads do. The readout keeps where each unit is: a
+  linear head weighs every unit by its place, but is still a sum over units, so additive over
+  parts that no unit sees together; an MLP head (``head="mlp"``) can combine two units' places
+  nonlinearly, and so relate parts that no unit sees together.
 
 The receptive field of the last layer (``receptive_field``) follows from the layers alone, by the
 recurrence over layers

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torchmetrics.classification import MulticlassConfusionMatrix
 
@@ -233,6 +233,7 @@ class RankedPredictions:
         self.probability, self._order = probability[keep], order[keep]
 
 
+@rank_zero_only  # as Lightning's own log_hyperparams: the other ranks' loggers have no file writer
 def write_session_start(logger: TensorBoardLogger, settings: dict[str, Any], step: int = 0) -> None:
     """Write a run's row of TensorBoard's HParams table (its settings), and no experiment summary.
 

@@ -1,0 +1,180 @@
+"""What the arrangement study adds to the relation runner's reports: the held-out stroke per class, the
+unseen spans against the seen ones, and attention blocking on the study's own ViT checkpoints.
+
+    python -m studies.arrangement.report                # the tables, from runs.csv and the per-image predictions
+    python -m studies.arrangement.report --blocking     # first, attention blocking on the ViT checkpoints
+    python -m studies.relation --config studies/arrangement/configs/arrangement.yaml --report-only  # then
+
+Reads ``studies/arrangement/results/arrangement`` (``runs.csv``, ``predictions/*.npz``, written by
+``python -m studies.relation --config studies/arrangement/configs/arrangement.yaml``) and, with
+``--blocking``, the checkpoints the runs left under ``runs/study/arrangement/<run key>/checkpoints``
+(not committed: rerun the study to make them). Blocking rows go to ``blocking.csv`` as each
+checkpoint finishes (a rerun skips the checkpoints already there); the tables go to
+``arrangement.md``. Every number is a median over the seeds with the range, per model. It also
+writes ``shortcuts.csv`` there, the audit in the relation runner's format, from which the runner's
+report (rerun it after this one) counts a run as a success above the best shortcut + 5 points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from studies.rows import append_rows
+
+RESULTS = Path("studies/arrangement/results/arrangement")
+RUNS = Path("runs/study/arrangement")
+BLOCKED_MODELS = ("vit-sincos2d", "vit-sincos2d-cls")  # the relation experiment's global-attention ViTs
+AUDIT = Path("studies/arrangement/results/shortcuts.csv")
+RELATION_SHORTCUTS = Path("studies/relation/results/relation/shortcuts.csv")
+BLOCKING_IMAGES = 1000  # the first test images of each checkpoint's own test split
+
+
+def runner_shortcuts(results: Path, audit: Path = AUDIT, relation: Path = RELATION_SHORTCUTS) -> None:
+    """``<results>/shortcuts.csv`` in the relation runner's format (task, baseline, accuracy, what), which its
+    report reads for the success threshold (the task's best shortcut + 5 points): the arrangement audit's
+    shortcut rows of every setting (``<baseline>@<setting>``), and the relation study's ``same_different`` rows."""
+    rows = [{"task": "arrangement", "baseline": f"{r['baseline']}@{r['region']}", "accuracy": r["accuracy"],
+             "what": r["what"]} for r in _rows(audit) if r["shortcut"] == "True"]
+    rows += [r for r in _rows(relation) if r["task"] == "same_different"]
+    with (results / "shortcuts.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["task", "baseline", "accuracy", "what"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _spread(values: list[float]) -> str:
+    """``median [min-max]`` in percent, or ``–`` for no values."""
+    if not values:
+        return "–"
+    v = [100 * x for x in values]
+    return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]"
+
+
+def _by_model(rows: list[dict], experiment: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["experiment"] == experiment:
+            out.setdefault(r["model"], []).append(r)
+    return out
+
+
+def held_out_table(rows: list[dict], results: Path) -> list[str]:
+    """Per model: the accuracy on the "same" pairs (the unseen stroke twice), on the "different" ones (the unseen
+    stroke beside a trained one), overall, and the in-distribution validation accuracy (the three trained strokes)."""
+    lines = ["## held_out: `same_different` with the anti-diagonal stroke never trained on", "",
+             "Every test pair holds the unseen stroke. Validation (3 trained strokes) is in distribution.", "",
+             "| model | n | val (trained strokes) | test overall | test \"same\" (unseen twice) | test \"different\" |",
+             "|---|---|---|---|---|---|"]
+    for model, runs in _by_model(rows, "held_out").items():
+        same, diff = [], []
+        for r in runs:
+            z = np.load(results / "predictions" / f"{r['key']}.npz")
+            correct = z["test_pred"] == z["test_label"]
+            same.append(float(correct[z["test_label"] == 1].mean()))
+            diff.append(float(correct[z["test_label"] == 0].mean()))
+        lines.append(f"| {model} | {len(runs)} | {_spread([float(r['val_acc']) for r in runs])} | "
+                     f"{_spread([float(r['test_acc']) for r in runs])} | {_spread(same)} | {_spread(diff)} |")
+    return lines + [""]
+
+
+def span_ood_table(rows: list[dict], results: Path) -> list[str]:
+    """Per model: the validation accuracy on the trained spans (<= 20) against the test on unseen spans (21-32)."""
+    lines = ["## span_ood: trained on spans <= 20 px, tested on spans 21-32", "",
+             "| model | n | val (spans <= 20) | test (21-32) | test 21-24 | test 25-28 | test 29-32 | runs (val / test) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, runs in _by_model(rows, "span_ood").items():
+        bins = {b: [] for b in ((21, 24), (25, 28), (29, 32))}
+        for r in runs:
+            z = np.load(results / "predictions" / f"{r['key']}.npz")
+            correct, span = z["test_pred"] == z["test_label"], z["test_distance"]
+            for lo, hi in bins:
+                bins[(lo, hi)].append(float(correct[(span >= lo) & (span <= hi)].mean()))
+        each = " ".join(f"{100 * float(r['val_acc']):.1f}/{100 * float(r['test_acc']):.1f}" for r in runs)
+        lines.append(f"| {model} | {len(runs)} | {_spread([float(r['val_acc']) for r in runs])} | "
+                     f"{_spread([float(r['test_acc']) for r in runs])} | " +
+                     " | ".join(_spread(v) for v in bins.values()) + f" | {each} |")
+    return lines + [""]
+
+
+def run_blocking(rows: list[dict], results: Path, runs_dir: Path) -> None:
+    """Attention blocking (``studies.recipe.attention_blocking``, CLS conditions included) on the best checkpoint of
+    every finished run of ``BLOCKED_MODELS`` in the relation experiment; rows appended to ``blocking.csv``."""
+    from studies.recipe.attention_blocking import CLS_CONDITIONS, CONDITIONS, blocking_accuracies
+
+    conditions = CONDITIONS + CLS_CONDITIONS
+    out = results / "blocking.csv"
+    done = {r["key"] for r in _rows(out)} if out.exists() else set()
+    columns = ["key", "model", "seed", "images", "left_out", *conditions]
+    for r in rows:
+        if r["experiment"] != "relation" or r["model"] not in BLOCKED_MODELS or r["key"] in done:
+            continue
+        ckpts = sorted((runs_dir / r["key"] / "checkpoints").glob("*.ckpt"))
+        if not ckpts:
+            print(f"no checkpoint for {r['key']} under {runs_dir}: rerun the study to make it", file=sys.stderr)
+            continue
+        result = blocking_accuracies(ckpts[-1], conditions=conditions, max_images=BLOCKING_IMAGES)
+        append_rows(out, columns, [{"key": r["key"], "model": r["model"], "seed": r["seed"],
+                                    **{k: result[k] for k in ("images", "left_out", *conditions)}}])
+        print(f"blocking: {r['key']} done", flush=True)
+
+
+def blocking_table(results: Path) -> list[str]:
+    from studies.recipe.attention_blocking import CLS_CONDITIONS, CONDITIONS
+
+    path = results / "blocking.csv"
+    if not path.exists():
+        return []
+    rows = _rows(path)
+    lines = ["## Attention blocking (experiment `relation`, at test time, every layer)", "",
+             f"The first {BLOCKING_IMAGES} test images of each run, less those where one token's window holds "
+             "ink of both discs (`images` kept). `studies/recipe/attention_blocking.py` defines the conditions.", "",
+             "| condition | " + " | ".join(f"{m} (n={sum(r['model'] == m for r in rows)})" for m in BLOCKED_MODELS) + " |",
+             "|---" * (len(BLOCKED_MODELS) + 1) + "|"]
+    for condition in ("images", *CONDITIONS, *CLS_CONDITIONS):
+        cells = []
+        for m in BLOCKED_MODELS:
+            values = [r[condition] for r in rows if r["model"] == m and r[condition] != ""]
+            if condition == "images":
+                cells.append(f"{statistics.median(int(v) for v in values):.0f}" if values else "–")
+            else:
+                cells.append(_spread([float(v) for v in values]))
+        lines.append(f"| {condition} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m studies.arrangement.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the study's out_dir")
+    parser.add_argument("--runs", type=Path, default=RUNS, help="the study's log_dir (checkpoints, for --blocking)")
+    parser.add_argument("--blocking", action="store_true", help="run attention blocking on the ViT checkpoints first")
+    args = parser.parse_args(argv)
+    path = args.results / "runs.csv"
+    if not path.exists():
+        print(f"error: {path} does not exist: run the study first", file=sys.stderr)
+        return 2
+    rows = _rows(path)
+    runner_shortcuts(args.results)
+    if args.blocking:
+        run_blocking(rows, args.results, args.runs)
+    lines = ["# Arrangement study: the held-out stroke, the unseen spans, attention blocking", "",
+             "Generated by `python -m studies.arrangement.report` from `runs.csv`, the per-image predictions and "
+             "`blocking.csv`. Test accuracy (%), median [min-max] over the seeds.", "",
+             *held_out_table(rows, args.results), *span_ood_table(rows, args.results), *blocking_table(args.results)]
+    (args.results / "arrangement.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
