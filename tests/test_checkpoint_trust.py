@@ -26,6 +26,7 @@ import timm
 import torch
 from PIL import Image
 from robust_helpers import main_in_process, tiny_config
+from test_notebooks import execute, kernel_env  # noqa: F401  (kernel_env: a fixture)
 from safetensors.torch import load_file, save_file
 
 from studies.recipe.attention_blocking import main as blocking_main
@@ -267,3 +268,16 @@ def test_a_checkpoint_moved_alone_works_offline_without_its_training_files(tmp_p
     assert all(torch.equal(after[2][k], exported[k]) for k in exported)
     assert [r["class_name"] for r in rows] != [] and set(config["label_names"]) == {"blue", "red"}
     assert config["pretrained_cfg"]["mean"] == [0.5, 0.5, 0.5]  # the recipe's inception normalisation travelled
+
+
+@pytest.mark.slow  # starts a Jupyter kernel
+def test_a_hostile_checkpoint_given_to_a_notebook_builds_nothing(trained, tmp_path, kernel_env, monkeypatch):
+    from nbclient.exceptions import CellExecutionError
+
+    marker = tmp_path / "MARKER"
+    bad = tmp_path / "bad.ckpt"
+    torch.save(hostile(torch.load(trained[0], weights_only=True), "nested class path", marker), bad)
+    monkeypatch.setenv("VIT_NB_CHECKPOINT", str(bad))
+    with pytest.raises(CellExecutionError, match=r"hyper_parameters\.backbone\.class_path='timm\.layers\.Mlp'"):
+        execute("attention_rollout_two_circles.ipynb")
+    assert not marker.exists()
