@@ -109,6 +109,16 @@ def part_tokens(windows: torch.Tensor, test) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
+def _random_free_tokens(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
+                        generator: torch.Generator) -> torch.Tensor:
+    """`(n, N)` bool: in image `i`, `counts[i]` tokens drawn at random among those that see neither part."""
+    group = torch.zeros_like(a)
+    for i, count in enumerate(counts.tolist()):
+        free = (~(a[i] | b[i])).nonzero().squeeze(1)
+        group[i, free[torch.randperm(len(free), generator=generator)[:count]]] = True
+    return group
+
+
 def _cls_allowed(condition: str, a: torch.Tensor, b: torch.Tensor, prefix: int,
                  generator: torch.Generator) -> torch.Tensor:
     """`(n, 1, T, T)` bool for a CLS condition: only the CLS token's row (query 0) loses keys."""
@@ -119,10 +129,7 @@ def _cls_allowed(condition: str, a: torch.Tensor, b: torch.Tensor, prefix: int,
         allowed[:, 0, 0] = True
     else:
         if condition == "cls_random":
-            group = torch.zeros_like(a)
-            for i, count in enumerate((a[i] | b[i]).sum().item() for i in range(n)):
-                free = (~(a[i] | b[i])).nonzero().squeeze(1)
-                group[i, free[torch.randperm(len(free), generator=generator)[:count]]] = True
+            group = _random_free_tokens(a, b, (a | b).sum(1), generator)
         else:
             group = {"cls_a": a, "cls_b": b, "cls_parts": a | b}[condition]
         allowed[:, 0, prefix:] = ~group
@@ -147,10 +154,7 @@ def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: to
     elif condition in ("isolate", "isolate_random"):
         group = b
         if condition == "isolate_random":
-            group = torch.zeros_like(b)
-            for i, count in enumerate(b.sum(1).tolist()):
-                free = (~(a[i] | b[i])).nonzero().squeeze(1)
-                group[i, free[torch.randperm(len(free), generator=generator)[:count]]] = True
+            group = _random_free_tokens(a, b, b.sum(1), generator)
         blocked = group[:, :, None] ^ group[:, None, :]  # in the group to outside it, and outside to in
     elif condition == "self_only":
         blocked = ~eye.expand(n, -1, -1)

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -87,8 +88,6 @@ def run_overrides(run: Run, log_dir: Path, environ: dict | None = None) -> dict:
 def finish_wandb_run() -> None:
     """Close the W&B run a study run opened, if any: in a process that runs several
     (``--executor debug``), the next run's WandbLogger would otherwise log into it."""
-    import sys
-
     wandb = sys.modules.get("wandb")  # not imported: no W&B run to close
     if wandb is not None and wandb.run is not None:
         wandb.finish()
