@@ -25,7 +25,7 @@ from vit.api import Prediction, Predictor
 from vit.explain.__main__ import main as explain_main
 from vit.explain.relevance import relevance
 from vit.predict import main as predict_main
-from vit.training.checkpointing import CheckpointError
+from vit.training.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.slow  # every test opens a checkpoint that train.py wrote in this session
 
@@ -117,12 +117,12 @@ def test_explain_gives_the_map_of_relevance_and_of_vit_explain(checkpoint, image
 
 @pytest.mark.parametrize("shape", ["nested class path", "nested under an owned backbone"])
 def test_a_hostile_checkpoint_raises_and_builds_nothing(shape, checkpoint, tmp_path, monkeypatch):
-    from vit.training import rebuild
+    from vit.training.checkpoint import build
 
     marker = tmp_path / "MARKER"
     bad = tmp_path / "bad.ckpt"
     torch.save(hostile(torch.load(checkpoint, weights_only=True), shape, marker), bad)
-    monkeypatch.setattr(rebuild, "ImageClassifier", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(build, "ImageClassifier", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(CheckpointError, match=NAMED[shape].replace("[", r"\[").replace(".", r"\.")):
         vit.load(bad)
     assert not marker.exists()

@@ -25,6 +25,8 @@ import pytest
 import timm
 import torch
 from PIL import Image
+from checkpoint_doors import doors as commands
+from checkpoint_doors import popen
 from robust_helpers import main_in_process, tiny_config
 from test_notebooks import execute, kernel_env  # noqa: F401  (kernel_env: a fixture)
 from safetensors.torch import load_file, save_file
@@ -33,8 +35,8 @@ from studies.recipe.attention_blocking import main as blocking_main
 from vit.explain.__main__ import main as explain_main
 from vit.export import main as export_main
 from vit.predict import main as predict_main
-from vit.training.checkpointing import CheckpointError
-from vit.training.rebuild import check_hyperparameters
+from vit.training.checkpoint import CheckpointError
+from vit.training.checkpoint.schema import validate
 
 pytestmark = pytest.mark.slow  # every test opens a checkpoint that train.py wrote in this module
 
@@ -49,11 +51,6 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     with pytest.MonkeyPatch.context() as mp:
         main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], mp)
     return root / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", config
-
-
-def popen(marker: Path) -> dict:
-    """A jsonargparse class path that, if anything built it, would create `marker`."""
-    return {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", str(marker)]}}
 
 
 def hostile(base: dict, shape: str, marker: Path) -> dict:
@@ -81,37 +78,10 @@ SHAPES = ["nested class path", "nested under an owned backbone", "backbone outsi
           "data module outside vit.data", "instantiator"]
 # The key each refusal names.
 NAMED = {"nested class path": "hyper_parameters.backbone.class_path='timm.layers.Mlp'",
-         "nested under an owned backbone": "hyper_parameters.backbone.init_args.pretrained.class_path",
+         "nested under an owned backbone": "hyper_parameters.backbone.init_args.pretrained={'class_path'",
          "backbone outside vit.models": "hyper_parameters.backbone.class_path='subprocess.Popen'",
          "data module outside vit.data": "datamodule_hyper_parameters._class_path='subprocess.Popen'",
          "instantiator": "hyper_parameters._instantiator='os.system'"}
-
-
-def commands(ckpt: Path, config: Path, tmp_path: Path) -> dict[str, callable]:
-    """Every command that opens a checkpoint, as a call returning its exit status."""
-    images = tmp_path / "images"
-    images.mkdir(exist_ok=True)
-    Image.fromarray(np.zeros((32, 32), dtype=np.uint8)).save(images / "a.png")
-
-    def train(subcommand: str):
-        def run(monkeypatch):
-            try:
-                main_in_process([subcommand, "--config", str(config), "--ckpt_path", str(ckpt)], monkeypatch)
-            except SystemExit as exit:
-                return exit.code
-            return 0
-        return run
-
-    return {
-        "vit.predict": lambda mp: predict_main(["--ckpt_path", str(ckpt), "--input_dir", str(images),
-                                                "--output", str(tmp_path / "p.csv")]),
-        "vit.explain": lambda mp: explain_main(["--ckpt_path", str(ckpt), "--input_dir", str(images),
-                                                "--out", str(tmp_path / "e.png")]),
-        "vit.explain (test split)": lambda mp: explain_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "t.png")]),
-        "vit.export": lambda mp: export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")]),
-        "attention_blocking": lambda mp: blocking_main(["--ckpt_paths", str(ckpt), "--out_dir", str(tmp_path / "b")]),
-        **{f"train.py {s}": train(s) for s in ("validate", "test", "predict", "fit")},
-    }
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -130,14 +100,18 @@ def test_a_hostile_checkpoint_builds_nothing_in_any_command(shape, trained, tmp_
 
 def test_only_lightnings_own_instantiator_and_the_projects_classes_pass(trained):
     checkpoint = torch.load(trained[0], weights_only=True)
-    check_hyperparameters(checkpoint)  # what train.py writes passes, LightningCLI's instantiator included
+    validate(checkpoint, "x.ckpt")  # what train.py writes passes, LightningCLI's instantiator included
     assert checkpoint["hyper_parameters"]["_instantiator"] == "lightning.pytorch.cli.instantiate_module"
-    for path in ("vit.models.vision_transformer.VisionTransformer", "vit.models.ConvNet"):
-        checkpoint["hyper_parameters"]["backbone"]["class_path"] = path
-        check_hyperparameters(checkpoint)
+    checkpoint["hyper_parameters"]["backbone"]["class_path"] = "vit.models.vision_transformer.VisionTransformer"
+    validate(checkpoint, "x.ckpt")  # the module's path names the same class as the package's
+    checkpoint["hyper_parameters"]["backbone"]["class_path"] = "vit.models.ConvNet"  # allowed, but not these weights
+    with pytest.raises(CheckpointError, match=r"^checkpoint x.ckpt: hyper_parameters.backbone.init_args.patch_size: "
+                                              r"ConvNet has no argument 'patch_size'; refused"):
+        validate(checkpoint, "x.ckpt")
+    checkpoint["hyper_parameters"]["backbone"]["class_path"] = "vit.models.VisionTransformer"
     checkpoint["hyper_parameters"]["lr"] = torch.nn.Linear  # not plain data
-    with pytest.raises(CheckpointError, match=r"^hyper_parameters.lr holds a type, not plain data"):
-        check_hyperparameters(checkpoint)
+    with pytest.raises(CheckpointError, match=r"^checkpoint x.ckpt: hyper_parameters.lr holds a type, not plain data"):
+        validate(checkpoint, "x.ckpt")
 
 
 class CountingHub(http.server.BaseHTTPRequestHandler):

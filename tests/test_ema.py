@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from vit.models import VisionTransformer
 from vit.training.classifier import ImageClassifier
-from vit.training.rebuild import build_backbone, open_checkpoint
+from vit.training.checkpoint import read
+from vit.training.checkpoint.build import build_backbone, open_model
 
 CFG = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2}
 
@@ -79,7 +80,7 @@ def test_a_resumed_fit_continues_the_weights_and_the_average_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_command(tmp_path, monkeypatch):
-    """train.py with `--model.ema_decay`: open_checkpoint (vit.predict, vit.explain, vit.load), and vit.export, run the
+    """train.py with `--model.ema_decay`: open_model (vit.predict, vit.explain, vit.load), and vit.export, run the
     averaged weights: equal to a forward of the backbone loaded by hand with `ema.module.*`."""
     import vit
     from vit.export import load as export_load
@@ -92,11 +93,11 @@ def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_com
     averaged = {k.removeprefix("ema.module."): v for k, v in checkpoint["state_dict"].items() if k.startswith("ema.module.")}
     trained = {k.removeprefix("backbone."): v for k, v in checkpoint["state_dict"].items() if k.startswith("backbone.")}
     assert averaged.keys() == trained.keys()
-    by_hand, raw = build_backbone(checkpoint, str(path)), build_backbone(checkpoint, str(path))
+    by_hand, raw = build_backbone(read(path)), build_backbone(read(path))
     by_hand.load_state_dict(averaged)
     raw.load_state_dict(trained)
-    model, inputs, _ = open_checkpoint(path)
-    x = torch.randn(3, inputs["in_chans"], *inputs["img_size"])
+    model, opened = open_model(path)
+    x = torch.randn(3, opened.inputs["in_chans"], *opened.inputs["img_size"])
     with torch.no_grad():
         expected = by_hand.eval()(x)
         assert not torch.allclose(raw.eval()(x), expected, atol=1e-4)  # the average differs from the weights

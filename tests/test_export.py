@@ -133,13 +133,14 @@ def test_bad_outputs_and_checkpoints_are_refused_in_one_line_before_anything_is_
 
 
 @pytest.mark.slow
-def test_a_checkpoint_without_class_names_exports_indices_as_names(checkpoint, tmp_path):
+def test_a_checkpoint_without_class_names_is_not_exported(checkpoint, tmp_path, capsys):
     plain = tmp_path / "plain.ckpt"
     content = torch.load(checkpoint, map_location="cpu", weights_only=True)
     del content["class_names"]
     torch.save(content, plain)
-    assert main(["--ckpt_path", str(plain), "--out", str(tmp_path / "out")]) == 0
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["label_names"] == ["0", "1"]
+    assert main(["--ckpt_path", str(plain), "--out", str(tmp_path / "out")]) == 2
+    assert f"error: checkpoint {plain}: it has no 'class_names'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
@@ -169,15 +170,15 @@ def test_the_model_card_says_what_a_person_needs_and_its_code_runs(checkpoint, t
     assert f"width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads" in card
     exported = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     assert f"{sum(p.numel() for p in exported.parameters()) / 1e6:.2f} M parameters" in card
-    assert "2 classes, label i is the i-th (`config.json`'s `label_names`): `one circle`, `two circles`." in card
+    assert "2 classes, label i is the i-th (`config.json`'s `label_names`): one circle, two circles." in card
     C, H, W = cfg["input_size"]
     assert f"{C} channel(s), resized to {H} x {W} pixels" in card
     assert f"normalised with mean {list(cfg['mean'])} and std {list(cfg['std'])}" in card
     content = torch.load(checkpoint, map_location="cpu", weights_only=True)
     data = content["datamodule_hyper_parameters"]
-    assert f"- data module: `{data['_class_path']}`\n- seed of its splits: {data['seed']}\n" in card
+    assert f"- data module: {data['_class_path']}\n- seed of its splits: {data['seed']}\n" in card
     assert f"- written after epoch {content['epoch']}, step {content['global_step']}\n" in card
-    assert f"`lr: {content['hyper_parameters']['lr']}`" in card
+    assert f"lr: {content['hyper_parameters']['lr']}" in card
     # The metric each ModelCheckpoint monitored, as the checkpoint records it.
     states = [s for s in content["callbacks"].values() if s.get("monitor") == "val/acc"]
     assert states and f"- val/acc (best): {float(states[0]['best_model_score']):.4f}\n" in card
@@ -194,4 +195,4 @@ def test_a_model_card_without_a_training_record_says_so(tmp_path):
     export(random_vit(), tmp_path / "out", dict(input_size=(3, 32, 32), **DATA), list("abcde"))
     card = (tmp_path / "out" / "README.md").read_text()
     assert "## Training\n\n- not recorded in the checkpoint\n" in card
-    assert "5 classes, label i is the i-th (`config.json`'s `label_names`): `a`, `b`, `c`, `d`, `e`." in card
+    assert "5 classes, label i is the i-th (`config.json`'s `label_names`): a, b, c, d, e." in card

@@ -20,7 +20,7 @@ from robust_helpers import run_dirs, shared_run
 from vit.data import CIFARDataModule, TwoCirclesDataset
 from vit.data.image_folder import build_transform, to_input
 from vit.predict import main
-from vit.training.checkpointing import CheckpointError, read_checkpoint
+from vit.training.checkpoint import CheckpointError, read
 from vit.training.classifier import ImageClassifier
 
 
@@ -150,15 +150,16 @@ def test_topk_writes_the_k_best_classes_with_their_names(checkpoint, images, tmp
 
 
 @pytest.mark.slow
-def test_a_checkpoint_without_class_names_predicts_with_the_indices_and_says_so(checkpoint, images, tmp_path, capsys):
+def test_a_checkpoint_without_class_names_is_refused_in_one_line(checkpoint, images, tmp_path, capsys):
     old = torch.load(checkpoint, weights_only=True)
     del old["class_names"]  # as written before class names were stored
     torch.save(old, tmp_path / "old.ckpt")
     output = tmp_path / "p.csv"
-    assert main(["--ckpt_path", str(tmp_path / "old.ckpt"), "--input_dir", str(images), "--output", str(output)]) == 0
-    assert "records no class names (it was written before they were stored): class_name is the class index" \
-        in capsys.readouterr().err
-    assert all(r["class_name"] == r["class_index"] for r in csv.DictReader(output.open()))
+    assert main(["--ckpt_path", str(tmp_path / "old.ckpt"), "--input_dir", str(images), "--output", str(output)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: checkpoint {tmp_path / 'old.ckpt'}: it has no 'class_names': "
+                                               "it was not written by train.py of this version (a plain state dict "
+                                               "loads in Python with `model.load_state_dict(...)`)")
+    assert not output.exists()
 
 
 # --- what it skips and what it refuses -------------------------------------------------------------
@@ -263,10 +264,10 @@ def test_checkpoints_of_other_layouts_are_refused_in_one_line(checkpoint, tmp_pa
     good = torch.load(checkpoint, weights_only=True)
     as_list = tmp_path / "list.ckpt"
     torch.save([1, 2], as_list)
-    with pytest.raises(CheckpointError, match="it holds a list, not a dict"):
-        read_checkpoint(as_list)
+    with pytest.raises(CheckpointError, match="it holds a list, not the mapping a Lightning checkpoint is"):
+        read(as_list)
     string_hparams = tmp_path / "string.ckpt"
     torch.save({**copy.copy(good), "hyper_parameters": "lr=0.1"}, string_hparams)
-    with pytest.raises(CheckpointError, match="is not a checkpoint of this project: its 'hyper_parameters' is a str"):
-        read_checkpoint(string_hparams)
+    with pytest.raises(CheckpointError, match="hyper_parameters is a str, not a mapping"):
+        read(string_hparams)
 

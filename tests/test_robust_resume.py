@@ -22,7 +22,7 @@ from robust_helpers import (
     train_command,
 )
 
-from vit.training.checkpointing import AtomicCheckpointIO, find_last_checkpoint
+from vit.training.checkpoint.io import AtomicCheckpointIO, find_last_checkpoint
 from vit.training.preflight import resolve_resume
 from vit.data.resumable import ResumableSampler
 

@@ -6,7 +6,7 @@
     predictor.predict(["cat.jpg", "dog.png"], topk=2)   # [[Prediction('cat', 0.93), Prediction('dog', 0.05)], ...]
     predictor.explain("cat.jpg", method="chefer", target="dog")   # (gh, gw) relevance, summing to 1
 
-The checkpoint is opened as the commands open it (`vit.training.rebuild.open_checkpoint`): no code
+The checkpoint is opened as the commands open it (`vit.training.checkpoint.build.open_model`): no code
 from it runs, nothing is fetched but the checkpoint URL itself, and pretrained weights are not read
 again. Images are read as `vit.predict` reads them (`vit.data.image_folder.decode_image`: EXIF
 orientation, 16-bit and float images at their real range), then resized and normalised as the
@@ -29,7 +29,7 @@ from vit.data.image_folder import decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
 from vit.training.classifier import class_index
 from vit.training.predictions import check_topk, inference_transform
-from vit.training.rebuild import open_checkpoint
+from vit.training.checkpoint.build import open_model
 
 if TYPE_CHECKING:
     from torchvision.transforms import v2
@@ -109,9 +109,9 @@ class Predictor:
 def load(path_or_url: str | os.PathLike) -> Predictor:
     """The trained model of a `train.py` checkpoint (a path or an http(s) URL), ready for inference.
 
-    Opened as the commands open it (`open_checkpoint`): a checkpoint that names a class outside this
-    project, or holds anything but plain values, raises `CheckpointError` (a `ValueError`) before
-    anything is built.
+    Opened as the commands open it (`open_model`): read once and validated whole; a checkpoint that names a
+    class outside this project, holds anything but plain values, or whose weights do not fit the model it
+    records raises `CheckpointError` (a `ValueError`) before anything is built.
     """
-    model, inputs, _ = open_checkpoint(path_or_url)
-    return Predictor(model, inputs)
+    model, checkpoint = open_model(path_or_url)
+    return Predictor(model, checkpoint.inputs)

@@ -7,7 +7,7 @@ Allowed string options are declared once, as a `Literal`, and read back with `ge
 
 Types that jsonargparse already checks on the command line (an `int` annotation, a `Literal`) are
 still checked here, because the same constructors are called from Python, where nothing else does.
-`first_line` shortens any exception to the one line such an error quotes.
+`first_line` shortens any exception to the one line such an error quotes, `file_kind` names what a path is.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import stat
 from typing import Any, get_args
 
 
@@ -68,6 +69,14 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message (its type's name when it has none), for one-line errors."""
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
+
+
+def file_kind(mode: int) -> str:
+    """What a file is, from its `st_mode` (`os.lstat` to see a link itself): "a file", "a symbolic link", "a folder", ..."""
+    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+             (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def _interval(minimum: int | None, maximum: int | None) -> str:

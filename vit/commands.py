@@ -1,9 +1,15 @@
 """What the commands that open a checkpoint share: `python -m vit.predict`, `vit.explain` and `vit.export`.
 
 Each checks its arguments and opens the checkpoint before doing any work (`prepare`), then works
-(`work`). Whatever `prepare` refuses, a bad argument or a checkpoint `vit.training.rebuild` will not
+(`work`). Whatever `prepare` refuses, a bad argument or a checkpoint `vit.training.checkpoint` will not
 open (`CheckpointError`, a `ValueError`), is one `error: ...` line on stderr and exit status 2,
 with nothing read or written yet.
+
+Every file a command writes is checked by `check_output` in `prepare`: an existing one is replaced only with
+`--overwrite`, and only when it is a regular file, never a link, a device, a named pipe or a folder. A write that
+fails at the end (a full disk) is one `error: ...` line naming the file and the system's reason (`write_failed`),
+exit status 1; `vit.predict` and `vit.export` write to a temporary file and rename it, so an earlier output stays
+as it was.
 
 This module and each command's `main` import neither torch nor Lightning before the arguments are
 parsed, so `--help` and a mistyped option answer at once (`parser`).
@@ -13,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+from vit.checks import file_kind, first_line
 
 USAGE = 2  # the exit status of a command line that cannot work, as argparse's own errors
 T = TypeVar("T")
@@ -57,8 +67,41 @@ def fail(message: object, status: int = USAGE) -> int:
     return status
 
 
-def note_unnamed(ckpt_path: str | os.PathLike, checkpoint: dict, instead: str) -> None:
-    """A note on stderr when the checkpoint records no class names; `instead` says what is shown for them."""
-    if "class_names" not in checkpoint:
-        print(f"note: checkpoint {ckpt_path} records no class names (it was written before they were stored): "
-              f"{instead}", file=sys.stderr)
+def check_output(option: str, path: Path, overwrite: bool) -> None:
+    """Raise `ValueError`, before any work, unless `path` can be written: new in an existing folder, or a regular
+    file and `overwrite`.
+
+    Anything else at `path` is refused even with `overwrite`: replacing a link or a device would replace
+    `/dev/stdout` or, as root, `/dev/null`, and a dangling link would be written through to wherever it points.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None  # nothing there yet; its folder is checked below
+    except OSError as err:
+        raise ValueError(f"{option} {path} cannot be checked ({err.strerror or first_line(err)})") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ValueError(f"{option} {path} is {file_kind(mode)}; only a regular file is replaced: give another path")
+    if mode is not None and not overwrite:
+        raise ValueError(f"{option} {path} already exists; pass --overwrite to replace it")
+    if not path.parent.is_dir():
+        raise ValueError(f"{option} {path}: its folder {path.parent} does not exist")
+
+
+def write_failed(option: str, path: str | os.PathLike, err: Exception) -> int:
+    """`fail` for an output that could not be written at the end (a full disk, a folder made read-only): exit status 1.
+
+    The reason is the system's (`No space left on device`), also out of a safetensors error, which quotes
+    Rust's `io::Error` (`Error while serializing: I/O error: No space left on device (os error 28) at path ...`).
+    """
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
+    quoted = re.search(r"(?:^|: )([^:]+?) \(os error \d+\)", reason)
+    return fail(f"{option} {path} could not be written: {quoted[1] if quoted else reason}", status=1)
+
+
+def print_skipped(skipped: dict[str, str]) -> None:
+    """One line on stderr for each of the first skipped files (`{name: reason}`), then how many more there are."""
+    from vit.data.files import first_skipped
+
+    for line in first_skipped(skipped, "skipped {name}: not a readable image ({why})"):
+        print(line, file=sys.stderr)

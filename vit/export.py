@@ -15,7 +15,8 @@ the layout is exactly the one timm's Hub loader reads:
   `vit.predict` does);
 - `README.md`: the model card a person reads (`model_card`), with the Hub's `library_name: timm` front
   matter: the architecture and its size, the classes, the input size and normalisation, how to load
-  it with timm, and the data module and seed the checkpoint records.
+  it with timm, and the data module and seed the checkpoint records, each value from the checkpoint
+  escaped so that it shows as text (`markdown_text`), never as HTML or Markdown.
 
 Then `timm.create_model("local-dir:exported/", pretrained=True)`, or from the Hub after an upload
 (`hf upload org/name exported/`), gives the same logits as the checkpoint, and this project reads it
@@ -25,21 +26,24 @@ Refused, in one line naming the option, are models timm cannot compute: a `patch
 than the patch size, and another `attn_score` than `scaled_dot`. Fixed sin/cos
 position encodings are exported as timm's position table holding the same values (equal logits;
 in timm the table is then a parameter that fine-tuning may change). An existing non-empty `--out`
-folder is refused unless `--overwrite` is given.
+folder is refused unless `--overwrite` is given, and even then only regular files are replaced in it (not a link
+or a device); the files are written to a temporary folder beside it first, so a full disk leaves it as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import os
+import re
 import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.checks import first_line
-from vit.commands import fail, parser, run
+from vit.checks import file_kind
+from vit.commands import check_output, parser, run, write_failed
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     from torch import nn
@@ -54,6 +58,7 @@ _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
 # (its tag, license, paper) describes timm's own weights, not these.
 _PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "interpolation", "crop_pct", "crop_mode",
                         "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
+FILES = ("model.safetensors", "config.json", "README.md")  # what `export` writes into --out
 
 
 class ExportError(ValueError):
@@ -117,17 +122,6 @@ def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Mod
     return exported.eval()
 
 
-def class_names(checkpoint: dict, num_classes: int) -> list[str]:
-    """The checkpoint's `class_names` (written by training), else "0", "1", ..."""
-    names = checkpoint.get("class_names")
-    if names is None:
-        return [str(i) for i in range(num_classes)]
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names) or len(names) != num_classes:
-        raise ExportError(f"the checkpoint's class_names ({str(names)[:80]}) are not {num_classes} strings, one "
-                          "per class of its head")
-    return list(names)
-
-
 def training_record(checkpoint: dict) -> dict:
     """What the checkpoint says of its training, for the model card: `data_module` (its class path), `seed`,
     `epoch`, `global_step`, `model` (the classifier's plain settings: lr, weight decay, ...) and `metrics`
@@ -157,14 +151,18 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     """The export's `README.md`: Hub front matter (`library_name: timm`), then what a person needs to use the model.
 
     `args` are `timm_args`, `data_config` timm's preprocessing keys, `training` what `training_record` found.
+    Every value that comes from the checkpoint is written through `markdown_text`.
     """
+    import yaml
+
     name = architecture(args)
     channels, height, width = data_config["input_size"]
     params = _parameter_count(args)
-    shown = ", ".join(f"`{n}`" for n in names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    shown = ", ".join(markdown_text(n) for n in names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
     training = training or {}
+    front_matter = {"library_name": "timm", "tags": ["image-classification", "timm", "vision-transformer"]}
     lines = [
-        "---", "library_name: timm", "tags:", "- image-classification", "- timm", "- vision-transformer", "---", "",
+        "---", *yaml.safe_dump(front_matter, sort_keys=False).splitlines(), "---", "",
         "# Vision Transformer image classifier", "",
         (f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
          f"architecture (`{name}`, with the sizes below in `model_args`)."), "",
@@ -178,9 +176,9 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "",
         "## Input", "",
         (f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
-         f"(`{data_config['interpolation']}` interpolation; the aspect ratio is not kept)"),
-        (f"- pixels scaled to [0, 1], then normalised with mean {list(data_config['mean'])} and std "
-         f"{list(data_config['std'])}"),
+         f"({markdown_text(data_config['interpolation'])} interpolation; the aspect ratio is not kept)"),
+        (f"- pixels scaled to [0, 1], then normalised with mean {markdown_text(list(data_config['mean']))} and std "
+         f"{markdown_text(list(data_config['std']))}"),
         "",
         "## Use with timm", "",
         "```python",
@@ -199,14 +197,16 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         "## Training", "",
     ]
     if training:
-        lines += [f"- data module: `{training.get('data_module', 'not recorded')}`",
-                  f"- seed of its splits: {training.get('seed', 'not recorded')}"]
+        lines += [f"- data module: {markdown_text(training.get('data_module', 'not recorded'))}",
+                  f"- seed of its splits: {markdown_text(training.get('seed', 'not recorded'))}"]
         if "epoch" in training:
-            lines.append(f"- written after epoch {training['epoch']}, step {training.get('global_step', '?')}")
+            lines.append(f"- written after epoch {markdown_text(training['epoch'])}, "
+                         f"step {markdown_text(training.get('global_step', '?'))}")
         if "model" in training:
-            lines.append("- settings: " + ", ".join(f"`{k}: {v}`" for k, v in training["model"].items()))
+            lines.append("- settings: " + ", ".join(f"{markdown_text(k)}: {markdown_text(v)}"
+                                                    for k, v in training["model"].items()))
         lines += ["", "## Metrics", ""]
-        lines += ([f"- {name}: {value:.4f}" for name, value in training.get("metrics", {}).items()]
+        lines += ([f"- {markdown_text(name)}: {value:.4f}" for name, value in training.get("metrics", {}).items()]
                   or ["- none recorded in the checkpoint"])
     else:
         lines.append("- not recorded in the checkpoint")
@@ -215,6 +215,19 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
               "(`.predict(...)`, `.explain(...)`), and this folder's weights with "
               "`VisionTransformer(pretrained=\"path/to/this/folder/model.safetensors\", ...)` and the sizes above."]
     return "\n".join(lines) + "\n"
+
+
+def markdown_text(value: object) -> str:
+    """`value` as Markdown that shows as written: no HTML, heading, list, code, link or table cell comes of it.
+
+    Class names, settings and metric names are whatever text the checkpoint holds, and the Hub renders the card:
+    `<script>` or `# Heading` in a class name would otherwise be markup.
+    """
+    text = " ".join(str(value).splitlines())  # a line break would end the list item and start a block of its own
+    text = html.escape(text, quote=False)  # <, >, &: no tag, no entity
+    text = re.sub(r"([\\`|])", r"\\\1", text)  # no code span or table cell
+    text = text.replace("](", "]\\(")  # no link or image: `[text](url)` needs the two together
+    return re.sub(r"^(\s*)([#*+_-])", r"\1\\\2", text)  # no heading, list or rule where it starts a list item
 
 
 def _parameter_count(args: dict) -> int:
@@ -229,16 +242,17 @@ def _parameter_count(args: dict) -> int:
 
 def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str], dict]:
     """`(backbone, data_config, class names, training_record)` of a train.py checkpoint; `data_config` in timm's keys."""
-    from vit.training.rebuild import open_checkpoint
+    from vit.training.checkpoint.build import open_model
 
-    model, inputs, checkpoint = open_checkpoint(ckpt_path)
+    model, checkpoint = open_model(ckpt_path)
+    inputs = checkpoint.inputs
     backbone = model.backbone
     timm_args(backbone)  # refuse what timm cannot compute before anything else is done
     channels = inputs["in_chans"]
     mean, std = (inputs["mean"], inputs["std"]) if inputs["mean"] is not None else ([0.0] * channels, [1.0] * channels)
     data_config = dict(input_size=(channels, *inputs["img_size"]), mean=tuple(mean), std=tuple(std),
                        interpolation=inputs["interpolation"], crop_pct=1.0, crop_mode="squash")
-    return backbone, data_config, class_names(checkpoint, backbone.num_classes), training_record(checkpoint)
+    return backbone, data_config, list(checkpoint.class_names), training_record(checkpoint.raw)
 
 
 def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str],
@@ -258,17 +272,22 @@ def export(backbone: VisionTransformer, out: Path, data_config: dict, names: lis
         os.chmod(Path(tmp) / "model.safetensors", stat.S_IMODE(os.stat(Path(tmp) / "config.json").st_mode))
         (Path(tmp) / "README.md").write_text(model_card(timm_args(backbone), data_config, names, training))
         out.mkdir(exist_ok=True)
-        for name in ("model.safetensors", "config.json", "README.md"):
+        for name in FILES:
             os.replace(Path(tmp) / name, out / name)  # each file replaced whole, never half-written
 
 
 def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an output that is a file, or a non-empty folder without `--overwrite`, before any work."""
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} is a file; give a folder (it is created)")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    """Refuse, before any work, an `--out` that is not a folder, a non-empty folder without `--overwrite`, and a
+    folder whose `FILES` cannot be replaced (`check_output`: only regular files are)."""
+    if not out.is_dir():  # a link to a folder counts as the folder: the files are written into it
+        if os.path.lexists(out):
+            raise ExportError(f"--out {out} is {file_kind(os.lstat(out).st_mode)}; give a folder (it is created)")
+        return
+    if any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} is a folder that is not empty; pass --overwrite to write model.safetensors, "
                           "config.json and README.md into it (other files are left alone)")
+    for name in FILES:
+        check_output("--out", out / name, overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,11 +307,14 @@ def prepare(args: argparse.Namespace) -> tuple[VisionTransformer, dict, list[str
 
 def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, list[str], dict]) -> int:
     """Write the export into `--out`; 1 when it cannot be written."""
+    from safetensors import SafetensorError
+
     backbone, data_config, names, training = prepared
     try:
         export(backbone, args.out, data_config, names, training)
-    except OSError as err:
-        return fail(f"--out {args.out} cannot be written ({first_line(err)})", status=1)
+    except (OSError, SafetensorError) as err:  # a full disk: the temporary folder is gone, --out is as it was
+        return write_failed("--out", args.out / "model.safetensors" if isinstance(err, SafetensorError) else args.out,
+                            err)
     print(f"wrote {args.out / 'model.safetensors'}, config.json and README.md ({len(names)} classes); "
           f"load with timm.create_model('local-dir:{args.out}', pretrained=True)")
     return 0

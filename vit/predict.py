@@ -3,7 +3,7 @@
     python -m vit.predict --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt \\
         --input_dir my_images/ --output predictions.csv
 
-Everything comes from the checkpoint alone (`vit.training.rebuild`): the model (LightningCLI records
+Everything comes from the checkpoint alone (`vit.training.checkpoint`): the model (LightningCLI records
 the backbone's config in it) and its `inputs`, the image size, channels, normalisation and
 interpolation the model was trained with; no training data or pretrained file is needed. Each
 image is converted the same way:
@@ -28,9 +28,9 @@ adds the next K - 1 classes as `class_name_2`, `class_index_2`, `probability_2`,
 (`caf\\xff.png` for the byte 0xFF), and a name starting with `=`, `+`, `-`, `@`, a tab or a carriage
 return gets a single quote in front (`'=cmd.png`), so that a spreadsheet shows it instead of running it
 as a formula. The class names are those the checkpoint records (the data module's class
-names: folder names, CIFAR's label names); a checkpoint written before names were stored gives the
-indices as names, and a note says so. Nothing in the input folder is written; an existing output file is kept unless
-`--overwrite` is given, and the CSV is written to a temporary file first, then renamed.
+names: folder names, CIFAR's label names). Nothing in the input folder is written; an existing output file is kept unless
+`--overwrite` is given, and only a regular file is ever replaced (not a link or a device such as `/dev/null`). The
+CSV is written to a temporary file first, then renamed: a full disk leaves the earlier output as it was.
 """
 
 from __future__ import annotations
@@ -41,7 +41,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.commands import fail, note_unnamed, parser, run
+from vit.commands import (
+    check_output,
+    fail,
+    parser,
+    print_skipped,
+    run,
+    write_failed,
+)
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     import torch
@@ -67,17 +74,13 @@ def predict_folder(model: ImageClassifier, images: list[torch.Tensor], batch_siz
 
 
 def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
-    """Refuse bad paths before any work: a missing input folder, an output inside it, or one that exists."""
+    """Refuse bad paths before any work: a missing input folder, an output inside it, or one that cannot be
+    written (`check_output`: one that exists, without `overwrite` or not a regular file)."""
     if not input_dir.is_dir():
         raise PredictError(f"--input_dir {input_dir} is not a folder" + ("" if input_dir.exists() else " (it does not exist)"))
     if input_dir.resolve() in output.resolve().parents:
         raise PredictError(f"--output {output} is inside --input_dir {input_dir}; write it elsewhere, the input folder is left untouched")
-    if output.is_dir():
-        raise PredictError(f"--output {output} is a folder; give a file name such as predictions.csv")
-    if output.exists() and not overwrite:
-        raise PredictError(f"--output {output} already exists; pass --overwrite to replace it")
-    if not output.parent.is_dir():
-        raise PredictError(f"--output {output}: its folder {output.parent} does not exist")
+    check_output("--output", output, overwrite)
     try:
         with tempfile.TemporaryFile(dir=output.parent):
             pass
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
     options.add_argument("--input_dir", required=True, type=Path, help="folder of images (not searched recursively)")
     options.add_argument("--output", required=True, type=Path, help="CSV file to write")
-    options.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    options.add_argument("--overwrite", action="store_true", help="replace --output if it exists (a regular file only)")
     options.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
     options.add_argument("--batch_size", type=int, default=256, help="images per forward pass")
     options.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
@@ -123,32 +126,33 @@ def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict
     """The arguments checked (`--device auto` resolved), then the checkpoint opened: its model, input transform and
     the checkpoint itself."""
     from vit.training.predictions import check_topk, inference_transform
-    from vit.training.rebuild import open_checkpoint
+    from vit.training.checkpoint.build import open_model
 
     check_paths(args.input_dir, args.output, args.overwrite)
     args.device = check_options(args.batch_size, args.device)
     if args.topk < 1:  # before the checkpoint is read; its number of classes bounds --topk from above
         raise PredictError(f"--topk {args.topk} is not allowed: expected an int >= 1")
-    model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
-    transform = inference_transform(inputs)
+    model, checkpoint = open_model(args.ckpt_path)
+    transform = inference_transform(checkpoint.inputs)
     check_topk(args.topk, len(model.class_names))
     return model, transform, checkpoint
 
 
 def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compose, dict]) -> int:
-    """Classify the readable images of `--input_dir` and write the CSV; 1 when there is none."""
+    """Classify the readable images of `--input_dir` and write the CSV; 1 when there is none or it cannot be written."""
     from vit.data.image_folder import read_images
     from vit.training.predictions import prediction_table, write_csv
 
     model, transform, checkpoint = prepared
-    note_unnamed(args.ckpt_path, checkpoint, "class_name is the class index")
     names, images, skipped = read_images(args.input_dir, transform)
-    for name, reason in skipped.items():
-        print(f"skipped {name}: not a readable image ({reason})", file=sys.stderr)
+    print_skipped(skipped)
     if not images:
         return fail(f"no readable image in {args.input_dir}; nothing was written", status=1)
     probs = predict_folder(model, images, args.batch_size, args.device)
-    write_csv(args.output, *prediction_table(names, probs, model.class_names, args.topk))
+    try:
+        write_csv(args.output, *prediction_table(names, probs, model.class_names, args.topk))
+    except OSError as err:  # a full disk: write_csv has removed its temporary file, --output is as it was
+        return write_failed("--output", args.output, err)
     print(f"wrote {len(names)} predictions to {args.output}" + (f"; skipped {len(skipped)} file(s)" if skipped else ""))
     return 0
 

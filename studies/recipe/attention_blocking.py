@@ -45,11 +45,12 @@ import yaml
 
 from studies.rows import append_rows
 from vit.checks import check_size
-from vit.data import arrangement
+from vit.data import ArrangementDataModule, SameDifferentDataModule, arrangement
 from vit.data.same_different import make_shapes, render
+from vit.models import VisionTransformer
 from vit.models.masks import mask_attention
-from vit.training.checkpointing import CheckpointError
-from vit.training.rebuild import build_datamodule, open_checkpoint
+from vit.training.checkpoint import CheckpointError
+from vit.training.checkpoint.build import build_datamodule, open_model
 
 CONDITIONS = ("none", "cross", "random", "within", "isolate", "isolate_random", "self_only")
 CLS_CONDITIONS = ("cls_a", "cls_b", "cls_parts", "cls_random", "cls_self")
@@ -179,9 +180,15 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
     """Test accuracy of one checkpoint under each condition, on the images whose parts no token sees both of
     (a CLS condition is "" for a model without a CLS token); with ``max_images``, on the first so many
     test images only."""
-    classifier, _, checkpoint = open_checkpoint(ckpt_path)
+    classifier, checkpoint = open_model(ckpt_path)
     model = classifier.backbone
-    data = build_datamodule(checkpoint, str(ckpt_path))
+    if not isinstance(model, VisionTransformer) or checkpoint.data_class not in (SameDifferentDataModule,
+                                                                                  ArrangementDataModule):
+        raise CheckpointError(f"checkpoint {checkpoint.source} holds a {type(model).__name__} trained on "
+                              f"{getattr(checkpoint.data_class, '__name__', 'unrecorded data')}: attention blocking "
+                              "needs a VisionTransformer trained on SameDifferentDataModule or ArrangementDataModule, "
+                              "whose test images say where the two parts are")
+    data = build_datamodule(checkpoint)
     data.setup("test")
     test = data.test_set
     if max_images is not None and max_images < len(test):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
@@ -22,6 +23,8 @@ TASK_DATA = {
 }
 # The value of a data option (an experiment's ``data``): a plain scalar, checked by the data module itself.
 PLAIN = (int, float, str, bool, type(None))
+# A model or experiment name: part of each run's key, which names its folder under log_dir and its file names.
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
 CALIBRATE = "calibrate"  # the experiment name of the learning-rate calibration runs
@@ -64,6 +67,15 @@ def _require(cfg: dict, name: str, kind: type, where: str):
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise ValueError(f"{where}: {name}={value!r} is not allowed: expected {names}")
     return value
+
+
+def _check_name(where: str, key: str, value: object, *, dash: bool = True) -> None:
+    """Raise unless ``value`` is a plain name (`NAME`; with a ``-`` only if ``dash``): no ``/``, ``..`` or hidden
+    name, so that ``<log_dir>/<run key>`` stays inside ``log_dir``."""
+    if not isinstance(value, str) or not NAME.fullmatch(value) or (not dash and "-" in value):
+        allowed = "letters, digits, '_', '.'" + (", '-'" if dash else "")
+        raise ValueError(f"{where}: {key}={value!r} is not allowed: expected a plain name of {allowed}, "
+                         "not starting with '.'")
 
 
 def schedule(num_train: int, *, train_samples: int, num_val_checks: int, batch_size: int) -> tuple[int, int, int]:
@@ -123,6 +135,7 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"{where}: warmup_fraction={warmup!r} is not allowed: expected a float in [0, 1]")
     models = _require(cfg, "models", dict, where)
     for name, model in models.items():
+        _check_name(where, "models", name)
         if not isinstance(model, dict) or "class_path" not in model:
             raise ValueError(f"{where}: models.{name} must be a backbone mapping with a class_path "
                              f"(and init_args), as under model.backbone in a train.py config")
@@ -140,8 +153,7 @@ def load_config(path: str | Path) -> dict:
         if extra:
             raise ValueError(f"{w}: unknown keys {sorted(extra)}")
         name = _require(exp, "name", str, w)
-        if not name or "-" in name:
-            raise ValueError(f"{w}: name={name!r} is not allowed: expected a non-empty name without '-'")
+        _check_name(w, "name", name, dash=False)  # '-' separates the parts of a run key
         tasks = _require(exp, "tasks", list, w)
         for task in tasks:
             check_choice(f"{w}.tasks", task, tuple(TASK_DATA))

@@ -54,7 +54,7 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     def inputs(self) -> dict:
         """What turns an image into the model's input, as plain values: `img_size` `[H, W]`, `in_chans`, `mean` and
         `std` (None without normalisation) and `interpolation`. Every checkpoint records it, so that inference
-        needs neither this data module nor its files (`vit.training.rebuild`)."""
+        needs neither this data module nor its files (`vit.training.checkpoint`)."""
         height, width = check_size("img_size", self.img_size)
         norm = self.normalization
         return {"img_size": [height, width], "in_chans": int(self.in_chans),

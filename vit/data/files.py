@@ -23,6 +23,10 @@ import os
 import stat
 from pathlib import Path
 
+from vit.checks import file_kind
+
+SHOWN_SKIPPED = 20  # a folder of 20,000 unreadable files is summed up in one line, not listed
+
 
 def text_name(name: str) -> str:
     """`name` as valid text: bytes that are not UTF-8 become backslash escapes (`caf\\xff.png`), the rest is kept.
@@ -46,12 +50,7 @@ def not_a_file(path: str | os.PathLike) -> str | None:
         return "a symbolic link to nothing (dangling)" if os.path.islink(path) else "removed while being read"
     except OSError as err:
         return "a symbolic link loop" if err.errno == errno.ELOOP else (err.strerror or str(err))
-    if stat.S_ISREG(mode):
-        return None
-    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
-    kind = next((name for test, name in kinds if test(mode)), "a special file")
-    return f"{kind}, not a regular file"
+    return None if stat.S_ISREG(mode) else f"{file_kind(mode)}, not a regular file"
 
 
 def list_files(folders: list[str]) -> tuple[list[list[str]], dict[str, str]]:
@@ -99,3 +98,11 @@ def _walk(folder: str, seen_folders: set[str], skipped: dict[str, str]) -> list[
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # os.walk enters only these, in this order
         found.append((top, sorted(f for f in files if not f.startswith("."))))
     return sorted(found)  # torchvision's order: folders by path
+
+
+def first_skipped(skipped: dict[str, str], template: str, limit: int = SHOWN_SKIPPED) -> list[str]:
+    """`template` (`{name}`, `{why}`) filled in for the first `limit` of `skipped` (`{name: why}`), then one
+    `... and N more skipped file(s)` for the rest."""
+    shown = [template.format(name=name, why=why) for name, why in list(skipped.items())[:limit]]
+    rest = len(skipped) - len(shown)
+    return shown + ([f"... and {rest} more skipped file(s)"] if rest > 0 else [])

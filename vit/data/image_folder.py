@@ -47,7 +47,13 @@ from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int, check_size, first_line
 from vit.data.base import DataNotFoundError, SplitDataModule
-from vit.data.files import list_files, not_a_file, text_name, visible_folders
+from vit.data.files import (
+    first_skipped,
+    list_files,
+    not_a_file,
+    text_name,
+    visible_folders,
+)
 from vit.data.transforms import AutoAugmentName, batch_mixup, train_transform
 
 Normalization = Literal["imagenet", "inception", "none"]
@@ -272,7 +278,8 @@ class ImageFolderDataModule(SplitDataModule):
         self.split_files = {name: self._relative(dataset)
                             for name, dataset in (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))}
         if self.skipped:
-            listed = "; ".join(f"{os.path.relpath(p, self.root)}: {why}" for p, why in sorted(self.skipped.items()))
+            relative = {os.path.relpath(p, self.root): why for p, why in sorted(self.skipped.items())}
+            listed = "; ".join(first_skipped(relative, "{name}: {why}"))
             warnings.warn(text_name(f"skipped {len(self.skipped)} file(s) under {self.root}: {listed}"), stacklevel=3)
 
     def _relative(self, dataset: Dataset) -> list[str]:

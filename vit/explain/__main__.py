@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from vit.commands import fail, note_unnamed, parser, run
+from vit.commands import check_output, fail, parser, print_skipped, run
 from vit.explain.methods import CLASS_METHODS, METHODS
 
 SCALES = ("panel", "row", "figure")  # `vit.explain.plot.SCALES`, named here so `--help` loads no torch
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--hel
     import torch
     from torchvision.transforms import v2
 
+    from vit.training.checkpoint import Checkpoint
     from vit.training.classifier import ImageClassifier
 
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--save-maps", dest="save_maps", type=Path,
                          help="also write the raw maps to this .npz: one (B, gh, gw) array per method, and files, "
                               "predicted, probability, class_names, methods, target (-1: each prediction)")
-    options.add_argument("--overwrite", action="store_true", help="replace --out and --save-maps if they exist")
+    options.add_argument("--overwrite", action="store_true", help="replace --out and --save-maps if they exist (regular files only)")
     return run(options.parse_args(argv), prepare, explain)
 
 
@@ -63,34 +64,23 @@ def prepare(args: argparse.Namespace) -> Prepared:
     """The arguments checked, then the checkpoint opened, with the methods its model can run and the class to
     explain; without images given, the checkpoint's data module (for its test images)."""
     from vit.explain.relevance import usable_methods
-    from vit.training.checkpointing import CheckpointError
+    from vit.training.checkpoint import CheckpointError
+    from vit.training.checkpoint.build import build_datamodule, open_model
     from vit.training.classifier import class_index
     from vit.training.predictions import inference_transform
-    from vit.training.rebuild import build_datamodule, open_checkpoint
 
     methods = parse_methods(args.method)
     if args.num_images < 1:
         raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
-    check_image_format(args.out)
-    check_new_file("--out", args.out, args.overwrite)
-    if args.save_maps is not None:
-        if args.save_maps.suffix != ".npz":
-            raise ValueError(f"--save-maps {args.save_maps}: expected a name ending in .npz")
-        check_new_file("--save-maps", args.save_maps, args.overwrite)
-    if args.input_dir is not None and not args.input_dir.is_dir():
-        raise ValueError(f"--input_dir {args.input_dir} is not a folder"
-                         + ("" if args.input_dir.exists() else " (it does not exist)"))
-    for image in args.image or []:
-        if not image.is_file():
-            raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))
-    model, inputs, checkpoint = open_checkpoint(args.ckpt_path)
-    transform = inference_transform(inputs)
+    check_paths(args)
+    model, checkpoint = open_model(args.ckpt_path)
+    transform = inference_transform(checkpoint.inputs)
     methods = usable_methods(model.backbone, methods, option="--method ")
     target = None if args.target is None else class_index(args.target, model.class_names, option="--target ")
     data = None
     if args.input_dir is None and not args.image:  # the checkpoint's own test images
         try:
-            data = build_datamodule(checkpoint, args.ckpt_path)
+            data = build_datamodule(checkpoint)
         except CheckpointError as err:
             raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
     return Prepared(model, transform, checkpoint, methods, target, data)
@@ -105,12 +95,10 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     from vit.explain.relevance import relevance
 
     model, transform, checkpoint, methods, target, data = prepared
-    note_unnamed(args.ckpt_path, checkpoint, "the titles show class indices")
     if data is None:
         files, images, skipped = (read_images(args.input_dir, transform) if args.input_dir is not None
                                   else read_image_files(args.image, transform))
-        for name, reason in skipped.items():
-            print(f"skipped {name}: not a readable image ({reason})", file=sys.stderr)
+        print_skipped(skipped)
         if not images:
             return fail("no readable image to explain; nothing was written", status=1)
         if len(images) > args.num_images:
@@ -156,7 +144,7 @@ class Prepared(NamedTuple):
 
     model: ImageClassifier
     transform: v2.Compose
-    checkpoint: dict
+    checkpoint: Checkpoint
     methods: list[str]
     target: int | None
     data: L.LightningDataModule | None  # the checkpoint's data module when no image is given
@@ -188,12 +176,21 @@ def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], la
     return titles
 
 
-def check_new_file(option: str, path: Path, overwrite: bool) -> None:
-    """Raise `ValueError` if `path` exists (unless `overwrite`) or its folder does not: before any work is done."""
-    if path.exists() and not overwrite:
-        raise ValueError(f"{option} {path} already exists; pass --overwrite to replace it")
-    if not path.parent.is_dir():
-        raise ValueError(f"{option} {path}: its folder {path.parent} does not exist")
+def check_paths(args: argparse.Namespace) -> None:
+    """Raise `ValueError`, before any work, for files that cannot be written (`check_output`) or images that are
+    not there."""
+    check_image_format(args.out)
+    check_output("--out", args.out, args.overwrite)
+    if args.save_maps is not None:
+        if args.save_maps.suffix != ".npz":
+            raise ValueError(f"--save-maps {args.save_maps}: expected a name ending in .npz")
+        check_output("--save-maps", args.save_maps, args.overwrite)
+    if args.input_dir is not None and not args.input_dir.is_dir():
+        raise ValueError(f"--input_dir {args.input_dir} is not a folder"
+                         + ("" if args.input_dir.exists() else " (it does not exist)"))
+    for image in args.image or []:
+        if not image.is_file():
+            raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))
 
 
 def check_image_format(out: Path) -> None:

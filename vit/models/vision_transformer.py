@@ -167,7 +167,7 @@ class VisionTransformer(nn.Module):
         self.register_buffer("attn_mask", mask, persistent=False)
 
         # Stochastic depth grows linearly with depth: early blocks are kept almost always.
-        dpr = torch.linspace(0, drop_path_rate, depth).tolist()
+        dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # numbers, also under a meta-device build
         self.blocks = nn.ModuleList(
             Block(
                 embed_dim,

@@ -17,6 +17,8 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibratio
 
 from vit.checks import check_float, check_int
 
+SCHEMA_VERSION = 1  # of the checkpoints this class writes: `vit.training.checkpoint.schema` reads this version
+
 
 def format_test_results(metrics: dict[str, float], where: str = "") -> str:
     """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, and each class's accuracy."""
@@ -119,13 +121,12 @@ class ImageClassifier(L.LightningModule):
             every optimizer step `ema = ema_decay * ema + (1 - ema_decay) * weights`, starting from the weights
             training starts from). Validation, test and prediction use the average; the checkpoint holds it under
             `ema.module.*` beside the trained `backbone.*`, so a resumed `fit` continues both, and
-            `vit.training.rebuild.build_classifier` puts the average in `backbone` for every command.
+            `vit.training.checkpoint.build.build_classifier` puts the average in `backbone` for every command.
 
     Class names: `class_names` (`["0", "1", ...]` until known) is taken from the data module's
     `class_names` when a trainer runs the model with one, and travels in every checkpoint under the
-    top-level key `"class_names"` (`on_save_checkpoint` / `on_load_checkpoint`; a checkpoint written
-    before names were stored loads with the indices as names), beside `"inputs"`, the data module's
-    `inputs()` (image size, channels, normalisation, interpolation). `vit.training.rebuild` opens
+    top-level key `"class_names"` (`on_save_checkpoint` / `on_load_checkpoint`), beside `"inputs"`, the data module's
+    `inputs()` (image size, channels, normalisation, interpolation). `vit.training.checkpoint` opens
     checkpoints for inference from these alone.
 
     Testing logs, beside `test/loss` and `test/acc`: `test/ece` (expected calibration error, 15
@@ -279,16 +280,17 @@ class ImageClassifier(L.LightningModule):
                                                  f"{type(self.trainer.datamodule).__name__}.class_names")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["schema_version"] = SCHEMA_VERSION
         checkpoint["class_names"] = list(self.class_names)
         data = self.trainer.datamodule if self._trainer is not None else None
         if hasattr(data, "inputs"):  # what inference needs from the data, so that it needs no data module
             checkpoint["inputs"] = data.inputs()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        names = checkpoint.get("class_names")
-        if names is None:  # written before class names were stored
-            return
-        names = check_class_names(names, len(self.class_names), "the checkpoint's class_names")
+        if "class_names" not in checkpoint:
+            raise ValueError("the checkpoint records no class_names: it was written by an earlier version of this "
+                             "project, whose checkpoints this version does not open")
+        names = check_class_names(checkpoint["class_names"], len(self.class_names), "the checkpoint's class_names")
         if self._trainer is not None and names != self.class_names:
             # The data module's labels are what the metrics count; the checkpoint's names are what
             # the model learned. Different lists mean the labels do not mean what they did in training.
@@ -302,7 +304,8 @@ class ImageClassifier(L.LightningModule):
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.evaluated(x).softmax(dim=-1)
 
-    def configure_optimizers(self):
+    def optimizer(self) -> torch.optim.AdamW:
+        """The AdamW optimizer of the trainable parameters, in the parameter groups `configure_optimizers` uses."""
         hp = self.hparams
         # Weight decay on weight matrices only: norms, biases and the backbone's `no_weight_decay()`
         # names (position embedding, CLS token) are not weights, and decaying them pulls them to 0.
@@ -316,7 +319,11 @@ class ImageClassifier(L.LightningModule):
                 # timm's schedulers read `lr_scale`, torch's do not: it enters through each group's own lr,
                 # which LinearLR and CosineAnnealingLR (floor 0) then scale alike.
                 group["lr"] = hp.lr * group["lr_scale"]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
+        return torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = self.optimizer()
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup_steps = min(total_steps, round(hp.warmup_epochs * total_steps / max_epochs))

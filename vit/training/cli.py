@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import warnings
@@ -27,24 +28,22 @@ from vit.training.callbacks import (
     StopOnNonFinite,
     StopOnSignal,
 )
-from vit.training.checkpointing import (
-    AtomicCheckpointIO,
-    CheckpointError,
-    fetch_checkpoint,
-    read_checkpoint,
-)
+from vit.training.checkpoint import Checkpoint, CheckpointError, read
+from vit.training.checkpoint.build import build_classifier
+from vit.training.checkpoint.io import AtomicCheckpointIO
+from vit.training.checkpoint.resume import check_resume
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.dashboard import HParamsTable
 from vit.training.predictions import PredictionWriter, check_topk
-from vit.training.rebuild import check_hyperparameters, current_hyperparameters
 from vit.training.preflight import (
     ConfigError,
-    check_checkpoint,
+    check_data_fits,
     check_given_config,
     check_trainer_options,
     check_writable,
     forward_one_image,
     is_local_file,
+    record_model,
     resolve_resume,
 )
 from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
@@ -90,7 +89,7 @@ class ViTCLI(LightningCLI):
             backbone_args.pretrained = None
         if backbone_args.get("pretrained") and any(backbone_args.get(k, 0) is None for k in DEFAULT_SHAPE):
             # Written into the config, so that the saved config.yaml and every checkpoint hold the numbers
-            # (a checkpoint is rebuilt without its pretrained source: vit.training.rebuild).
+            # (a checkpoint is rebuilt without its pretrained source: vit.training.checkpoint).
             given = {name: backbone_args.get(name) for name in DEFAULT_SHAPE}
             for name, value in resolve_shape(backbone_args.pretrained, **given).items():
                 backbone_args[name] = value
@@ -118,9 +117,8 @@ class ViTCLI(LightningCLI):
         # `test` prints `format_test_results` (per class, by name) instead of Lightning's table; --verbose true adds the table.
         parser.set_defaults({"test.verbose": False})
         super().parse_arguments(parser, args)
-        self._checkpoint_hparams: dict | None = None  # what `_parse_ckpt_path` merges into the config
-        # Before LightningCLI reads the checkpoint's hyperparameters into the config (it loads the
-        # file right after parsing): resolve `last`, and fail with a message on an unreadable file.
+        self._checkpoint: Checkpoint | None = None  # the --ckpt_path checkpoint, read and validated once
+        # Before anything is built: resolve `last`, then read the checkpoint (a file or a URL) and validate it whole.
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
             config = self.config[subcommand]
@@ -130,36 +128,19 @@ class ViTCLI(LightningCLI):
                     check_int("seed_everything", seed, 0, 2**32 - 1)  # numpy's range; `true` draws one
                 except ValueError as err:
                     raise ConfigError(str(err)) from None
-            if is_local_file(config.get("ckpt_path")):
-                # A URL (http, file://, s3://, ...) becomes a local file here, so that every scheme
-                # passes the same checks before Lightning sees it (Lightning would load a URL with
-                # weights_only off, and skip these checks).
-                config.ckpt_path = fetch_checkpoint(config.ckpt_path)
+            if is_local_file(config.get("ckpt_path")) and "://" not in str(config.ckpt_path):
+                config.ckpt_path = os.path.expanduser(str(config.ckpt_path))
             resolve_resume(subcommand, config)
             if is_local_file(config.get("ckpt_path")):
-                checkpoint = read_checkpoint(config.ckpt_path)
-                # LightningCLI parses the checkpoint's hyperparameters into the config next, and jsonargparse
-                # builds every class path it meets: only this project's classes and plain values get that far.
-                check_hyperparameters(checkpoint)
-                self._checkpoint_hparams = current_hyperparameters(checkpoint, config.ckpt_path)
-                for line in check_given_config(subcommand, config, checkpoint, ImageClassifier, config.ckpt_path):
-                    rank_zero_warn(f"--ckpt_path {config.ckpt_path}: the checkpoint's value is used for {line}")
+                self._checkpoint = read(config.ckpt_path)
+                for line in check_given_config(subcommand, config, self._checkpoint.raw, ImageClassifier,
+                                               self._checkpoint.source):
+                    rank_zero_warn(f"--ckpt_path {self._checkpoint.source}: the checkpoint's value is used for {line}")
 
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI's own merge of the checkpoint's hyperparameters into the config (the same steps)
-        # reads the file again, and refuses one that records an option the model no longer has; this one
-        # merges what `parse_arguments` read and checked, as today's classes take it.
-        hparams = dict(self._checkpoint_hparams or {})
-        hparams.pop("_instantiator", None)
-        if not hparams:
-            return
-        if "_class_path" in hparams:
-            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
-        try:
-            self.config = self.parser.parse_object({self.config.subcommand: {"model": hparams}}, self.config)
-        except SystemExit:
-            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
-            raise
+        # LightningCLI would merge the checkpoint's hyperparameters into the config here, for jsonargparse to build
+        # what they name. The model of a checkpoint is built from its validated values instead (`instantiate_classes`).
+        return
 
     def instantiate_classes(self) -> None:
         # Constructors (ours and the Trainer's) check their arguments and raise ValueError or
@@ -169,11 +150,21 @@ class ViTCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
             raise ConfigError(constructor_message(str(err))) from err
+        if self._checkpoint is not None:
+            # The model the checkpoint's weights (and run) belong to, built by this project from checked values;
+            # the saved config.yaml records it as the run's model.
+            self.model = build_classifier(self._checkpoint, inference=False)
+            self._add_configure_optimizers_method_to_model(self.subcommand)
+            check_data_fits(self._checkpoint, self.datamodule)
+            record_model(self.config[self.subcommand], self._checkpoint)
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own plugin alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self._checkpoint is not None and not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
+            raise ConfigError(f"--ckpt_path needs this project's checkpoint reader; the configured checkpoint_io "
+                              f"{type(trainer.strategy.checkpoint_io).__name__} would read the file itself")
         if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
             # `train.py predict` writes its predictions (a CSV in the run folder), not only computes them.
             trainer.callbacks.append(PredictionWriter())
@@ -211,8 +202,12 @@ class ViTCLI(LightningCLI):
                 check_topk(writer.topk, len(self.model.class_names), option="PredictionWriter topk=")
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-        if is_local_file(ckpt_path):
-            check_checkpoint(ckpt_path, self.model, subcommand=self.subcommand, world_size=self.trainer.world_size)
+        if self._checkpoint is not None:
+            # Lightning restores from this validated dict (for `fit`, only what `check_resume` accepts); the
+            # file is not read again.
+            validated = (check_resume(self._checkpoint, self.trainer, self.model, self.datamodule)
+                         if self.subcommand == "fit" else self._checkpoint.raw)
+            self.trainer.strategy.checkpoint_io.expect(ckpt_path, validated)
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
                 check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")

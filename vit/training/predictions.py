@@ -30,11 +30,11 @@ from torchvision.transforms import v2
 from vit.checks import check_int
 from vit.data.files import text_name
 from vit.data.image_folder import build_transform
-from vit.training.checkpointing import CheckpointError
+from vit.training.checkpoint.errors import CheckpointError
 
 
 def inference_transform(inputs: dict) -> v2.Compose:
-    """The transform of `vit.training.rebuild.input_description`'s record: PIL image -> the model's input."""
+    """The transform of `Checkpoint.inputs` (what a checkpoint records of its input): PIL image -> the model's input."""
     normalization = None if inputs["mean"] is None else (inputs["mean"], inputs["std"])
     try:
         return build_transform(inputs["img_size"], inputs["in_chans"], normalization, inputs["interpolation"])

@@ -4,19 +4,18 @@ Everything here runs before any run folder exists, so a failure costs nothing. I
 command line makes them:
 
 1. right after parsing: `--ckpt_path last` resolved to a file and a resumed run to its own folder
-   (`resolve_resume`); the checkpoint's recorded settings against the ones typed
-   (`check_given_config`), before LightningCLI lets the checkpoint's values replace them;
-2. once the model and trainer exist: for `fit`, the trainer's optimisation settings
-   (`check_trainer_options`); the checkpoint against the model, its weights and its number of
-   processes (`check_checkpoint`); the loggers' save folders (`check_writable`); one training
-   image through the model (`forward_one_image`).
+   (`resolve_resume`); the checkpoint read and validated whole (`vit.training.checkpoint.read`);
+   its recorded settings against the ones typed (`check_given_config`);
+2. once the classes exist: the checkpoint's model, built from its validated values, against the
+   data module's images and classes (`check_data_fits`), and recorded in the run's config
+   (`record_model`); for `fit`, the trainer's optimisation settings (`check_trainer_options`) and
+   the trainer state the run resumes (`vit.training.checkpoint.resume.check_resume`); the loggers'
+   save folders (`check_writable`); one training image through the model (`forward_one_image`).
 
-Reading a checkpoint file safely (`read_checkpoint`) is I/O and lives in `vit.training.checkpointing`.
-
-What a checkpoint may override of the config a user typed: LightningCLI reads a checkpoint's
-hyperparameters (`model.*`) into the config before it builds anything, so without a check a value
-typed on the command line or in a `--config` is silently replaced by the checkpoint's. For values
-the user set (that differ from the default) and that differ from the checkpoint's:
+What a checkpoint may override of the config a user typed: with `--ckpt_path`, the model is the
+checkpoint's (its weights are that architecture), so a value typed on the command line or in a
+`--config` would be silently replaced by the checkpoint's. For values the user set (that differ
+from the default) and that differ from the checkpoint's:
 
 - the backbone (its class and every `init_args` value) must match, for every subcommand: the
   weights are that architecture, and evaluating or resuming another one is not what was asked;
@@ -26,7 +25,7 @@ the user set (that differ from the default) and that differ from the checkpoint'
 - for `fit`, the data module's settings must match too (batch size, dataset size, seed, ...; not
   where the files are or how many loader workers read them): they define where in the data the
   run is, and a different batch size would skip or repeat part of the epoch. The number of
-  processes must also be the same (`check_checkpoint`).
+  processes must also be the same (`check_resume`).
 
 A value left at its default takes the checkpoint's silently: that is how `--ckpt_path` is meant
 to be used.
@@ -35,25 +34,18 @@ to be used.
 from __future__ import annotations
 
 import inspect
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
 
-from vit.checks import check_float, check_int
-from vit.models.pretrained import PretrainedError, check_layout
-from vit.training.callbacks import NonFiniteError, check_finite_weights
-from vit.training.checkpointing import (
-    CheckpointError,
-    find_last_checkpoint,
-    read_checkpoint,
-    remove_partial_writes,
-)
-from vit.training.rebuild import BACKBONES
+from vit.checks import check_float, check_int, check_size
+from vit.training.checkpoint import Checkpoint, CheckpointError
+from vit.training.checkpoint.io import find_last_checkpoint, remove_partial_writes
+from vit.training.checkpoint.schema import BACKBONES
 
 # Data settings that say where and how fast the data are read, not which data: free to change on resume.
 NOT_THE_RUN = frozenset({"data_dir", "root", "download", "num_workers", "pin_memory", "persistent_workers"})
@@ -205,118 +197,30 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# --- The checkpoint against the model (once it is built) -------------------------------------------
+# --- The checkpoint's model in this run (once the classes are built) -------------------------------
 
 
-def check_checkpoint(path: str | os.PathLike, model: nn.Module, *, subcommand: str, world_size: int = 1) -> dict[str, Any]:
-    """Read `path` and check that `model` can load it, and for `fit` resume from it; return the checkpoint.
-
-    Raises `CheckpointError` naming the file and what is wrong: the backbone class or its
-    hyperparameters when the checkpoint recorded them (e.g. "num_classes=10 ... num_classes=2"),
-    else the parameters whose names or shapes differ; weights only, for `fit`; not written by
-    Lightning; NaN or infinite weights. `ConfigError` when `fit` would resume mid-epoch with
-    another number of processes than the checkpoint was written with.
-    """
-    checkpoint = read_checkpoint(path)
-    theirs, ours = _in_backbone_layout(checkpoint["state_dict"], model, path), model.state_dict()
-    missing = sorted(ours.keys() - theirs.keys())
-    unexpected = sorted(theirs.keys() - ours.keys())
-    reshaped = sorted(k for k in ours.keys() & theirs.keys() if tuple(ours[k].shape) != tuple(theirs[k].shape))
-    if missing or unexpected or reshaped:
-        details = [f"{k} {tuple(theirs[k].shape)} in the checkpoint, {tuple(ours[k].shape)} here" for k in reshaped[:3]]
-        details += [f"{k} missing from the checkpoint" for k in missing[:3]]
-        details += [f"{k} not in this model" for k in unexpected[:3]]
-        why = _hparams_difference(checkpoint.get("hyper_parameters", {}), getattr(model, "hparams", {}))
-        shared = len(ours.keys() & theirs.keys())
-        if not why and shared < len(theirs) / 2:
-            why = f"it holds another architecture: only {shared} of its {len(theirs)} tensors have names this model uses"
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this config: "
-            + (f"{why}. " if why else "")
-            + f"Tensors that differ ({len(missing) + len(unexpected) + len(reshaped)}): {'; '.join(details)}"
-        )
-    if subcommand == "fit" and not checkpoint.get("optimizer_states"):
-        raise CheckpointError(
-            f"checkpoint {path} holds weights only (no optimizer or loop state), so `fit` cannot resume from it; "
-            "it can still be used by validate, test and predict"
-        )
-    if subcommand == "fit" and any("lr_lambdas" in s for s in checkpoint.get("lr_schedulers") or [] if isinstance(s, dict)):
-        # Written before the schedule became torch's LinearLR + CosineAnnealingLR (and timm's
-        # parameter groups, in another order): its optimizer and schedule states do not load.
-        raise CheckpointError(
-            f"checkpoint {path} was written by an earlier version of this project (a LambdaLR schedule), whose "
-            "optimizer and schedule states this version cannot continue; validate, test and predict can use it, "
-            "or fine-tune from its weights in a new run"
-        )
-    if "pytorch-lightning_version" not in checkpoint:
-        raise CheckpointError(
-            f"checkpoint {path} is not a checkpoint of this project: Lightning did not write it (no "
-            "'pytorch-lightning_version'). A plain state dict can be loaded in Python with "
-            "`model.load_state_dict(...)`"
-        )
-    try:
-        check_finite_weights(checkpoint["state_dict"], int(checkpoint.get("global_step", 0)))
-    except NonFiniteError as err:
-        raise CheckpointError(f"checkpoint {path} is unusable: {err}".replace(
-            "; the checkpoint was not written, so the last one on disk is still a good one", "")) from err
-    if subcommand == "fit":
-        _check_same_world_size(checkpoint, path, world_size)
-    return checkpoint
+def check_data_fits(checkpoint: Checkpoint, datamodule) -> None:
+    """Raise `ConfigError` when the data module's images or classes are not the ones the checkpoint's model takes."""
+    args = checkpoint.backbone_args
+    for name in ("num_classes", "in_chans", "img_size"):
+        ours, theirs = getattr(datamodule, name, None), args.get(name)
+        if ours is None or theirs is None:
+            continue
+        if name == "img_size":
+            ours, theirs = list(check_size("data.img_size", ours)), list(check_size("img_size", theirs))
+        if ours != theirs:
+            raise ConfigError(f"checkpoint {checkpoint.source} does not fit this config: its model was trained with "
+                              f"{name}={theirs!r}, the data module gives {name}={ours!r}")
 
 
-def _in_backbone_layout(state: dict, model: nn.Module, path) -> dict:
-    """`state` with its `backbone.*` keys as the backbone's `load_state_dict` will see them (`check_layout`: an
-    older MAP head renamed), or `CheckpointError` saying which option loads a norm on the other side of the pooling."""
-    backbone = getattr(model, "backbone", None)
-    if not hasattr(backbone, "use_fc_norm"):
-        return state
-    inner = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-    try:
-        fixed = check_layout(inner, backbone)
-    except PretrainedError as err:
-        raise CheckpointError(f"checkpoint {path} does not fit this config: {err}") from None
-    if fixed is inner:
-        return state
-    return {**{k: v for k, v in state.items() if not k.startswith("backbone.")},
-            **{f"backbone.{k}": v for k, v in fixed.items()}}
-
-
-def _check_same_world_size(checkpoint: dict, ckpt_path, world_size: int) -> None:
-    """Resuming mid-epoch needs the number of processes the checkpoint was written with."""
-    for state in checkpoint.values():
-        if isinstance(state, dict) and "train_position" in state and "world_size" in state:
-            if state["world_size"] != world_size:
-                raise ConfigError(
-                    f"checkpoint {ckpt_path} was written by {state['world_size']} process(es) and this run has "
-                    f"{world_size}: each process's share of the epoch differs, so the run cannot continue where it "
-                    f"stopped. Resume with {state['world_size']} process(es) (trainer.devices x trainer.num_nodes)"
-                )
-
-
-def _hparams_difference(saved: dict, current: dict) -> str:
-    """'it was trained with A, this config has B' for the backbone's class and hyperparameters, or ''."""
-    before, now = _backbone_config(saved), _backbone_config(current)
-    if before is None or now is None:
-        return ""
-    if before[0] != now[0]:
-        return f"it was trained with backbone {before[0]}, this config has {now[0]}"
-    keys = [k for k in before[1] if k in now[1] and _plain(before[1][k]) != _plain(now[1][k])]
-    if not keys:
-        return ""
-    then = ", ".join(f"{k}={before[1][k]!r}" for k in keys)
-    here = ", ".join(f"{k}={now[1][k]!r}" for k in keys)
-    return f"checkpoint trained with {then}, this config has {here}"
-
-
-def _backbone_config(hparams) -> tuple[str, dict] | None:
-    """`(class_path, init_args)` of the backbone recorded by LightningCLI, or None."""
-    backbone = dict(hparams).get("backbone") if hparams else None
-    if backbone is None or isinstance(backbone, nn.Module):
-        return None
-    backbone = dict(backbone)
-    if "class_path" not in backbone:
-        return None
-    return str(backbone["class_path"]), dict(backbone.get("init_args") or {})
+def record_model(config, checkpoint: Checkpoint) -> None:
+    """Write the checkpoint's model settings into the run's config (plain values), so config.yaml says what ran."""
+    model = config.model
+    model.backbone = Namespace(class_path=checkpoint.hyper_parameters["backbone"]["class_path"],
+                               init_args=Namespace(**checkpoint.backbone_args))
+    for key, value in checkpoint.settings.items():
+        model[key] = value
 
 
 # --- The trainer's optimisation settings ---------------------------------------------------------

@@ -1,0 +1,164 @@
+"""Fuzz the doors that open a checkpoint for longer than the test suite does, and summarise what each did.
+
+    python benchmarks/fuzz_checkpoints.py --examples 2000 [--doors load,validate,fit] [--seed 0]
+
+The same strategy as `tests/test_checkpoint_fuzz.py` (`tests/checkpoint_mutations.py`): one tiny run is
+trained, then each example changes one key path of its `last.ckpt` (a value of another type, a huge
+number, a class path, a `..` path, a URL, a tensor of another shape or layout, a deep nesting, a key
+deleted or added), saves it, and opens it through one door: `vit.load` (then one prediction),
+`train.py validate --ckpt_path`, or `train.py fit --ckpt_path` (one epoch more, in the run's own
+folder; the trainer state, which only `fit` reads, is drawn twice as often), each in this process. Before the random examples, the mutations an attacker would try first are tried
+(`notable_mutations`). `--examples` is the number of random examples per door; `fit` takes ~3 s
+an example, `validate` ~1 s, `load` ~0.1 s.
+
+Printed per door: the variants tried, accepted, refused (grouped by the first words of the error,
+values elided) and failed: any other exception, a traceback, an exit code other than 0 or 2, a
+marker file created by code the checkpoint named, or a file beside the run folder touched. Each
+failure is printed with its key path, value and the end of its traceback. The exit status is 1
+when any variant failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the mutation helpers live beside the test that uses them
+
+from checkpoint_mutations import (  # noqa: E402
+    Mutation,
+    Outcome,
+    Site,
+    Trained,
+    mutations,
+    notable_mutations,
+    open_with_cli,
+    open_with_load,
+    section,
+    train_checkpoint,
+)
+from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+
+DOORS = ("load", "validate", "fit")
+
+
+@dataclass
+class DoorReport:
+    """What one door did with every variant it was given."""
+
+    door: str
+    seconds: float = 0.0
+    outcomes: list[tuple[Mutation, Outcome]] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(outcome.status == status for _, outcome in self.outcomes)
+
+    def reasons(self) -> Counter:
+        return Counter(reason(outcome.detail) for _, outcome in self.outcomes if outcome.status == "refused")
+
+    def sections(self) -> dict[str, Counter]:
+        found: dict[str, Counter] = {}
+        for mutation, outcome in self.outcomes:
+            found.setdefault(section(mutation.path), Counter())[outcome.status] += 1
+        return found
+
+
+def reason(message: str, words: int = 5) -> str:
+    """The first `words` words of a refusal, without the file's name, values and indices: refusals for one
+    cause at one key group together."""
+    text = message.removeprefix("error: ")
+    text = re.sub(r"^checkpoint \S+?(:| cannot be resumed:)? ", "", text)
+    text = re.sub(r"ModelCheckpoint\{.*?\}", "ModelCheckpoint{…}", text)
+    text = re.sub(r"=.*?(?= is not allowed| disagrees| and inputs\.|: |$)", "=…", text)
+    text = re.sub(r"\d+", "N", text)
+    text = re.sub(r"(\[N\]|\.x){3,}", "…", text)  # the key path of a deep nesting
+    return " ".join(text.split()[:words])
+
+
+def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: int) -> DoorReport:
+    """Open `examples` random variants (after the notable ones) through `door`; return what it did with each."""
+    site = Site.make(root / door)
+    base = trained.moved_to(site)
+    report = DoorReport(door)
+
+    def one(mutation: Mutation) -> None:
+        site.reset(trained)
+        site.write(mutation.apply(base))
+        outcome = open_with_load(site) if door == "load" else open_with_cli(door, site)
+        report.outcomes.append((mutation, outcome))
+        if outcome.status == "failed":
+            print(f"  {door}: FAILED {mutation!r}: {outcome.detail}", flush=True)
+
+    # No shrinking: every variant is recorded and the run goes on, instead of stopping at the first failure.
+    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @seed(random_seed)
+    @given(mutations(base, site, weigh_trainer_state=door == "fit"))
+    def random_examples(mutation: Mutation) -> None:
+        one(mutation)
+
+    start = time.perf_counter()
+    for mutation in notable_mutations(base, site):
+        one(mutation)
+    if examples:
+        random_examples()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def summary(reports: list[DoorReport], top: int) -> str:
+    lines = [f"{'door':<10}{'tried':>7}{'accepted':>10}{'refused':>9}{'failed':>8}{'seconds':>10}"]
+    lines += [f"{r.door:<10}{len(r.outcomes):>7}{r.count('accepted'):>10}{r.count('refused'):>9}"
+              f"{r.count('failed'):>8}{r.seconds:>10.1f}" for r in reports]
+    for r in reports:
+        lines += ["", f"{r.door}: tried / accepted / refused / failed by section"]
+        lines += [f"  {name:<34}{sum(c.values()):>5}{c['accepted']:>5}{c['refused']:>5}{c['failed']:>5}"
+                  for name, c in sorted(r.sections().items())]
+        reasons = r.reasons()
+        lines += ["", f"{r.door}: refused, by the first words of the error ({len(reasons)} groups)"]
+        lines += [f"  {n:>5}  {text}" for text, n in reasons.most_common(top)]
+        if len(reasons) > top:
+            lines.append(f"  {sum(n for _, n in reasons.most_common()[top:]):>5}  ... in {len(reasons) - top} "
+                         "smaller groups")
+        failed = [(m, o) for m, o in r.outcomes if o.status == "failed"]
+        lines += ["", f"{r.door}: failed ({len(failed)})"]
+        lines += [f"  {m!r}\n    {o.detail}" for m, o in failed]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=200, help="random variants per door (default 200)")
+    parser.add_argument("--doors", default="load", help=f"comma-separated, of {','.join(DOORS)} (default load)")
+    parser.add_argument("--seed", type=int, default=0, help="hypothesis's seed: the same seed tries the same variants")
+    parser.add_argument("--top", type=int, default=30, help="refusal groups printed per door (default 30)")
+    parser.add_argument("--keep", type=Path, default=None, help="a folder to work in and keep (default: a temporary "
+                        "folder, removed at the end)")
+    args = parser.parse_args(argv)
+    doors = [d.strip() for d in args.doors.split(",") if d.strip()]
+    unknown = [d for d in doors if d not in DOORS]
+    if unknown:
+        parser.error(f"--doors: {unknown} not among {list(DOORS)}")
+    with tempfile.TemporaryDirectory(prefix="fuzz_checkpoints_") as tmp:
+        root = args.keep or Path(tmp)
+        start = time.perf_counter()
+        trained = train_checkpoint(root / "reference")
+        print(f"trained the reference checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+        reports = []
+        for door in doors:
+            reports.append(fuzz(door, trained, root, args.examples, args.seed))
+            print(f"{door}: {len(reports[-1].outcomes)} variants in {reports[-1].seconds:.1f} s", flush=True)
+    print()
+    print(summary(reports, args.top))
+    return 1 if any(r.count("failed") for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

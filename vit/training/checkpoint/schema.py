@@ -1,0 +1,320 @@
+"""The checkpoint's schema: what a checkpoint of this project holds, checked whole before anything is built.
+
+`validate(raw, source)` turns the dict `torch.load` gave into a `Checkpoint` or raises one
+`CheckpointError` naming the key. Version 1 of the format, the one `train.py` writes:
+
+| key | what it holds |
+|---|---|
+| `state_dict` | str -> dense CPU tensor; exactly the names and shapes of the recorded architecture, finite |
+| `hyper_parameters` | `ImageClassifier`'s arguments; `backbone` is `{class_path, init_args}` of a `vit.models` class |
+| `datamodule_hyper_parameters` | `_class_path` of a `vit.data` data module and its arguments (optional) |
+| `inputs` | `img_size` [H, W], `in_chans`, `mean`, `std` (both null, or `in_chans` numbers), `interpolation` |
+| `class_names` | `num_classes` distinct strings |
+| `schema_version` | 1 (optional: written since version 1 was named) |
+| `epoch`, `global_step`, `pytorch-lightning_version`, `hparams_name`, `datamodule_hparams_name` | Lightning's bookkeeping |
+| `loops`, `callbacks`, `optimizer_states`, `lr_schedulers`, `MixedPrecision`, `<DataModule>` | trainer state (`resume`) |
+
+Every value is plain data of bounded size (`values.walk`); every argument exists in its class's
+signature and has the type of its annotation; sizes are bounded (`LIMITS`); the architecture is
+built on the meta device (no memory) and its state-dict names and shapes compared with the
+file's; `inputs` agree with the backbone. The trainer state is checked for type here and against
+the run in `vit.training.checkpoint.resume`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+import vit.data
+import vit.models
+from vit.checks import check_size, constructor_message, first_line
+from vit.training.checkpoint.errors import CheckpointError
+from vit.training.checkpoint.trainer_state import check_trainer_state
+from vit.training.checkpoint.values import MAX_INT, check_annotation, shown, walk
+from vit.training.classifier import SCHEMA_VERSION, ImageClassifier
+
+# What LightningCLI writes beside every argument it instantiated; opening a checkpoint never calls it.
+LIGHTNING_INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
+CLASSIFIER_PATHS = ("vit.training.classifier.ImageClassifier", "vit.training.ImageClassifier")
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+TRAINER_KEYS = ("loops", "callbacks", "optimizer_states", "lr_schedulers", "MixedPrecision")
+BOOKKEEPING = ("epoch", "global_step", "pytorch-lightning_version", "hparams_name", "datamodule_hparams_name",
+               "schema_version")
+# Upper bounds of sizes a checkpoint may record: beyond them the model or its data would not fit in memory.
+LIMITS = {"img_size": 4096, "in_chans": 64, "num_classes": 100_000, "embed_dim": 8192, "depth": 256,
+          "num_heads": 256, "score_dim": 8192, "patch_size": 1024, "patch_kernel": 1024, "reg_tokens": 64,
+          "num_train": 1_000_000, "num_val": 1_000_000, "num_test": 1_000_000, "batch_size": 65_536,
+          "num_workers": 256, "repeated_augmentation": 64}
+MAX_BUFFER_BYTES = 2**30  # what the architecture holds beside its weights (fixed tables, masks)
+
+
+def _public_classes(package, base: type) -> dict[str, type]:
+    """`{class path: class}` of the `base` subclasses a package exports, under `package.Name` and their module's path."""
+    found = {}
+    for name in package.__all__:
+        cls = getattr(package, name)
+        if isinstance(cls, type) and issubclass(cls, base):
+            found[f"{package.__name__}.{name}"] = found[f"{cls.__module__}.{name}"] = cls
+    return found
+
+
+BACKBONES = _public_classes(vit.models, nn.Module)
+DATA_MODULES = _public_classes(vit.data, L.LightningDataModule)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint that passed `validate`: every value checked, nothing built from it yet.
+
+    `raw` is the validated dict itself (what Lightning restores a run from), `source` the path or
+    URL as a message shows it.
+    """
+
+    source: str
+    raw: dict = field(repr=False)
+    backbone_class: type[nn.Module]
+    backbone_args: dict
+    settings: dict  # ImageClassifier's arguments other than the backbone
+    data_class: type[L.LightningDataModule] | None
+    data_args: dict
+    inputs: dict
+    class_names: list[str]
+
+    @property
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.raw["state_dict"]
+
+    @property
+    def hyper_parameters(self) -> dict:
+        return self.raw["hyper_parameters"]
+
+    @property
+    def has_trainer_state(self) -> bool:
+        return bool(self.raw.get("optimizer_states"))
+
+
+def validate(raw: Any, source: str) -> Checkpoint:
+    """The `Checkpoint` of `raw` (what `torch.load` read from `source`), or `CheckpointError` naming the first key
+    that does not follow the schema (module doc)."""
+    try:
+        return _validate(raw, source)
+    except CheckpointError as err:
+        raise CheckpointError(f"checkpoint {source}: {err}") from None
+
+
+def _validate(raw: Any, source: str) -> Checkpoint:
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"it holds a {type(raw).__name__}, not the mapping a Lightning checkpoint is")
+    for _ in walk(raw, "", tensors=True):  # plain data of bounded size and depth, everywhere
+        pass
+    for key in ("state_dict", "hyper_parameters", "inputs", "class_names", "pytorch-lightning_version"):
+        if key not in raw:
+            raise CheckpointError(f"it has no {key!r}: it was not written by train.py of this version "
+                                  "(a plain state dict loads in Python with `model.load_state_dict(...)`)")
+    version = raw.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise CheckpointError(f"schema_version={shown(version)} is not allowed: this version of readable-vit "
+                              f"reads schema {SCHEMA_VERSION}")
+    backbone_class, backbone_args, settings = _model(raw["hyper_parameters"])
+    data_class, data_args = _data(raw.get("datamodule_hyper_parameters"))
+    known = {*BOOKKEEPING, *TRAINER_KEYS, "state_dict", "hyper_parameters", "datamodule_hyper_parameters",
+             "inputs", "class_names"}
+    if data_class is not None:
+        known.add(data_class.__qualname__)  # Lightning's key for the data module's own state
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise CheckpointError(f"it has a key {shown(unknown[0])} that this project does not write; refused")
+    for key in ("epoch", "global_step"):
+        value = raw.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected an int >= 0")
+    for key in ("pytorch-lightning_version", "hparams_name", "datamodule_hparams_name"):
+        if key in raw and not isinstance(raw[key], (str, type(None))):
+            raise CheckpointError(f"{key}={shown(raw[key])} is not allowed: expected a string")
+    num_classes = _architecture(raw["state_dict"], backbone_class, backbone_args, settings)
+    inputs = _inputs(raw["inputs"], backbone_args)
+    class_names = _class_names(raw["class_names"], num_classes)
+    check_trainer_state(raw, data_class)
+    return Checkpoint(source=source, raw=raw, backbone_class=backbone_class, backbone_args=backbone_args,
+                      settings=settings, data_class=data_class, data_args=data_args, inputs=inputs,
+                      class_names=class_names)
+
+
+def _arguments(cls: type, given: Mapping, key: str, skip: tuple[str, ...] = ()) -> dict:
+    """`given` checked against `cls.__init__`'s signature: names that exist, values of their annotated type, sizes
+    within `LIMITS`."""
+    parameters = inspect.signature(cls).parameters
+    hints = typing.get_type_hints(cls.__init__)
+    args = {}
+    for name, value in given.items():
+        if name in skip:
+            continue
+        if name not in parameters or parameters[name].kind in (inspect.Parameter.VAR_KEYWORD,
+                                                                inspect.Parameter.VAR_POSITIONAL):
+            raise CheckpointError(f"{key}.{name}: {cls.__name__} has no argument {name!r}; refused")
+        check_annotation(value, hints.get(name, Any), f"{key}.{name}")
+        limit = LIMITS.get(name)
+        sizes = value if isinstance(value, (list, tuple)) else [value]
+        if limit is not None and any(isinstance(v, int) and not 0 <= v <= limit for v in sizes):
+            raise CheckpointError(f"{key}.{name}={shown(value)} is not allowed: expected at most {limit}")
+        args[name] = value
+    return args
+
+
+def _model(hparams: Any) -> tuple[type[nn.Module], dict, dict]:
+    if not isinstance(hparams, Mapping):
+        raise CheckpointError(f"hyper_parameters is a {type(hparams).__name__}, not a mapping")
+    _instantiator(hparams, "hyper_parameters")
+    if hparams.get("_class_path", CLASSIFIER_PATHS[0]) not in CLASSIFIER_PATHS:
+        raise CheckpointError(f"hyper_parameters._class_path={shown(hparams['_class_path'])} is not allowed: the "
+                              f"model of a checkpoint is {CLASSIFIER_PATHS[0]}; refused")
+    spec = hparams.get("backbone")
+    if not isinstance(spec, Mapping) or set(spec) - {"class_path", "init_args"}:
+        raise CheckpointError(f"hyper_parameters.backbone={shown(spec)} is not allowed: expected a mapping of "
+                              "class_path and init_args")
+    cls = _owned(spec.get("class_path"), BACKBONES, "hyper_parameters.backbone.class_path", "backbones")
+    init_args = spec.get("init_args") or {}
+    if not isinstance(init_args, Mapping):
+        raise CheckpointError(f"hyper_parameters.backbone.init_args={shown(init_args)} is not allowed: expected "
+                              "a mapping")
+    backbone_args = _arguments(cls, init_args, "hyper_parameters.backbone.init_args")
+    if backbone_args.get("pretrained") is not None:
+        backbone_args["pretrained"] = None  # the checkpoint's weights replace them: nothing is read or fetched
+    settings = _arguments(ImageClassifier, hparams, "hyper_parameters", skip=("backbone", "_instantiator",
+                                                                              "_class_path"))
+    return cls, backbone_args, settings
+
+
+def _data(hparams: Any) -> tuple[type[L.LightningDataModule] | None, dict]:
+    if hparams is None:
+        return None, {}
+    if not isinstance(hparams, Mapping):
+        raise CheckpointError(f"datamodule_hyper_parameters is a {type(hparams).__name__}, not a mapping")
+    _instantiator(hparams, "datamodule_hyper_parameters")
+    cls = _owned(hparams.get("_class_path"), DATA_MODULES, "datamodule_hyper_parameters._class_path",
+                 "data modules")
+    return cls, _arguments(cls, hparams, "datamodule_hyper_parameters", skip=("_class_path", "_instantiator"))
+
+
+def _instantiator(section: Mapping, key: str) -> None:
+    value = section.get("_instantiator", LIGHTNING_INSTANTIATOR)
+    if value != LIGHTNING_INSTANTIATOR:
+        raise CheckpointError(f"{key}._instantiator={shown(value)} is not allowed: a checkpoint may only name "
+                              f"{LIGHTNING_INSTANTIATOR!r} (which opening it never calls); refused")
+
+
+def _owned(class_path: Any, allowed: dict[str, type], key: str, what: str) -> type:
+    if not isinstance(class_path, str) or class_path not in allowed:
+        names = sorted({p for p in allowed if p.count(".") == 2})  # the short public paths
+        raise CheckpointError(f"{key}={shown(class_path)} is not allowed: a checkpoint may name only the {what} of "
+                              f"this project ({', '.join(names)}); refused without importing it")
+    return allowed[class_path]
+
+
+def meta_backbone(cls: type[nn.Module], args: Mapping) -> nn.Module:
+    """The backbone `cls(**args)` built on the meta device: its names and shapes, without memory for its weights."""
+    try:
+        with torch.device("meta"):
+            return cls(**args)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"its backbone {cls.__name__} cannot be built: "
+                              f"{first_line(ValueError(constructor_message(str(err))))}") from None
+
+
+def _architecture(state: Any, cls: type[nn.Module], args: dict, settings: dict) -> int:
+    """Compare the state dict with the architecture the hyperparameters describe; return its `num_classes`."""
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError("its state_dict is not a mapping of names to tensors")
+    for name, tensor in state.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"state_dict has {shown(name)}: {type(tensor).__name__}, not a name and a tensor")
+    model = meta_backbone(cls, args)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if buffers > MAX_BUFFER_BYTES:
+        raise CheckpointError(f"its backbone {cls.__name__} would hold {buffers / 2**30:.1f} GiB of fixed tables "
+                              f"(above {MAX_BUFFER_BYTES // 2**30} GiB); refused")
+    expected = {f"backbone.{k}": v for k, v in model.state_dict().items()}
+    if settings.get("ema_decay") is not None:
+        expected.update({f"ema.module.{k}": v for k, v in model.state_dict().items()})
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        parts = ([f"{shown(missing[0], 80)} missing"] if missing else []) + (
+            [f"{shown(unexpected[0], 80)} not in the model"] if unexpected else [])
+        raise CheckpointError(f"state_dict does not fit the backbone its hyper_parameters record ({cls.__name__}): "
+                              f"{len(missing)} tensor(s) missing, {len(unexpected)} unexpected; first: "
+                              + ", ".join(parts))
+    for name, reference in expected.items():
+        tensor = state[name]
+        if tuple(tensor.shape) != tuple(reference.shape):
+            raise CheckpointError(f"state_dict.{name} has shape {tuple(tensor.shape)}, the architecture its "
+                                  f"hyper_parameters record needs {tuple(reference.shape)}")
+        if tensor.is_floating_point() != reference.is_floating_point():
+            raise CheckpointError(f"state_dict.{name} is a {tensor.dtype} tensor, the architecture needs "
+                                  f"{reference.dtype}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"state_dict.{name} holds NaN or infinite values")
+    num_classes = getattr(model, "num_classes", None)
+    if not isinstance(num_classes, int):
+        raise CheckpointError(f"its backbone {cls.__name__} has no int num_classes")
+    return num_classes
+
+
+def _inputs(inputs: Any, backbone_args: Mapping) -> dict:
+    expected = {"img_size", "in_chans", "mean", "std", "interpolation"}
+    if not isinstance(inputs, Mapping) or set(inputs) != expected:
+        raise CheckpointError(f"inputs={shown(inputs, 120)} is not allowed: expected a mapping of {sorted(expected)}")
+    try:
+        size = list(check_size("inputs.img_size", inputs["img_size"]))
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    chans = inputs["in_chans"]
+    if isinstance(chans, bool) or not isinstance(chans, int) or not 1 <= chans <= LIMITS["in_chans"]:
+        raise CheckpointError(f"inputs.in_chans={shown(chans)} is not allowed: expected an int in "
+                              f"[1, {LIMITS['in_chans']}]")
+    if max(size) > LIMITS["img_size"]:
+        raise CheckpointError(f"inputs.img_size={size} is not allowed: expected sides of at most {LIMITS['img_size']}")
+    if "img_size" in backbone_args and list(check_size("img_size", backbone_args["img_size"])) != size:
+        raise CheckpointError(f"inputs.img_size={size} disagrees with the backbone's img_size="
+                              f"{shown(backbone_args['img_size'])}")
+    if "in_chans" in backbone_args and backbone_args["in_chans"] != chans:
+        raise CheckpointError(f"inputs.in_chans={chans} disagrees with the backbone's in_chans="
+                              f"{backbone_args['in_chans']}")
+    mean, std = inputs["mean"], inputs["std"]
+    if (mean is None) != (std is None):
+        raise CheckpointError(f"inputs.mean={shown(mean)} and inputs.std={shown(std)}: expected both null "
+                              "(raw pixels) or both numbers")
+    if mean is not None:
+        for key, values, low in (("mean", mean, -math.inf), ("std", std, 0.0)):
+            ok = (isinstance(values, (list, tuple)) and len(values) == chans
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > low
+                          for v in values))
+            if not ok:
+                what = "finite numbers" if key == "mean" else "finite numbers > 0"
+                raise CheckpointError(f"inputs.{key}={shown(values)} is not allowed: expected {chans} {what} "
+                                      "(one per channel)")
+    if inputs["interpolation"] not in INTERPOLATIONS:
+        raise CheckpointError(f"inputs.interpolation={shown(inputs['interpolation'])} is not allowed: expected one "
+                              f"of {list(INTERPOLATIONS)}")
+    return {"img_size": size, "in_chans": chans, "mean": None if mean is None else [float(v) for v in mean],
+            "std": None if std is None else [float(v) for v in std], "interpolation": inputs["interpolation"]}
+
+
+def _class_names(names: Any, num_classes: int) -> list[str]:
+    if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)):
+        raise CheckpointError(f"class_names={shown(names)} is not allowed: expected a list of non-empty strings")
+    if len(names) != num_classes or len(set(names)) != len(names):
+        raise CheckpointError(f"class_names holds {len(names)} name(s) ({len(set(names))} distinct); the model has "
+                              f"{num_classes} classes")
+    long = next((n for n in names if len(n) > 256), None)
+    if long is not None:
+        raise CheckpointError(f"class_names has a name of {len(long)} characters (at most 256)")
+    return list(names)

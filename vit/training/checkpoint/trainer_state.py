@@ -1,0 +1,126 @@
+"""The trainer state's part of the schema: what `loops`, `callbacks`, `optimizer_states`, `lr_schedulers`, the
+data module's position and the gradient scaler may hold, checked for type and size by every door.
+
+Whether the state fits the run that resumes it (the optimizer's parameters, the schedule, the
+checkpoint folder, the number of processes) is `vit.training.checkpoint.resume`'s to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from vit.training.callbacks import rng_states
+from vit.training.checkpoint.errors import CheckpointError
+from vit.training.checkpoint.values import MAX_INT, same_structure, shown, walk
+
+CHECKPOINT_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")  # ModelCheckpoint's state
+
+
+def check_trainer_state(raw: Mapping, data_class: type | None) -> None:
+    """The trainer state's outer types; its values are checked against the run by `resume.check_resume`."""
+    for key, kind in (("loops", Mapping), ("callbacks", Mapping), ("optimizer_states", list),
+                      ("lr_schedulers", list), ("MixedPrecision", Mapping)):
+        if key in raw and not isinstance(raw[key], kind):
+            raise CheckpointError(f"{key} is a {type(raw[key]).__name__}, not a {kind.__name__.lower()}")
+    for i, state in enumerate(raw.get("optimizer_states") or []):
+        if not isinstance(state, Mapping) or set(state) != {"state", "param_groups"}:
+            raise CheckpointError(f"optimizer_states[{i}] is not a mapping of state and param_groups")
+    for i, state in enumerate(raw.get("lr_schedulers") or []):
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"lr_schedulers[{i}] is a {type(state).__name__}, not a mapping")
+    _counters(raw.get("loops", {}), "loops")
+    for key, state in (raw.get("callbacks") or {}).items():
+        if not isinstance(key, str) or not key.startswith(("ModelCheckpoint{", "EarlyStopping{", "RestoreRNGState")):
+            raise CheckpointError(f"callbacks has {shown(key)}, a callback whose state this project does not restore")
+        check = (_model_checkpoint if key.startswith("ModelCheckpoint{") else _early_stopping
+                 if key.startswith("EarlyStopping{") else _rng)
+        check(state, f"callbacks.{key}")
+    if data_class is not None and data_class.__qualname__ in raw:
+        key = data_class.__qualname__
+        state = raw[key]
+        if not isinstance(state, Mapping) or set(state) - {"train_position", "world_size"}:
+            raise CheckpointError(f"{key}={shown(state)} is not allowed: expected train_position and world_size")
+        if state:
+            position, world = state.get("train_position"), state.get("world_size")
+            if not (isinstance(position, Mapping) and set(position) == {"epoch", "batches_done"}
+                    and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
+                            for v in position.values())):
+                raise CheckpointError(f"{key}.train_position={shown(position)} is not allowed: expected epoch and "
+                                      "batches_done, ints >= 0")
+            if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 65_536:
+                raise CheckpointError(f"{key}.world_size={shown(world)} is not allowed: expected an int >= 1")
+
+
+def _counters(value: Any, key: str) -> None:
+    """Lightning's loop state: mappings whose leaves are counters (ints >= 0) and flags (bools)."""
+    for path, item in walk(value, key, tensors=False):
+        if isinstance(item, Mapping):
+            continue
+        if not (isinstance(item, bool) or (isinstance(item, int) and item >= 0)):
+            raise CheckpointError(f"{path}={shown(item)} is not allowed: expected a counter (an int >= 0) or a flag")
+
+
+def _score(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+
+
+def _model_checkpoint(state: Any, key: str) -> None:
+    expected = {"monitor", "best_model_score", "best_model_path", "current_score", "dirpath", "best_k_models",
+                "kth_best_model_path", "kth_value", "last_model_path"}
+    if not isinstance(state, Mapping) or not set(state) <= expected or "best_model_path" not in state:
+        raise CheckpointError(f"{key} does not hold ModelCheckpoint's state")
+    if not isinstance(state.get("monitor"), (str, type(None))):
+        raise CheckpointError(f"{key}.monitor={shown(state['monitor'])} is not allowed: expected a metric name")
+    for name in ("best_model_score", "current_score", "kth_value"):
+        if state.get(name) is not None and not _score(state[name]):
+            raise CheckpointError(f"{key}.{name}={shown(state[name])} is not allowed: expected a score (one number)")
+    best_k = state.get("best_k_models", {})
+    if not isinstance(best_k, Mapping) or not all(_score(v) for v in best_k.values()):
+        raise CheckpointError(f"{key}.best_k_models is not a mapping of checkpoint paths to scores")
+    paths = {name: state.get(name, "") for name in (*CHECKPOINT_PATHS, "dirpath")}
+    paths.update({f"best_k_models[{i}]": p for i, p in enumerate(best_k)})
+    for name, path in paths.items():
+        if path is not None and not isinstance(path, str):
+            raise CheckpointError(f"{key}.{name}={shown(path)} is not allowed: expected a path")
+        if path and "://" in path:
+            raise CheckpointError(f"{key}.{name}={shown(path, 100)} is not allowed: a checkpoint's paths are local "
+                                  "files of its run, never URLs")
+
+
+def _early_stopping(state: Any, key: str) -> None:
+    if not isinstance(state, Mapping) or set(state) != {"wait_count", "stopped_epoch", "patience", "best_score"}:
+        raise CheckpointError(f"{key} does not hold EarlyStopping's state")
+    same_structure({k: v for k, v in state.items() if k != "best_score"},
+                    {"wait_count": 0, "stopped_epoch": 0, "patience": 0}, key)
+    if not (isinstance(state["best_score"], torch.Tensor) and state["best_score"].numel() == 1):
+        raise CheckpointError(f"{key}.best_score is not a score (one number)")
+
+
+def _rng(state: Any, key: str) -> None:
+    reference = rng_states()
+    if not isinstance(state, Mapping) or not set(reference) - {"cuda"} <= set(state) <= set(reference) | {"cuda"}:
+        raise CheckpointError(f"{key} does not hold the torch, numpy and python random states")
+    same_structure(state["torch"], reference["torch"], f"{key}.torch")
+    numpy = state["numpy"]
+    if not (isinstance(numpy, Mapping) and set(numpy) == set(reference["numpy"]) and numpy["kind"] == "MT19937"):
+        raise CheckpointError(f"{key}.numpy is not numpy's MT19937 state")
+    same_structure(numpy["keys"], reference["numpy"]["keys"], f"{key}.numpy.keys")
+    if not (torch.all((numpy["keys"] >= 0) & (numpy["keys"] < 2**32))
+            and isinstance(numpy["pos"], int) and 0 <= numpy["pos"] <= 624 and numpy["has_gauss"] in (0, 1)
+            and isinstance(numpy["cached_gaussian"], float)):
+        raise CheckpointError(f"{key}.numpy holds values outside MT19937's state")
+    python = state["python"]
+    ok = (isinstance(python, (list, tuple)) and len(python) == 3 and python[0] == 3
+          and isinstance(python[1], (list, tuple)) and len(python[1]) == 625
+          and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in python[1])
+          and 1 <= python[1][-1] <= 624 and (python[2] is None or isinstance(python[2], float)))
+    if not ok:
+        raise CheckpointError(f"{key}.python is not Python's random state (version 3, 625 words)")
+    if "cuda" in state and not (isinstance(state["cuda"], torch.Tensor) and state["cuda"].dtype == torch.uint8
+                                and state["cuda"].ndim == 1):
+        raise CheckpointError(f"{key}.cuda is not a CUDA generator state")
+
+

@@ -1,0 +1,175 @@
+"""Checks of single values read from a checkpoint: plain data of bounded size, and values of an annotated type.
+
+A checkpoint is data from outside. Before any value is used, `walk` visits it all without recursion
+(a list nested 50,000 deep is refused, not a `RecursionError`), and `check_annotation` compares a
+value with the annotation of the constructor argument it will be passed to (`int | tuple[int, int]`,
+`Literal[...]`, `float | None`, ...). Every failure is a `CheckpointError` naming the key path.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, Union
+
+import torch
+
+from vit.training.checkpoint.errors import CheckpointError
+
+MAX_DEPTH = 24  # a Lightning checkpoint nests 8 deep; an optimizer state of nested groups a few more
+MAX_STRING = 4096  # PATH_MAX: the longest value a checkpoint has reason to hold is a path
+MAX_ITEMS = 10_000_000  # values in the whole checkpoint: a ViT-H optimizer state holds ~2,000
+MAX_INT = 2**53  # counters and sizes: beyond this a float cannot hold the number, and nothing here needs more
+PLAIN = (bool, int, float, str, type(None))
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """`repr(value)`, cut to `limit` characters: a message quotes a value, never a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def walk(value: Any, key: str, *, tensors: bool) -> Iterator[tuple[str, Any]]:
+    """Every `(key path, value)` under `value`, depth first, after checking that it is plain data.
+
+    Allowed: bool, int (|n| <= 2**53), finite float, str (<= 4096 characters), None, lists and tuples
+    of those, mappings with str keys (int keys too: an optimizer's state is keyed by parameter
+    index), and with `tensors`, dense CPU tensors. Anything else raises `CheckpointError`.
+    """
+    stack = [(key, value, 0)]
+    count = 0
+    while stack:
+        path, item, depth = stack.pop()
+        count += 1
+        if count > MAX_ITEMS:
+            raise CheckpointError(f"{key or 'it'} holds more than {MAX_ITEMS} values; refused")
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"{path} is nested more than {MAX_DEPTH} levels deep; refused")
+        yield path, item
+        if isinstance(item, Mapping):
+            for k, v in item.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise CheckpointError(f"{path} has a key {shown(k)} that is not a string; refused")
+                stack.append((f"{path}.{k}" if path else str(k), v, depth + 1))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(item))
+        elif isinstance(item, torch.Tensor):
+            if not tensors:
+                raise CheckpointError(f"{path} is a tensor where a plain value belongs; refused")
+            check_tensor(item, path)
+        else:
+            check_plain(item, path)
+
+
+def check_plain(value: Any, key: str) -> None:
+    """Raise `CheckpointError` unless `value` is a bool, a bounded int, a finite float, a short str or None."""
+    if not isinstance(value, PLAIN):
+        raise CheckpointError(f"{key} holds a {type(value).__name__}, not plain data (numbers, strings, booleans, "
+                              "lists and mappings of those); refused")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise CheckpointError(f"{key}={shown(value)} is not allowed: expected a number of at most 2**53")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CheckpointError(f"{key}={value!r} is not allowed: expected a finite number")
+    if isinstance(value, str) and (len(value) > MAX_STRING or "\0" in value):
+        raise CheckpointError(f"{key} is a string of {len(value)} characters"
+                              + (" with a NUL character" if "\0" in value else "") + "; refused")
+
+
+def check_tensor(value: torch.Tensor, key: str) -> None:
+    """Raise `CheckpointError` unless `value` is an ordinary (dense, CPU) tensor of numbers."""
+    if value.layout is not torch.strided:
+        raise CheckpointError(f"{key} is a {value.layout} tensor; a checkpoint holds dense tensors only; refused")
+    if value.device.type != "cpu":
+        raise CheckpointError(f"{key} is a tensor on {value.device.type}; refused")
+    if value.is_complex() or value.is_quantized:
+        raise CheckpointError(f"{key} is a {value.dtype} tensor; refused")
+
+
+def check_annotation(value: Any, annotation: Any, key: str) -> None:
+    """Raise `CheckpointError` unless `value` is of the type `annotation` (a constructor argument's) describes."""
+    if not _matches(value, annotation):
+        raise CheckpointError(f"{key}={shown(value)} is not allowed: expected {_describe(annotation)}")
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return isinstance(value, PLAIN)
+    if annotation is type(None) or annotation is None:
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin in (tuple, list) or annotation in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
+        inner = args[0] if args else Any
+        return all(_matches(v, inner) for v in value)
+    return False  # a class, a callable, a module: nothing a checkpoint may hand a constructor
+
+
+def _describe(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if annotation is type(None):
+        return "null"
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return f"a list of {len(args)} ({', '.join(_describe(a) for a in args)})"
+    if origin in (tuple, list):
+        return f"a list of {_describe(args[0]) if args else 'values'}"
+    return f"a{'n' if getattr(annotation, '__name__', '')[:1] in 'aeiou' else ''} {getattr(annotation, '__name__', annotation)}"
+
+
+def same_structure(value: Any, reference: Any, key: str) -> None:
+    """`value` has `reference`'s keys, list lengths and types: its ints in [0, 2**53], its floats finite and >= 0,
+    its strings equal, its tensors of the same shape and dtype."""
+    if isinstance(reference, Mapping):
+        if not isinstance(value, Mapping) or set(value) != set(reference):
+            extra = sorted(set(value) - set(reference), key=str) if isinstance(value, Mapping) else []
+            missing = sorted(set(reference) - set(value), key=str) if isinstance(value, Mapping) else []
+            raise CheckpointError(f"{key} does not hold what this run's state holds"
+                                  + (f" (unexpected {shown(extra[0])})" if extra else "")
+                                  + (f" (missing {shown(missing[0])})" if missing else ""))
+        for k in reference:
+            same_structure(value[k], reference[k], f"{key}.{k}")
+    elif isinstance(reference, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(reference):
+            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected a list of {len(reference)}")
+        for i, (v, r) in enumerate(zip(value, reference)):
+            same_structure(v, r, f"{key}[{i}]")
+    elif isinstance(reference, bool):
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected true or false")
+    elif isinstance(reference, int):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected an int >= 0")
+    elif isinstance(reference, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected a finite number >= 0")
+    elif reference is None:
+        if value is not None:
+            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected null")
+    elif isinstance(reference, str):
+        if value != reference:
+            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected {reference!r}")
+    elif isinstance(reference, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.shape != reference.shape or value.dtype != reference.dtype:
+            what = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else shown(value)
+            raise CheckpointError(f"{key} is {what}: expected a {reference.dtype} tensor of shape "
+                                  f"{tuple(reference.shape)}")
