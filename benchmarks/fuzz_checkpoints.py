@@ -7,20 +7,23 @@ trained, then each example changes one key path of its `last.ckpt` (a value of a
 number, a class path, a `..` path, a URL, a tensor of another shape or layout, a deep nesting, a key
 deleted or added), saves it, and opens it through one door: `vit.load` (then one prediction),
 `train.py validate --ckpt_path`, or `train.py fit --ckpt_path` (one epoch more, in the run's own
-folder; the trainer state, which only `fit` reads, is drawn twice as often), each in this process. Before the random examples, the mutations an attacker would try first are tried
-(`notable_mutations`). `--examples` is the number of random examples per door; `fit` takes ~3 s
-an example, `validate` ~1 s, `load` ~0.1 s.
+folder; for `fit` the trainer state, which it alone compares with the run, is drawn twice as often),
+each in this process. Before the random examples, the mutations an attacker would try first are
+tried (`notable_mutations`). `--examples` is the number of random examples per door; on a CPU a
+variant takes ~0.05 s through `load`, ~0.4 s through `validate` and `fit` (most are refused before
+any step; an accepted one validates or trains an epoch in 1-3 s).
 
 Printed per door: the variants tried, accepted, refused (grouped by the first words of the error,
 values elided) and failed: any other exception, a traceback, an exit code other than 0 or 2, a
 marker file created by code the checkpoint named, or a file beside the run folder touched. Each
-failure is printed with its key path, value and the end of its traceback. The exit status is 1
-when any variant failed.
+failure is printed with its key path, value and the end of its traceback (`--log FILE` keeps every
+variant and its outcome, one JSON line each). The exit status is 1 when any variant failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -32,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the mutation helpers live beside the test that uses them
 
-from checkpoint_mutations import (  # noqa: E402
+from checkpoint_mutations import (
     Mutation,
     Outcome,
     Site,
@@ -44,7 +47,7 @@ from checkpoint_mutations import (  # noqa: E402
     section,
     train_checkpoint,
 )
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
 DOORS = ("load", "validate", "fit")
 
@@ -71,19 +74,25 @@ class DoorReport:
 
 
 def reason(message: str, words: int = 5) -> str:
-    """The first `words` words of a refusal, without the file's name, values and indices: refusals for one
-    cause at one key group together."""
+    """The first `words` words of a refusal, without the file's name, values, numbers and key paths past their
+    third part: refusals for one cause in one part of the checkpoint group together."""
     text = message.removeprefix("error: ")
     text = re.sub(r"^checkpoint \S+?(:| cannot be resumed:)? ", "", text)
     text = re.sub(r"ModelCheckpoint\{.*?\}", "ModelCheckpoint{…}", text)
-    text = re.sub(r"=.*?(?= is not allowed| disagrees| and inputs\.|: |$)", "=…", text)
+    text = re.sub(r"=.*(?= is not allowed)|=.*?(?= disagrees| and inputs\.|: |$)", "=…", text, count=1)
+    text = re.sub(r"'[^']*'", "'…'", text)
     text = re.sub(r"\d+", "N", text)
-    text = re.sub(r"(\[N\]|\.x){3,}", "…", text)  # the key path of a deep nesting
-    return " ".join(text.split()[:words])
+    head, _, rest = text.partition(" ")
+    key, equals, value = head.partition("=")
+    parts = re.split(r"(?=[.\[])", key)  # `a.b[N].c` -> `a`, `.b`, `[N]`, `.c`
+    if len(parts) > 3:
+        key = "".join(parts[:3]) + "…"
+    return " ".join(f"{key}{equals}{value} {rest}".split()[:words])
 
 
-def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: int) -> DoorReport:
-    """Open `examples` random variants (after the notable ones) through `door`; return what it did with each."""
+def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: int, log: Path | None) -> DoorReport:
+    """Open `examples` random variants (after the notable ones) through `door`; return what it did with each
+    (and append it to the JSON-lines file `log`)."""
     site = Site.make(root / door)
     base = trained.moved_to(site)
     report = DoorReport(door)
@@ -93,6 +102,10 @@ def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: in
         site.write(mutation.apply(base))
         outcome = open_with_load(site) if door == "load" else open_with_cli(door, site)
         report.outcomes.append((mutation, outcome))
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps({"door": door, "mutation": repr(mutation), "section": section(mutation.path),
+                                    "status": outcome.status, "detail": outcome.detail}) + "\n")
         if outcome.status == "failed":
             print(f"  {door}: FAILED {mutation!r}: {outcome.detail}", flush=True)
 
@@ -139,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doors", default="load", help=f"comma-separated, of {','.join(DOORS)} (default load)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis's seed: the same seed tries the same variants")
     parser.add_argument("--top", type=int, default=30, help="refusal groups printed per door (default 30)")
+    parser.add_argument("--log", type=Path, default=None, help="a JSON-lines file to append every variant and "
+                        "what its door did to")
     parser.add_argument("--keep", type=Path, default=None, help="a folder to work in and keep (default: a temporary "
                         "folder, removed at the end)")
     args = parser.parse_args(argv)
@@ -153,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trained the reference checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
         reports = []
         for door in doors:
-            reports.append(fuzz(door, trained, root, args.examples, args.seed))
+            reports.append(fuzz(door, trained, root, args.examples, args.seed, args.log))
             print(f"{door}: {len(reports[-1].outcomes)} variants in {reports[-1].seconds:.1f} s", flush=True)
     print()
     print(summary(reports, args.top))

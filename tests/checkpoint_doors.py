@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,3 +46,34 @@ def doors(ckpt: Path, config: Path, tmp_path: Path) -> dict[str, Callable]:
         "attention_blocking": lambda mp: blocking_main(["--ckpt_paths", str(ckpt), "--out_dir", str(tmp_path / "b")]),
         **{f"train.py {s}": train(s) for s in ("validate", "test", "predict", "fit")},
     }
+
+
+def hostile(base: dict, shape: str, marker: Path) -> dict:
+    """`base` (a real checkpoint) with one hostile change."""
+    checkpoint = copy.deepcopy(base)
+    hparams, data = checkpoint["hyper_parameters"], checkpoint["datamodule_hyper_parameters"]
+    if shape == "nested class path":  # the report's own case: an untyped argument holding a class path
+        hparams["backbone"] = {"class_path": "timm.layers.Mlp",
+                               "init_args": {"in_features": 4, "device": popen(marker)}}
+    elif shape == "nested under an owned backbone":
+        hparams["backbone"]["init_args"]["pretrained"] = popen(marker)
+    elif shape == "backbone outside vit.models":
+        hparams["backbone"] = popen(marker)
+    elif shape == "data module outside vit.data":
+        data["_class_path"] = "subprocess.Popen"
+        data["args"] = ["touch", str(marker)]
+    elif shape == "instantiator":
+        hparams["_instantiator"] = "os.system"
+    else:
+        raise AssertionError(shape)
+    return checkpoint
+
+
+SHAPES = ["nested class path", "nested under an owned backbone", "backbone outside vit.models",
+          "data module outside vit.data", "instantiator"]
+# The key each refusal names.
+NAMED = {"nested class path": "hyper_parameters.backbone.class_path='timm.layers.Mlp'",
+         "nested under an owned backbone": "hyper_parameters.backbone.init_args.pretrained={'class_path'",
+         "backbone outside vit.models": "hyper_parameters.backbone.class_path='subprocess.Popen'",
+         "data module outside vit.data": "datamodule_hyper_parameters._class_path='subprocess.Popen'",
+         "instantiator": "hyper_parameters._instantiator='os.system'"}

@@ -40,7 +40,7 @@ from vit.training.checkpoint import CheckpointError
 TRAINED_EPOCHS = 1  # the reference run; `fit` doors resume it for one epoch more
 LOAD_SECONDS = 60  # `vit.load` of a tiny checkpoint takes ~20 ms: a minute means it hangs
 CLI_SECONDS = 180  # `train.py fit` of one tiny epoch takes ~3 s
-# What only `fit` checks beyond the schema's types (`resume.check_resume`), and Lightning then restores.
+# What `fit` alone compares with its run (`resume.check_resume`) before Lightning restores it.
 TRAINER_SECTIONS = ("loops", "callbacks", "callbacks.ModelCheckpoint", "callbacks.RestoreRNGState", "optimizer_states",
                     "optimizer_states.param_groups", "optimizer_states.state", "lr_schedulers", "TwoCirclesDataModule",
                     "epoch", "global_step")
@@ -55,7 +55,7 @@ class Trained:
     """A tiny run's `last.ckpt` (`checkpoint`, as `torch.load` reads it) and the run folder it was written in."""
 
     run_dir: Path
-    checkpoint: dict
+    checkpoint: dict = field(repr=False)  # hypothesis shows the fixtures of a failing example: not all 400 values
 
     @property
     def checkpoint_files(self) -> list[Path]:
@@ -239,14 +239,13 @@ def _edit(node: Any, path: tuple, action: str, value: Any, key: Any) -> Any:
 
 def section(path: tuple) -> str:
     """The part of the checkpoint a key path is in: what the strategy draws first, so each part is tried as often."""
-    if not path or path[0] in ("epoch", "global_step"):
-        return "top level" if not path else path[0]
+    if not path or path[0] in ("pytorch-lightning_version", "hparams_name", "datamodule_hparams_name",
+                               "schema_version"):
+        return "top level"
     if path[0] == "optimizer_states" and len(path) >= 3:
         return f"optimizer_states.{path[2]}"  # param_groups or state
     if path[0] == "callbacks" and len(path) >= 2:
         return "callbacks.ModelCheckpoint" if str(path[1]).startswith("ModelCheckpoint") else f"callbacks.{path[1]}"
-    if path[0] in ("pytorch-lightning_version", "hparams_name", "datamodule_hparams_name", "schema_version"):
-        return "top level"
     return str(path[0])
 
 
@@ -370,7 +369,8 @@ def near_values(value: Any, site: Site) -> list:
 def mutations(checkpoint: dict, site: Site, *, weigh_trainer_state: bool = False) -> st.SearchStrategy[Mutation]:
     """One `Mutation` of `checkpoint` (module doc): a section, a key path in it, then what is done there.
 
-    With `weigh_trainer_state` the sections only `fit` reads (`TRAINER_SECTIONS`) are drawn twice as often.
+    With `weigh_trainer_state` the sections `fit` alone compares with its run (`TRAINER_SECTIONS`) are drawn twice
+    as often.
     """
     places = key_paths(checkpoint)
     names = sorted(places) + (sorted(set(places) & set(TRAINER_SECTIONS)) if weigh_trainer_state else [])

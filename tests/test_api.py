@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 from robust_helpers import main_in_process, tiny_config
-from test_checkpoint_trust import NAMED, hostile
+from checkpoint_doors import NAMED, hostile
 
 import vit
 import vit.explain.plot

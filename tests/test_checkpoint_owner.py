@@ -295,3 +295,16 @@ def test_fit_refuses_a_malformed_trainer_state_before_the_run_folder_is_made(cas
     assert code == 2
     assert expected in error_line(stderr)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypatch):
+    """The checkpoints a resumed run writes record the backbone as the first run did, so they pass the same checks."""
+    for epochs in (1, 2, 3):
+        config = tiny_config(tmp_path, max_epochs=epochs)
+        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
+                         *(["--ckpt_path", "last"] if epochs > 1 else [])], monkeypatch)
+    last = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["epoch"] == 2 and checkpoint["hyper_parameters"]["backbone"]["class_path"] == "vit.models.VisionTransformer"
+    main_in_process(["validate", "--config", str(config), "--ckpt_path", str(last)], monkeypatch)
+    assert vit.load(last).class_names == ["not_diagonal", "diagonal"]

@@ -11,7 +11,6 @@ network off, gives the same predictions, explanation and export as before.
 
 from __future__ import annotations
 
-import copy
 import csv
 import http.server
 import json
@@ -25,13 +24,12 @@ import pytest
 import timm
 import torch
 from PIL import Image
+from checkpoint_doors import NAMED, SHAPES, hostile
 from checkpoint_doors import doors as commands
-from checkpoint_doors import popen
 from robust_helpers import main_in_process, tiny_config
-from test_notebooks import execute, kernel_env  # noqa: F401  (kernel_env: a fixture)
+from notebook_helpers import execute, kernel_env  # noqa: F401  (kernel_env: a fixture)
 from safetensors.torch import load_file, save_file
 
-from studies.recipe.attention_blocking import main as blocking_main
 from vit.explain.__main__ import main as explain_main
 from vit.export import main as export_main
 from vit.predict import main as predict_main
@@ -53,35 +51,6 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     return root / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", config
 
 
-def hostile(base: dict, shape: str, marker: Path) -> dict:
-    """`base` (a real checkpoint) with one hostile change."""
-    checkpoint = copy.deepcopy(base)
-    hparams, data = checkpoint["hyper_parameters"], checkpoint["datamodule_hyper_parameters"]
-    if shape == "nested class path":  # the report's own case: an untyped argument holding a class path
-        hparams["backbone"] = {"class_path": "timm.layers.Mlp",
-                               "init_args": {"in_features": 4, "device": popen(marker)}}
-    elif shape == "nested under an owned backbone":
-        hparams["backbone"]["init_args"]["pretrained"] = popen(marker)
-    elif shape == "backbone outside vit.models":
-        hparams["backbone"] = popen(marker)
-    elif shape == "data module outside vit.data":
-        data["_class_path"] = "subprocess.Popen"
-        data["args"] = ["touch", str(marker)]
-    elif shape == "instantiator":
-        hparams["_instantiator"] = "os.system"
-    else:
-        raise AssertionError(shape)
-    return checkpoint
-
-
-SHAPES = ["nested class path", "nested under an owned backbone", "backbone outside vit.models",
-          "data module outside vit.data", "instantiator"]
-# The key each refusal names.
-NAMED = {"nested class path": "hyper_parameters.backbone.class_path='timm.layers.Mlp'",
-         "nested under an owned backbone": "hyper_parameters.backbone.init_args.pretrained={'class_path'",
-         "backbone outside vit.models": "hyper_parameters.backbone.class_path='subprocess.Popen'",
-         "data module outside vit.data": "datamodule_hyper_parameters._class_path='subprocess.Popen'",
-         "instantiator": "hyper_parameters._instantiator='os.system'"}
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -157,7 +157,7 @@ def test_an_old_mean_pooled_checkpoint_is_refused_in_one_line_naming_fc_norm(tmp
                                                                                    capsys):
     # A checkpoint of `pool: mean` from before fc_norm: its hyperparameters say pool='mean' and nothing
     # of fc_norm, its weights hold `norm.*` (made here from the shared tiny run by removing the CLS token).
-    from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run, tiny_config
+    from robust_helpers import cli, error_line, run_dirs, shared_run, tiny_config
 
     [run_dir] = run_dirs(shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch))
     content = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)

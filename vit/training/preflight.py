@@ -145,7 +145,7 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
     theirs = hparams.get("backbone")
     ours = given_model.get("backbone")
     if isinstance(theirs, dict) and isinstance(ours, dict) and "class_path" in theirs:
-        if ours.get("class_path") != theirs["class_path"]:
+        if BACKBONES.get(ours.get("class_path"), ours.get("class_path")) is not BACKBONES.get(theirs["class_path"]):
             errors.append(f"model.backbone.class_path: {theirs['class_path']} in the checkpoint vs {ours.get('class_path')} given")
         else:
             defaults = _defaults(theirs["class_path"])

@@ -44,7 +44,7 @@ def build_classifier(checkpoint: Checkpoint, *, inference: bool = True) -> Image
         settings.pop("compile", None)
         settings.pop("ema_decay", None)  # the average is the model
     backbone = build_backbone(checkpoint)
-    hparams = {"backbone": {"class_path": f"{checkpoint.backbone_class.__module__}.{checkpoint.backbone_class.__name__}",
+    hparams = {"backbone": {"class_path": checkpoint.hyper_parameters["backbone"]["class_path"],
                             "init_args": dict(checkpoint.backbone_args)}, **settings}
     try:
         with _given_hyperparameters_context(hparams=hparams, instantiator=LIGHTNING_INSTANTIATOR):

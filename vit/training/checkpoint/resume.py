@@ -78,7 +78,8 @@ def _optimizer(states: list, model) -> None:
         key = f"optimizer_states[0].param_groups[{i}]"
         if not isinstance(group, Mapping) or not set(ref) <= set(group) <= set(ref) | {"initial_lr"}:
             raise CheckpointError(f"{key} does not hold AdamW's settings")
-        if group["params"] != ref["params"]:
+        if not (isinstance(group["params"], list) and all(type(i) is int for i in group["params"])
+                and group["params"] == ref["params"]):
             raise CheckpointError(f"{key}.params does not list this model's parameters (another architecture or "
                                   "`trainable`?)")
         for name in ("lr", "initial_lr", "eps", "weight_decay", "lr_scale"):
@@ -96,7 +97,7 @@ def _optimizer(states: list, model) -> None:
             if name in group and not isinstance(group[name], bool):
                 raise CheckpointError(f"{key}.{name}={shown(group[name])} is not allowed: expected true or false")
         for name in ("foreach", "fused"):
-            if group.get(name) not in (None, True, False):
+            if not isinstance(group.get(name), (bool, type(None))):
                 raise CheckpointError(f"{key}.{name}={shown(group[name])} is not allowed: expected true, false or null")
     if not isinstance(state, Mapping):
         raise CheckpointError("optimizer_states[0].state is not a mapping")

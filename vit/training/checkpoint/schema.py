@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from packaging.version import InvalidVersion, Version
 from torch import nn
 
 import vit.data
@@ -121,7 +122,7 @@ def _validate(raw: Any, source: str) -> Checkpoint:
             raise CheckpointError(f"it has no {key!r}: it was not written by train.py of this version "
                                   "(a plain state dict loads in Python with `model.load_state_dict(...)`)")
     version = raw.get("schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise CheckpointError(f"schema_version={shown(version)} is not allowed: this version of readable-vit "
                               f"reads schema {SCHEMA_VERSION}")
     backbone_class, backbone_args, settings = _model(raw["hyper_parameters"])
@@ -137,9 +138,10 @@ def _validate(raw: Any, source: str) -> Checkpoint:
         value = raw.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
             raise CheckpointError(f"{key}={shown(value)} is not allowed: expected an int >= 0")
-    for key in ("pytorch-lightning_version", "hparams_name", "datamodule_hparams_name"):
+    for key in ("hparams_name", "datamodule_hparams_name"):
         if key in raw and not isinstance(raw[key], (str, type(None))):
             raise CheckpointError(f"{key}={shown(raw[key])} is not allowed: expected a string")
+    _lightning_version(raw["pytorch-lightning_version"])
     num_classes = _architecture(raw["state_dict"], backbone_class, backbone_args, settings)
     inputs = _inputs(raw["inputs"], backbone_args)
     class_names = _class_names(raw["class_names"], num_classes)
@@ -147,6 +149,18 @@ def _validate(raw: Any, source: str) -> Checkpoint:
     return Checkpoint(source=source, raw=raw, backbone_class=backbone_class, backbone_args=backbone_args,
                       settings=settings, data_class=data_class, data_args=data_args, inputs=inputs,
                       class_names=class_names)
+
+
+def _lightning_version(value: Any) -> None:
+    """A version Lightning can compare, of 2.0 or later: Lightning migrates older checkpoints on loading, rewriting
+    the validated dict, and fails on a version it cannot parse."""
+    try:
+        version = Version(value) if isinstance(value, str) else None
+    except InvalidVersion:
+        version = None
+    if version is None or version < Version("2.0"):
+        raise CheckpointError(f"pytorch-lightning_version={shown(value)} is not allowed: expected the version of "
+                              "Lightning (2.0 or later) that wrote the checkpoint")
 
 
 def _arguments(cls: type, given: Mapping, key: str, skip: tuple[str, ...] = ()) -> dict:

@@ -91,11 +91,16 @@ def _model_checkpoint(state: Any, key: str) -> None:
 
 
 def _early_stopping(state: Any, key: str) -> None:
-    if not isinstance(state, Mapping) or set(state) != {"wait_count", "stopped_epoch", "patience", "best_score"}:
+    counters = {"wait_count", "stopped_epoch", "patience"}
+    optional = {"stopping_reason", "stopping_reason_message"}  # written by Lightning 2.6
+    if not isinstance(state, Mapping) or not counters | {"best_score"} <= set(state) <= counters | optional | {
+            "best_score"}:
         raise CheckpointError(f"{key} does not hold EarlyStopping's state")
-    same_structure({k: v for k, v in state.items() if k != "best_score"},
-                    {"wait_count": 0, "stopped_epoch": 0, "patience": 0}, key)
-    if not (isinstance(state["best_score"], torch.Tensor) and state["best_score"].numel() == 1):
+    same_structure({k: state[k] for k in counters | ({"stopping_reason"} & set(state))},
+                   dict.fromkeys(counters | ({"stopping_reason"} & set(state)), 0), key)
+    if not isinstance(state.get("stopping_reason_message"), (str, type(None))):
+        raise CheckpointError(f"{key}.stopping_reason_message is not a message")
+    if not _score(state["best_score"]):
         raise CheckpointError(f"{key}.best_score is not a score (one number)")
 
 
@@ -109,11 +114,11 @@ def _rng(state: Any, key: str) -> None:
         raise CheckpointError(f"{key}.numpy is not numpy's MT19937 state")
     same_structure(numpy["keys"], reference["numpy"]["keys"], f"{key}.numpy.keys")
     if not (torch.all((numpy["keys"] >= 0) & (numpy["keys"] < 2**32))
-            and isinstance(numpy["pos"], int) and 0 <= numpy["pos"] <= 624 and numpy["has_gauss"] in (0, 1)
+            and isinstance(numpy["pos"], int) and 0 <= numpy["pos"] <= 624 and type(numpy["has_gauss"]) is int and numpy["has_gauss"] in (0, 1)
             and isinstance(numpy["cached_gaussian"], float)):
         raise CheckpointError(f"{key}.numpy holds values outside MT19937's state")
     python = state["python"]
-    ok = (isinstance(python, (list, tuple)) and len(python) == 3 and python[0] == 3
+    ok = (isinstance(python, (list, tuple)) and len(python) == 3 and type(python[0]) is int and python[0] == 3
           and isinstance(python[1], (list, tuple)) and len(python[1]) == 625
           and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in python[1])
           and 1 <= python[1][-1] <= 624 and (python[2] is None or isinstance(python[2], float)))

@@ -77,13 +77,18 @@ def check_plain(value: Any, key: str) -> None:
                               + (" with a NUL character" if "\0" in value else "") + "; refused")
 
 
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.bool)  # what a model, an optimizer and a random generator save
+
+
 def check_tensor(value: torch.Tensor, key: str) -> None:
-    """Raise `CheckpointError` unless `value` is an ordinary (dense, CPU) tensor of numbers."""
-    if value.layout is not torch.strided:
-        raise CheckpointError(f"{key} is a {value.layout} tensor; a checkpoint holds dense tensors only; refused")
+    """Raise `CheckpointError` unless `value` is an ordinary (dense, CPU) tensor of one of `DTYPES`."""
+    if value.is_nested or value.layout is not torch.strided:
+        kind = "nested" if value.is_nested else str(value.layout)
+        raise CheckpointError(f"{key} is a {kind} tensor; a checkpoint holds dense tensors only; refused")
     if value.device.type != "cpu":
         raise CheckpointError(f"{key} is a tensor on {value.device.type}; refused")
-    if value.is_complex() or value.is_quantized:
+    if value.dtype not in DTYPES:
         raise CheckpointError(f"{key} is a {value.dtype} tensor; refused")
 
 
