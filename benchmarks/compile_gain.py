@@ -72,7 +72,8 @@ def main() -> None:
             start = time.perf_counter()
             for _ in range(args.warmup):
                 step()
-            print(f"{name}, compile {'on' if compiled else 'off'}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
+            warmup_s = time.perf_counter() - start
+            print(f"{name}, compile {'on' if compiled else 'off'}: warm-up {warmup_s:.1f} s", flush=True)
             steps[name, compiled] = step
     times = {key: [] for key in steps}
     keys = list(steps)

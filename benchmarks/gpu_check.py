@@ -21,7 +21,8 @@ torch, timm and Lightning, and exits with status 1 if any run's loss did not fal
 About 2-4 minutes on one recent GPU, most of it `torch.compile`; not yet run on a GPU.
 
     python benchmarks/gpu_check.py --out docs/gpu_check.md
-    python benchmarks/gpu_check.py --device cpu --steps 3 --batch_size 8 --num_train 64 --skip_compile  # the plumbing, on a CPU
+    # The plumbing, on a CPU:
+    python benchmarks/gpu_check.py --device cpu --steps 3 --batch_size 8 --num_train 64 --skip_compile
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class StepLog(L.Callback):
 
 @contextlib.contextmanager
 def as_train_py(checksums: dict[str, str]):
-    """Let torchvision's CIFAR10 accept the generated files (it checks every file against its MD5s), and run as `train.py`."""
+    """Let torchvision's CIFAR10 accept the generated files (it checks each one's MD5), and run as `train.py`."""
     cls = DATASETS["cifar10"]
     saved = cls.train_list, cls.test_list, cls.meta, sys.argv
     sys.argv = ["train.py"]  # this script's own arguments are not train.py's (LightningCLI warns about them)
@@ -97,10 +98,12 @@ def train_run(recipe: str, compile: bool, args: argparse.Namespace, data_dir: Pa
         "--data.num_workers", str(args.num_workers),
         "--trainer.max_steps", str(args.steps),
         "--trainer.accelerator", "gpu" if cuda else "cpu",
-        # bf16 autocast is the recipe's; on a CPU it is slower than float32 (docs/cifar.md), and this is a plumbing test there.
+        # bf16 autocast is the recipe's; on a CPU it is slower than float32 (docs/cifar.md), and this is a plumbing
+        # test there.
         "--trainer.precision", "bf16-mixed" if cuda else "32-true",
         "--trainer.logger.init_args.save_dir", str(work / "runs"),
-        "--trainer.callbacks", f'[{{"class_path": "{callback}"}}]',  # replaces the recipe's ModelCheckpoint: nothing to keep
+        # Replaces the recipe's ModelCheckpoint: nothing to keep.
+        "--trainer.callbacks", f'[{{"class_path": "{callback}"}}]',
         "--trainer.enable_checkpointing", "false",
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
@@ -144,7 +147,8 @@ def throughput(args: argparse.Namespace) -> dict:
     x = torch.randn(args.batch_size, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (args.batch_size,), device=device)
     precision = "bf16" if device.type == "cuda" else "fp32"  # bf16's attention backward is slow on CPUs (docs/cifar.md)
-    steps = {name: make_step(model, "fwd_bwd", precision, False, device) for name, model in (("ours", ours), ("timm", theirs))}
+    steps = {name: make_step(model, "fwd_bwd", precision, False, device)
+             for name, model in (("ours", ours), ("timm", theirs))}
     peaks = {}
     for name, step in steps.items():
         if device.type == "cuda":
@@ -187,15 +191,15 @@ def table(args, device_name: str, runs: dict[str, dict | None], bench: dict) -> 
         fell = run["end"] < run["start"]
         all_fell &= fell
         lines.append(
-            f"| {name} | {run['params_m']:.2f} | {run['start']:.4f} | {run['end']:.4f} | {'yes' if fell else '**NO**'} | "
-            f"{run['steps_per_s']:.2f} | {run['wall_s']:.0f} | {gib(run['peak_gib'])} |"
+            f"| {name} | {run['params_m']:.2f} | {run['start']:.4f} | {run['end']:.4f} | "
+            f"{'yes' if fell else '**NO**'} | {run['steps_per_s']:.2f} | {run['wall_s']:.0f} | {gib(run['peak_gib'])} |"
         )
     r = bench["rates"]
     lines += [
         "",
         f"Throughput: the recipe's ViT, ours against timm's (same weights, same logits checked), forward + backward, "
-        f"{'bf16 autocast' if args.device == 'cuda' else 'float32'}, eager, batch {args.batch_size}; median [min-max] of {args.repeats} alternating repeats "
-        f"of {args.bench_steps} steps.",
+        f"{'bf16 autocast' if args.device == 'cuda' else 'float32'}, eager, batch {args.batch_size}; "
+        f"median [min-max] of {args.repeats} alternating repeats of {args.bench_steps} steps.",
         "",
         "| model | images/s | ours / timm | peak GPU memory (GiB) |",
         "|---|---|---|---|",
@@ -222,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
     if args.num_train < 2 * args.batch_size:
-        parser.error(f"--num_train={args.num_train} must hold a validation batch and a training batch of {args.batch_size}")
+        parser.error(f"--num_train={args.num_train} must hold a validation batch and a training batch of "
+                     f"{args.batch_size}")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available to torch (use --device cpu for the plumbing test)")
@@ -248,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# GPU check\n\n`python benchmarks/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{report}")
+        command = " ".join(argv if argv is not None else sys.argv[1:])
+        args.out.write_text(f"# GPU check\n\n`python benchmarks/gpu_check.py {command}`\n\n{report}")
     if not all_fell:
         print("error: the training loss did not fall in every run (see 'loss fell')", file=sys.stderr)
         return 1

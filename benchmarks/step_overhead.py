@@ -12,7 +12,7 @@ the ratios are printed. Any `train.py` option can be appended after `--` (e.g.
 `-- --trainer.enable_progress_bar false`) to see what it costs.
 
 With `--study CONFIG --model NAME`, what is timed is a whole run of the relation study instead:
-`studies.relation.run.run_one` of that model on `same_different` (building the data, fit with
+`studies.runner.run.run_one` of that model on `same_different` (building the data, fit with
 the study's validations, loggers and checkpoints, test, the scoring by distance and the
 translation test), against `steps` bare steps, where `steps` is the run's own number of steps. The
 run is shortened to `--num_train` pairs for 2 epochs (the study: 64,000); its fixed costs then
@@ -71,7 +71,8 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
     data.setup("fit")
     x, y = data.train_set.images.contiguous(), data.train_set.labels
     hp = config["model"]
-    groups = param_groups_weight_decay(model, hp.get("weight_decay", 0.05), no_weight_decay_list=getattr(model, "no_weight_decay", set)())
+    groups = param_groups_weight_decay(model, hp.get("weight_decay", 0.05),
+                                       no_weight_decay_list=getattr(model, "no_weight_decay", set)())
     optimizer = torch.optim.AdamW(groups, lr=hp.get("lr", 1e-3))
     batch = config["data"]["init_args"]["batch_size"]
     for step in range(steps):
@@ -87,7 +88,7 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
 
 def study_run(cfg: dict, model: str, num_train: int):
     """The study's run of ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs, from ``cfg``."""
-    from studies.relation.grid import plan
+    from studies.runner.grid import plan
 
     experiment = {"name": "relation", "tasks": ["same_different"], "models": [model], "num_train": [num_train],
                   "train_region": "left", "test_region": "left", "shift_region": "right",
@@ -98,13 +99,14 @@ def study_run(cfg: dict, model: str, num_train: int):
 
 
 def main_study(args) -> None:
-    from studies.relation.grid import load_config
-    from studies.relation.run import run_one
+    from studies.runner.grid import load_config
+    from studies.runner.run import run_one
 
     cfg = load_config(args.study)
     run = study_run(cfg, args.model, args.num_train)
     steps = run.epochs * -(-args.num_train // cfg["batch_size"])
-    bare_config = {"data": run.overrides["data"], "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr}}
+    bare_config = {"data": run.overrides["data"],
+                   "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr}}
     ratios, runs, bares = [], [], []
     for repeat in range(args.repeats):
         times = {}
@@ -165,9 +167,10 @@ def main(argv: list[str] | None = None) -> None:
         ratios.append(times["cli"] / times["bare"])
         print(f"repeat {repeat}: bare {1000 * times['bare']:.1f} ms/step, train.py {1000 * times['cli']:.1f} ms/step, "
               f"ratio {ratios[-1]:.2f}", flush=True)
-    print(f"train.py / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over {args.repeats} "
-          f"repeats; bare {1000 * statistics.median(bare_all):.1f} ms/step, train.py {1000 * statistics.median(cli_all):.1f}"
-          f" ms/step (medians); torch threads {torch.get_num_threads()}")
+    print(f"train.py / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
+          f"{args.repeats} repeats; bare {1000 * statistics.median(bare_all):.1f} ms/step, "
+          f"train.py {1000 * statistics.median(cli_all):.1f} ms/step (medians); "
+          f"torch threads {torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

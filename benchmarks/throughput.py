@@ -18,7 +18,8 @@ Each setting of `--precision` (fp32, bf16 = bf16 autocast) and `--compile` (off,
     python benchmarks/throughput.py --compile off,on --precision bf16
     python benchmarks/throughput.py --device cuda --batch_size 512 --compile off,on   # on a GPU
     python benchmarks/throughput.py --embed_dim 192 --depth 9 --num_heads 12 --mlp_ratio 2  # the CIFAR recipe's ViT
-    python benchmarks/throughput.py --in_chans 1 --num_classes 2 --embed_dim 64 --depth 4 --num_heads 4 --mlp_ratio 2  # two-circles
+    # The two-circles ViT:
+    python benchmarks/throughput.py --in_chans 1 --num_classes 2 --embed_dim 64 --depth 4 --num_heads 4 --mlp_ratio 2
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def csv_choices(value: str, allowed: tuple[str, ...], name: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--precision", default="fp32,bf16", help="comma-separated: fp32 (float32), bf16 (bf16 autocast)")
+    parser.add_argument("--precision", default="fp32,bf16",
+                        help="comma-separated: fp32 (float32), bf16 (bf16 autocast)")
     parser.add_argument("--compile", default="off", help="comma-separated: off, on (torch.compile the model)")
     parser.add_argument("--modes", default="infer,fwd_bwd,train", help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--batch_size", type=int, default=128)
@@ -204,9 +206,9 @@ def main() -> None:
 
     tokens = (args.img_size // args.patch_size) ** 2 + 1
     print(
-        f"config: img {args.img_size}x{args.img_size}x{args.in_chans}, patch {args.patch_size} ({tokens} tokens), width {args.embed_dim}, "
-        f"depth {args.depth}, heads {args.num_heads}, mlp_ratio {args.mlp_ratio}, {params / 1e6:.2f}M params, "
-        f"batch {args.batch_size}"
+        f"config: img {args.img_size}x{args.img_size}x{args.in_chans}, patch {args.patch_size} ({tokens} tokens), "
+        f"width {args.embed_dim}, depth {args.depth}, heads {args.num_heads}, mlp_ratio {args.mlp_ratio}, "
+        f"{params / 1e6:.2f}M params, batch {args.batch_size}"
     )
     print(f"FLOPs per image: forward {fwd_flops / 1e9:.3f} G, forward+backward {train_flops / 1e9:.3f} G")
     print(

@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 from robust_helpers import main_in_process
 
-from studies.recipe.attention_blocking import main as blocking_main
+from studies.runner.attention_blocking import main as blocking_main
 from vit.explain.__main__ import main as explain_main
 from vit.export import main as export_main
 from vit.predict import main as predict_main
@@ -41,7 +41,8 @@ def doors(ckpt: Path, config: Path, tmp_path: Path) -> dict[str, Callable]:
                                                 "--output", str(tmp_path / "p.csv")]),
         "vit.explain": lambda mp: explain_main(["--ckpt_path", str(ckpt), "--input_dir", str(images),
                                                 "--out", str(tmp_path / "e.png")]),
-        "vit.explain (test split)": lambda mp: explain_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "t.png")]),
+        "vit.explain (test split)": lambda mp: explain_main(["--ckpt_path", str(ckpt),
+                                                             "--out", str(tmp_path / "t.png")]),
         "vit.export": lambda mp: export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")]),
         "attention_blocking": lambda mp: blocking_main(["--ckpt_paths", str(ckpt), "--out_dir", str(tmp_path / "b")]),
         **{f"train.py {s}": train(s) for s in ("validate", "test", "predict", "fit")},
@@ -56,7 +57,7 @@ def hostile(base: dict, shape: str, marker: Path) -> dict:
         hparams["backbone"] = {"class_path": "timm.layers.Mlp",
                                "init_args": {"in_features": 4, "device": popen(marker)}}
     elif shape == "nested under an owned backbone":
-        hparams["backbone"]["init_args"]["pretrained"] = popen(marker)
+        hparams["backbone"]["init_args"]["patch_kernel"] = popen(marker)
     elif shape == "backbone outside vit.models":
         hparams["backbone"] = popen(marker)
     elif shape == "data module outside vit.data":
@@ -73,7 +74,7 @@ SHAPES = ["nested class path", "nested under an owned backbone", "backbone outsi
           "data module outside vit.data", "instantiator"]
 # The key each refusal names.
 NAMED = {"nested class path": "hyper_parameters.backbone.class_path='timm.layers.Mlp'",
-         "nested under an owned backbone": "hyper_parameters.backbone.init_args.pretrained={'class_path'",
+         "nested under an owned backbone": "hyper_parameters.backbone.init_args.patch_kernel={'class_path'",
          "backbone outside vit.models": "hyper_parameters.backbone.class_path='subprocess.Popen'",
          "data module outside vit.data": "datamodule_hyper_parameters._class_path='subprocess.Popen'",
          "instantiator": "hyper_parameters._instantiator='os.system'"}

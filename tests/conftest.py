@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from notebook_helpers import NOTEBOOKS
 
 from vit.data.cifar import DATASETS
 from vit.data.fake_cifar import write_fake_cifar
@@ -51,3 +52,20 @@ def fake_cifar(_fake_cifar_folders, monkeypatch):
         return root
 
     return make
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    """Run kernels with this interpreter and this checkout, small settings, and no real data."""
+    from ipykernel.kernelspec import write_kernel_spec
+
+    # A `python3` kernel spec pointing at sys.executable, found first through JUPYTER_PATH, so a
+    # user-wide spec for another Python cannot take over.
+    write_kernel_spec(path=str(tmp_path / "jupyter/kernels/python3"))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    root = str(NOTEBOOKS.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("VIT_NB_FAST", "1")
+    monkeypatch.setenv("VIT_NB_CHECKPOINT", "")
+    monkeypatch.setenv("VIT_NB_DATA_DIR", str(tmp_path / "no-cifar-here"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models: threads only add overhead

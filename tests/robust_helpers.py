@@ -20,7 +20,8 @@ STEPS_PER_EPOCH = 8  # num_train 256 / batch_size 32
 
 
 def tiny_config(tmp_path: Path, *, max_epochs: int = 3, every_n_train_steps: int = 3, **data) -> Path:
-    """The shipped resumable two-circles config (base + overlay), shrunk to seconds on a CPU; returns the YAML's path."""
+    """The shipped resumable two-circles config (base + overlay), shrunk to seconds on a CPU; returns the YAML's path.
+    """
     config = overlay(yaml.safe_load(BASE_CONFIG.read_text()), yaml.safe_load(RESUMABLE_OVERLAY.read_text()))
     trainer = config["trainer"]
     trainer.update(max_epochs=max_epochs, accelerator="cpu", devices=1, log_every_n_steps=1,
@@ -29,8 +30,9 @@ def tiny_config(tmp_path: Path, *, max_epochs: int = 3, every_n_train_steps: int
     step_checkpoint = trainer["callbacks"][1]["init_args"]
     assert "every_n_train_steps" in step_checkpoint  # the shipped config keeps its fault-tolerance checkpoint
     step_checkpoint["every_n_train_steps"] = every_n_train_steps
-    config["model"]["backbone"]["init_args"].update(patch_size=8, embed_dim=32, depth=1, num_heads=2,
-                                                   drop_rate=0.1)  # dropout draws random numbers every step
+    # Stochastic depth draws random numbers every step (depth 2: the first block's rate is 0, the second's 0.2).
+    config["model"]["backbone"]["init_args"].update(patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                                                   drop_path_rate=0.2)
     config["data"]["init_args"].update(num_train=256, num_val=64, num_test=64, batch_size=32, **data)
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "tiny.yaml"
@@ -42,7 +44,8 @@ def overlay(base: dict, top: dict) -> dict:
     """A second `--config` on top of a first, as jsonargparse applies it: mappings merge, lists and values replace."""
     merged = dict(base)
     for key, value in top.items():
-        merged[key] = overlay(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        both_mappings = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = overlay(base[key], value) if both_mappings else value
     return merged
 
 
@@ -84,7 +87,10 @@ class PauseAtStep(L.Callback):
 
 
 class RecordMetrics(L.Callback):
-    """Test aid: append val/* and train/loss* at each validation end to a JSON-lines file; `{rank}` in the path is the process rank."""
+    """Test aid: append val/* and train/loss* at each validation end to a JSON-lines file.
+
+    `{rank}` in the path is the process rank.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path

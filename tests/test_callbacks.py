@@ -37,7 +37,8 @@ TINY = [
     "--model.backbone.init_args.num_heads=2",
     "--model.backbone.init_args.patch_size=8",
 ]
-# RolloutImages in vit.yaml: 8 rows of 3-inch cells at 64 dpi; columns: image, rollout, grad rollout; 0.75 inch of colour bars.
+# RolloutImages in vit.yaml: 8 rows of 3-inch cells at 64 dpi; columns: image, rollout, grad rollout; 0.75 inch of
+# colour bars.
 ROLLOUT_PIXELS = (8 * 3 * 64, int((3 * 3 + 0.75) * 64))  # (height, width)
 
 
@@ -222,7 +223,8 @@ def test_csv_rollout_every_n_epochs_fixed_images_and_confusion_matrix(tmp_path, 
     monkeypatch.setattr(ConfusionMatrix, "_figure", lambda self, title, names=None: (drawn_with.append(names),
                                                                                    figure(self, title, names))[1])
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2)
+    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2,
+                                 num_heads=2)
     rollout = RolloutImages(every_n_epochs=2, num_images=5, methods=["rollout"], class_names=["neg", "pos"])
     confusion = ConfusionMatrix()
     trainer = tiny_trainer(tmp_path, [rollout, confusion], max_epochs=3)
@@ -333,7 +335,8 @@ def test_relevance_scores_are_logged_and_equal_the_scores_of_the_maps(tmp_path):
     from vit.explain.scores import pointing_game, relevance_mass
 
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2)
+    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2,
+                                 num_heads=2)
     scores = RelevanceScores(methods=["rollout", "gradcam"], num_images=10)
     trainer = tiny_trainer(tmp_path, [scores], max_epochs=1)
     data = tiny_data()
@@ -345,14 +348,16 @@ def test_relevance_scores_are_logged_and_equal_the_scores_of_the_maps(tmp_path):
         maps = relevance(backbone.eval(), x, method)
         logged = trainer.callback_metrics
         assert float(logged[f"val/pointing_game/{method}"]) == pytest.approx(float(pointing_game(maps, masks).mean()))
-        assert float(logged[f"val/relevance_mass/{method}"]) == pytest.approx(float(relevance_mass(maps, masks).mean()), abs=1e-6)
+        assert float(logged[f"val/relevance_mass/{method}"]) == pytest.approx(
+            float(relevance_mass(maps, masks).mean()), abs=1e-6)
     csv_metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
     assert "val/pointing_game/rollout" in csv_metrics  # on the dashboard (CSV here; TensorBoard and W&B alike)
 
 
 def test_rollout_images_draws_any_relevance_method(tmp_path):
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2)
+    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2,
+                                 num_heads=2)
     rollout = RolloutImages(every_n_epochs=1, num_images=3, methods=["rollout", "chefer", "gradcam"])
     trainer = tiny_trainer(tmp_path, [rollout], max_epochs=1)
     trainer.fit(ImageClassifier(backbone, lr=1e-3), tiny_data())
@@ -370,11 +375,19 @@ def test_figures_name_the_epoch_and_step_as_the_checkpoints_do(tmp_path, monkeyp
 
     titles = []
     to_array = dashboard.figure_to_array
-    monkeypatch.setattr("vit.explain.callbacks.figure_to_array",
-                        lambda figure, dpi: (titles.append(("rollout", figure.get_suptitle())), to_array(figure, dpi))[1])
+
+    def rollout_array(figure, dpi):
+        titles.append(("rollout", figure.get_suptitle()))
+        return to_array(figure, dpi)
+
     figure = ConfusionMatrix._figure
-    monkeypatch.setattr(ConfusionMatrix, "_figure", lambda self, title, names=None: (titles.append(("confusion", title)),
-                                                                                      figure(self, title, names))[1])
+
+    def confusion_figure(self, title, names=None):
+        titles.append(("confusion", title))
+        return figure(self, title, names)
+
+    monkeypatch.setattr("vit.explain.callbacks.figure_to_array", rollout_array)
+    monkeypatch.setattr(ConfusionMatrix, "_figure", confusion_figure)
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="epoch{epoch:02d}-step{step}",
                                   auto_insert_metric_name=False, save_top_k=-1)
     trainer = L.Trainer(max_epochs=2, logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,

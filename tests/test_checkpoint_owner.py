@@ -171,8 +171,8 @@ def test_an_oversize_architecture_is_refused_before_memory_is_spent(trained, tmp
     torch.save(checkpoint, path)
     script = ("import resource, vit.api\n"
               "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-              "try:\n    vit.api.load(%r)\nexcept ValueError as err:\n    print('refused:', err)\n"
-              "print('grew_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n" % str(path))
+              f"try:\n    vit.api.load({str(path)!r})\nexcept ValueError as err:\n    print('refused:', err)\n"
+              "print('grew_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
                          cwd=REPO, timeout=300).stdout
     assert "refused: checkpoint" in out and "does not fit the backbone" in out, out
@@ -280,7 +280,8 @@ RESUME_CASES = {
     "betas (5, 5)": (("optimizer_states", 0, "param_groups", 0, "betas"), (5, 5),
                      "optimizer_states[0].param_groups[0].betas=(5, 5) is not allowed: expected two numbers in [0, 1)"),
     "a moment of the wrong shape": (("optimizer_states", 0, "state", 0, "exp_avg"), torch.zeros(3),
-                                    "optimizer_states[0].state.0.exp_avg is not a float tensor of its parameter's shape"),
+                                    "optimizer_states[0].state.0.exp_avg is not a float tensor of its parameter's "
+                                    "shape"),
     "a scheduler of the wrong type": (("lr_schedulers", 0, "last_epoch"), "x",
                                       "lr_schedulers[0].last_epoch='x' is not allowed"),
 }
@@ -305,6 +306,7 @@ def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypa
                          *(["--ckpt_path", "last"] if epochs > 1 else [])], monkeypatch)
     last = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(last, weights_only=True)
-    assert checkpoint["epoch"] == 2 and checkpoint["hyper_parameters"]["backbone"]["class_path"] == "vit.models.VisionTransformer"
+    assert checkpoint["epoch"] == 2
+    assert checkpoint["hyper_parameters"]["backbone"]["class_path"] == "vit.models.VisionTransformer"
     main_in_process(["validate", "--config", str(config), "--ckpt_path", str(last)], monkeypatch)
     assert vit.load(last).class_names == ["not_diagonal", "diagonal"]

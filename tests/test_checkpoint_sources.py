@@ -1,4 +1,5 @@
-"""Every way a checkpoint enters (a path, `file://`, `http://`, `last`) loads with weights_only=True and passes the same checks.
+"""Every way a checkpoint enters (a path, `file://`, `http://`, `last`) loads with weights_only=True and passes the
+same checks.
 
 The URL cases use a real HTTP server on 127.0.0.1 serving files the tests write.
 """

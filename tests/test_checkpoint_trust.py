@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import timm
 import torch
-from PIL import Image
 from checkpoint_doors import NAMED, SHAPES, hostile
 from checkpoint_doors import doors as commands
+from notebook_helpers import execute
+from PIL import Image
 from robust_helpers import main_in_process, tiny_config
-from notebook_helpers import execute, kernel_env  # noqa: F401  (kernel_env: a fixture)
 from safetensors.torch import load_file, save_file
 
 from vit.explain.__main__ import main as explain_main
@@ -120,19 +120,20 @@ def hub(monkeypatch, tmp_path):
 def test_a_pretrained_hub_id_in_a_checkpoint_is_never_requested(trained, tmp_path, monkeypatch, capsys, hub):
     ckpt, config = trained
     checkpoint = torch.load(ckpt, weights_only=True)
-    checkpoint["hyper_parameters"]["backbone"]["init_args"]["pretrained"] = "hf-hub:someone/anything"
+    checkpoint["hyper_parameters"]["pretrained"] = "hf-hub:someone/anything"
     moved = tmp_path / "hub.ckpt"
     torch.save(checkpoint, moved)
     # The stand-in hub is reached by a pretrained load, so that silence below means no request was made.
-    from vit.models import VisionTransformer
+    from vit.models.pretrained import create_vit
     with pytest.raises(ValueError):
-        VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=32, depth=1, num_heads=2,
-                          mlp_ratio=2.0, pretrained="hf-hub:someone/anything")
+        create_vit(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=32, depth=1, num_heads=2,
+                   mlp_ratio=2.0, pretrained="hf-hub:someone/anything")
     # (Asked for the repository's files, not only for huggingface_hub's own registry of agents.)
     assert any(path.startswith("/someone/anything/") for path in hub), f"the stand-in hub was not asked: {hub}"
     hub.clear()
     for name, command in commands(moved, config, tmp_path).items():
-        # attention_blocking needs a same_different model; train.py's subcommands open it alike (validate stands for them)
+        # attention_blocking needs a same_different model; train.py's subcommands open it alike (validate stands
+        # for them)
         if name in ("attention_blocking", "train.py test", "train.py predict", "train.py fit"):
             continue
         assert command(monkeypatch) == 0, (name, capsys.readouterr().err)
@@ -159,7 +160,7 @@ def fine_tune(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
                      "--data.root", images.name, "--data.img_size", "32", "--data.batch_size", "8",
                      "--data.num_workers", "0", "--trainer.precision", "32-true", "--trainer.max_epochs", "1",
                      "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", "runs",
-                     "--test_after_fit", "false", "--model.backbone.init_args.pretrained", weights.name,
+                     "--test_after_fit", "false", "--model.pretrained", weights.name,
                      "--model.backbone.init_args.embed_dim", "32", "--model.backbone.init_args.depth", "1",
                      "--model.backbone.init_args.num_heads", "2", "--model.backbone.init_args.patch_size", "8"],
                     monkeypatch)

@@ -163,7 +163,8 @@ def test_train_py_predict_writes_named_predictions_in_its_run_folder(tmp_path_fa
     assert [r["file"] for r in rows] == [str(i) for i in range(64)]  # synthetic data: the index in the split
     for row, p in zip(rows, probs):
         assert row["class_name"] == ["not_diagonal", "diagonal"][int(p.argmax())] == data.class_names[int(p.argmax())]
-        assert int(row["class_index"]) == int(p.argmax()) and float(row["probability"]) == pytest.approx(float(p.max()), abs=1e-6)
+        assert int(row["class_index"]) == int(p.argmax())
+        assert float(row["probability"]) == pytest.approx(float(p.max()), abs=1e-6)
 
     code, err = cli([*predict, "--trainer.logger.init_args.save_dir", str(tmp_path / "refused"),
                      "--trainer.callbacks+=vit.training.predictions.PredictionWriter", "--trainer.callbacks.topk=3"],

@@ -48,7 +48,8 @@ def test_frozen_parameters_are_not_given_to_the_optimizer():
 ])
 def test_freezing_trains_only_what_it_names(trainable, trained, pool):
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2, pool=pool)
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2,
+                                 pool=pool)
     model = ImageClassifier(backbone, trainable=trainable, lr=0.1, weight_decay=0.0)
     before = {n: p.detach().clone() for n, p in backbone.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -149,7 +150,8 @@ def test_layer_decay_groups_are_those_timm_gives_its_own_vision_transformer():
     import timm
     from timm.optim import param_groups_layer_decay
 
-    cfg = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2, "reg_tokens": 1}
+    cfg = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2,
+           "reg_tokens": 1}
     ours, theirs = VisionTransformer(**cfg), timm.create_model("vit_tiny_patch16_224", pretrained=False, **cfg)
 
     def scales(model):

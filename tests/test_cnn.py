@@ -33,7 +33,8 @@ def _gradient_support(model: ConvNet, size: int) -> tuple[int, int]:
     return int(rows.max() - rows.min() + 1), int(cols.max() - cols.min() + 1)
 
 
-@pytest.mark.parametrize("strides,kernel", [((1, 1, 1), 3), ((2, 1, 1), 3), ((1, 2, 1, 2, 1), 3), ((2, 1, 2), 5), ((1, 2, 1, 2, 1, 2, 1), 3)])
+@pytest.mark.parametrize("strides,kernel", [((1, 1, 1), 3), ((2, 1, 1), 3), ((1, 2, 1, 2, 1), 3), ((2, 1, 2), 5),
+                                            ((1, 2, 1, 2, 1, 2, 1), 3)])
 def test_receptive_field_equals_the_gradient_support(strides, kernel):
     model = ConvNet(img_size=96, in_chans=1, num_classes=2, widths=(2,) * len(strides), strides=strides,
                     kernel_size=kernel)
@@ -45,7 +46,8 @@ def test_circular_padding_is_blind_to_circular_shifts_and_zero_padding_is_not():
     torch.manual_seed(0)
     x = torch.rand(2, 1, 16, 16)
     shifted = torch.roll(x, shifts=(4, 8), dims=(2, 3))  # a multiple of the total stride (4)
-    circular = ConvNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2), padding="circular").eval()
+    circular = ConvNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2),
+                       padding="circular").eval()
     torch.testing.assert_close(circular(shifted), circular(x), rtol=1e-4, atol=1e-5)
     zero = ConvNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2), padding="zero").eval()
     assert not torch.allclose(zero(shifted), zero(x), rtol=1e-4, atol=1e-5)

@@ -1,4 +1,5 @@
-"""The plateau diagnostics against hand computations, and the callback in a real (tiny) fit."""
+"""The recipe study's plateau diagnostics (studies/recipe/diagnostics.py) against hand computations, and the callback
+in a real (tiny) fit."""
 
 import csv
 import math
@@ -8,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from studies.recipe.diagnostics import PlateauDiagnostics, attention_stats, grad_norms, token_probe
 from vit.data.same_different import SHAPE_SIZE, SameDifferentDataModule, SameDifferentDataset, make_shapes
 from vit.models import VisionTransformer
 from vit.training.classifier import ImageClassifier
-from vit.training.diagnostics import PlateauDiagnostics, attention_stats, grad_norms, token_probe
 
 TINY = dict(img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=8, depth=2, num_heads=2, pool="mean")
 

@@ -10,9 +10,9 @@ from robust_helpers import main_in_process, tiny_config
 from torch.utils.data import DataLoader, TensorDataset
 
 from vit.models import VisionTransformer
-from vit.training.classifier import ImageClassifier
 from vit.training.checkpoint import read
 from vit.training.checkpoint.build import build_backbone, open_model
+from vit.training.classifier import ImageClassifier
 
 CFG = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2}
 
@@ -90,8 +90,9 @@ def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_com
                     monkeypatch)
     path = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(path, weights_only=True)
-    averaged = {k.removeprefix("ema.module."): v for k, v in checkpoint["state_dict"].items() if k.startswith("ema.module.")}
-    trained = {k.removeprefix("backbone."): v for k, v in checkpoint["state_dict"].items() if k.startswith("backbone.")}
+    state = checkpoint["state_dict"]
+    averaged = {k.removeprefix("ema.module."): v for k, v in state.items() if k.startswith("ema.module.")}
+    trained = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
     assert averaged.keys() == trained.keys()
     by_hand, raw = build_backbone(read(path)), build_backbone(read(path))
     by_hand.load_state_dict(averaged)

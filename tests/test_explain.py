@@ -185,7 +185,8 @@ def test_attention_methods_on_the_cnn_say_it_has_no_attention_layers_and_what_wo
                                           "got method='attention', head_fusion='mean', discard_ratio=0.5"),
     ("flow", {"target": 1}, "target=1 applies to the class-specific methods ['grad_rollout', 'chefer', 'gradcam'] "
                             "only; method='flow' is class-agnostic"),
-    ("rollout", {"head_fusion": "median"}, "head_fusion='median' is not allowed: expected one of ['mean', 'max', 'min']"),
+    ("rollout", {"head_fusion": "median"},
+     "head_fusion='median' is not allowed: expected one of ['mean', 'max', 'min']"),
 ])
 def test_options_a_method_does_not_take_are_refused_before_the_model_runs(method, options, message):
     model = tiny_vit()
@@ -255,7 +256,8 @@ def test_rank_correlation_and_normalise():
     a = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     assert float(rank_correlation(a, a * 10)[0]) == pytest.approx(1.0)
     assert float(rank_correlation(a, -a)[0]) == pytest.approx(-1.0)
-    torch.testing.assert_close(normalise(torch.tensor([[0.0, -1.0], [2.0, 0.0]])[None]), torch.tensor([[[0.0, 0.0], [1.0, 0.0]]]))
+    torch.testing.assert_close(normalise(torch.tensor([[0.0, -1.0], [2.0, 0.0]])[None]),
+                               torch.tensor([[[0.0, 0.0], [1.0, 0.0]]]))
 
 
 @pytest.mark.parametrize("out", ["maps.txt", "maps"])
@@ -294,7 +296,8 @@ def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods,
     assert "already exists" in capsys.readouterr().err
     if backbone == "cnn":
         assert main(["--ckpt_path", str(last), "--method", "rollout", "--out", str(tmp_path / "x.png")]) == 2
-        assert "--method 'rollout' needs a model with attention layers (a ViT); ResNet has none" in capsys.readouterr().err
+        message = "--method 'rollout' needs a model with attention layers (a ViT); ResNet has none"
+        assert message in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -315,7 +318,8 @@ def circle_pngs(folder, n=3):
     folder.mkdir()
     dataset = TwoCirclesDataset(num_samples=n, noise=0.0, seed=5)
     for i in range(n):
-        Image.fromarray((dataset.images[i, 0].clamp(0, 1).numpy() * 255).round().astype(np.uint8)).save(folder / f"c{i}.png")
+        pixels = (dataset.images[i, 0].clamp(0, 1).numpy() * 255).round().astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"c{i}.png")
     (folder / "notes.txt").write_text("not an image")
     return folder
 

@@ -1,4 +1,5 @@
-"""`python -m vit.export`: a checkpoint -> model.safetensors + config.json that timm's Hub loader reads, equal logits."""
+"""`python -m vit.export`: a checkpoint -> model.safetensors + config.json that timm's Hub loader reads, with equal
+logits."""
 
 import json
 import os
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from vit.export import ExportError, export, main, timm_args
 from vit.models import VisionTransformer
+from vit.models.pretrained import create_vit
 from vit.training.classifier import ImageClassifier
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
@@ -21,7 +23,8 @@ DATA = dict(mean=(0.5, 0.4, 0.3), std=(0.2, 0.2, 0.2), interpolation="bilinear",
 
 @pytest.fixture
 def checkpoint(tmp_path_factory, monkeypatch) -> Path:
-    """A train.py checkpoint (the tiny two-circles run the robust tests share), with class names as training stores them."""
+    """A train.py checkpoint (the tiny two-circles run the robust tests share), with class names as training stores
+    them."""
     [run_dir] = run_dirs(shared_run(tmp_path_factory.getbasetemp() / "robust_reference", monkeypatch))
     named = tmp_path_factory.getbasetemp() / "named.ckpt"
     if not named.exists():
@@ -67,9 +70,10 @@ def test_the_export_is_read_by_timm_and_by_this_project_with_equal_logits(checkp
                                 pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=2))
     assert (logits(by_name.eval(), x) - expected).abs().max() < 1e-5
     # ... and this project's pretrained loader, from the folder or the file.
-    init_args = torch.load(checkpoint, map_location="cpu", weights_only=True)["hyper_parameters"]["backbone"]["init_args"]
+    hparams = torch.load(checkpoint, map_location="cpu", weights_only=True)["hyper_parameters"]
+    init_args = hparams["backbone"]["init_args"]
     for source in (out, out / "model.safetensors"):
-        back = VisionTransformer(**{**init_args, "pretrained": str(source)}).eval()
+        back = create_vit(str(source), **init_args).eval()
         assert (logits(back, x) - expected).abs().max() < 1e-5
 
 
@@ -117,16 +121,17 @@ def test_bad_outputs_and_checkpoints_are_refused_in_one_line_before_anything_is_
     full.mkdir()
     (full / "notes.txt").write_text("mine")
     assert main(["--ckpt_path", str(checkpoint), "--out", str(full)]) == 2
-    assert error_line(capsys.readouterr().err) == (f"error: --out {full} is a folder that is not empty; pass --overwrite "
-                                                   "to write model.safetensors, config.json and README.md into it (other files "
-                                                   "are left alone)")
+    assert error_line(capsys.readouterr().err) == (f"error: --out {full} is a folder that is not empty; pass "
+                                                   "--overwrite to write model.safetensors, config.json and README.md "
+                                                   "into it (other files are left alone)")
     assert sorted(p.name for p in full.iterdir()) == ["notes.txt"]
     assert main(["--ckpt_path", str(checkpoint), "--out", str(full), "--overwrite"]) == 0
     assert sorted(p.name for p in full.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
     capsys.readouterr()
     (tmp_path / "file").write_text("x")
     assert main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "file")]) == 2
-    assert error_line(capsys.readouterr().err) == f"error: --out {tmp_path / 'file'} is a file; give a folder (it is created)"
+    assert error_line(capsys.readouterr().err) == (f"error: --out {tmp_path / 'file'} is a file; give a folder "
+                                                   "(it is created)")
     assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "new")]) == 2
     assert error_line(capsys.readouterr().err) == f"error: checkpoint {tmp_path / 'missing.ckpt'} does not exist"
     assert not (tmp_path / "new").exists()

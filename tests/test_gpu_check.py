@@ -1,4 +1,5 @@
-"""`benchmarks/gpu_check.py`, run tiny on a CPU: the plumbing of the GPU check (the recipes through the CLI, the table)."""
+"""`benchmarks/gpu_check.py`, run tiny on a CPU: the plumbing of the GPU check (the recipes through the CLI, the
+table)."""
 
 import re
 
@@ -19,7 +20,8 @@ def test_tiny_cpu_run_prints_every_row_with_numbers(tmp_path, capsys):
     ])  # fmt: skip
     printed = capsys.readouterr().out
     report = out.read_text()
-    assert printed.endswith(report.split("\n\n", 2)[2])  # the file holds the printed table, under a title and the command
+    # The file holds the printed table, under a title and the command.
+    assert printed.endswith(report.split("\n\n", 2)[2])
 
     rows = {line.split(" | ")[0].lstrip("| "): line for line in report.splitlines() if line.startswith("| ")}
     for name in ("ViT, eager", "ResNet, eager"):

@@ -55,7 +55,7 @@ def train_folder(root: Path, runs: Path, monkeypatch) -> None:
                      "--data.val_fraction", "0.25", "--trainer.precision", "32-true", "--trainer.max_epochs", "1",
                      "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
                      "--trainer.logger.init_args.save_dir", str(runs),
-                     "--model.backbone.init_args.pretrained", "null", "--model.backbone.init_args.patch_size", "8",
+                     "--model.pretrained", "null", "--model.backbone.init_args.patch_size", "8",
                      "--model.backbone.init_args.embed_dim", "32", "--model.backbone.init_args.depth", "1",
                      "--model.backbone.init_args.num_heads", "2"], monkeypatch)
 
@@ -245,7 +245,7 @@ def test_a_class_whose_only_file_is_broken_is_named_with_the_file_and_why(tmp_pa
     code, err = cli(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"), "--data.root", str(root),
                      "--data.img_size", "32", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
                      "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-                     "--model.backbone.init_args.pretrained", "null"], monkeypatch, capsys)
+                     "--model.pretrained", "null"], monkeypatch, capsys)
     assert code == 1 and error_line(err) == (f"error: class folder {root / 'b'} has no readable image (only.png: "
                                              "cannot identify image file: not a format Pillow reads): every class "
                                              "folder needs at least one")

@@ -1,4 +1,5 @@
-"""Your own images: an image-folder data module, fine-tuning from a local .safetensors file through the CLI, then predict, explain and export."""
+"""Your own images: an image-folder data module, fine-tuning from a local .safetensors file through the CLI, then
+predict, explain and export."""
 
 import csv
 import json
@@ -73,7 +74,7 @@ def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
                          "--data.normalization", "imagenet",
                          "--trainer.precision", "32-true", "--trainer.max_epochs", "8", "--trainer.accelerator", "cpu",
                          "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--model.lr", "3e-3",
-                         "--model.backbone.init_args.pretrained", str(weights), "--model.backbone.init_args.patch_size",
+                         "--model.pretrained", str(weights), "--model.backbone.init_args.patch_size",
                          "8", "--model.backbone.init_args.num_heads", "2",  # width and depth: the file's
                          "--model.backbone.init_args.drop_path_rate", "0.0"], monkeypatch)
     out = capsys.readouterr().out
@@ -201,7 +202,8 @@ def test_a_class_folder_without_a_readable_image_is_named(tmp_path):
     (root / "empty_class" / "cut.png").write_bytes(b"nope")
     dm = ImageFolderDataModule(root=str(root), img_size=32)
     with pytest.raises(NoReadableImageError, match=r"class folder .*/empty_class has no readable image \(cut\.png: "
-                       r"cannot identify image file: not a format Pillow reads\): every class folder needs at least one$"):
+                                                   r"cannot identify image file: not a format Pillow reads\): every "
+                                                   r"class folder needs at least one$"):
         dm.setup("fit")
 
 
@@ -269,8 +271,9 @@ def test_a_root_that_fits_neither_layout_is_refused_in_one_line(tmp_path, splits
         ImageFolderDataModule(root=str(root))
     message = str(error.value)
     assert "\n" not in message and re.match(rf"{re.escape(str(root))} has {named}, so it fits neither layout: expected "
-                                             r"root/<class>/<image> \(split into train, val and test by val_fraction and test_fraction\) or "
-                                             r"root/train/<class>/<image> with optional root/val/ and root/test/", message)
+                                             r"root/<class>/<image> \(split into train, val and test by val_fraction "
+                                             r"and test_fraction\) or root/train/<class>/<image> with optional "
+                                             r"root/val/ and root/test/", message)
 
 
 def test_non_square_images_keep_their_height_and_width(tmp_path):
@@ -280,7 +283,8 @@ def test_non_square_images_keep_their_height_and_width(tmp_path):
         with pytest.warns(UserWarning):
             dm.setup("fit")
         assert dm.train_set[0][0].shape == dm.val_set[0][0].shape == (3, 32, 48)
-    with pytest.raises(ValueError, match=r"img_size=\(32, 4\) is not allowed: expected an int >= 8 \(a square\) or a pair"):
+    with pytest.raises(ValueError, match=r"img_size=\(32, 4\) is not allowed: expected an int >= 8 \(a square\) "
+                                         r"or a pair"):
         ImageFolderDataModule(root=str(root), img_size=(32, 4))
 
 

@@ -75,7 +75,8 @@ def test_inputs_of_the_wrong_dtype_are_named(model):
     with pytest.raises(ValueError, match=r"expected a floating-point input, got torch\.uint8: .*x\.float\(\) / 255"):
         model(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))
     for dtype in (torch.float64, torch.float16):
-        with pytest.raises(ValueError, match=rf"input dtype {dtype} does not match the model's weights \(torch\.float32\)"):
+        with pytest.raises(ValueError,
+                           match=rf"input dtype {dtype} does not match the model's weights \(torch\.float32\)"):
             model(torch.zeros(2, 1, 8, 8, dtype=dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision keeps float32 inputs: allowed
         assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 2)

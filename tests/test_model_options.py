@@ -1,8 +1,7 @@
-"""The ViT's recipe options (QK-norm, overlapping patches, the init std of queries and keys), the attention-blocking
-mask, and checkpoints that record the options the model no longer has."""
+"""The ViT's recipe options (overlapping patches, the init std of queries and keys; QK-norm's parity with timm is in
+test_timm_parity.py), the attention-blocking mask, and checkpoints that record the options the model no longer has."""
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 
@@ -16,24 +15,6 @@ CFG = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-def test_qk_norm_loads_timms_qk_norm_vit_with_the_same_logits():
-    ref = timm.models.VisionTransformer(**CFG, qk_norm=True).eval()
-    for name, p in ref.named_parameters():  # LayerNorm gains start at 1: make them matter
-        if "q_norm" in name or "k_norm" in name:
-            p.data.normal_(1.0, 0.3)
-    ours = VisionTransformer(**CFG, qk_norm=True).eval()
-    ours.load_state_dict(ref.state_dict(), strict=True)
-    x = torch.randn(4, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-5)
-        with record_attention(ours):  # the explicit path normalises too
-            torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-5)
-
-
-def test_the_default_options_keep_timms_state_dict():
-    assert VisionTransformer(**CFG).state_dict().keys() == timm.models.VisionTransformer(**CFG).state_dict().keys()
 
 
 def test_overlapping_patches_are_a_linear_map_of_each_padded_window():
@@ -100,10 +81,10 @@ def test_blocked_pairs_get_zero_weight_and_the_fused_path_agrees():
 def test_masks_do_not_nest_and_are_removed_on_exit():
     model = VisionTransformer(**CFG)
     with mask_attention(model, torch.ones(1, 1, 65, 65, dtype=torch.bool)):
-        with pytest.raises(RuntimeError, match="already open"):
+        with pytest.raises(RuntimeError, match="the model already applies a mask"):
             with mask_attention(model, torch.ones(1, 1, 65, 65, dtype=torch.bool)):
                 pass
-    assert all(block.attn.extra_mask is None for block in model.blocks)
+    assert model.attn_mask is None
 
 
 @pytest.mark.parametrize("std", [0.02, 0.125])

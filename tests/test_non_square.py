@@ -106,7 +106,8 @@ def test_resnet_and_coordconv_take_32_by_48_inputs():
         assert model(torch.randn(2, 1, 32, 48)).shape == (2, 3)
         with pytest.raises(ValueError, match=r"expected input of shape \(B, 1, 32, 48\), got \(2, 1, 48, 32\)"):
             model(torch.randn(2, 1, 48, 32))
-    with pytest.raises(ValueError, match=r"img_size=\(32, 0\) is not allowed: expected an int >= 1 \(a square\) or a pair"):
+    with pytest.raises(ValueError, match=r"img_size=\(32, 0\) is not allowed: expected an int >= 1 \(a square\) "
+                                         r"or a pair"):
         ResNet(img_size=(32, 0))
     # Each axis scaled by its own length: pixel centres (i + 0.5) / n * 2 - 1, both spanning (-1, 1).
     coords = coord_channels((32, 48))

@@ -5,7 +5,7 @@ import re
 
 import nbformat
 import pytest
-from notebook_helpers import NOTEBOOKS, execute, kernel_env  # noqa: F401  (kernel_env: a fixture)
+from notebook_helpers import NOTEBOOKS, execute
 
 NAMES = [
     "attention_explained.ipynb",

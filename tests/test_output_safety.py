@@ -147,7 +147,8 @@ def test_export_refuses_an_out_or_a_file_in_it_that_is_not_what_it_replaces_befo
 @pytest.mark.parametrize("err", [FULL, SAFETENSORS_FULL])
 def test_write_failed_is_one_line_with_the_systems_reason_and_status_1(err, capsys):
     assert write_failed("--out", Path("exported/model.safetensors"), err) == 1
-    assert capsys.readouterr().err == "error: --out exported/model.safetensors could not be written: No space left on device\n"
+    assert capsys.readouterr().err == ("error: --out exported/model.safetensors could not be written: "
+                                       "No space left on device\n")
 
 
 @pytest.mark.parametrize("err", [FULL, SAFETENSORS_FULL])
@@ -277,4 +278,5 @@ def test_the_image_folders_warning_lists_twenty_skipped_files_then_counts_the_re
     [message] = [str(w.message) for w in warned if "skipped" in str(w.message)]
     assert message.startswith(f"skipped 25 file(s) under {root}: a/notes00.txt: ")
     parts = message.split("; ")
-    assert len(parts) == 21 and parts[19].startswith("a/notes19.txt: ") and parts[20] == "... and 5 more skipped file(s)"
+    assert len(parts) == 21 and parts[19].startswith("a/notes19.txt: ")
+    assert parts[20] == "... and 5 more skipped file(s)"

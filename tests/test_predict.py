@@ -32,7 +32,8 @@ def checkpoint(tmp_path_factory, monkeypatch) -> Path:
 
 @pytest.fixture
 def images(tmp_path) -> Path:
-    """Two-circles test images as 8-bit grayscale PNGs, an RGB copy at twice the size, two bad files and two hidden ones."""
+    """Two-circles test images as 8-bit grayscale PNGs, an RGB copy at twice the size, two bad files and two hidden
+    ones."""
     folder = tmp_path / "my images"
     folder.mkdir()
     dataset = TwoCirclesDataset(num_samples=6, noise=0.0, seed=11)
@@ -133,7 +134,8 @@ def test_sixteen_bit_and_float_images_are_scaled_by_their_real_range(checkpoint,
 @pytest.mark.slow
 def test_topk_writes_the_k_best_classes_with_their_names(checkpoint, images, tmp_path, capsys):
     output = tmp_path / "top2.csv"
-    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output), "--topk", "2"]) == 0
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
+                 "--topk", "2"]) == 0
     rows = list(csv.DictReader(output.open()))
     assert list(rows[0]) == ["file", "class_name", "class_index", "probability",
                              "class_name_2", "class_index_2", "probability_2"]
@@ -241,14 +243,16 @@ def test_a_topk_the_model_cannot_give_is_refused_before_any_image_is_read(topk, 
 
     monkeypatch.setattr(vit.data.image_folder, "read_images", lambda *a: pytest.fail("images were read"))
     output = tmp_path / "p.csv"
-    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output), "--topk", topk]) == 2
+    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
+                 "--topk", topk]) == 2
     assert capsys.readouterr().err.strip() == message and not output.exists()
 
 
 @pytest.mark.slow
 def test_a_checkpoint_with_non_finite_weights_is_refused_by_predict(checkpoint, tmp_path, capsys):
     broken = torch.load(checkpoint, weights_only=True)
-    broken["state_dict"]["backbone.head.bias"] = torch.full_like(broken["state_dict"]["backbone.head.bias"], float("nan"))
+    bias = broken["state_dict"]["backbone.head.bias"]
+    broken["state_dict"]["backbone.head.bias"] = torch.full_like(bias, float("nan"))
     path = tmp_path / "nan.ckpt"
     torch.save(broken, path)
     folder = tmp_path / "images"

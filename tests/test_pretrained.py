@@ -13,8 +13,7 @@ import timm.models._hub
 import torch
 from safetensors.torch import load_file, save_file
 
-from vit.models import VisionTransformer
-from vit.models.pretrained import PretrainedError
+from vit.models.pretrained import PretrainedError, create_vit
 
 TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)  # vit_tiny_patch16_224
 SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)  # where the weights are refused before use
@@ -34,7 +33,7 @@ def timm_file(tmp_path_factory):
 def test_loading_equals_timms_own_pretrained_loading(timm_file, img_size, num_classes):
     reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=img_size, num_classes=num_classes,
                                   pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
-    ours = VisionTransformer(img_size=img_size, num_classes=num_classes, pretrained=str(timm_file), **TINY).eval()
+    ours = create_vit(img_size=img_size, num_classes=num_classes, pretrained=str(timm_file), **TINY).eval()
     x = torch.randn(2, 3, img_size, img_size)
     with torch.no_grad():
         diff = (ours.forward_features(x) - reference.forward_features(x)).abs().max().item()
@@ -47,8 +46,8 @@ def test_loading_equals_timms_own_pretrained_loading(timm_file, img_size, num_cl
 def test_another_patch_size_and_channel_count_are_resampled_as_timm_does(timm_file):
     reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=64, patch_size=8, in_chans=1,
                                   num_classes=3, pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
-    ours = VisionTransformer(img_size=64, in_chans=1, num_classes=3, pretrained=str(timm_file),
-                             **{**TINY, "patch_size": 8}).eval()
+    ours = create_vit(img_size=64, in_chans=1, num_classes=3, pretrained=str(timm_file),
+                      **{**TINY, "patch_size": 8}).eval()
     x = torch.randn(2, 1, 64, 64)
     with torch.no_grad():
         assert (ours.forward_features(x) - reference.forward_features(x)).abs().max() < 1e-5
@@ -56,19 +55,20 @@ def test_another_patch_size_and_channel_count_are_resampled_as_timm_does(timm_fi
 
 def test_a_new_head_is_logged_and_left_fresh(timm_file, caplog):
     with caplog.at_level(logging.WARNING):
-        model = VisionTransformer(img_size=32, num_classes=7, pretrained=str(timm_file), **TINY)
+        model = create_vit(img_size=32, num_classes=7, pretrained=str(timm_file), **TINY)
     assert "head.weight and head.bias re-initialised" in caplog.text
     assert model.head.weight.shape == (7, 192) and model.head.bias.abs().max() == 0
 
 
 def test_a_learned_table_into_a_sincos_config_is_an_error(timm_file):
     with pytest.raises(PretrainedError, match="learned position table, and this config has pos_embed='sincos2d'"):
-        VisionTransformer(img_size=32, pos_embed="sincos2d", pretrained=str(timm_file), **TINY)
+        create_vit(img_size=32, pos_embed="sincos2d", pretrained=str(timm_file), **TINY)
 
 
 def test_weights_that_do_not_fit_name_the_tensors(timm_file):
-    with pytest.raises(PretrainedError, match=r"blocks\.0\.attn\.qkv\.weight: \(576, 192\) in the weights, \(288, 96\) here"):
-        VisionTransformer(img_size=32, pretrained=str(timm_file), **{**TINY, "embed_dim": 96})
+    with pytest.raises(PretrainedError,
+                       match=r"blocks\.0\.attn\.qkv\.weight: \(576, 192\) in the weights, \(288, 96\) here"):
+        create_vit(img_size=32, pretrained=str(timm_file), **{**TINY, "embed_dim": 96})
 
 
 HUB_ID = "timm/vit_tiny_patch16_224.augreg_in21k"  # where timm finds vit_tiny_patch16_224.augreg_in21k
@@ -76,7 +76,8 @@ IN21K = 21843  # the classes of its head
 
 
 def serve_hub(monkeypatch, folder=None) -> list[tuple[str, str]]:
-    """timm's Hub download replaced: files come from `folder` (or none exist); returns the (repo, file) pairs asked for."""
+    """timm's Hub download replaced: files come from `folder` (or none exist); returns the (repo, file) pairs asked
+    for."""
     asked = []
 
     def download(repo_id, filename, **kwargs):
@@ -103,7 +104,7 @@ def hub_repo(tmp_path_factory):
 def test_hub_ids_and_names_are_downloaded_by_timm(hub_repo, monkeypatch, source):
     folder, reference = hub_repo
     asked = serve_hub(monkeypatch, folder)
-    model = VisionTransformer(img_size=224, num_classes=IN21K, pretrained=source, **TINY)
+    model = create_vit(img_size=224, num_classes=IN21K, pretrained=source, **TINY)
     assert (HUB_ID, "model.safetensors") in asked and {repo for repo, _ in asked} == {HUB_ID}
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=key)
@@ -116,9 +117,10 @@ def test_a_name_that_cannot_be_downloaded_says_how_to_pass_a_file(monkeypatch, t
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(PretrainedError) as err:
-        VisionTransformer(pretrained=source, **SMALL)
+        create_vit(pretrained=source, **SMALL)
     message = str(err.value)
-    assert message.startswith(f"the weights of {source!r}") and "could not be downloaded (LocalEntryNotFoundError" in message
+    assert message.startswith(f"the weights of {source!r}")
+    assert "could not be downloaded (LocalEntryNotFoundError" in message
     assert message.endswith(f"(`hf download {HUB_ID} model.safetensors --local-dir weights`) and pass the file "
                             "instead: pretrained=weights/model.safetensors")
     assert "\n" not in message
@@ -129,7 +131,7 @@ def test_a_name_that_cannot_be_downloaded_says_how_to_pass_a_file(monkeypatch, t
 def test_a_missing_file_is_named_as_a_file(monkeypatch, source):
     asked = serve_hub(monkeypatch)
     with pytest.raises(PretrainedError, match=re.escape(f"pretrained={source!r}: there is no such file")):
-        VisionTransformer(pretrained=source, **SMALL)
+        create_vit(pretrained=source, **SMALL)
     assert asked == []  # a path is never looked up on the Hub
 
 
@@ -139,12 +141,12 @@ def test_a_local_folder_named_like_a_hub_id_says_how_to_write_the_hub_id(hub_rep
     monkeypatch.chdir(tmp_path)
     (tmp_path / HUB_ID).mkdir(parents=True)  # e.g. a folder left by `hf download ... --local-dir` that failed
     with pytest.raises(PretrainedError) as err:
-        VisionTransformer(pretrained=HUB_ID, **SMALL)
+        create_vit(pretrained=HUB_ID, **SMALL)
     assert str(err.value) == (f"pretrained={HUB_ID!r} is a folder without a model.safetensors, not a weights file "
                               f"(.safetensors, .pth or .bin); it was read as a local path because {HUB_ID} exists "
                               f"here: a Hugging Face Hub id is written hf-hub:{HUB_ID}")
     assert asked == []
-    VisionTransformer(img_size=224, num_classes=IN21K, pretrained=f"hf-hub:{HUB_ID}", **TINY)  # the advice works
+    create_vit(img_size=224, num_classes=IN21K, pretrained=f"hf-hub:{HUB_ID}", **TINY)  # the advice works
     assert (HUB_ID, "model.safetensors") in asked
 
 
@@ -157,7 +159,7 @@ def test_a_numpy_archive_is_named_as_an_unsupported_format_not_a_corrupted_file(
     with open(path, "wb") as f:  # big_vision's layout: one array per parameter
         np.savez(f, **{"Transformer/encoder_norm/scale": np.ones(192, np.float32), "cls": np.zeros((1, 1, 192))})
     with pytest.raises(PretrainedError) as err:
-        VisionTransformer(pretrained=str(path), **SMALL)
+        create_vit(pretrained=str(path), **SMALL)
     message = str(err.value)
     assert message.startswith(f"pretrained={str(path)!r} is a NumPy .npz archive (JAX / big_vision weights), a "
                               f"format not supported here: expected {SUPPORTED}. ")
@@ -171,13 +173,13 @@ def test_a_zip_archive_that_torch_save_did_not_write_lists_the_formats(tmp_path)
     with pytest.raises(PretrainedError, match=re.escape(
             f"pretrained={str(path)!r} is a zip archive, but not one torch.save writes (it has no data.pkl): "
             f"expected {SUPPORTED}")):
-        VisionTransformer(pretrained=str(path), **SMALL)
+        create_vit(pretrained=str(path), **SMALL)
 
 
 def test_a_wrong_tag_lists_the_tags_timm_has():
     with pytest.raises(PretrainedError, match=r"pretrained='vit_tiny_patch16_224\.in1k': timm has no pretrained tag "
                                               r"'in1k' for vit_tiny_patch16_224; it has \['augreg_in21k'"):
-        VisionTransformer(pretrained="vit_tiny_patch16_224.in1k", **SMALL)
+        create_vit(pretrained="vit_tiny_patch16_224.in1k", **SMALL)
 
 
 class WritesAMarker:
@@ -229,7 +231,7 @@ BAD_FILES = ["empty.safetensors", "truncated.safetensors", "garbage.safetensors"
 def test_a_broken_or_unsafe_file_is_named_with_what_is_wrong(tmp_path, timm_file, kind):
     path, expected = write_bad_file(tmp_path, kind, timm_file)
     with pytest.raises(PretrainedError, match=re.escape(f"pretrained={str(path)!r} ") + expected) as err:
-        VisionTransformer(pretrained=str(path), **SMALL)
+        create_vit(pretrained=str(path), **SMALL)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "marker").exists()  # the malicious payload never ran
     if kind.startswith("malicious"):  # ... and it would have: run by hand, it makes its marker
@@ -246,7 +248,7 @@ def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(timm_file, tmp
     save_file(state, str(path))
     with pytest.raises(PretrainedError, match=re.escape(f"pretrained={str(path)!r} is unusable: {key} holds NaN or "
                                                         f"infinite values (1 of {state[key].numel()})")):
-        VisionTransformer(pretrained=str(path), **SMALL)
+        create_vit(pretrained=str(path), **SMALL)
 
 
 @pytest.mark.slow
@@ -260,7 +262,7 @@ def test_the_cli_reports_bad_weights_in_one_line_and_writes_nothing(tmp_path, ti
     config = tiny_config(tmp_path / "run")
     for path, expected in cases:
         with pytest.raises(SystemExit) as exit_info:
-            main_in_process(["fit", "--config", str(config), "--model.backbone.init_args.pretrained", str(path)],
+            main_in_process(["fit", "--config", str(config), "--model.pretrained", str(path)],
                             monkeypatch)
         stderr = capsys.readouterr().err
         assert exit_info.value.code == 2 and "Traceback" not in stderr
@@ -272,7 +274,7 @@ def test_the_cli_reports_bad_weights_in_one_line_and_writes_nothing(tmp_path, ti
 def test_non_square_images_load_pretrained_weights_as_timm_does(timm_file):
     reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=(96, 128), num_classes=4,
                                   pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
-    ours = VisionTransformer(img_size=(96, 128), num_classes=4, pretrained=str(timm_file), **TINY).eval()
+    ours = create_vit(img_size=(96, 128), num_classes=4, pretrained=str(timm_file), **TINY).eval()
     assert ours.patch_embed.grid_size == (6, 8)
     x = torch.randn(2, 3, 96, 128)
     with torch.no_grad():
@@ -285,7 +287,8 @@ def test_width_depth_and_heads_come_from_a_timm_name_without_a_download(monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert pretrained_shape("vit_small_patch16_224.augreg_in21k_ft_in1k") == dict(embed_dim=384, depth=12, num_heads=6)
-    assert pretrained_shape("hf-hub:timm/vit_tiny_patch16_224.augreg_in21k") == dict(embed_dim=192, depth=12, num_heads=3)
+    assert pretrained_shape("hf-hub:timm/vit_tiny_patch16_224.augreg_in21k") == dict(embed_dim=192, depth=12,
+                                                                                     num_heads=3)
     with pytest.raises(PretrainedError, match=r"'resnet18' is not a ViT of timm's layout \(ResNet\): set embed_dim"):
         pretrained_shape("resnet18")
 
@@ -293,18 +296,18 @@ def test_width_depth_and_heads_come_from_a_timm_name_without_a_download(monkeypa
 def test_width_and_depth_come_from_a_file_and_the_model_equals_timms(timm_file):
     reference = timm.create_model("vit_tiny_patch16_224", pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
-    ours = VisionTransformer(img_size=224, num_classes=1000, patch_size=16, num_heads=3, pretrained=str(timm_file)).eval()
+    ours = create_vit(img_size=224, num_classes=1000, patch_size=16, num_heads=3, pretrained=str(timm_file)).eval()
     assert (ours.embed_dim, len(ours.blocks)) == (192, 12)
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
         assert (ours(x) - reference(x)).abs().max() < 1e-5
     # The heads are in no tensor's shape: asked for by name, not guessed.
-    with pytest.raises(PretrainedError, match=r"number of attention heads is not in the weights' shapes \(embed_dim=192, "
-                                              r"depth=12 are\): set num_heads"):
-        VisionTransformer(img_size=224, patch_size=16, pretrained=str(timm_file))
+    with pytest.raises(PretrainedError, match=r"number of attention heads is not in the weights' shapes "
+                                              r"\(embed_dim=192, depth=12 are\): set num_heads"):
+        create_vit(img_size=224, patch_size=16, pretrained=str(timm_file))
     # What is given wins, so weights of another width are still refused.
     with pytest.raises(PretrainedError, match="does not fit this config"):
-        VisionTransformer(img_size=224, patch_size=16, embed_dim=96, num_heads=3, pretrained=str(timm_file))
+        create_vit(img_size=224, patch_size=16, embed_dim=96, num_heads=3, pretrained=str(timm_file))
 
 
 def test_heads_come_from_the_config_json_of_a_hub_layout_folder(timm_file, tmp_path):
@@ -318,6 +321,7 @@ def test_heads_come_from_the_config_json_of_a_hub_layout_folder(timm_file, tmp_p
     shutil.copy(timm_file, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps({"architecture": "vit_tiny_patch16_224",
                                                     "model_args": {"num_heads": 3}}))
-    assert resolve_shape(str(folder), embed_dim=None, depth=4, num_heads=None) == dict(embed_dim=192, depth=4, num_heads=3)
+    assert resolve_shape(str(folder), embed_dim=None, depth=4, num_heads=None) == dict(embed_dim=192, depth=4,
+                                                                                       num_heads=3)
     assert resolve_shape(None, embed_dim=None, depth=None, num_heads=None) == DEFAULT_SHAPE == dict(
         embed_dim=192, depth=6, num_heads=3)

@@ -22,9 +22,9 @@ from robust_helpers import (
     train_command,
 )
 
+from vit.data.resumable import ResumableSampler
 from vit.training.checkpoint.io import AtomicCheckpointIO, find_last_checkpoint
 from vit.training.preflight import resolve_resume
-from vit.data.resumable import ResumableSampler
 
 
 @pytest.fixture
@@ -63,7 +63,8 @@ def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(st
         [run_dir] = run_dirs(tmp_path)
         checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
         assert checkpoint["global_step"] == 12
-        assert checkpoint["TwoCirclesDataModule"]["train_position"] == {"epoch": 1, "batches_done": 12 - STEPS_PER_EPOCH}
+        position = checkpoint["TwoCirclesDataModule"]["train_position"]
+        assert position == {"epoch": 1, "batches_done": 12 - STEPS_PER_EPOCH}
         os.kill(process.pid, stop)
         output, _ = process.communicate(timeout=60)
     finally:

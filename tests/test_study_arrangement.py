@@ -1,6 +1,16 @@
-"""The arrangement study's shortcut audit: every shortcut at chance, the relation itself not, and its report."""
+"""The arrangement study: its shortcut audit (every shortcut at chance, the relation itself not), its report, and its
+one command (the audit in the runner's format before the grid, attention blocking after it, the committed tables
+rewritten as committed)."""
 
-from studies.arrangement import shortcuts
+import shutil
+from pathlib import Path
+
+from studies.arrangement import __main__ as command
+from studies.arrangement import report, shortcuts
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "studies/arrangement/results/arrangement"
+INPUTS = ("runs.csv", "blocking.csv", "predictions")  # what the runs and the blocking wrote; the rest is report
 
 
 def test_audit_shortcuts_stay_at_chance_and_the_relation_does_not(tmp_path):
@@ -28,8 +38,6 @@ def test_the_long_span_setting_is_audited_on_long_pairs_only():
 def test_the_report_splits_the_held_out_test_by_class_and_the_unseen_spans_by_bin(tmp_path):
     import numpy as np
 
-    from studies.arrangement import report
-
     (tmp_path / "predictions").mkdir()
     rng = np.random.default_rng(0)
     rows = []
@@ -40,7 +48,8 @@ def test_the_report_splits_the_held_out_test_by_class_and_the_unseen_spans_by_bi
                  test_distance=np.full(400, 15))
         span = rng.integers(21, 33, size=400)
         ood_pred = np.where(span <= 24, label, 1 - label)  # right up to 24 px, wrong beyond
-        np.savez(tmp_path / "predictions" / f"ood-s{seed}.npz", test_label=label, test_pred=ood_pred, test_distance=span)
+        np.savez(tmp_path / "predictions" / f"ood-s{seed}.npz", test_label=label, test_pred=ood_pred,
+                 test_distance=span)
         rows += [{"key": f"held_out-s{seed}", "experiment": "held_out", "model": "m", "val_acc": "0.99",
                   "test_acc": f"{(pred == label).mean():.4f}"},
                  {"key": f"ood-s{seed}", "experiment": "span_ood", "model": "m", "val_acc": "0.98",
@@ -52,3 +61,56 @@ def test_the_report_splits_the_held_out_test_by_class_and_the_unseen_spans_by_bi
     ood = [c.strip() for c in report.span_ood_table(rows, tmp_path)[-2].split("|")[1:-1]]
     assert ood[2] == "98.0 [98.0-98.0]" and ood[4] == "100.0 [100.0-100.0]"
     assert ood[5] == "0.0 [0.0-0.0]" and ood[6] == "0.0 [0.0-0.0]"
+
+
+def _study_in(tmp_path: Path, monkeypatch) -> Path:
+    """The study's config with its out_dir and log_dir in ``tmp_path``, the committed inputs copied there; the
+    working directory the repository root, whose relative paths the config and the report use."""
+    monkeypatch.chdir(ROOT)
+    out_dir = tmp_path / "arrangement"
+    out_dir.mkdir()
+    for name in INPUTS:
+        copy = shutil.copytree if (RESULTS / name).is_dir() else shutil.copyfile
+        copy(RESULTS / name, out_dir / name)
+    text = (ROOT / command.CONFIG).read_text()
+    config = tmp_path / "arrangement.yaml"
+    config.write_text(text.replace("out_dir: studies/arrangement/results/arrangement", f"out_dir: {out_dir}")
+                      .replace("log_dir: runs/study/arrangement", f"log_dir: {tmp_path / 'runs'}"))
+    assert config.read_text().count(str(tmp_path)) == 2
+    return config
+
+
+def test_the_command_gives_the_runner_the_audit_before_the_grid_and_blocks_after_it(tmp_path, monkeypatch):
+    config = _study_in(tmp_path, monkeypatch)
+    out_dir, steps = tmp_path / "arrangement", []
+
+    def grid(args, cfg, *, prog):
+        # the runner's report counts successes against shortcuts.csv: it must be there when the grid starts
+        steps.append(("grid", (out_dir / "shortcuts.csv").read_text().startswith("task,baseline,accuracy,what\n"),
+                      args.report_only, prog))
+
+    monkeypatch.setattr(command, "run", grid)
+    monkeypatch.setattr(shortcuts, "main", lambda argv: steps.append(("audit", argv)))
+    monkeypatch.setattr(report, "run_blocking", lambda rows, results, runs_dir: steps.append(("blocking", runs_dir)))
+    monkeypatch.setattr(report, "write", lambda rows, results: steps.append(("tables", len(rows), results)))
+    command.main(["--config", str(config)])
+    assert steps == [("grid", True, False, "python -m studies.arrangement"), ("blocking", tmp_path / "runs"),
+                     ("tables", 85, out_dir)]  # the committed audit is there: not measured again
+    steps.clear()
+    command.main(["--config", str(config), "--report-only"])
+    assert steps == [("grid", True, True, "python -m studies.arrangement"), ("tables", 85, out_dir)]
+
+
+def test_report_only_rewrites_the_committed_tables_from_the_committed_results(tmp_path, monkeypatch):
+    # Every table the study commits is what its command writes from its runs, blocking rows and predictions
+    # (the figures are checked for existence only: their bytes depend on the matplotlib version).
+    config = _study_in(tmp_path, monkeypatch)
+    out_dir = tmp_path / "arrangement"
+    command.main(["--config", str(config), "--report-only"])
+    written = sorted(p.name for p in out_dir.iterdir() if p.name not in INPUTS)
+    assert written == sorted(p.name for p in RESULTS.iterdir() if p.name not in INPUTS)
+    for name in written:
+        if name.endswith(".png"):
+            assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        else:
+            assert (out_dir / name).read_text() == (RESULTS / name).read_text(), name

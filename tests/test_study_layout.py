@@ -1,5 +1,6 @@
 """The studies sit beside the library: `vit` never imports them (nor submitit, which only they need), no module of
-either imports itself back through another, and each study module reads in one sitting."""
+either imports itself back through another, no study imports another (what they share is `studies.runner`), and
+each study module reads in one sitting."""
 
 import ast
 from pathlib import Path
@@ -88,8 +89,8 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
     graph = {"report": {"visibility", "cells"}, "visibility": {"report", "cells"}, "cells": set(), "grid": {"cells"}}
     assert _cycles(graph) == [["report", "visibility"]]
     assert _cycles({**graph, "visibility": {"cells"}}) == []
-    source = ROOT / "studies/relation/visibility.py"
-    assert "studies.relation.cells.distance_edges" in _imports(source, "studies.relation.visibility")
+    source = ROOT / "studies/runner/visibility.py"
+    assert "studies.runner.cells.distance_edges" in _imports(source, "studies.runner.visibility")
 
 
 def test_the_library_imports_no_study_and_no_submitit():
@@ -98,6 +99,32 @@ def test_the_library_imports_no_study_and_no_submitit():
         if name.split(".")[0] == "vit":
             imported = _imports(path, name)
             assert not {n for n in imported if n.split(".")[0] in ("studies", "submitit")}, name
+
+
+def _other_studies(name: str, path: Path) -> set[str]:
+    """The names ``path`` (module ``name`` of ``studies``) imports from a study other than its own, the shared
+    ``studies.runner`` allowed."""
+    allowed = (".".join(name.split(".")[:2]), "studies.runner")
+    return {n for n in _imports(path, name)
+            if n.startswith("studies.") and not any(n == a or n.startswith(a + ".") for a in allowed)}
+
+
+def test_no_study_imports_another_study_and_the_runner_imports_none():
+    # A study is its README, configs, command and results, with its own code; what two studies share is in
+    # studies.runner, which no study owns, and which imports no study itself.
+    studies = {name: path for name, path in _modules().items() if name.startswith("studies.")}
+    assert {"studies.runner", "studies.relation", "studies.arrangement", "studies.recipe"} <= set(studies)
+    assert {name: found for name, path in studies.items() if (found := _other_studies(name, path))} == {}
+    runner = {name: path for name, path in studies.items() if name.startswith("studies.runner")}
+    assert all(not {n for n in _imports(path, name) if n.startswith("studies.") and not n.startswith("studies.runner")}
+               for name, path in runner.items())
+    # The check sees a cross-study import, at module level or in a function.
+    probe = ROOT / "studies/arrangement/shortcuts.py"
+    assert "studies.runner.shortcuts.bayes_accuracy" in _imports(probe, "studies.arrangement.shortcuts")
+    assert _other_studies("studies.arrangement.x", probe) == set()
+    assert _other_studies("studies.recipe.x", probe) == set()  # studies.runner is shared
+    assert _other_studies("studies.explain.x", ROOT / "studies/arrangement/__main__.py") == {
+        "studies.arrangement", "studies.arrangement.report", "studies.arrangement.shortcuts"}
 
 
 def test_every_study_module_is_at_most_450_lines():

@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from studies.recipe import screened
-from studies.recipe.attention_blocking import (CLS_CONDITIONS, CONDITIONS, allowed_pairs, part_tokens, receptive_windows,
-                                              stroke_tokens)
+from studies.runner.attention_blocking import (
+    CLS_CONDITIONS,
+    CONDITIONS,
+    allowed_pairs,
+    part_tokens,
+    receptive_windows,
+    stroke_tokens,
+)
 from vit.data.arrangement import ArrangementDataset
 from vit.data.same_different import SameDifferentDataset
 from vit.models import VisionTransformer

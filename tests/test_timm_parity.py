@@ -1,4 +1,5 @@
-"""timm parity for every pooling and for registers: same state-dict keys, same features and logits; old layouts."""
+"""timm parity for every pooling, registers and QK-norm: same state-dict keys, same features and logits; what does not
+fit, refused by name."""
 
 import pytest
 import timm
@@ -6,10 +7,8 @@ import torch
 from safetensors.torch import save_file
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
-from vit.models import VisionTransformer
-from vit.models.attention import Attention
-from vit.models.pretrained import PretrainedError
-from vit.training.classifier import ImageClassifier
+from vit.models import VisionTransformer, record_attention
+from vit.models.pretrained import PretrainedError, create_vit
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
 TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
@@ -29,17 +28,45 @@ def features_and_logits(model, x):
         return model.forward_head(model.forward_features(x), pre_logits=True), model(x)
 
 
-@pytest.mark.parametrize("pool", ["cls", "mean", "map"])
-@pytest.mark.parametrize("layout", [{}, {"reg_tokens": 2}, {"reg_tokens": 4, "no_embed_class": True},
-                                    {"fc_norm": True}, {"fc_norm": False}])
-def test_every_pooling_loads_timms_state_dict_strictly_with_equal_features_and_logits(pool, layout):
-    reference = timm_vit(pool, **layout)
-    ours = VisionTransformer(**SMALL, pool=pool, **layout).eval()
+def generic(pool: str, **layout) -> tuple[str, dict, dict]:
+    """`(timm name, timm's arguments, our options)` for `pool` and `layout` on timm's generic ViT."""
+    timm_args = dict(layout, global_pool=TIMM_POOL[pool], class_token=pool == "cls")
+    return "vit_tiny_patch16_224", timm_args, dict(layout, pool=pool)
+
+
+LAYOUTS = [{}, {"reg_tokens": 1}, {"reg_tokens": 2}, {"reg_tokens": 4, "no_embed_class": True}, {"fc_norm": True},
+           {"fc_norm": False}, {"qk_norm": True}]
+PARITY = [generic(pool, **layout) for pool in TIMM_POOL for layout in LAYOUTS] + [
+    # timm's own register architectures: their layout comes from the name, shrunk here to SMALL.
+    ("vit_base_patch16_reg4_gap_256", {}, dict(pool="mean", reg_tokens=4, no_embed_class=True)),
+    ("vit_so150m_patch16_reg4_map_256", {}, dict(pool="map", reg_tokens=4, mlp_ratio=2.572)),
+]
+
+
+@pytest.mark.parametrize("name, timm_args, options", PARITY,
+                         ids=["-".join([n, *(f"{k}={v}" for k, v in o.items())]) for n, _, o in PARITY])
+def test_timms_state_dict_loads_strictly_with_equal_features_and_logits(tmp_path, name, timm_args, options):
+    torch.manual_seed(0)
+    reference = timm.create_model(name, pretrained=False, **SMALL, **timm_args).eval()
+    for p in reference.parameters():  # large enough that every layer, norm gains included, matters
+        p.data.normal_(0, 0.3)
+    ours = VisionTransformer(**SMALL, **options).eval()
     assert sorted(ours.state_dict()) == sorted(reference.state_dict())
     ours.load_state_dict(reference.state_dict())  # strict
+    # The same file through the pretrained loader, as a user reads timm's weights.
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    loaded = create_vit(**SMALL, **options, pretrained=str(path)).eval()
     x = torch.randn(2, 3, 32, 32)
-    for a, b in zip(features_and_logits(ours, x), features_and_logits(reference, x)):
-        assert (a - b).abs().max() < 1e-5
+    expected = features_and_logits(reference, x)
+    for model in (ours, loaded):
+        for a, b in zip(features_and_logits(model, x), expected):
+            assert (a - b).abs().max() < 1e-5
+    with record_attention(ours):  # the explicit attention path computes timm's numbers too
+        assert (features_and_logits(ours, x)[1] - expected[1]).abs().max() < 1e-5
+    # The other way round: our checkpoints are timm checkpoints.
+    timm.create_model(name, pretrained=False, **SMALL, **timm_args).load_state_dict(
+        VisionTransformer(**SMALL, **options).state_dict())  # strict
 
 
 def test_the_norm_sits_where_timm_puts_it():
@@ -50,37 +77,6 @@ def test_the_norm_sits_where_timm_puts_it():
         assert "norm.weight" in model.state_dict() and "fc_norm.weight" not in model.state_dict()
 
 
-@pytest.mark.parametrize("pool, layout", [("mean", {}), ("map", {}), ("mean", {"reg_tokens": 4, "no_embed_class": True}),
-                                          ("cls", {"reg_tokens": 4, "no_embed_class": True}), ("cls", {"reg_tokens": 1})])
-def test_the_pretrained_loader_reads_timms_pooled_and_register_models(tmp_path, pool, layout):
-    # ("mean", reg 4, no_embed_class) is timm's vit_*_reg4_gap layout.
-    reference = timm_vit(pool, **layout)
-    path = tmp_path / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
-    ours = VisionTransformer(**SMALL, pool=pool, pretrained=str(path), **layout).eval()
-    x = torch.randn(2, 3, 32, 32)
-    for a, b in zip(features_and_logits(ours, x), features_and_logits(reference, x)):
-        assert (a - b).abs().max() < 1e-5
-
-
-@pytest.mark.parametrize("name, options", [
-    ("vit_base_patch16_reg4_gap_256", dict(pool="mean", reg_tokens=4, no_embed_class=True)),
-    ("vit_so150m_patch16_reg4_map_256", dict(pool="map", reg_tokens=4, mlp_ratio=2.572)),
-])
-def test_timms_register_models_load_through_the_pretrained_loader(tmp_path, name, options):
-    # timm's own register architectures (their layout from the name), shrunk to a few layers, random weights.
-    torch.manual_seed(0)
-    reference = timm.create_model(name, pretrained=False, **SMALL).eval()
-    for p in reference.parameters():
-        p.data.normal_(0, 0.3)
-    path = tmp_path / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
-    ours = VisionTransformer(**SMALL, **options, pretrained=str(path)).eval()
-    x = torch.randn(2, 3, 32, 32)
-    for a, b in zip(features_and_logits(ours, x), features_and_logits(reference, x)):
-        assert (a - b).abs().max() < 1e-5
-
-
 def test_register_positions_of_another_layout_are_refused_naming_no_embed_class(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in timm_vit("mean", reg_tokens=4, no_embed_class=True).state_dict().items()},
@@ -88,26 +84,19 @@ def test_register_positions_of_another_layout_are_refused_naming_no_embed_class(
     with pytest.raises(PretrainedError, match=r"4 register\(s\) and none of them has a position "
                                               r"\(no_embed_class=True\); this model has num_prefix_tokens=4, "
                                               r"no_embed_class=False"):
-        VisionTransformer(**{**SMALL, "img_size": 64}, pool="mean", reg_tokens=4, pretrained=str(path))
+        create_vit(**{**SMALL, "img_size": 64}, pool="mean", reg_tokens=4, pretrained=str(path))
 
 
-def test_a_mean_pooled_state_dict_from_before_fc_norm_is_refused_naming_the_option():
-    # Before fc_norm existed, pool="mean" normalised every token, then averaged: fc_norm=False now.
-    old = VisionTransformer(**SMALL, pool="mean", fc_norm=False).eval()
-    with pytest.raises(ValueError, match=r"before the pooling \(norm.weight, no fc_norm.weight\).*set fc_norm=False"):
-        VisionTransformer(**SMALL, pool="mean").load_state_dict(old.state_dict())
-    # ... also inside a Lightning module, where the keys carry the `backbone.` prefix.
-    checkpoint = {f"backbone.{k}": v for k, v in old.state_dict().items()}
-    with pytest.raises(ValueError, match="set fc_norm=False"):
-        ImageClassifier(VisionTransformer(**SMALL, pool="mean")).load_state_dict(checkpoint)
-    again = VisionTransformer(**SMALL, pool="mean", fc_norm=False).eval()
-    again.load_state_dict(old.state_dict())
+def test_mean_pooling_without_fc_norm_normalises_every_token_then_averages():
+    # The relation study's pooling: LayerNorm on every token, then the mean (timm's global_pool="avg", fc_norm=False).
+    model = VisionTransformer(**SMALL, pool="mean", fc_norm=False).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        assert torch.equal(again(x), old(x))
-        # Its meaning: LayerNorm on every token, then the mean (the relation study's pooling).
-        expected = old.head(old.norm(_blocks(old, x)).mean(1))
-        assert (old(x) - expected).abs().max() < 1e-6
+        expected = model.head(model.norm(_blocks(model, x)).mean(1))
+        assert (model(x) - expected).abs().max() < 1e-6
+    # The other layout's state dict does not load: its norm sits on the other side of the pooling.
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"norm.weight\""):
+        model.load_state_dict(VisionTransformer(**SMALL, pool="mean").state_dict())
 
 
 def _blocks(model, x):
@@ -115,34 +104,6 @@ def _blocks(model, x):
     for block in model.blocks:
         x = block(x)
     return x
-
-
-def test_an_fc_norm_state_dict_into_a_model_without_fc_norm_is_refused():
-    with pytest.raises(PretrainedError, match=r"set fc_norm=True"):
-        VisionTransformer(**SMALL, pool="mean", fc_norm=False).load_state_dict(
-            VisionTransformer(**SMALL, pool="mean").state_dict())
-
-
-def test_a_map_head_saved_in_the_old_layout_loads_with_the_same_outputs():
-    # The MAP head before it took timm's names: `probe`, and an `Attention` with a fused `qkv` whose
-    # query rows read the probe and key/value rows the tokens; then p + mlp(norm(p)).
-    torch.manual_seed(1)
-    model = VisionTransformer(**SMALL, pool="map").eval()
-    dim, pool = SMALL["embed_dim"], model.attn_pool
-    old_attn = Attention(dim, num_heads=SMALL["num_heads"]).eval()
-    for p in old_attn.parameters():
-        p.data.normal_(0, 0.3)
-    probe = torch.randn(1, 1, dim)
-    old = {k: v for k, v in model.state_dict().items() if not k.startswith("attn_pool.") or ".mlp." in k
-           or ".norm." in k}
-    old["attn_pool.probe"] = probe
-    old.update({f"attn_pool.attn.{k}": v for k, v in old_attn.state_dict().items()})
-    model.load_state_dict(old)
-    tokens = torch.randn(2, 16, dim)
-    with torch.no_grad():
-        p = old_attn(probe.expand(2, -1, -1), tokens)  # the old head, literally
-        expected = (p + pool.mlp(pool.norm(p)))[:, 0]
-        assert (pool(tokens) - expected).abs().max() < 1e-6
 
 
 def test_bad_register_and_norm_options_name_the_value():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run, tiny_config
+from robust_helpers import STEPS_PER_EPOCH, cli, error_line, main_in_process, run_dirs, shared_run, tiny_config
 from torchvision import datasets
 
 import vit.data.cifar as cifar
@@ -64,13 +64,15 @@ def test_fit_from_a_checkpoint_with_another_batch_size_is_an_error(trained, tmp_
 
 @pytest.mark.slow
 def test_evaluating_with_another_lr_warns_once_and_uses_the_checkpoint(trained, tmp_path, monkeypatch):
-    with pytest.warns(UserWarning, match=r"the checkpoint's value is used for model\.lr: 0\.002 in the checkpoint vs 0\.01 given"):
+    with pytest.warns(UserWarning, match=r"the checkpoint's value is used for model\.lr: 0\.002 in the checkpoint "
+                                         r"vs 0\.01 given"):
         main_in_process(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(trained),
                          "--model.lr", "0.01"], monkeypatch)
 
 
 @pytest.mark.slow
-def test_a_checkpoint_whose_backbone_is_not_its_weights_is_refused_naming_a_tensor(trained, tmp_path, monkeypatch, capsys):
+def test_a_checkpoint_whose_backbone_is_not_its_weights_is_refused_naming_a_tensor(trained, tmp_path, monkeypatch,
+                                                                                     capsys):
     checkpoint = torch.load(trained, weights_only=True)
     resnet = copy.deepcopy(checkpoint)
     resnet["hyper_parameters"]["backbone"] = {"class_path": "vit.models.ResNet", "init_args": {"widths": [8]}}
@@ -101,8 +103,9 @@ def test_resuming_with_another_number_of_processes_is_refused(trained, tmp_path,
     torch.save(checkpoint, path)
     code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(path)], monkeypatch, capsys)
     assert code == 2
-    assert error_line(stderr).startswith(f"error: checkpoint {path} cannot be resumed: TwoCirclesDataModule.world_size: "
-                                         "it was written by 2 process(es) and this run has 1")
+    assert error_line(stderr).startswith(f"error: checkpoint {path} cannot be resumed: "
+                                         "TwoCirclesDataModule.world_size: it was written by 2 process(es) and this "
+                                         "run has 1")
     assert not (tmp_path / "runs").exists()
 
 
@@ -156,8 +159,8 @@ def write_checkpoint_variants(tmp_path: Path, good: Path) -> dict[str, Path]:
     ten["state_dict"]["backbone.head.weight"] = torch.zeros(10, 32)
     ten["state_dict"]["backbone.head.bias"] = torch.zeros(10)
     ten["hyper_parameters"] = {**checkpoint["hyper_parameters"]}
-    ten["hyper_parameters"]["backbone"] = {"class_path": "vit.models.VisionTransformer",
-                                           "init_args": {**checkpoint["hyper_parameters"]["backbone"]["init_args"], "num_classes": 10}}
+    init_args = {**checkpoint["hyper_parameters"]["backbone"]["init_args"], "num_classes": 10}
+    ten["hyper_parameters"]["backbone"] = {"class_path": "vit.models.VisionTransformer", "init_args": init_args}
     ten["class_names"] = [f"class {i}" for i in range(10)]
     paths["ten_classes"] = tmp_path / "ten_classes.ckpt"
     torch.save(ten, paths["ten_classes"])
@@ -206,14 +209,16 @@ def test_weights_only_checkpoint_cannot_resume_fit(tmp_path, trained, monkeypatc
     config = tiny_config(tmp_path / "cfg")
     code, stderr = cli(["fit", "--config", str(config), "--ckpt_path", str(paths["weights_only"])], monkeypatch, capsys)
     assert code == 2
-    assert "weights_only.ckpt holds weights only (no optimizer or loop state), so `fit` cannot resume" in error_line(stderr)
+    message = "weights_only.ckpt holds weights only (no optimizer or loop state), so `fit` cannot resume"
+    assert message in error_line(stderr)
 
 
 @pytest.mark.slow
 def test_ckpt_path_last_without_any_run_is_an_error_outside_fit(tmp_path, monkeypatch, capsys):
     code, stderr = cli(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", "last"], monkeypatch, capsys)
     assert code == 2
-    assert error_line(stderr) == f"error: --ckpt_path last: there is no last.ckpt under {tmp_path}/runs/tiny/*/checkpoints"
+    assert error_line(stderr) == (f"error: --ckpt_path last: there is no last.ckpt under "
+                                  f"{tmp_path}/runs/tiny/*/checkpoints")
 
 
 @pytest.mark.slow
@@ -246,11 +251,14 @@ def test_a_checkpoint_with_non_finite_weights_is_refused():
     (["--model.backbone.init_args.num_heads", "-2"], "num_heads=-2 is not allowed: expected an int in [1, 32]"),
     (["--model.backbone.init_args.embed_dim", "0"], "embed_dim=0 is not allowed: expected an int in [1, 65536]"),
     (["--model.backbone.init_args.embed_dim", "-4"], "embed_dim=-4 is not allowed: expected an int in [1, 65536]"),
-    (["--model.backbone.init_args.mlp_ratio", "-1"], "mlp_ratio=-1.0 is not allowed: expected a finite number in (0, 64]"),
-    (["--model.backbone.init_args.mlp_ratio", "0"], "mlp_ratio=0.0 is not allowed: expected a finite number in (0, 64]"),
+    (["--model.backbone.init_args.mlp_ratio", "-1"],
+     "mlp_ratio=-1.0 is not allowed: expected a finite number in (0, 64]"),
+    (["--model.backbone.init_args.mlp_ratio", "0"],
+     "mlp_ratio=0.0 is not allowed: expected a finite number in (0, 64]"),
     (["--model.backbone.init_args.depth", "100000000"], "depth=100000000 is not allowed: expected an int in [1, 1024]"),
     (["--model.betas", "[1.5, 0.9]"], "betas[0]=1.5 is not allowed: expected a finite number in [0, 1)"),
-    (["--seed_everything", "99999999999999"], "seed_everything=99999999999999 is not allowed: expected an int in [0, 4294967295]"),
+    (["--seed_everything", "99999999999999"],
+     "seed_everything=99999999999999 is not allowed: expected an int in [0, 4294967295]"),
 ])
 def test_bad_numbers_stop_with_one_line_before_any_folder(override, message, tmp_path, monkeypatch, capsys):
     code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), *override], monkeypatch, capsys)
@@ -262,7 +270,8 @@ def test_bad_numbers_stop_with_one_line_before_any_folder(override, message, tmp
 @pytest.mark.slow
 @pytest.mark.parametrize(("override", "message"), [
     (["--model.lr", "-1"], "error: lr=-1.0 is not allowed: expected a finite number in (0, inf)"),
-    (["--trainer.max_epochs", "0"], "error: trainer.max_epochs=0 would train nothing: expected a positive number (or -1 for no limit)"),
+    (["--trainer.max_epochs", "0"],
+     "error: trainer.max_epochs=0 would train nothing: expected a positive number (or -1 for no limit)"),
     (["--trainer.max_epochs", "-5"], "error: `max_epochs` must be a non-negative integer or -1. You passed in -5."),
     (["--model.backbone.init_args.patch_size", "64"], "error: patch_size=64 must be in [1, img_size=32]"),
     (["--data.init_args.batch_size", "0"], "error: batch_size=0 is not allowed: expected an int >= 1"),
@@ -302,9 +311,19 @@ def test_bad_trainer_options_stop_with_one_line_before_any_folder(override, mess
 
 
 @pytest.mark.slow
-def test_allowed_trainer_options_train(tmp_path, monkeypatch):
-    main_in_process(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.fast_dev_run", "true",
+def test_the_smallest_allowed_trainer_options_train_as_they_say(tmp_path, monkeypatch):
+    # accumulate_grad_batches=2: one optimizer step every second batch; gradient_clip_val=0: no clipping at all.
+    from lightning.pytorch.plugins.precision import Precision
+
+    clipped = []
+    monkeypatch.setattr(Precision, "clip_grad_by_norm", lambda self, optimizer, value: clipped.append(value))
+    monkeypatch.setattr(Precision, "clip_grad_by_value", lambda self, optimizer, value: clipped.append(value))
+    main_in_process(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false",
                      "--trainer.accumulate_grad_batches", "2", "--trainer.gradient_clip_val", "0"], monkeypatch)
+    [run_dir] = run_dirs(tmp_path)
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == STEPS_PER_EPOCH // 2
+    assert clipped == []
 
 
 # --- run folders -----------------------------------------------------------------------------------
@@ -364,7 +383,8 @@ def test_a_run_folder_is_claimed_by_an_exclusive_create(tmp_path, monkeypatch, c
     code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path))], monkeypatch, capsys)
     assert code == 2
     folder = tmp_path / "runs" / "tiny" / "version_0"
-    assert error_line(stderr).startswith(f"error: {folder / 'config.yaml'} was written by another run while this one started")
+    assert error_line(stderr).startswith(f"error: {folder / 'config.yaml'} was written by another run while this "
+                                         "one started")
     assert (folder / "config.yaml").read_text() == "the other run's config\n"
 
 
@@ -426,7 +446,8 @@ def test_corrupted_cifar_files_are_named(cifar10_folder):
     assert isinstance(err.value, CIFARNotFoundError)  # reported by whatever reports a missing dataset
     lines = str(err.value).splitlines()
     assert lines[0] == f"CIFAR-10 files in {folder} cannot be used:"
-    assert lines[1] == "  data_batch_2 is not the official file (its MD5 differs): truncated, corrupted or from another dataset"
+    assert lines[1] == ("  data_batch_2 is not the official file (its MD5 differs): truncated, corrupted or from "
+                        "another dataset")
     assert "extract it into" in str(err.value)
     with pytest.raises(CIFARCorruptedError):
         dm.setup("fit")  # other ranks and notebooks call setup without prepare_data

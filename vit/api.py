@@ -27,9 +27,9 @@ from torch import Tensor
 from vit.checks import check_choice
 from vit.data.image_folder import decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
-from vit.training.classifier import class_index
-from vit.training.predictions import check_topk, inference_transform
 from vit.training.checkpoint.build import open_model
+from vit.training.classifier import class_index
+from vit.training.predictions import check_topk, class_probabilities, inference_transform
 
 if TYPE_CHECKING:
     from torchvision.transforms import v2
@@ -73,12 +73,10 @@ class Predictor:
                                            else to_input(ImageOps.exif_transpose(image)))
                             for image in images])
 
-    @torch.no_grad()
     def probabilities(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
-        """Class probabilities `(B, num_classes)` (softmax of the logits) of the images."""
-        x = self.images(images)
-        device = next(self.model.parameters()).device
-        return self.model(x.to(device)).softmax(dim=-1).cpu()
+        """Class probabilities `(B, num_classes)` (softmax of the logits) of the images, run in batches on the
+        model's device as `vit.predict` runs them (`vit.training.predictions.class_probabilities`)."""
+        return class_probabilities(self.model, self.images(images))
 
     def predict(self, images: ImageLike | Sequence[ImageLike] | Tensor, topk: int = 1) -> list[list[Prediction]]:
         """Per image (a file path, a PIL image, a list of those, or a batch tensor of model inputs), its `topk`

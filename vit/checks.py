@@ -12,11 +12,14 @@ still checked here, because the same constructors are called from Python, where 
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import re
 import stat
-from typing import Any, get_args
+import types
+import typing
+from typing import Any, Literal, Union, get_args
 
 
 def choices(allowed: Any) -> tuple:
@@ -72,7 +75,8 @@ def first_line(err: BaseException) -> str:
 
 
 def file_kind(mode: int) -> str:
-    """What a file is, from its `st_mode` (`os.lstat` to see a link itself): "a file", "a symbolic link", "a folder", ..."""
+    """What a file is, from its `st_mode` (`os.lstat` to see a link itself): "a file", "a symbolic link",
+    "a folder", ..."""
     kinds = ((stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
              (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -113,3 +117,75 @@ def constructor_message(text: str) -> str:
     items = [" ".join(item.split()) for item in re.split(r"\n\s*- ", "\n" + block) if item.strip()]
     items = [item for item in items if not item.startswith("Expected a <class 'NoneType'>")]
     return "; ".join(items) or text
+
+
+PLAIN = (bool, int, float, str, type(None))  # what YAML and JSON give
+
+
+def matches(value: Any, annotation: Any) -> bool:
+    """Whether `value`, plain data as YAML or JSON gives it, is of the type `annotation` says: bool, int, float (an int
+    too), str, None, `Literal[...]`, unions, and lists or tuples of those. A class or a callable matches nothing."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return isinstance(value, PLAIN)
+    if annotation is type(None) or annotation is None:
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return any(matches(value, a) for a in args)
+    if origin in (tuple, list) or annotation in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(matches(v, a) for v, a in zip(value, args))
+        inner = args[0] if args else Any
+        return all(matches(v, inner) for v in value)
+    return False  # a class, a callable, a module: nothing a checkpoint may hand a constructor
+
+
+def describe(annotation: Any) -> str:
+    """`annotation` in words, for an error message: "one of ['cls', 'mean']", "an int or null"."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if origin in (Union, types.UnionType):
+        return " or ".join(describe(a) for a in args)
+    if annotation is type(None):
+        return "null"
+    if annotation is bool:
+        return "true or false"
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return f"a list of {len(args)} ({', '.join(describe(a) for a in args)})"
+    if origin in (tuple, list):
+        return f"a list of {describe(args[0]) if args else 'values'}"
+    name = getattr(annotation, "__name__", str(annotation))
+    return f"a{'n' if name[:1] in 'aeiou' else ''} {name}"
+
+
+def check_arguments(cls: type, arguments: dict[str, Any], bounds: dict[str, tuple]) -> None:
+    """Raise `ValueError` naming the first of `cls`'s constructor arguments that is not of its annotated type, or
+    outside its `bounds`: one check for every option, derived from the signature, where each would otherwise be
+    checked by hand. `bounds` is `{name: (low, high)}` for an int (`check_int`), `{name: (low, high, low_open,
+    high_open)}` for a float (`check_float`)."""
+    hints = typing.get_type_hints(cls.__init__)
+    for name in inspect.signature(cls).parameters:
+        if name not in arguments:
+            continue
+        value = arguments[name]
+        if name in hints and not matches(value, hints[name]):
+            raise ValueError(f"{name}={value!r} is not allowed: expected {describe(hints[name])}")
+        if name in bounds and value is not None:
+            low, high, *open_ends = bounds[name]
+            if open_ends:
+                check_float(name, value, low, high, low_open=open_ends[0], high_open=open_ends[1])
+            else:
+                check_int(name, value, low, high)

@@ -1,4 +1,5 @@
-"""Export a trained checkpoint as timm and the Hugging Face Hub read it: `model.safetensors`, `config.json`, `README.md`.
+"""Export a trained checkpoint as timm and the Hugging Face Hub read it:
+`model.safetensors`, `config.json`, `README.md`.
 
     python -m vit.export --ckpt_path runs/folder/vit/version_0/checkpoints/last.ckpt --out exported/
 
@@ -20,7 +21,7 @@ the layout is exactly the one timm's Hub loader reads:
 
 Then `timm.create_model("local-dir:exported/", pretrained=True)`, or from the Hub after an upload
 (`hf upload org/name exported/`), gives the same logits as the checkpoint, and this project reads it
-back with `VisionTransformer(pretrained="exported/model.safetensors", ...)` (or the folder).
+back with `vit.models.pretrained.create_vit("exported/model.safetensors", ...)` (or the folder).
 
 Refused, in one line naming the option, are models timm cannot compute: a `patch_kernel` other
 than the patch size, and another `attn_score` than `scaled_dot`. Fixed sin/cos
@@ -129,7 +130,8 @@ def training_record(checkpoint: dict) -> dict:
     data = checkpoint.get("datamodule_hyper_parameters") or {}
     record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
               "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step")}
-    record = {key: value for key, value in record.items() if isinstance(value, (str, int)) and not isinstance(value, bool)}
+    record = {key: value for key, value in record.items()
+              if isinstance(value, (str, int)) and not isinstance(value, bool)}
     settings = {key: value for key, value in (checkpoint.get("hyper_parameters") or {}).items()
                 if not key.startswith("_") and key != "backbone" and isinstance(value, (str, int, float, bool, list))}
     if settings:
@@ -158,7 +160,8 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     name = architecture(args)
     channels, height, width = data_config["input_size"]
     params = _parameter_count(args)
-    shown = ", ".join(markdown_text(n) for n in names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    shown = (", ".join(markdown_text(n) for n in names[:20])
+             + (f", ... ({len(names)} in all)" if len(names) > 20 else ""))
     training = training or {}
     front_matter = {"library_name": "timm", "tags": ["image-classification", "timm", "vision-transformer"]}
     lines = [
@@ -169,7 +172,8 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         "## Architecture", "",
         (f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
          f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
-        f"- pooling `{args['global_pool']}`, {args['reg_tokens']} register token(s), position table `{args['pos_embed']}`",
+        (f"- pooling `{args['global_pool']}`, {args['reg_tokens']} register token(s), "
+         f"position table `{args['pos_embed']}`"),
         f"- {params / 1e6:.2f} M parameters",
         "",
         "## Classes", "",
@@ -213,7 +217,8 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     lines += ["", "## Use with this project", "",
               "The checkpoint this folder was exported from opens with `vit.load(\"last.ckpt\")` "
               "(`.predict(...)`, `.explain(...)`), and this folder's weights with "
-              "`VisionTransformer(pretrained=\"path/to/this/folder/model.safetensors\", ...)` and the sizes above."]
+              "`vit.models.pretrained.create_vit(\"path/to/this/folder/model.safetensors\", ...)` and the sizes "
+              "above."]
     return "\n".join(lines) + "\n"
 
 
@@ -241,7 +246,8 @@ def _parameter_count(args: dict) -> int:
 
 
 def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str], dict]:
-    """`(backbone, data_config, class names, training_record)` of a train.py checkpoint; `data_config` in timm's keys."""
+    """`(backbone, data_config, class names, training_record)` of a train.py checkpoint;
+    `data_config` in timm's keys."""
     from vit.training.checkpoint.build import open_model
 
     model, checkpoint = open_model(ckpt_path)

@@ -28,9 +28,9 @@ adds the next K - 1 classes as `class_name_2`, `class_index_2`, `probability_2`,
 (`caf\\xff.png` for the byte 0xFF), and a name starting with `=`, `+`, `-`, `@`, a tab or a carriage
 return gets a single quote in front (`'=cmd.png`), so that a spreadsheet shows it instead of running it
 as a formula. The class names are those the checkpoint records (the data module's class
-names: folder names, CIFAR's label names). Nothing in the input folder is written; an existing output file is kept unless
-`--overwrite` is given, and only a regular file is ever replaced (not a link or a device such as `/dev/null`). The
-CSV is written to a temporary file first, then renamed: a full disk leaves the earlier output as it was.
+names: folder names, CIFAR's label names). Nothing in the input folder is written; an existing output file is kept
+unless `--overwrite` is given, and only a regular file is ever replaced (not a link or a device such as `/dev/null`).
+The CSV is written to a temporary file first, then renamed: a full disk leaves the earlier output as it was.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from vit.commands import (
 )
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
-    import torch
     from torchvision.transforms import v2
 
     from vit.training.classifier import ImageClassifier
@@ -61,31 +60,22 @@ class PredictError(ValueError):
     """Arguments or inputs that `vit.predict` cannot work with."""
 
 
-def predict_folder(model: ImageClassifier, images: list[torch.Tensor], batch_size: int = 256,
-                   device: str = "cpu") -> torch.Tensor:
-    """Class probabilities `(N, num_classes)` of the images."""
-    import torch
-
-    model.to(device)
-    with torch.no_grad():
-        probs = [model(torch.stack(images[i : i + batch_size]).to(device)).softmax(dim=-1).cpu()
-                 for i in range(0, len(images), batch_size)]
-    return torch.cat(probs)
-
-
 def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
     """Refuse bad paths before any work: a missing input folder, an output inside it, or one that cannot be
     written (`check_output`: one that exists, without `overwrite` or not a regular file)."""
     if not input_dir.is_dir():
-        raise PredictError(f"--input_dir {input_dir} is not a folder" + ("" if input_dir.exists() else " (it does not exist)"))
+        raise PredictError(f"--input_dir {input_dir} is not a folder"
+                           + ("" if input_dir.exists() else " (it does not exist)"))
     if input_dir.resolve() in output.resolve().parents:
-        raise PredictError(f"--output {output} is inside --input_dir {input_dir}; write it elsewhere, the input folder is left untouched")
+        raise PredictError(f"--output {output} is inside --input_dir {input_dir}; write it elsewhere, "
+                           "the input folder is left untouched")
     check_output("--output", output, overwrite)
     try:
         with tempfile.TemporaryFile(dir=output.parent):
             pass
     except OSError as err:
-        raise PredictError(f"--output {output}: its folder {output.parent} cannot be written ({err.strerror or err})") from None
+        raise PredictError(f"--output {output}: its folder {output.parent} cannot be written "
+                           f"({err.strerror or err})") from None
 
 
 def check_options(batch_size: int, device: str) -> str:
@@ -118,15 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--overwrite", action="store_true", help="replace --output if it exists (a regular file only)")
     options.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
     options.add_argument("--batch_size", type=int, default=256, help="images per forward pass")
-    options.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
+    options.add_argument("--device", default="auto",
+                         help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
     return run(options.parse_args(argv), prepare, predict)
 
 
 def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict]:
     """The arguments checked (`--device auto` resolved), then the checkpoint opened: its model, input transform and
     the checkpoint itself."""
-    from vit.training.predictions import check_topk, inference_transform
     from vit.training.checkpoint.build import open_model
+    from vit.training.predictions import check_topk, inference_transform
 
     check_paths(args.input_dir, args.output, args.overwrite)
     args.device = check_options(args.batch_size, args.device)
@@ -141,14 +132,14 @@ def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict
 def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compose, dict]) -> int:
     """Classify the readable images of `--input_dir` and write the CSV; 1 when there is none or it cannot be written."""
     from vit.data.image_folder import read_images
-    from vit.training.predictions import prediction_table, write_csv
+    from vit.training.predictions import class_probabilities, prediction_table, write_csv
 
     model, transform, checkpoint = prepared
     names, images, skipped = read_images(args.input_dir, transform)
     print_skipped(skipped)
     if not images:
         return fail(f"no readable image in {args.input_dir}; nothing was written", status=1)
-    probs = predict_folder(model, images, args.batch_size, args.device)
+    probs = class_probabilities(model, images, args.batch_size, args.device)
     try:
         write_csv(args.output, *prediction_table(names, probs, model.class_names, args.topk))
     except OSError as err:  # a full disk: write_csv has removed its temporary file, --output is as it was

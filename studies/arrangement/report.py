@@ -1,23 +1,17 @@
-"""What the arrangement study adds to the relation runner's reports: the held-out stroke per class, the
+"""What the arrangement study adds to the shared runner's reports: the held-out stroke per class, the
 unseen spans against the seen ones, and attention blocking on the study's own ViT checkpoints.
 
-    python -m studies.arrangement.report                # the tables, from runs.csv and the per-image predictions
-    python -m studies.arrangement.report --blocking     # first, attention blocking on the ViT checkpoints
-    python -m studies.relation --config studies/arrangement/configs/arrangement.yaml --report-only  # then
-
-Reads ``studies/arrangement/results/arrangement`` (``runs.csv``, ``predictions/*.npz``, written by
-``python -m studies.relation --config studies/arrangement/configs/arrangement.yaml``) and, with
-``--blocking``, the checkpoints the runs left under ``runs/study/arrangement/<run key>/checkpoints``
-(not committed: rerun the study to make them). Blocking rows go to ``blocking.csv`` as each
-checkpoint finishes (a rerun skips the checkpoints already there); the tables go to
-``arrangement.md``. Every number is a median over the seeds with the range, per model. It also
-writes ``shortcuts.csv`` there, the audit in the relation runner's format, from which the runner's
-report (rerun it after this one) counts a run as a success above the best shortcut + 5 points.
+Written by the study's command (``python -m studies.arrangement``, ``__main__``) into its ``out_dir``,
+``studies/arrangement/results/arrangement``: ``shortcuts.csv`` before the grid (``runner_shortcuts``: the
+audit in the runner's format, from which its report counts a run as a success above the best shortcut + 5
+points); after the grid, ``blocking.csv`` (``run_blocking``: one row per checkpoint, as each finishes, a
+rerun skipping those already there; the checkpoints the runs left under ``<log_dir>/<run key>/checkpoints``
+are not committed) and ``arrangement.md`` (``write``: every number a median over the seeds with the
+range, per model), from ``runs.csv`` and the per-image predictions.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import statistics
 import sys
@@ -25,10 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from studies.rows import append_rows
+from studies.runner.rows import append_rows
 
-RESULTS = Path("studies/arrangement/results/arrangement")
-RUNS = Path("runs/study/arrangement")
 BLOCKED_MODELS = ("vit-sincos2d", "vit-sincos2d-cls")  # the relation experiment's global-attention ViTs
 AUDIT = Path("studies/arrangement/results/shortcuts.csv")
 RELATION_SHORTCUTS = Path("studies/relation/results/relation/shortcuts.csv")
@@ -36,7 +28,7 @@ BLOCKING_IMAGES = 1000  # the first test images of each checkpoint's own test sp
 
 
 def runner_shortcuts(results: Path, audit: Path = AUDIT, relation: Path = RELATION_SHORTCUTS) -> None:
-    """``<results>/shortcuts.csv`` in the relation runner's format (task, baseline, accuracy, what), which its
+    """``<results>/shortcuts.csv`` in the shared runner's format (task, baseline, accuracy, what), which its
     report reads for the success threshold (the task's best shortcut + 5 points): the arrangement audit's
     shortcut rows of every setting (``<baseline>@<setting>``), and the relation study's ``same_different`` rows."""
     rows = [{"task": "arrangement", "baseline": f"{r['baseline']}@{r['region']}", "accuracy": r["accuracy"],
@@ -91,7 +83,8 @@ def held_out_table(rows: list[dict], results: Path) -> list[str]:
 def span_ood_table(rows: list[dict], results: Path) -> list[str]:
     """Per model: the validation accuracy on the trained spans (<= 20) against the test on unseen spans (21-32)."""
     lines = ["## span_ood: trained on spans <= 20 px, tested on spans 21-32", "",
-             "| model | n | val (spans <= 20) | test (21-32) | test 21-24 | test 25-28 | test 29-32 | runs (val / test) |",
+             "| model | n | val (spans <= 20) | test (21-32) | test 21-24 | test 25-28 | test 29-32 | "
+             "runs (val / test) |",
              "|---|---|---|---|---|---|---|---|"]
     for model, runs in _by_model(rows, "span_ood").items():
         bins = {b: [] for b in ((21, 24), (25, 28), (29, 32))}
@@ -108,9 +101,9 @@ def span_ood_table(rows: list[dict], results: Path) -> list[str]:
 
 
 def run_blocking(rows: list[dict], results: Path, runs_dir: Path) -> None:
-    """Attention blocking (``studies.recipe.attention_blocking``, CLS conditions included) on the best checkpoint of
+    """Attention blocking (``studies.runner.attention_blocking``, CLS conditions included) on the best checkpoint of
     every finished run of ``BLOCKED_MODELS`` in the relation experiment; rows appended to ``blocking.csv``."""
-    from studies.recipe.attention_blocking import CLS_CONDITIONS, CONDITIONS, blocking_accuracies
+    from studies.runner.attention_blocking import CLS_CONDITIONS, CONDITIONS, blocking_accuracies
 
     conditions = CONDITIONS + CLS_CONDITIONS
     out = results / "blocking.csv"
@@ -130,7 +123,7 @@ def run_blocking(rows: list[dict], results: Path, runs_dir: Path) -> None:
 
 
 def blocking_table(results: Path) -> list[str]:
-    from studies.recipe.attention_blocking import CLS_CONDITIONS, CONDITIONS
+    from studies.runner.attention_blocking import CLS_CONDITIONS, CONDITIONS
 
     path = results / "blocking.csv"
     if not path.exists():
@@ -138,8 +131,9 @@ def blocking_table(results: Path) -> list[str]:
     rows = _rows(path)
     lines = ["## Attention blocking (experiment `relation`, at test time, every layer)", "",
              f"The first {BLOCKING_IMAGES} test images of each run, less those where one token's window holds "
-             "ink of both discs (`images` kept). `studies/recipe/attention_blocking.py` defines the conditions.", "",
-             "| condition | " + " | ".join(f"{m} (n={sum(r['model'] == m for r in rows)})" for m in BLOCKED_MODELS) + " |",
+             "ink of both discs (`images` kept). `studies/runner/attention_blocking.py` defines the conditions.", "",
+             "| condition | " + " | ".join(f"{m} (n={sum(r['model'] == m for r in rows)})" for m in BLOCKED_MODELS)
+             + " |",
              "|---" * (len(BLOCKED_MODELS) + 1) + "|"]
     for condition in ("images", *CONDITIONS, *CLS_CONDITIONS):
         cells = []
@@ -153,28 +147,11 @@ def blocking_table(results: Path) -> list[str]:
     return lines + [""]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m studies.arrangement.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the study's out_dir")
-    parser.add_argument("--runs", type=Path, default=RUNS, help="the study's log_dir (checkpoints, for --blocking)")
-    parser.add_argument("--blocking", action="store_true", help="run attention blocking on the ViT checkpoints first")
-    args = parser.parse_args(argv)
-    path = args.results / "runs.csv"
-    if not path.exists():
-        print(f"error: {path} does not exist: run the study first", file=sys.stderr)
-        return 2
-    rows = _rows(path)
-    runner_shortcuts(args.results)
-    if args.blocking:
-        run_blocking(rows, args.results, args.runs)
+def write(rows: list[dict], results: Path) -> None:
+    """``arrangement.md``: the held-out, span and blocking tables (printed too)."""
     lines = ["# Arrangement study: the held-out stroke, the unseen spans, attention blocking", "",
-             "Generated by `python -m studies.arrangement.report` from `runs.csv`, the per-image predictions and "
+             "Generated by `python -m studies.arrangement` from `runs.csv`, the per-image predictions and "
              "`blocking.csv`. Test accuracy (%), median [min-max] over the seeds.", "",
-             *held_out_table(rows, args.results), *span_ood_table(rows, args.results), *blocking_table(args.results)]
-    (args.results / "arrangement.md").write_text("\n".join(lines))
+             *held_out_table(rows, results), *span_ood_table(rows, results), *blocking_table(results)]
+    (results / "arrangement.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from studies.rows import append_rows
+from studies.runner.rows import append_rows
 from vit.explain.relevance import METHODS, relevance
 from vit.explain.scores import average_precision, deletion_insertion, pointing_game, rank_correlation, relevance_mass
 
@@ -68,7 +68,8 @@ def train(task: str, model: str, seed: int, num_train: int, epochs: int) -> tupl
     return system.backbone.eval(), data.test_set, float(accuracy)
 
 
-def score_run(task: str, model: str, seed: int, num_train: int, epochs: int, num_images: int, flow_images: int) -> list[dict]:
+def score_run(task: str, model: str, seed: int, num_train: int, epochs: int, num_images: int,
+              flow_images: int) -> list[dict]:
     torch.set_num_threads(1)
     net, test, accuracy = train(task, model, seed, num_train, epochs)
     fresh = build(model, seed + 1000).eval()  # the same architecture, untrained: the sanity check's reference

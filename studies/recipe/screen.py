@@ -6,9 +6,9 @@
 
 Each (candidate, seed) trains the project's `VisionTransformer` (built by `studies.recipe.screened`,
 which adds the two options the screen tried and the library dropped: `stem: conv`, `qk_init:
-mimetic`) on `SameDifferentDataModule`'s splits with AdamW and the schedule the candidate names, in a plain PyTorch loop with one thread
-(no Lightning, no logging: it is also the "bare step" of the speed comparison), and appends one
-row to `<out_dir>/runs.csv`: test accuracy, the step at which the loss left the plateau, seconds
+mimetic`) on `SameDifferentDataModule`'s splits with AdamW and the schedule the candidate names, in a plain
+PyTorch loop with one thread (no Lightning, no logging: it is also the "bare step" of the speed comparison), and
+appends one row to `<out_dir>/runs.csv`: test accuracy, the step at which the loss left the plateau, seconds
 per step. Rows already in the CSV are skipped, so the command resumes. The recipe a screen
 selects is then confirmed through `train.py` (`configs/same_different/vit.yaml`), on other seeds.
 """
@@ -29,11 +29,12 @@ import yaml
 from timm.optim import param_groups_weight_decay
 
 from studies.recipe import screened
-from studies.rows import append_rows
+from studies.recipe.diagnostics import attention_stats, grad_norms, token_probe
+from studies.runner.rows import append_rows
 from vit.data.same_different import SameDifferentDataModule
-from vit.training.diagnostics import attention_stats, grad_norms, token_probe
 
-COLUMNS = ("candidate", "seed", "lr", "steps", "steps_done", "test_acc", "left_plateau_at", "final_train_loss", "s_per_step", "settings")
+COLUMNS = ("candidate", "seed", "lr", "steps", "steps_done", "test_acc", "left_plateau_at", "final_train_loss",
+           "s_per_step", "settings")
 PLATEAU = 0.6  # a running mean loss below this (ln 2 = 0.693) has left the chance plateau
 
 
@@ -49,7 +50,7 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, decay_fraction:
 
 def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict:
     """One bare training run; returns the CSV row's values. Every 50 steps, the plateau diagnostics
-    (`vit.training.diagnostics`) on 128 validation images go to `curve_path` (JSON), untimed."""
+    (`studies.recipe.diagnostics`) on 128 validation images go to `curve_path` (JSON), untimed."""
     data = SameDifferentDataModule(num_train=settings["num_train"], num_val=128, num_test=settings["num_test"],
                                    train_region="left", test_region="left", seed=seed, batch_size=64)
     data.setup()
@@ -116,8 +117,10 @@ def plateau_figure(curves: dict[str, Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("loss", "training loss (50-step mean)", False), ("attn/block0_entropy", "block 0 attention entropy (nats)", False),
-              ("grad/qk", "|grad| of the q/k projections", True), ("probe/block0_acc", "token probe after block 0", False)]
+    panels = [("loss", "training loss (50-step mean)", False),
+              ("attn/block0_entropy", "block 0 attention entropy (nats)", False),
+              ("grad/qk", "|grad| of the q/k projections", True),
+              ("probe/block0_acc", "token probe after block 0", False)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for label, path in curves.items():
         points = [p for p in json.loads(path.read_text()) if p["step"] > 0]
@@ -138,7 +141,8 @@ def plateau_figure(curves: dict[str, Path], out: Path) -> None:
 def summary(csv_path: Path, config: dict) -> str:
     """The ablation table: per candidate, what changed, successes (test >= 95%) / seeds, steps to leave the plateau."""
     rows = list(csv.DictReader(csv_path.open()))
-    lines = ["| candidate | what changed (from the defaults) | seeds | test acc. (%) | success (>= 95%) | left the plateau at step |",
+    lines = ["| candidate | what changed (from the defaults) | seeds | test acc. (%) | success (>= 95%) | "
+             "left the plateau at step |",
              "|---|---|---|---|---|---|"]
     for name, changes in config["candidates"].items():
         runs = sorted((r for r in rows if r["candidate"] == name), key=lambda r: int(r["seed"]))
@@ -160,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--candidates", required=True,
                         help="comma-separated names from the config's candidates; 'report' writes summary.md")
     parser.add_argument("--seeds", default="", help="comma-separated ints")
-    parser.add_argument("--figure", type=Path, help="instead of training: plot the diagnostics of these runs to this PNG")
+    parser.add_argument("--figure", type=Path,
+                        help="instead of training: plot the diagnostics of these runs to this PNG")
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
     if args.candidates == "report":
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     curves.mkdir(exist_ok=True)
     for name in args.candidates.split(","):
         if name not in config["candidates"]:
-            raise SystemExit(f"error: candidate {name!r} is not in {args.config}: expected one of {list(config['candidates'])}")
+            raise SystemExit(f"error: candidate {name!r} is not in {args.config}: expected one of "
+                             f"{list(config['candidates'])}")
         settings = {**config["defaults"], **config["candidates"][name]}
         settings["model"] = {**config["defaults"]["model"], **config["candidates"][name].get("model", {})}
         for seed in map(int, args.seeds.split(",")):
@@ -190,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
             if done:
                 continue
             row = {"candidate": name, "seed": seed, "lr": settings["lr"], "steps": settings["steps"],
-                   **train_one(settings, seed, curves / f"{name}-s{seed}.json"), "settings": yaml.safe_dump(settings, default_flow_style=True).strip()}
+                   **train_one(settings, seed, curves / f"{name}-s{seed}.json"),
+                   "settings": yaml.safe_dump(settings, default_flow_style=True).strip()}
             append_rows(csv_path, COLUMNS, [row])
             print(f"{name} seed {seed}: test {row['test_acc']}, left the plateau at {row['left_plateau_at'] or '-'}, "
                   f"{row['s_per_step']} s/step", flush=True)

@@ -85,7 +85,7 @@ def build(*, stem: Stem = "patch", qk_init: QKInit = "normal", **vit_args) -> Vi
     check_choice("stem", stem, Stem)
     check_choice("qk_init", qk_init, QKInit)
     arg = lambda name: vit_args.get(name, _VIT_DEFAULTS[name])  # noqa: E731
-    if (stem, qk_init) != ("patch", "normal") and arg("pretrained"):
+    if (stem, qk_init) != ("patch", "normal") and vit_args.get("pretrained"):
         raise ValueError(f"stem={stem!r} and qk_init={qk_init!r} set initial weights: they do not go with pretrained")
     if qk_init == "mimetic" and arg("qk_init_std") != 0.02:
         raise ValueError(f"qk_init='mimetic' sets the query and key rows itself: qk_init_std={arg('qk_init_std')!r} "

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from studies.relation import grid, visibility
+from studies.runner import grid, visibility
 
 SPAN_BINS = [(11, 13), (14, 16), (17, 19), (20, 22), (23, 25), (26, 28), (29, 32)]  # inclusive, px
 MODELS = ("cnn-rf21", "cnn-rf29", "cnn-rf13")

@@ -54,8 +54,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.checks import check_choice, check_float, check_int, check_size
-from vit.data.base import SyntheticDataModule
+from vit.checks import check_choice, check_int, check_size
+from vit.data.base import SyntheticDataModule, balanced_labels, check_pixel_options, noisy_images, seeded_rng
 from vit.data.same_different import column_range
 
 Region = Literal["all", "left", "right"]
@@ -98,14 +98,16 @@ def span_limits(img_size: int | tuple[int, int], region: str) -> tuple[int, int]
 
 
 def _displacements(lo: int, hi: int) -> list[tuple[tuple[int, int], float]]:
-    """Every counter-clockwise displacement ``(d_row, d_col)`` with spans in ``[lo, hi]`` and its probability (step 1)."""
+    """Every counter-clockwise displacement ``(d_row, d_col)`` with spans in ``[lo, hi]`` and its probability
+    (step 1)."""
     majors = range(lo - DISC_SIZE, hi - DISC_SIZE + 1)
     out = []
     for major in majors:
         for minor in range(MARGIN, major - MARGIN + 1):
             p = 1 / (len(majors) * (major - 2 * MARGIN + 1) * 4)
             for sign in (-1, 1):  # the major component's; the minor's follows from the label
-                out += [((-sign * minor, sign * major), p), ((sign * major, sign * minor), p)]  # along the columns, the rows
+                # along the columns, the rows
+                out += [((-sign * minor, sign * major), p), ((sign * major, sign * minor), p)]
     return out
 
 
@@ -146,14 +148,16 @@ def placement_weights(rows: int, cols: int, lo: int, hi: int) -> np.ndarray:
 
 def sample_pairs(rng: np.random.Generator, labels: np.ndarray, img_size: int | tuple[int, int], region: str = "all",
                  min_span: int | None = None, max_span: int | None = None) -> np.ndarray:
-    """Top-left corners ``(n, 2, 2)`` (sample, disc, (row, col)) of pairs with the given ``labels``; see the module doc."""
+    """Top-left corners ``(n, 2, 2)`` (sample, disc, (row, col)) of pairs with the given ``labels``;
+    see the module doc."""
     height, width = check_size("img_size", img_size)
     c_lo, c_hi = column_range(region, width, DISC_SIZE)
     lo, hi = span_limits(img_size, region)
     lo, hi = max(lo, min_span or lo), min(hi, max_span or hi)
     if lo > hi:
         raise ValueError(f"no span in [{min_span}, {max_span}] fits region={region!r} of a {height}x{width} image: "
-                         f"expected spans within [{span_limits(img_size, region)[0]}, {span_limits(img_size, region)[1]}]")
+                         f"expected spans within [{span_limits(img_size, region)[0]}, "
+                         f"{span_limits(img_size, region)[1]}]")
     rows, cols = height - DISC_SIZE + 1, c_hi - c_lo + 1
     weights = placement_weights(rows, cols, lo, hi)
     weights = np.stack([weights[:, ::-1], weights])  # (2, rows, cols): clockwise pairs are the mirror images
@@ -163,13 +167,15 @@ def sample_pairs(rng: np.random.Generator, labels: np.ndarray, img_size: int | t
         y, n = labels[todo], len(todo)
         major = rng.integers(lo - DISC_SIZE, hi - DISC_SIZE + 1, size=n)
         minor = rng.integers(MARGIN, major - MARGIN + 1)
-        along_cols = rng.integers(2, size=n).astype(bool)  # the nearest axis: the columns' (mostly horizontal) or the rows'
+        # the nearest axis: the columns' (mostly horizontal) or the rows'
+        along_cols = rng.integers(2, size=n).astype(bool)
         major_sign = rng.choice([-1, 1], size=n)
         # d_row * d_col < 0 for a counter-clockwise horizontal pair, > 0 for a counter-clockwise vertical one.
         minor_sign = major_sign * np.where(along_cols == (y == 1), -1, 1)
         big, small = major * major_sign, minor * minor_sign
         d = np.where(along_cols[:, None], np.stack([small, big], 1), np.stack([big, small], 1))  # (n, 2)
-        # The pair's bounding box uniform where it fits (region coordinates); the first disc is the corner d points away from.
+        # The pair's bounding box uniform where it fits (region coordinates); the first disc is the corner d points
+        # away from.
         row0 = rng.integers(0, rows - np.abs(d[:, 0]))
         col0 = rng.integers(0, cols - np.abs(d[:, 1]))
         first = np.stack([row0 + np.maximum(-d[:, 0], 0), col0 + np.maximum(-d[:, 1], 0)], 1)
@@ -205,27 +211,24 @@ class ArrangementDataset(Dataset):
     def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
                  noise: float = 0.05, region: Region = "all", min_span: int | None = None,
                  max_span: int | None = None, seed: int = 0) -> None:
-        check_int("num_samples", num_samples, 1)
-        check_int("seed", seed, 0)
+        rng = seeded_rng(num_samples, seed)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
-        self.img_size, self.in_chans, self.noise, self.region, self.seed = img_size, in_chans, float(noise), region, seed
-        rng = np.random.default_rng(seed)
-        labels = rng.permutation(np.arange(num_samples) % 2)
+        self.img_size, self.in_chans, self.noise = img_size, in_chans, float(noise)
+        self.region, self.seed = region, seed
+        labels = balanced_labels(rng, num_samples)
         positions = sample_pairs(rng, labels, img_size, region, min_span, max_span)
-        images = torch.from_numpy(render(positions, img_size))
-        if noise > 0:
-            gen = torch.Generator().manual_seed(int(rng.integers(2**63)))
-            images += noise * torch.randn(images.shape, generator=gen)
+        images = torch.from_numpy(render(positions, img_size))  # (N, H, W)
         self.labels = torch.from_numpy(labels).long()
         self.positions = torch.from_numpy(positions)
         self.span = (self.positions[:, 1] - self.positions[:, 0]).abs().amax(dim=1) + DISC_SIZE  # (N,)
-        self.images = images[:, None].expand(-1, in_chans, -1, -1)
+        self.images = noisy_images(images, noise=noise, in_chans=in_chans, rng=rng)  # (N, C, H, W)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def token_labels(self, patch_size: int) -> torch.Tensor:
-        """`(N, num_patches)` int64: 1 at the patches that hold a disc's centre pixel, 0 elsewhere (what a token probe reads)."""
+        """`(N, num_patches)` int64: 1 at the patches that hold a disc's centre pixel, 0 elsewhere
+        (what a token probe reads)."""
         height, width = check_size("img_size", self.img_size)
         cols = width // patch_size
         labels = torch.zeros((len(self), (height // patch_size) * cols), dtype=torch.long)
@@ -241,9 +244,7 @@ def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: floa
     """Validate the image options (ValueError naming the value and what is allowed)."""
     check_choice("region", region, Region)
     check_size("img_size", img_size, 4 * DISC_SIZE)
-    check_int("in_chans", in_chans, 1, 3)
-    check_choice("in_chans", in_chans, (1, 3))
-    check_float("noise", noise, 0.0)
+    check_pixel_options(in_chans=in_chans, noise=noise)
 
 
 class ArrangementDataModule(SyntheticDataModule):

@@ -1,13 +1,15 @@
-"""What every data module here shares: train / val / test / predict loaders over its three splits."""
+"""What every data module here shares: train / val / test / predict loaders over its three splits; and what the
+generated two-class tasks share: the seed, the balanced labels and the pixel noise."""
 
 from __future__ import annotations
 
 import lightning as L
 import numpy as np
+import torch
 from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset
 
-from vit.checks import check_int, check_size
+from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.resumable import ResumableTrainingData
 
 
@@ -48,7 +50,8 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-        """Per-channel ``(mean, std)`` applied after scaling pixels to [0, 1]; ``None``: the pixels are used as they are."""
+        """Per-channel ``(mean, std)`` applied after scaling pixels to [0, 1];
+        ``None``: the pixels are used as they are."""
         return None
 
     def inputs(self) -> dict:
@@ -139,3 +142,35 @@ class SyntheticDataModule(SplitDataModule):
             self.val_set = self.make_split("val", hp.num_val, hp.train_region)
         if stage in ("test", "predict", None) and self.test_set is None:
             self.test_set = self.make_split("test", hp.num_test, hp.test_region)
+
+
+def check_pixel_options(*, in_chans: int, noise: float) -> None:
+    """Validate a generated image's channels (1 or 3) and pixel noise std (>= 0); ValueError naming the value."""
+    check_int("in_chans", in_chans, 1, 3)  # an int (not a bool), then one of the two image modes
+    check_choice("in_chans", in_chans, (1, 3))
+    check_float("noise", noise, 0.0)
+
+
+def seeded_rng(num_samples: int, seed: int) -> np.random.Generator:
+    """The generator a synthetic data set draws everything from, once `num_samples` (>= 1) and `seed` (>= 0) are
+    checked: the same seed gives the same images and labels."""
+    check_int("num_samples", num_samples, 1)
+    check_int("seed", seed, 0)
+    return np.random.default_rng(seed)
+
+
+def balanced_labels(rng: np.random.Generator, num_samples: int) -> np.ndarray:
+    """`(N,)` labels 0 and 1 in a random order, exactly balanced (the counts differ by one when N is odd)."""
+    return rng.permutation(np.arange(num_samples) % 2)
+
+
+def noisy_images(images: torch.Tensor, *, noise: float, in_chans: int, rng: np.random.Generator) -> torch.Tensor:
+    """Noiseless float images `(N, H, W)` -> `(N, C, H, W)`: plus Gaussian noise of std `noise` (in place, not
+    clipped), then repeated on the `in_chans` channels (a stride-0 view, so it costs no memory).
+
+    The noise comes from a torch generator seeded by one more draw of `rng`: call it after every other draw.
+    """
+    if noise > 0:
+        generator = torch.Generator().manual_seed(int(rng.integers(2**63)))
+        images += noise * torch.randn(images.shape, generator=generator)
+    return images[:, None].expand(-1, in_chans, -1, -1)  # (N, C, H, W)

@@ -19,6 +19,7 @@ from vit.checks import check_choice, check_int, check_size
 from vit.data.base import DataNotFoundError, SplitDataModule
 from vit.data.transforms import (
     CIFAR_MEAN_STD,
+    MEAN_STD,
     AutoAugmentName,
     DatasetName,
     batch_mixup,
@@ -87,8 +88,9 @@ class CIFARDataModule(SplitDataModule):
     (Lee et al. 2021 train with k=3), still resumable.
 
     For a pretrained model: `img_size` upsamples the images (bicubic, after the 32x32 augmentations)
-    to the resolution it expects (a side, or `[H, W]`, stretched: the aspect ratio is not kept), and `normalization` uses the statistics it was trained with
-    ("imagenet" or "inception") instead of CIFAR's ("cifar").
+    to the resolution it expects (a side, or `[H, W]`, stretched: the aspect ratio is not kept), and
+    `normalization` uses the statistics it was trained with ("imagenet" or "inception") instead of CIFAR's
+    ("cifar").
     """
 
     interpolation = "bicubic"  # the upsampling of `img_size` (`vit.data.transforms`)
@@ -185,10 +187,7 @@ class CIFARDataModule(SplitDataModule):
         inception (0.5) values)."""
         if self.hparams.normalization == "cifar":
             return CIFAR_MEAN_STD[self.dataset]
-        from vit.data.image_folder import NORMALIZATIONS
-
-        mean, std = NORMALIZATIONS[self.hparams.normalization]
-        return tuple(mean), tuple(std)
+        return MEAN_STD[self.hparams.normalization]
 
     @property
     def folder(self) -> Path:
@@ -202,7 +201,8 @@ class CIFARDataModule(SplitDataModule):
     def unusable_files(self) -> dict[str, str]:
         """Expected files that are present but cannot be used, each with the reason."""
         dataset_cls = DATASETS[self.dataset]
-        expected = [*dataset_cls.train_list, *dataset_cls.test_list, (dataset_cls.meta["filename"], dataset_cls.meta["md5"])]
+        expected = [*dataset_cls.train_list, *dataset_cls.test_list,
+                    (dataset_cls.meta["filename"], dataset_cls.meta["md5"])]
         problems = {}
         for name, md5 in expected:
             path = self.folder / name
@@ -214,7 +214,8 @@ class CIFARDataModule(SplitDataModule):
                 problems[name] = f"cannot be read ({err.strerror or err})"
                 continue
             if not intact:
-                problems[name] = "is not the official file (its MD5 differs): truncated, corrupted or from another dataset"
+                problems[name] = ("is not the official file (its MD5 differs): truncated, corrupted "
+                                  "or from another dataset")
         return problems
 
     def prepare_data(self) -> None:
@@ -225,7 +226,8 @@ class CIFARDataModule(SplitDataModule):
                 DATASETS[self.dataset](self.data_dir, train=True, download=True)
             except OSError as err:  # URLError, HTTPError, timeouts and DNS failures are all OSErrors
                 if not self.missing_files() and self.unusable_files():
-                    raise CIFARCorruptedError(self._corrupted_message(f"Downloading fresh copies failed: {err}")) from err
+                    raise CIFARCorruptedError(
+                        self._corrupted_message(f"Downloading fresh copies failed: {err}")) from err
                 raise CIFARNotFoundError(self._not_found_message(f"The download failed: {err}")) from err
         self._check_files()
 

@@ -35,12 +35,6 @@ from typing import Literal
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from timm.data import (
-    IMAGENET_DEFAULT_MEAN,
-    IMAGENET_DEFAULT_STD,
-    IMAGENET_INCEPTION_MEAN,
-    IMAGENET_INCEPTION_STD,
-)
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.transforms import v2
@@ -54,14 +48,9 @@ from vit.data.files import (
     text_name,
     visible_folders,
 )
-from vit.data.transforms import AutoAugmentName, batch_mixup, train_transform
+from vit.data.transforms import MEAN_STD, AutoAugmentName, batch_mixup, train_transform
 
-Normalization = Literal["imagenet", "inception", "none"]
-NORMALIZATIONS = {
-    "imagenet": (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),  # most timm ImageNet weights
-    "inception": (IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD),  # (0.5, 0.5): the augreg ViTs
-    "none": None,
-}
+Normalization = Literal["imagenet", "inception", "none"]  # "none": pixels in [0, 1]; else `MEAN_STD`'s
 SPLITS = ("train", "val", "test")
 LAYOUTS = ("root/<class>/<image> (split into train, val and test by val_fraction and test_fraction) or "
            "root/train/<class>/<image> with optional root/val/ and root/test/ beside it")
@@ -155,8 +144,9 @@ class ImageFolderDataModule(SplitDataModule):
         self.train_set = self.val_set = self.test_set = None
         self.split_files: dict[str, list[str]] = {}  # split -> its files, relative to root (set up by `setup`)
         self._split_written: Path | None = None
-        to_tensor = [v2.Grayscale(1) if in_chans == 1 else v2.RGB(), v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
-        norm = [v2.Normalize(*map(list, NORMALIZATIONS[normalization]))] if NORMALIZATIONS[normalization] else []
+        to_tensor = [v2.Grayscale(1) if in_chans == 1 else v2.RGB(), v2.ToImage(),
+                     v2.ToDtype(torch.float32, scale=True)]
+        norm = [v2.Normalize(*map(list, self.normalization))] if self.normalization else []
         self.train_transform = train_transform(
             [v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)],
             [*to_tensor, *norm],
@@ -176,8 +166,7 @@ class ImageFolderDataModule(SplitDataModule):
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """Per-channel `(mean, std)` applied after scaling pixels to [0, 1] (what `vit.predict` reuses)."""
-        pair = NORMALIZATIONS[self.hparams.normalization]
-        return None if pair is None else (tuple(pair[0]), tuple(pair[1]))
+        return None if self.hparams.normalization == "none" else MEAN_STD[self.hparams.normalization]
 
     @property
     def class_names(self) -> list[str]:
@@ -275,8 +264,8 @@ class ImageFolderDataModule(SplitDataModule):
             self.test_set = self._images(test_dir, self.eval_transform)
         else:
             self.test_set = Subset(eval_full, test_idx) if n_test else self.val_set
-        self.split_files = {name: self._relative(dataset)
-                            for name, dataset in (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))}
+        splits = (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))
+        self.split_files = {name: self._relative(dataset) for name, dataset in splits}
         if self.skipped:
             relative = {os.path.relpath(p, self.root): why for p, why in sorted(self.skipped.items())}
             listed = "; ".join(first_skipped(relative, "{name}: {why}"))
@@ -284,7 +273,8 @@ class ImageFolderDataModule(SplitDataModule):
 
     def _relative(self, dataset: Dataset) -> list[str]:
         """The files of `dataset` (a folder, or a `Subset` of one), as text relative to `root`, in its order."""
-        folder, indices = (dataset.dataset, dataset.indices) if isinstance(dataset, Subset) else (dataset, range(len(dataset)))
+        folder, indices = ((dataset.dataset, dataset.indices) if isinstance(dataset, Subset)
+                           else (dataset, range(len(dataset))))
         return [text_name(os.path.relpath(folder.samples[i][0], self.root)) for i in indices]
 
     def _write_split(self) -> None:
@@ -306,7 +296,8 @@ class ImageFolderDataModule(SplitDataModule):
         if drop_last and len(dataset) < batch_size:  # else no batch at all, and training would silently do nothing
             raise ValueError(f"batch_size={batch_size} is larger than the {len(dataset)} training images, and with "
                              "Mixup/CutMix the last incomplete batch is dropped")
-        return DataLoader(dataset, batch_size=batch_size, sampler=self.train_sampler(dataset, batch_size) if train else None,
+        return DataLoader(dataset, batch_size=batch_size,
+                          sampler=self.train_sampler(dataset, batch_size) if train else None,
                           generator=self.loader_generator(), num_workers=workers, persistent_workers=workers > 0,
                           pin_memory=torch.cuda.is_available(), drop_last=drop_last)
 

@@ -45,7 +45,8 @@ class ResumableSampler(DistributedSampler):
     keeps the dataset's length, i.e. it covers the first `1 / repeats` of the permutation.
     """
 
-    def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0, repeats: int = 1) -> None:
+    def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+                 repeats: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
         check_int("repeats", repeats, 1)
         self.repeats = repeats

@@ -7,7 +7,7 @@ the label away:
 
 * **Position carries nothing.** Both positions are drawn before and independently of the label
   (uniform over the allowed placements, boxes never touching), so every position-only classifier,
-  corners and borders included, is at chance by construction (``studies.relation.shortcuts``
+  corners and borders included, is at chance by construction (``studies.runner.shortcuts``
   measures it).
 * **Ink carries nothing.** Every pattern has exactly ``SHAPE_PIXELS`` pixels on, so every image has
   the same amount of ink.
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.checks import check_choice, check_float, check_int, check_size
-from vit.data.base import SyntheticDataModule
+from vit.checks import check_choice, check_int, check_size
+from vit.data.base import SyntheticDataModule, balanced_labels, check_pixel_options, noisy_images, seeded_rng
 
 Region = Literal["all", "left", "right"]
 
@@ -112,7 +112,8 @@ def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int
 
 def render(positions: np.ndarray, shape_ids: np.ndarray, shapes: np.ndarray,
            img_size: int | tuple[int, int]) -> np.ndarray:
-    """Noiseless images ``(n, H, W)`` float32: 1 where a shape is on, 0 elsewhere; ``img_size`` is a side or ``(H, W)``."""
+    """Noiseless images ``(n, H, W)`` float32: 1 where a shape is on, 0 elsewhere;
+    ``img_size`` is a side or ``(H, W)``."""
     n, size = len(positions), shapes.shape[-1]
     images = np.zeros((n, *check_size("img_size", img_size)), dtype=np.float32)
     idx = np.arange(n)[:, None, None]
@@ -135,18 +136,17 @@ class SameDifferentDataset(Dataset):
     def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
                  noise: float = 0.05, region: Region = "all", held_out_shape: int | None = None,
                  with_held_out: bool = False, seed: int = 0) -> None:
-        check_int("num_samples", num_samples, 1)
-        check_int("seed", seed, 0)
+        rng = seeded_rng(num_samples, seed)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
         if held_out_shape is not None:
             check_int("held_out_shape", held_out_shape, 0, NUM_SHAPES - 1)
         elif with_held_out:
             raise ValueError("with_held_out=True needs a held_out_shape (0-3): the pattern every pair then holds")
-        self.img_size, self.in_chans, self.noise, self.region, self.seed = img_size, in_chans, float(noise), region, seed
+        self.img_size, self.in_chans, self.noise = img_size, in_chans, float(noise)
+        self.region, self.seed = region, seed
         self.shapes = make_shapes()
-        rng = np.random.default_rng(seed)
         positions = sample_positions(rng, num_samples, img_size, region)
-        labels = rng.permutation(np.arange(num_samples) % 2)
+        labels = balanced_labels(rng, num_samples)
         if held_out_shape is None:
             first = rng.integers(NUM_SHAPES, size=num_samples)
             other = (first + rng.integers(1, NUM_SHAPES, size=num_samples)) % NUM_SHAPES  # uniform over the others
@@ -162,16 +162,13 @@ class SameDifferentDataset(Dataset):
         if held_out_shape is not None:  # which of the two slots holds which pattern: a fair coin
             swap = rng.integers(2, size=num_samples).astype(bool)
             shape_ids[swap] = shape_ids[swap, ::-1]
-        images = torch.from_numpy(render(positions, shape_ids, self.shapes, img_size))
-        if noise > 0:
-            gen = torch.Generator().manual_seed(int(rng.integers(2**63)))
-            images += noise * torch.randn(images.shape, generator=gen)
+        images = torch.from_numpy(render(positions, shape_ids, self.shapes, img_size))  # (N, H, W)
         self.labels = torch.from_numpy(labels).long()
         self.positions = torch.from_numpy(positions)
         self.shape_ids = torch.from_numpy(shape_ids)
         d = (self.positions[:, 1] - self.positions[:, 0]).abs()
         self.span = d.amax(dim=1) + SHAPE_SIZE  # (N,)
-        self.images = images[:, None].expand(-1, in_chans, -1, -1)
+        self.images = noisy_images(images, noise=noise, in_chans=in_chans, rng=rng)  # (N, C, H, W)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -197,9 +194,7 @@ def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: floa
     """Validate the image options (ValueError naming the value and what is allowed)."""
     check_choice("region", region, Region)
     check_size("img_size", img_size, 4 * SHAPE_SIZE)  # a side, or [H, W]
-    check_int("in_chans", in_chans, 1, 3)  # an int (not a bool), then one of the two image modes
-    check_choice("in_chans", in_chans, (1, 3))
-    check_float("noise", noise, 0.0)  # the pixel noise std
+    check_pixel_options(in_chans=in_chans, noise=noise)
 
 
 class SameDifferentDataModule(SyntheticDataModule):

@@ -1,10 +1,16 @@
-"""Training augmentations the data modules of photographs share (per image, and Mixup/CutMix per batch), and CIFAR's eval
-transform."""
+"""Training augmentations the data modules of photographs share (per image, and Mixup/CutMix per batch), the
+normalisation constants (`MEAN_STD`), and CIFAR's eval transform."""
 
 from typing import Literal, get_args
 
 import torch
-from timm.data import Mixup
+from timm.data import (
+    IMAGENET_DEFAULT_MEAN,
+    IMAGENET_DEFAULT_STD,
+    IMAGENET_INCEPTION_MEAN,
+    IMAGENET_INCEPTION_STD,
+    Mixup,
+)
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int
@@ -13,13 +19,17 @@ DatasetName = Literal["cifar10", "cifar100"]
 AutoAugmentName = Literal["none", "randaugment", "trivialaugment", "autoaugment"]
 AUTO_AUGMENTS = get_args(AutoAugmentName)
 
-# Per-channel (R, G, B) mean and standard deviation of the pixel values, scaled to [0, 1], over all
-# 50,000 official training images (std over every pixel, not the mean of per-image stds).
-# Normalising with them gives inputs of roughly zero mean and unit variance.
-CIFAR_MEAN_STD = {
+# Per-channel (R, G, B) mean and standard deviation of the pixel values scaled to [0, 1], by name: a data set's
+# own (CIFAR's over all 50,000 official training images, std over every pixel, not the mean of per-image stds),
+# or those pretrained weights expect (timm's). Normalising with a data set's own gives inputs of roughly zero mean
+# and unit variance.
+MEAN_STD = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "imagenet": (tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)),  # most timm ImageNet weights
+    "inception": (tuple(IMAGENET_INCEPTION_MEAN), tuple(IMAGENET_INCEPTION_STD)),  # (0.5, 0.5): the augreg ViTs
 }
+CIFAR_MEAN_STD = {name: MEAN_STD[name] for name in get_args(DatasetName)}  # each CIFAR's own
 
 
 def train_transform(
@@ -84,12 +94,14 @@ def batch_mixup(
     if mixup_alpha == 0 and cutmix_alpha == 0:
         return None
     if batch_size % 2 != 0:
-        raise ValueError(f"batch_size={batch_size} must be even when Mixup/CutMix is on (timm mixes a batch with its flip)")
+        raise ValueError(f"batch_size={batch_size} must be even when Mixup/CutMix is on "
+                         "(timm mixes a batch with its flip)")
     return Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob,
                  mode="batch", label_smoothing=0.0, num_classes=num_classes)
 
 
-def build_eval_transform(dataset: DatasetName, size: tuple[int, int] = (32, 32), mean_std: tuple | None = None) -> v2.Compose:
+def build_eval_transform(dataset: DatasetName, size: tuple[int, int] = (32, 32),
+                         mean_std: tuple | None = None) -> v2.Compose:
     """Deterministic transform for validation, test and predict: resizing (if asked) and normalisation only."""
     return v2.Compose(to_normalised_tensor(dataset, size, mean_std))
 

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.checks import check_choice, check_float, check_int, check_size
-from vit.data.base import SyntheticDataModule
+from vit.checks import check_choice, check_size
+from vit.data.base import SyntheticDataModule, balanced_labels, check_pixel_options, noisy_images, seeded_rng
 
 Task = Literal["diagonal", "relative"]
 Region = Literal["all", "inner", "border"]
@@ -84,9 +84,7 @@ def check_options(
     if img_size % 2:
         raise ValueError(f"img_size={img_size!r} is not allowed: expected an even int, so that "
                          "the midlines fall between pixels and each quadrant is unambiguous")
-    check_int("in_chans", in_chans, 1, 3)  # an int (not a bool), then one of the two image modes
-    check_choice("in_chans", in_chans, (1, 3))
-    check_float("noise", noise, 0.0)  # the pixel noise std
+    check_pixel_options(in_chans=in_chans, noise=noise)
     try:
         r_min, r_max = radius
     except (TypeError, ValueError):
@@ -264,15 +262,13 @@ class TwoCirclesDataset(Dataset):
         region: Region = "all",
         seed: int = 0,
     ) -> None:
-        check_int("num_samples", num_samples, 1)
-        check_int("seed", seed, 0)
+        rng = seeded_rng(num_samples, seed)
         img_size = check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
                                  region=region)  # [32, 32] -> 32
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
         self.radius, self.noise, self.seed = tuple(radius), float(noise), seed
 
-        rng = np.random.default_rng(seed)
-        labels = rng.permutation(np.arange(num_samples) % 2)  # exactly balanced
+        labels = balanced_labels(rng, num_samples)
         radii = rng.integers(radius[0], radius[1] + 1, size=num_samples)
         t = region_threshold(img_size, radius)
         sample = _sample_diagonal if task == "diagonal" else _sample_relative
@@ -282,10 +278,7 @@ class TwoCirclesDataset(Dataset):
         self.radii = torch.from_numpy(radii).long()  # (N,)
         self.centers = torch.from_numpy(centers).float()  # (N, 2, 2)
         images = render_circles(self.centers, self.radii, img_size, task)  # (N, H, W)
-        if noise > 0:
-            noise_rng = torch.Generator().manual_seed(int(rng.integers(2**63)))
-            images += noise * torch.randn(images.shape, generator=noise_rng)
-        self.images = images[:, None].expand(-1, in_chans, -1, -1)  # (N, C, H, W)
+        self.images = noisy_images(images, noise=noise, in_chans=in_chans, rng=rng)  # (N, C, H, W)
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--save-maps", dest="save_maps", type=Path,
                          help="also write the raw maps to this .npz: one (B, gh, gw) array per method, and files, "
                               "predicted, probability, class_names, methods, target (-1: each prediction)")
-    options.add_argument("--overwrite", action="store_true", help="replace --out and --save-maps if they exist (regular files only)")
+    options.add_argument("--overwrite", action="store_true",
+                         help="replace --out and --save-maps if they exist (regular files only)")
     return run(options.parse_args(argv), prepare, explain)
 
 
@@ -102,7 +103,8 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
         if not images:
             return fail("no readable image to explain; nothing was written", status=1)
         if len(images) > args.num_images:
-            print(f"note: explaining the first {args.num_images} of {len(images)} images (--num_images)", file=sys.stderr)
+            print(f"note: explaining the first {args.num_images} of {len(images)} images (--num_images)",
+                  file=sys.stderr)
         files, x, labels = files[: args.num_images], torch.stack(images[: args.num_images]), None
     else:  # the checkpoint's own test images, with their labels
         data.setup("test")

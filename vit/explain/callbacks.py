@@ -18,6 +18,7 @@ from vit.explain.plot import SCALES, Scale, display_image, overlay, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
+from vit.training.classifier import index_names
 from vit.training.dashboard import (
     RankedPredictions,
     epoch_title,
@@ -176,19 +177,17 @@ class RolloutImages(L.Callback):
         with torch.no_grad():
             probs = model(x).float().softmax(-1).cpu()  # (B, num_classes)
         confidence, predicted = probs.max(-1)
+        names = self.class_names or self._model_names or index_names(probs.shape[-1])
         titles = [
-            f"label {self._name(int(label))}\npredicted {self._name(int(pred))} ({p:.2f})"
+            f"label {names[int(label)]}\npredicted {names[int(pred)]} ({p:.2f})"
             for label, pred, p in zip(self.labels, predicted, confidence)
         ]
         return rollout_grid(self.images, maps, titles=titles, scale=self.scale)
 
-    def _name(self, index: int) -> str:
-        names = self.class_names or self._model_names
-        return names[index] if names is not None else str(index)
-
 
 class RelevanceScores(L.Callback):
-    """Score relevance maps against ground truth on the dashboard: `val/pointing_game/<method>`, `val/relevance_mass/<method>`.
+    """Score relevance maps against ground truth on the dashboard: `val/pointing_game/<method>`,
+    `val/relevance_mass/<method>`.
 
     Every `every_n_epochs` epochs (and after the last), the first `num_images` validation images
     are mapped with each method (`vit.explain.relevance`) and scored against the masks the
@@ -218,7 +217,8 @@ class RelevanceScores(L.Callback):
             return
         val = getattr(trainer.datamodule, "val_set", None) if trainer.datamodule is not None else None
         if val is None or not hasattr(val, "circle_mask"):
-            self._warn_once("masks", "RelevanceScores: the validation set has no ground-truth masks (circle_mask); nothing is scored.")
+            self._warn_once("masks", "RelevanceScores: the validation set has no ground-truth masks (circle_mask); "
+                                     "nothing is scored.")
             return
         n = min(self.num_images, len(val))
         x = torch.stack([val[i][0] for i in range(n)]).to(pl_module.device)
@@ -227,7 +227,8 @@ class RelevanceScores(L.Callback):
         usable = usable_methods(model, self.methods, skip=True)
         for method in self.methods:
             if method not in usable:
-                self._warn_once(method, f"RelevanceScores: {type(model).__name__} has no attention layers; '{method}' is skipped.")
+                self._warn_once(method, f"RelevanceScores: {type(model).__name__} has no attention layers; "
+                                        f"'{method}' is skipped.")
                 continue
             maps = relevance(model, x, method).cpu()
             pl_module.log(f"val/pointing_game/{method}", pointing_game(maps, masks).mean(), sync_dist=False)
@@ -284,14 +285,15 @@ class TestPredictionsTable(L.Callback):
         if usable_methods(model, ("rollout",), skip=True):
             x = self.kept.images.to(next(model.parameters()).device)
             with trainer.precision_plugin.forward_context():
-                maps = relevance(model, trainer.precision_plugin.convert_input(x), "rollout").float().cpu()  # (n, gh, gw)
-        name = _namer(self.class_names or getattr(pl_module, "class_names", None))
+                x = trainer.precision_plugin.convert_input(x)
+                maps = relevance(model, x, "rollout").float().cpu()  # (n, gh, gw)
         kept = self.kept
+        names = _class_names(self, pl_module, kept.num_classes)
         self.columns = ["image", "true", "predicted", "probability"] + (["rollout"] if maps is not None else [])
         rows = []
         for i, image in enumerate(kept.images):
-            row = [wandb.Image(_to_uint8(display_image(image))), name(kept.labels[i]), name(kept.predicted[i]),
-                   float(kept.probability[i])]
+            row = [wandb.Image(_to_uint8(display_image(image))), names[int(kept.labels[i])],
+                   names[int(kept.predicted[i])], float(kept.probability[i])]
             if maps is not None:
                 row.append(wandb.Image(_to_uint8(overlay(image, maps[i]))))
             rows.append(row)
@@ -341,7 +343,8 @@ class TestMistakesGrid(L.Callback):
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if len(self.kept) and trainer.is_global_zero:
-            figure = self.render(_namer(self.class_names or getattr(pl_module, "class_names", None)))
+            names = _class_names(self, pl_module, self.kept.num_classes)
+            figure = self.render(lambda index: names[int(index)])
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi), loggers=self._loggers(trainer))
 
     def render(self, name=str):
@@ -371,9 +374,9 @@ def _logits(callback: L.Callback, pl_module: L.LightningModule, outputs) -> Tens
     return outputs
 
 
-def _namer(names: Sequence[str] | None):
-    """A class index (int or 0-d tensor) -> its name, or the index as text when there are no names."""
-    return lambda index: names[int(index)] if names is not None else str(int(index))
+def _class_names(callback: L.Callback, pl_module: L.LightningModule, num_classes: int) -> list[str]:
+    """The names of the classes a callback draws: its own `class_names`, else the model's, else the indices."""
+    return callback.class_names or getattr(pl_module, "class_names", None) or index_names(num_classes)
 
 
 def _to_uint8(image: np.ndarray) -> np.ndarray:

@@ -56,7 +56,6 @@ from vit.models.record import record_attention
 from vit.models.vision_transformer import Pool
 
 
-
 def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", target: Tensor | int | None = None, *,
               head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0, start_layer: int = 0,
               seed: int = 0) -> Tensor:

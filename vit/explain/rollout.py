@@ -165,7 +165,8 @@ def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None
     if pool == "cls":
         return torch.eye(1, num_tokens)
     num_patches = num_tokens - reg_tokens
-    per_patch = torch.full((1, num_patches), 1.0 / num_patches) if pool == "mean" else pool_attn.flatten(1)  # (1 or B, P)
+    per_patch = (torch.full((1, num_patches), 1.0 / num_patches) if pool == "mean"
+                 else pool_attn.flatten(1))  # (1 or B, P)
     return F.pad(per_patch, (reg_tokens, 0))  # (1 or B, N): the registers get 0
 
 

@@ -75,7 +75,8 @@ def deletion_insertion(model: nn.Module, images: Tensor, maps: Tensor, *, backgr
     deletion, insertion = [], []
     for k in counts:
         removed = rank_pixels < k  # the k most relevant cells
-        for curve, x in ((deletion, torch.where(removed, fill, images)), (insertion, torch.where(removed, images, fill))):
+        for curve, x in ((deletion, torch.where(removed, fill, images)),
+                         (insertion, torch.where(removed, images, fill))):
             curve.append(model(x).softmax(-1).gather(1, target[:, None])[:, 0])
     fraction = (counts / cells).numpy()
     auc = [torch.from_numpy(np.trapezoid(torch.stack(c, 1).numpy(), fraction, axis=1)) for c in (deletion, insertion)]
@@ -86,4 +87,5 @@ def rank_correlation(maps_a: Tensor, maps_b: Tensor) -> Tensor:
     """`(B,)` Spearman rank correlation between two methods' (or models') maps of the same images."""
     from scipy.stats import spearmanr
 
-    return torch.tensor([spearmanr(a, b).statistic for a, b in zip(maps_a.flatten(1).numpy(), maps_b.flatten(1).numpy())])
+    return torch.tensor([spearmanr(a, b).statistic
+                         for a, b in zip(maps_a.flatten(1).numpy(), maps_b.flatten(1).numpy())])

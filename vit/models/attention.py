@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit.checks import check_int
-from vit.models.masks import attention_bias, to_additive
+from vit.models.masks import attention_bias
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
 # Scores that are a (rescaled) dot product of projected queries with keys, and so can run through
@@ -88,32 +88,6 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, out_dim or dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.recorder: list[torch.Tensor] | None = None  # set by `vit.models.record_attention`
-        self.extra_mask: torch.Tensor | None = None  # set by `vit.models.masks.mask_attention`
-
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        B, L, _ = t.shape
-        return t.reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
-
-    def _project(self, x: torch.Tensor, context: torch.Tensor | None, value: torch.Tensor | None):
-        """Queries from `x`, keys from `context` (else `x`), values from `value` (else the keys' input)."""
-        for name, t, width in (("x", x, self.dim), ("context", context, self.kdim), ("value", value, self.vdim)):
-            if t is not None and (t.ndim != 3 or t.shape[-1] != width or t.shape[0] != x.shape[0]):
-                raise ValueError(f"{name} must have shape (B={x.shape[0]}, L, {width}), got {tuple(t.shape)}")
-        if value is not None and context is not None and value.shape[1] != context.shape[1]:
-            raise ValueError(f"value has {value.shape[1]} tokens but context has {context.shape[1]}")
-        if self.fused_qkv and context is None:
-            B, N, _ = x.shape
-            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
-            return qkv.unbind(0)
-        if self.fused_qkv:  # cross-attention through the slices of the fused projection
-            w_q, w_k, w_v = self.qkv.weight.chunk(3)
-            b_q, b_k, b_v = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, None, None)
-            q, k = F.linear(x, w_q, b_q), F.linear(context, w_k, b_k)
-            v = F.linear(value if value is not None else context, w_v, b_v)
-        else:
-            kv_in = context if context is not None else x
-            q, k, v = self.q(x), self.k(kv_in), self.v(value if value is not None else kv_in)
-        return self._heads(q), self._heads(k), self._heads(v)
 
     def forward(
         self,
@@ -125,22 +99,43 @@ class Attention(nn.Module):
         key_mask: torch.Tensor | None = None,
         causal: bool = False,
     ) -> torch.Tensor:
-        """`(B, M, dim) -> (B, M, out_dim)`; keys and values from `context` (and `value`) if given."""
-        if value is not None and context is None:
-            raise ValueError("value was given without context: pass the keys' input as context")
-        q, k, v = self._project(x, context, value)  # (B, H, M, d), (B, H, N, d), (B, H, N, d)
+        """`(B, M, dim) -> (B, M, out_dim)`: self-attention, or cross-attention to `context` (values from `value`)."""
+        B, M, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        if context is None and value is None and self.fused_qkv:  # self-attention: one projection, then split
+            q, k, v = self.qkv(x).reshape(B, M, 3, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, M, d) each
+        else:
+            q, k, v = self._cross_project(x, context, value)  # (B, H, M, d), (B, H, N, d), (B, H, N, d)
         q, k = self.q_norm(q), self.k_norm(k)
-        B, H, M, _ = q.shape
-        if self.extra_mask is not None:
-            mask = self.extra_mask if mask is None else to_additive(mask) + to_additive(self.extra_mask)
-        bias = None
+        bias = None  # the additive mask M: 0 where a query may look, -inf where it may not
         if mask is not None or key_mask is not None or causal:
             bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=k.shape[2], mask=mask,
                                   key_mask=key_mask, causal=causal, device=q.device)
         dropout_p = self.attn_drop.p if self.training else 0.0
-        out = attend_or_record(q, k, v, self.score, self.recorder, bias, dropout_p=dropout_p)  # (B, H, M, d)
-        out = out.transpose(1, 2).reshape(B, M, H * self.head_dim)  # heads concatenated: (B, M, H * d)
+        if self.recorder is None and isinstance(self.score, FUSED_SCORE_MODULES):
+            out = attend_fused(q, k, v, self.score, bias, dropout_p=dropout_p)  # one kernel; no (M, N) weights made
+        else:
+            out, weights = attend(q, k, v, self.score, bias, dropout_p=dropout_p)  # softmax(f(q, k) + M) v
+            if self.recorder is not None:
+                self.recorder.append(weights)  # (B, H, M, N), for `vit.models.record_attention`
+        out = out.transpose(1, 2).reshape(B, M, H * d)  # heads concatenated: (B, M, H * d)
         return self.proj_drop(self.proj(out))
+
+    def _cross_project(self, x: torch.Tensor, context: torch.Tensor | None, value: torch.Tensor | None):
+        """Queries from `x`, keys from `context`, values from `value` (else `context`), each split into heads."""
+        if context is None:
+            raise ValueError("value was given without context: pass the keys' input as context")
+        if value is not None and value.shape[1] != context.shape[1]:
+            raise ValueError(f"value has {value.shape[1]} tokens but context has {context.shape[1]}")
+        value = context if value is None else value
+        if self.fused_qkv:  # through the slices of the fused projection
+            w_q, w_k, w_v = self.qkv.weight.chunk(3)
+            b_q, b_k, b_v = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, None, None)
+            q, k, v = F.linear(x, w_q, b_q), F.linear(context, w_k, b_k), F.linear(value, w_v, b_v)
+        else:
+            q, k, v = self.q(x), self.k(context), self.v(value)
+        return [t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
+                for t in (q, k, v)]
 
 
 def attend_or_record(

@@ -144,7 +144,8 @@ class ConvNet(nn.Module):
         return self.features(x)
 
     def forward_head(self, fmap: torch.Tensor) -> torch.Tensor:
-        """Global pooling of the feature map ``(B, C, H', W')`` (or none, for "flatten"), then the head: ``(B, num_classes)``."""
+        """Global pooling of the feature map ``(B, C, H', W')`` (or none, for "flatten"), then the head:
+        ``(B, num_classes)``."""
         return self.head(self.pool(fmap).flatten(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -112,21 +112,17 @@ def attention_bias(
 
 @contextlib.contextmanager
 def mask_attention(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
-    """While open, every attention layer of `model` also applies `mask` (bool or additive, as above).
+    """While open, every block of a `VisionTransformer` applies `mask` (bool or additive, as above) as its `attn_mask`.
 
     For experiments on a trained model without changing it: e.g. forbid the tokens of one object
     to attend to those of another, in every layer, and see what the logits lose. `mask` must
-    broadcast to each layer's `(B, H, M, N)`; it is combined with the layer's own masks. Layers
-    take part through their `extra_mask` attribute (None when idle).
+    broadcast to each layer's `(B, H, N, N)`.
     """
     check_mask(mask)
-    layers = [m for m in model.modules() if hasattr(m, "extra_mask")]
-    if any(layer.extra_mask is not None for layer in layers):
-        raise RuntimeError("mask_attention is already open on this model; nested masks are not supported")
-    for layer in layers:
-        layer.extra_mask = mask
+    if getattr(model, "attn_mask", None) is not None:
+        raise RuntimeError("the model already applies a mask (attn_mask); combine the two into one mask")
+    model.attn_mask = mask
     try:
         yield
     finally:
-        for layer in layers:
-            layer.extra_mask = None
+        model.attn_mask = None

@@ -34,6 +34,8 @@ from timm.layers import resample_abs_pos_embed, resample_patch_embed
 from timm.models import adapt_input_conv
 from torch import nn
 
+from vit.models.vision_transformer import DEFAULT_SHAPE, VisionTransformer
+
 log = logging.getLogger(__name__)
 
 # Keys of timm's ViT that this model does not have (`norm_pre` is an Identity without keys in the ViTs we load).
@@ -49,8 +51,6 @@ class PretrainedError(ValueError):
     """Pretrained weights that cannot be had or do not fit the config."""
 
 
-# The encoder's size without pretrained weights (a ViT-Ti width at half depth, for 32 px images).
-DEFAULT_SHAPE = {"embed_dim": 192, "depth": 6, "num_heads": 3}
 
 
 def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None, depth: int | None,
@@ -405,6 +405,17 @@ def _prefix_hint(num_positions: int, state: dict[str, torch.Tensor], model: nn.M
             f"num_prefix_tokens={model.num_prefix_tokens}, no_embed_class={getattr(model, 'no_embed_class', False)}")
 
 
+def create_vit(pretrained: str | os.PathLike, *, embed_dim: int | None = None, depth: int | None = None,
+               num_heads: int | None = None, **kwargs) -> nn.Module:
+    """A `VisionTransformer` with the weights named by `pretrained` (a timm model name, a hub id or a local file), as
+    timm's `create_model(name, pretrained=True, **kwargs)`: the size left unset is the source's (`resolve_shape`),
+    the other options are `kwargs`, and the weights are adapted to them (`load_pretrained`)."""
+    shape = resolve_shape(pretrained, embed_dim=embed_dim, depth=depth, num_heads=num_heads)
+    model = VisionTransformer(**shape, **kwargs)
+    load_pretrained(model, pretrained)
+    return model
+
+
 def load_pretrained(model: nn.Module, source: str | os.PathLike) -> None:
     """Load the weights named by `source` into `model`, adapted to its config (see the module docstring)."""
     state, fresh = adapt_state_dict(load_state_dict(source), model)
@@ -417,7 +428,8 @@ def load_pretrained(model: nn.Module, source: str | os.PathLike) -> None:
         details += [f"{k} missing from the weights" for k in missing[:4]]
         details += [f"{k} not in this model" for k in unexpected[:4]]
         raise PretrainedError(f"pretrained={str(source)!r} does not fit this config "
-                              f"({len(missing) + len(unexpected) + len(reshaped)} tensors differ): " + "; ".join(details))
+                              f"({len(missing) + len(unexpected) + len(reshaped)} tensors differ): "
+                              + "; ".join(details))
     model.load_state_dict(state, strict=not fresh)
     if fresh:
         log.warning("pretrained=%s: the classifier head has another number of classes; %s re-initialised",

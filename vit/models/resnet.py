@@ -21,7 +21,8 @@ class BasicBlock(nn.Module):
         self.act = nn.ReLU(inplace=True)
         self.shortcut = nn.Identity()
         if stride != 1 or in_chs != out_chs:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_chs, out_chs, 1, stride=stride, bias=False), nn.BatchNorm2d(out_chs))
+            self.shortcut = nn.Sequential(nn.Conv2d(in_chs, out_chs, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(out_chs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.act(self.bn1(self.conv1(x)))

@@ -74,7 +74,8 @@ class StopOnSignal(L.Callback):
             return signal.SIGTERM
         return signal.SIGINT if self._sigint else None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
         signum = self.received(trainer)
         if signum is not None:
             self._restore_handler()
@@ -149,7 +150,8 @@ class StopOnNonFinite(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self._step = trainer.global_step  # the optimizer step this batch's loss feeds
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
         loss = outputs.get("mean_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
         self._pending.append((loss.detach(), self._step, trainer.current_epoch, batch_idx))
         if len(self._pending) >= self.check_every_n_steps:
@@ -179,7 +181,8 @@ def non_finite_loss_message(trainer: L.Trainer, value: float, step: int, epoch: 
         for path in (getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")):
             if path and path not in saved:
                 saved.append(path)
-    kept = f"The checkpoints written before it are kept: {', '.join(saved)}." if saved else "No checkpoint had been written yet."
+    kept = (f"The checkpoints written before it are kept: {', '.join(saved)}." if saved
+            else "No checkpoint had been written yet.")
     lr = getattr(trainer.lightning_module.hparams, "lr", None)
     return (
         f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
@@ -216,7 +219,8 @@ def rng_states() -> dict:
 def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     n = states["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in states and torch.cuda.is_available():

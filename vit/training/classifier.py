@@ -16,12 +16,14 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, S
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError, MulticlassConfusionMatrix
 
 from vit.checks import check_float, check_int
+from vit.models.pretrained import load_pretrained
 
-SCHEMA_VERSION = 1  # of the checkpoints this class writes: `vit.training.checkpoint.schema` reads this version
+SCHEMA_VERSION = 2  # of the checkpoints this class writes: `vit.training.checkpoint.schema` reads this version
 
 
 def format_test_results(metrics: dict[str, float], where: str = "") -> str:
-    """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, and each class's accuracy."""
+    """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, and each class's
+    accuracy."""
     lines = [f"test/acc = {metrics['test/acc']:.4f}" + (f"  ({where})" if where else "")]
     lines += [f"{key} = {metrics[key]:.4f}" for key in ("test/top5_acc", "test/ece") if key in metrics]
     per_class = {key.removeprefix("test/class_acc/"): value for key, value in metrics.items()
@@ -87,9 +89,11 @@ def freeze(backbone: nn.Module, trainable: str | int) -> None:
     if isinstance(trainable, int):
         blocks = getattr(backbone, "blocks", None)
         if blocks is None:
-            raise ValueError(f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no `blocks`")
+            raise ValueError(f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no "
+                             "`blocks`")
         check_int("trainable", trainable, 0, len(blocks))
-        keep += list(blocks[len(blocks) - trainable:]) + [getattr(backbone, name) for name in ("norm", "fc_norm", "attn_pool")
+        final = ("norm", "fc_norm", "attn_pool")
+        keep += list(blocks[len(blocks) - trainable:]) + [getattr(backbone, name) for name in final
                                                            if isinstance(getattr(backbone, name, None), nn.Module)]
     backbone.requires_grad_(False)
     for module in keep:
@@ -102,6 +106,9 @@ class ImageClassifier(L.LightningModule):
     Args:
         backbone: the network; in YAML, `class_path: vit.models.VisionTransformer` (or `ResNet`)
             with its `init_args`. It must have a `num_classes` attribute.
+        pretrained: weights the `VisionTransformer` backbone starts from: a timm model name, a hub id or a
+            local file, adapted to its config (`vit.models.pretrained.load_pretrained`); `train.py` fills the
+            backbone's unset `embed_dim`, `depth`, `num_heads` from it. Never loaded again from a checkpoint.
         lr: peak learning rate, reached after `warmup_epochs`.
         weight_decay: AdamW decoupled weight decay, applied to weight matrices only.
         warmup_epochs: linear warmup length (may be fractional); stepped per iteration.
@@ -110,7 +117,8 @@ class ImageClassifier(L.LightningModule):
         compile: `torch.compile` the backbone in place (`nn.Module.compile`), so checkpoint keys stay `backbone.*`.
         trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`);
             or an int k, the last k blocks with the final norm (`norm`, or `fc_norm` after the mean pooling)
-            and the head (k=0 is "head" plus the norm). Frozen parameters get no gradient and are not given to the optimizer.
+            and the head (k=0 is "head" plus the norm). Frozen parameters get no gradient and are not given to the
+            optimizer.
         layer_decay: layer-wise learning-rate decay d in (0, 1] (BEiT, Bao et al. 2022; MAE), off by default, with
             timm's `param_groups_layer_decay` and the backbone's `group_matcher`: of L = depth + 2 layers (the stem
             `patch_embed`/`cls_token`/`reg_token`/`pos_embed` is layer 0, block `blocks.N` is layer N + 1 with the
@@ -145,6 +153,7 @@ class ImageClassifier(L.LightningModule):
         self,
         backbone: nn.Module,
         *,
+        pretrained: str | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -165,7 +174,8 @@ class ImageClassifier(L.LightningModule):
         if layer_decay is not None:
             check_float("layer_decay", layer_decay, 0.0, 1.0, low_open=True)
             if not callable(getattr(backbone, "group_matcher", None)):
-                raise ValueError(f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its layers); "
+                raise ValueError(f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its "
+                                 "layers); "
                                  f"{type(backbone).__name__} has none")
             if min_lr_ratio != 0:
                 raise ValueError(f"layer_decay={layer_decay} needs min_lr_ratio=0, got {min_lr_ratio}: torch's "
@@ -187,6 +197,8 @@ class ImageClassifier(L.LightningModule):
             self.save_hyperparameters()
         if isinstance(self.hparams.get("backbone"), nn.Module):
             self.save_hyperparameters(ignore=["backbone"])
+        if pretrained:
+            load_pretrained(backbone, pretrained)
         self.backbone = backbone
         freeze(backbone, trainable)
         # The average starts from the weights training starts from; it is a submodule, so it moves with the
@@ -199,7 +211,8 @@ class ImageClassifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.test_top5 = MulticlassAccuracy(num_classes=num_classes, top_k=5, average="micro") if num_classes > 5 else None
+        self.test_top5 = (MulticlassAccuracy(num_classes=num_classes, top_k=5, average="micro") if num_classes > 5
+                          else None)
         self.test_ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=15, norm="l1")
         self.test_confusion = MulticlassConfusionMatrix(num_classes=num_classes)
         self.class_names = index_names(num_classes)

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from vit.checks import check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
-from vit.models.pretrained import DEFAULT_SHAPE, resolve_shape
+from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
 from vit.training.callbacks import (
     NonFiniteError,
     Preempted,
@@ -83,15 +83,20 @@ class ViTCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         torch.set_float32_matmul_precision(config.float32_matmul_precision)
         backbone_args = config.model.get("backbone", {}).get("init_args") or {}
-        if config.get("ckpt_path") is not None and backbone_args.get("pretrained"):
+        pretrained = config.model.get("pretrained")
+        if config.get("ckpt_path") is not None and pretrained:
             # The checkpoint's weights replace the pretrained ones: loading them would only cost time, and
             # a file or hub id that is not there (another machine, offline) would stop the run.
-            backbone_args.pretrained = None
-        if backbone_args.get("pretrained") and any(backbone_args.get(k, 0) is None for k in DEFAULT_SHAPE):
-            # Written into the config, so that the saved config.yaml and every checkpoint hold the numbers
-            # (a checkpoint is rebuilt without its pretrained source: vit.training.checkpoint).
+            config.model.pretrained = None
+        elif pretrained and any(backbone_args.get(k, 0) is None for k in DEFAULT_SHAPE):
+            # The backbone's size, unset, is the source's: written into the config, so that config.yaml and every
+            # checkpoint hold the numbers (a checkpoint is rebuilt without its pretrained source).
             given = {name: backbone_args.get(name) for name in DEFAULT_SHAPE}
-            for name, value in resolve_shape(backbone_args.pretrained, **given).items():
+            try:
+                shape = resolve_shape(pretrained, **given)
+            except PretrainedError as err:
+                raise ConfigError(f"model.{err}") from None
+            for name, value in shape.items():
                 backbone_args[name] = value
 
     def after_fit(self) -> None:
@@ -114,7 +119,8 @@ class ViTCLI(LightningCLI):
     # --- Robust runs: resuming, checks before work starts, atomic checkpoints ----------------------
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
-        # `test` prints `format_test_results` (per class, by name) instead of Lightning's table; --verbose true adds the table.
+        # `test` prints `format_test_results` (per class, by name) instead of Lightning's table; --verbose true adds
+        # the table.
         parser.set_defaults({"test.verbose": False})
         super().parse_arguments(parser, args)
         self._checkpoint: Checkpoint | None = None  # the --ckpt_path checkpoint, read and validated once
@@ -176,7 +182,8 @@ class ViTCLI(LightningCLI):
     def before_fit(self) -> None:
         for name in ("max_epochs", "max_steps"):
             if getattr(self.trainer, name) == 0:
-                raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no limit)")
+                raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no "
+                                  "limit)")
         check_trainer_options(self.trainer)
         self._check_before_running()
 
@@ -264,7 +271,8 @@ def main(args=None) -> ViTCLI:
 def _quiet_lightning() -> None:
     """Silence two lines every run printed that say nothing about the run: Lightning's advertisement for its
     litlogger service, and torch's `LeafSpec` deprecation, raised inside Lightning's own code (not fixable here)."""
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in logger.filters):

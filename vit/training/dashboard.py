@@ -194,7 +194,8 @@ class RankedPredictions:
     Only the first `size` in that order are held between batches, so a large test set costs no
     memory. W&B's table (`TestPredictionsTable`) and TensorBoard's grid (`TestMistakesGrid`) both
     choose their rows here. After the test: `images` `(n, C, H, W)`, `labels`, `predicted` and
-    `probability` (the softmax of the predicted class), each `(n,)` on the CPU, `n <= size`, in that order.
+    `probability` (the softmax of the predicted class), each `(n,)` on the CPU, `n <= size`, in that order;
+    `num_classes`, the width of the logits.
     """
 
     def __init__(self, size: int, *, mistakes_only: bool = False) -> None:
@@ -205,6 +206,7 @@ class RankedPredictions:
     def reset(self) -> None:
         """Forget what was kept (a new test)."""
         self.images: Tensor | None = None  # None until the first batch
+        self.num_classes: int | None = None
         self.labels = self.predicted = torch.empty(0, dtype=torch.long)
         self.probability = torch.empty(0)
         self.seen = self.mistakes = 0  # test images and mistakes so far, kept or not
@@ -216,6 +218,7 @@ class RankedPredictions:
     def update(self, images: Tensor, labels: Tensor, logits: Tensor) -> None:
         """Add a batch: `images` `(B, C, H, W)`, `labels` `(B,)`, the model's `logits` `(B, num_classes)`."""
         x, y = images.detach().cpu(), labels.detach().cpu().long()
+        self.num_classes = logits.shape[-1]
         probability, predicted = logits.detach().float().softmax(-1).max(-1)  # (B,), (B,)
         probability, predicted = probability.cpu(), predicted.cpu()
         wrong = predicted != y
@@ -287,7 +290,8 @@ _unsupported_warned: set[str] = set()
 
 
 def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, loggers: Sequence | None = None) -> None:
-    """Log an RGB `(H, W, 3)` uint8 image to every logger of `trainer` (or those in `loggers`), at the current global step.
+    """Log an RGB `(H, W, 3)` uint8 image to every logger of `trainer` (or those in `loggers`),
+    at the current global step.
 
     W&B: `wandb.Image` under `tag`; TensorBoard: `add_image(tag, ...)`; CSV: a PNG file
     `<log_dir>/images/<tag with / as _>-step<step>.png` (never overwriting an existing file).

@@ -1,4 +1,5 @@
-"""Predictions on new images: a checkpoint's input transform, and the CSV its predictions are written to.
+"""Predictions on new images: a checkpoint's input transform, the model run over them in batches, and the CSV its
+predictions are written to.
 
 The CSV has one row per image: `file`, `class_name`, `class_index`, `probability` (the softmax of the
 best class); with `topk=K` the next classes follow as `class_name_2`, `class_index_2`,
@@ -19,11 +20,13 @@ import csv
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 from torchvision.transforms import v2
 
@@ -31,6 +34,7 @@ from vit.checks import check_int
 from vit.data.files import text_name
 from vit.data.image_folder import build_transform
 from vit.training.checkpoint.errors import CheckpointError
+from vit.training.classifier import index_names
 
 
 def inference_transform(inputs: dict) -> v2.Compose:
@@ -40,6 +44,24 @@ def inference_transform(inputs: dict) -> v2.Compose:
         return build_transform(inputs["img_size"], inputs["in_chans"], normalization, inputs["interpolation"])
     except ValueError as err:
         raise CheckpointError(f"the checkpoint's inputs cannot be used: {err}") from err
+
+
+@torch.no_grad()
+def class_probabilities(model: nn.Module, images: Tensor | Sequence[Tensor], batch_size: int = 256,
+                        device: str | torch.device | None = None) -> Tensor:
+    """Class probabilities `(N, num_classes)` (softmax of the logits) of `images`, a batch `(N, C, H, W)` or a list of
+    `(C, H, W)`, on the CPU: what `vit.predict` writes and `vit.api.Predictor` returns.
+
+    `batch_size` images go through the model at a time, on `device` (the model is moved there; by default, where
+    the model is).
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    else:
+        model.to(device)
+    batches = (images.split(batch_size) if isinstance(images, Tensor)
+               else (torch.stack(images[i : i + batch_size]) for i in range(0, len(images), batch_size)))
+    return torch.cat([model(batch.to(device)).softmax(dim=-1).cpu() for batch in batches])
 
 
 def check_topk(topk: int, num_classes: int, option: str = "--topk ") -> None:
@@ -99,7 +121,8 @@ def free_path(path: Path) -> Path:
 
 
 def sample_name(dataset: Dataset, index: int) -> str:
-    """How sample `index` of `dataset` is named in the CSV: its file relative to an image folder's root, else its index."""
+    """How sample `index` of `dataset` is named in the CSV: its file relative to an image folder's root,
+    else its index."""
     while isinstance(dataset, Subset):
         dataset, index = dataset.dataset, dataset.indices[index]
     samples = getattr(dataset, "samples", None)  # torchvision's ImageFolder: [(path, label), ...]
@@ -123,7 +146,8 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="epoch")
         check_int("topk", topk, 1)
         if Path(filename).name != filename or not filename.endswith(".csv"):
-            raise ValueError(f"filename={filename!r} is not allowed: expected a file name ending in .csv, without a folder")
+            raise ValueError(f"filename={filename!r} is not allowed: expected a file name ending in .csv, "
+                             "without a folder")
         self.filename, self.topk = filename, topk
         self.written: list[Path] = []
 
@@ -138,15 +162,17 @@ class PredictionWriter(BasePredictionWriter):
             predictions = [predictions]
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        names = getattr(pl_module, "class_names", None) or [str(i) for i in range(predictions[0][0].shape[-1])]
+        names = getattr(pl_module, "class_names", None) or index_names(predictions[0][0].shape[-1])
         for i, (loader, batches, indices) in enumerate(zip(loaders, predictions, batch_indices)):
             if not batches:
                 continue
             stem = Path(self.filename).stem + (f"-dataloader{i}" if len(loaders) > 1 else "")
             stem += f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
             files = [sample_name(loader.dataset, j) for batch in indices for j in batch]
-            if len(files) != sum(len(b) for b in batches):  # indices are known only with Lightning's own sampler wrapper
-                warnings.warn("the predict loader's sample indices are unknown; `file` holds the row number", stacklevel=2)
+            # indices are known only with Lightning's own sampler wrapper
+            if len(files) != sum(len(b) for b in batches):
+                warnings.warn("the predict loader's sample indices are unknown; `file` holds the row number",
+                              stacklevel=2)
                 files = [str(j) for j in range(sum(len(b) for b in batches))]
             probs = torch.cat([b.float().cpu() for b in batches])
             output = free_path(folder / f"{stem}.csv")

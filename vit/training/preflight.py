@@ -59,7 +59,8 @@ class ConfigError(ValueError):
 
 
 def is_local_file(ckpt_path) -> bool:
-    """False for None and for the names Lightning resolves itself to a checkpoint of the trainer ("best", "last", "hpc")."""
+    """False for None and for the names Lightning resolves itself to a checkpoint of the trainer
+    ("best", "last", "hpc")."""
     return ckpt_path is not None and str(ckpt_path) not in ("best", "last", "hpc")
 
 
@@ -125,7 +126,8 @@ def _version_dir(version) -> str:
 
 
 def check_given_config(subcommand: str, config, checkpoint: dict, model_class: type, ckpt_path) -> list[str]:
-    """Raise `CheckpointError` for settings that must match (module docstring); return the warning lines for the rest."""
+    """Raise `CheckpointError` for settings that must match (module docstring);
+    return the warning lines for the rest."""
     errors, warnings = config_differences(subcommand, config, checkpoint, model_class)
     if errors:
         why = ("fit resumes the run as it was trained" if subcommand == "fit"
@@ -146,7 +148,8 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
     ours = given_model.get("backbone")
     if isinstance(theirs, dict) and isinstance(ours, dict) and "class_path" in theirs:
         if BACKBONES.get(ours.get("class_path"), ours.get("class_path")) is not BACKBONES.get(theirs["class_path"]):
-            errors.append(f"model.backbone.class_path: {theirs['class_path']} in the checkpoint vs {ours.get('class_path')} given")
+            errors.append(f"model.backbone.class_path: {theirs['class_path']} in the checkpoint "
+                          f"vs {ours.get('class_path')} given")
         else:
             defaults = _defaults(theirs["class_path"])
             given_args = ours.get("init_args") or {}
@@ -154,7 +157,8 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
                 if key == "pretrained":  # where the weights started from: the checkpoint's replace them
                     continue
                 if key in given_args and _differs(given_args[key], value, defaults.get(key, inspect.Parameter.empty)):
-                    errors.append(f"model.backbone.init_args.{key}: {value!r} in the checkpoint vs {given_args[key]!r} given")
+                    errors.append(f"model.backbone.init_args.{key}: {value!r} in the checkpoint "
+                                  f"vs {given_args[key]!r} given")
     defaults = {k: p.default for k, p in inspect.signature(model_class).parameters.items()}
     for key, value in hparams.items():
         if key == "backbone" or key.startswith("_") or key not in given_model:
@@ -163,7 +167,8 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
             line = f"model.{key}: {value!r} in the checkpoint vs {given_model[key]!r} given"
             (errors if subcommand == "fit" else warnings).append(line)
     if subcommand == "fit":
-        theirs_data = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
+        theirs_data = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items()
+                       if not k.startswith("_")}
         ours_data = _plain(config.get("data")) or {}
         ours_data = ours_data.get("init_args", ours_data) if isinstance(ours_data, dict) else {}
         for key, value in theirs_data.items():

@@ -53,7 +53,8 @@ class RunConfig(SaveConfigCallback):
             return
         folder_per_run = not trainer.loggers or isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger))
         # Collectives (rank 0 decides, every rank gets its answer): called where all ranks are.
-        run_dir = Path(trainer.log_dir) if folder_per_run else Path(trainer.strategy.broadcast(_checkpoint_run_dir(trainer)))
+        run_dir = (Path(trainer.log_dir) if folder_per_run
+                   else Path(trainer.strategy.broadcast(_checkpoint_run_dir(trainer))))
         taken, refusal = False, None
         if trainer.is_global_zero:  # rank 0 decides and claims; every rank gets its answer
             taken = holds_a_run(run_dir, self.config_filename)
@@ -64,7 +65,8 @@ class RunConfig(SaveConfigCallback):
                 except RunDirectoryError as err:
                     refusal = str(err)
             elif taken and not self.overwrite:
-                refusal = f"{run_dir / self.config_filename} already exists; not overwriting the config of an earlier run"
+                refusal = (f"{run_dir / self.config_filename} already exists; "
+                           "not overwriting the config of an earlier run")
             if refusal is None:
                 if taken and folder_per_run:
                     self._suffix = _free_suffix(run_dir)
@@ -78,7 +80,8 @@ class RunConfig(SaveConfigCallback):
         self.already_saved = trainer.strategy.broadcast(True)
 
     def _claim(self, run_dir: Path) -> str | None:
-        """Write the config with an exclusive create, so two runs can never both take one folder; the refusal, or None."""
+        """Write the config with an exclusive create, so two runs can never both take one folder;
+        the refusal, or None."""
         stem, ext = os.path.splitext(self.config_filename)
         path = run_dir / f"{stem}{self._suffix}{ext}"
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,8 @@ def load_archive(path: str | os.PathLike, source: str | None = None) -> dict[str
     except (zipfile.BadZipFile, OSError) as err:
         raise CheckpointError(f"checkpoint {source} cannot be read: it is corrupted ({first_line(err)})") from err
     if head != b"PK\x03\x04":
-        raise CheckpointError(f"checkpoint {source} is not a PyTorch checkpoint (not the zip archive torch.save writes)")
+        raise CheckpointError(f"checkpoint {source} is not a PyTorch checkpoint (not the zip archive torch.save "
+                              "writes)")
     if entries is None:
         raise CheckpointError(f"checkpoint {source} is truncated: it starts like a checkpoint but its end is missing "
                               f"({size} bytes; was its writing interrupted?)")

@@ -39,7 +39,7 @@ def build_classifier(checkpoint: Checkpoint, *, inference: bool = True) -> Image
     the compile time). Without, the model is built untrained, with every recorded setting, for
     `train.py`, where Lightning restores the weights (and the run) from the same validated dict.
     """
-    settings = dict(checkpoint.settings)
+    settings = {**checkpoint.settings, "pretrained": None}  # the checkpoint's weights replace them: nothing fetched
     if inference:
         settings.pop("compile", None)
         settings.pop("ema_decay", None)  # the average is the model

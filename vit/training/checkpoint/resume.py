@@ -198,7 +198,8 @@ def _data_position(raw: dict, datamodule, world_size: int) -> None:
     state = raw.get(key) if key else None
     if state and state["world_size"] != world_size:
         raise CheckpointError(
-            f"{key}.world_size: it was written by {state['world_size']} process(es) and this run has {world_size}: each "
+            f"{key}.world_size: it was written by {state['world_size']} process(es) and this run has {world_size}: "
+            "each "
             f"process's share of the epoch differs, so the run cannot continue where it stopped. Resume with "
             f"{state['world_size']} process(es) (trainer.devices x trainer.num_nodes)")
 

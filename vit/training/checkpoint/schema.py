@@ -1,18 +1,18 @@
 """The checkpoint's schema: what a checkpoint of this project holds, checked whole before anything is built.
 
 `validate(raw, source)` turns the dict `torch.load` gave into a `Checkpoint` or raises one
-`CheckpointError` naming the key. Version 1 of the format, the one `train.py` writes:
+`CheckpointError` naming the key. Version 2 of the format, the one `train.py` writes:
 
 | key | what it holds |
 |---|---|
 | `state_dict` | str -> dense CPU tensor; exactly the names and shapes of the recorded architecture, finite |
-| `hyper_parameters` | `ImageClassifier`'s arguments; `backbone` is `{class_path, init_args}` of a `vit.models` class |
+| `hyper_parameters` | `ImageClassifier`'s arguments; `backbone`: `{class_path, init_args}` of an allowed class |
 | `datamodule_hyper_parameters` | `_class_path` of a `vit.data` data module and its arguments (optional) |
 | `inputs` | `img_size` [H, W], `in_chans`, `mean`, `std` (both null, or `in_chans` numbers), `interpolation` |
 | `class_names` | `num_classes` distinct strings |
-| `schema_version` | 1 (optional: written since version 1 was named) |
-| `epoch`, `global_step`, `pytorch-lightning_version`, `hparams_name`, `datamodule_hparams_name` | Lightning's bookkeeping |
-| `loops`, `callbacks`, `optimizer_states`, `lr_schedulers`, `MixedPrecision`, `<DataModule>` | trainer state (`resume`) |
+| `schema_version` | 2 (1: the backbone loaded `pretrained` itself and had 26 options; not read) |
+| `epoch`, `global_step`, `pytorch-lightning_version`, `hparams_name`, ... | Lightning's bookkeeping |
+| `loops`, `callbacks`, `optimizer_states`, `lr_schedulers`, `MixedPrecision`, `<DataModule>` | trainer state |
 
 Every value is plain data of bounded size (`values.walk`); every argument exists in its class's
 signature and has the type of its annotation; sizes are bounded (`LIMITS`); the architecture is
@@ -59,7 +59,8 @@ MAX_BUFFER_BYTES = 2**30  # what the architecture holds beside its weights (fixe
 
 
 def _public_classes(package, base: type) -> dict[str, type]:
-    """`{class path: class}` of the `base` subclasses a package exports, under `package.Name` and their module's path."""
+    """`{class path: class}` of the `base` subclasses a package exports, under `package.Name` and their module's
+    path."""
     found = {}
     for name in package.__all__:
         cls = getattr(package, name)
@@ -121,10 +122,11 @@ def _validate(raw: Any, source: str) -> Checkpoint:
         if key not in raw:
             raise CheckpointError(f"it has no {key!r}: it was not written by train.py of this version "
                                   "(a plain state dict loads in Python with `model.load_state_dict(...)`)")
-    version = raw.get("schema_version", SCHEMA_VERSION)
+    version = raw.get("schema_version")
     if type(version) is not int or version != SCHEMA_VERSION:
-        raise CheckpointError(f"schema_version={shown(version)} is not allowed: this version of readable-vit "
-                              f"reads schema {SCHEMA_VERSION}")
+        raise CheckpointError(f"schema_version={shown(version)} is not allowed: this version of readable-vit reads "
+                              f"checkpoints of schema {SCHEMA_VERSION} (its weights load in Python with "
+                              "`model.load_state_dict(...)`)")
     backbone_class, backbone_args, settings = _model(raw["hyper_parameters"])
     data_class, data_args = _data(raw.get("datamodule_hyper_parameters"))
     known = {*BOOKKEEPING, *TRAINER_KEYS, "state_dict", "hyper_parameters", "datamodule_hyper_parameters",
@@ -163,11 +165,33 @@ def _lightning_version(value: Any) -> None:
                               "Lightning (2.0 or later) that wrote the checkpoint")
 
 
+def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
+    """`cls`'s constructor parameters and their annotations; a subclass whose `**kwargs` go to its base's
+    constructor takes the base's too (as jsonargparse reads it)."""
+    parameters, hints = {}, {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass in (nn.Module, L.LightningDataModule, object):
+            continue
+        own = inspect.signature(klass.__init__).parameters
+        parameters = {**{k: p for k, p in own.items() if k != "self"}, **parameters}
+        hints = {**typing.get_type_hints(klass.__init__), **hints}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own.values()):
+            break
+    return parameters, hints
+
+
+def allow_backbone(cls: type[nn.Module]) -> None:
+    """Let checkpoints name `cls` (by its module path) as their backbone: for a subclass that a study defines and
+    imports before it opens its checkpoints. A checkpoint only ever names a registered class: nothing is imported."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"{cls!r} is not an nn.Module class")
+    BACKBONES[f"{cls.__module__}.{cls.__name__}"] = cls
+
+
 def _arguments(cls: type, given: Mapping, key: str, skip: tuple[str, ...] = ()) -> dict:
     """`given` checked against `cls.__init__`'s signature: names that exist, values of their annotated type, sizes
     within `LIMITS`."""
-    parameters = inspect.signature(cls).parameters
-    hints = typing.get_type_hints(cls.__init__)
+    parameters, hints = _signature(cls)
     args = {}
     for name, value in given.items():
         if name in skip:
@@ -201,8 +225,6 @@ def _model(hparams: Any) -> tuple[type[nn.Module], dict, dict]:
         raise CheckpointError(f"hyper_parameters.backbone.init_args={shown(init_args)} is not allowed: expected "
                               "a mapping")
     backbone_args = _arguments(cls, init_args, "hyper_parameters.backbone.init_args")
-    if backbone_args.get("pretrained") is not None:
-        backbone_args["pretrained"] = None  # the checkpoint's weights replace them: nothing is read or fetched
     settings = _arguments(ImageClassifier, hparams, "hyper_parameters", skip=("backbone", "_instantiator",
                                                                               "_class_path"))
     return cls, backbone_args, settings

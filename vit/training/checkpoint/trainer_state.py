@@ -114,7 +114,8 @@ def _rng(state: Any, key: str) -> None:
         raise CheckpointError(f"{key}.numpy is not numpy's MT19937 state")
     same_structure(numpy["keys"], reference["numpy"]["keys"], f"{key}.numpy.keys")
     if not (torch.all((numpy["keys"] >= 0) & (numpy["keys"] < 2**32))
-            and isinstance(numpy["pos"], int) and 0 <= numpy["pos"] <= 624 and type(numpy["has_gauss"]) is int and numpy["has_gauss"] in (0, 1)
+            and isinstance(numpy["pos"], int) and 0 <= numpy["pos"] <= 624
+            and type(numpy["has_gauss"]) is int and numpy["has_gauss"] in (0, 1)
             and isinstance(numpy["cached_gaussian"], float)):
         raise CheckpointError(f"{key}.numpy holds values outside MT19937's state")
     python = state["python"]

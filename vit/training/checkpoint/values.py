@@ -9,13 +9,12 @@ value with the annotation of the constructor argument it will be passed to (`int
 from __future__ import annotations
 
 import math
-import types
-import typing
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal, Union
+from typing import Any
 
 import torch
 
+from vit.checks import describe, matches
 from vit.training.checkpoint.errors import CheckpointError
 
 MAX_DEPTH = 24  # a Lightning checkpoint nests 8 deep; an optimizer state of nested groups a few more
@@ -94,51 +93,8 @@ def check_tensor(value: torch.Tensor, key: str) -> None:
 
 def check_annotation(value: Any, annotation: Any, key: str) -> None:
     """Raise `CheckpointError` unless `value` is of the type `annotation` (a constructor argument's) describes."""
-    if not _matches(value, annotation):
-        raise CheckpointError(f"{key}={shown(value)} is not allowed: expected {_describe(annotation)}")
-
-
-def _matches(value: Any, annotation: Any) -> bool:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation is Any:
-        return isinstance(value, PLAIN)
-    if annotation is type(None) or annotation is None:
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if annotation is str:
-        return isinstance(value, str)
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, a) for a in args)
-    if origin in (tuple, list) or annotation in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            return False
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
-        inner = args[0] if args else Any
-        return all(_matches(v, inner) for v in value)
-    return False  # a class, a callable, a module: nothing a checkpoint may hand a constructor
-
-
-def _describe(annotation: Any) -> str:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is Literal:
-        return f"one of {list(args)}"
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if annotation is type(None):
-        return "null"
-    if origin is tuple and args and args[-1] is not Ellipsis:
-        return f"a list of {len(args)} ({', '.join(_describe(a) for a in args)})"
-    if origin in (tuple, list):
-        return f"a list of {_describe(args[0]) if args else 'values'}"
-    return f"a{'n' if getattr(annotation, '__name__', '')[:1] in 'aeiou' else ''} {getattr(annotation, '__name__', annotation)}"
+    if not matches(value, annotation):
+        raise CheckpointError(f"{key}={shown(value)} is not allowed: expected {describe(annotation)}")
 
 
 def same_structure(value: Any, reference: Any, key: str) -> None:
@@ -175,6 +131,7 @@ def same_structure(value: Any, reference: Any, key: str) -> None:
             raise CheckpointError(f"{key}={shown(value)} is not allowed: expected {reference!r}")
     elif isinstance(reference, torch.Tensor):
         if not isinstance(value, torch.Tensor) or value.shape != reference.shape or value.dtype != reference.dtype:
-            what = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else shown(value)
+            what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                    else shown(value))
             raise CheckpointError(f"{key} is {what}: expected a {reference.dtype} tensor of shape "
                                   f"{tuple(reference.shape)}")

@@ -1,24 +1,24 @@
-"""The relation study: a resumable grid of train.py runs fanned out by submitit, and its reports.
+"""The grid runner that the studies share: a resumable grid of train.py runs fanned out by submitit, and its reports.
 
-    python -m studies.relation --config studies/relation/configs/relation.yaml
+    python -m studies.runner --config studies/relation/configs/relation.yaml
 
-Run from the repository root (the configs' paths are relative to it). The study config (YAML)
+Run from the repository root (the configs' paths are relative to it). A study config (YAML)
 names a base train.py config, the models (backbone blocks as in any train.py config), the seeds,
 the training budget, and a list of experiments; each experiment is a grid
 ``task x model x num_train x seed`` with one train/test placement region. One invocation
 (``study.run_study``):
 
-1. the shortcut audit (``studies.relation.shortcuts``) into ``out_dir``, if the config asks for it;
+1. the shortcut audit (``studies.runner.shortcuts``) into ``out_dir``, if the config asks for it;
 2. the learning-rate calibration runs, if the config has ``families`` and ``calibration``; the
    best rate of each family on the validation split is then fixed for its models (``grid.choose_lr``);
 3. every run of the grid;
-4. the reports (``studies.relation.report``).
+4. the reports (``studies.runner.report``).
 
 Every run (``run.run_one``) is one ``vit.training.cli.main(["fit", "--config", base, "--config",
 overrides])`` call, the same Lightning code as ``python train.py fit``: the best checkpoint (by
 ``val/acc``) is tested after fit, then scored again per distance between the two parts, and its
 per-image predictions go to ``<out_dir>/predictions/<run key>.npz`` (what the report re-bins by
-visibility, ``studies.relation.visibility``). Logs (TensorBoard and CSV) and checkpoints go to
+visibility, ``studies.runner.visibility``). Logs (TensorBoard and CSV) and checkpoints go to
 ``<log_dir>/<run key>/``.
 
 Executors (submitit; ``--executor``): ``local`` runs each run in a subprocess, ``--parallel`` (2)
@@ -43,6 +43,9 @@ one is refused. After a ``kill -9``, the local jobs it had started run on: the l
 (``processes``), and the next invocation refuses to start while one still runs. On SIGTERM or
 Ctrl-C the study cancels its runs under way (submitit's local jobs would outlive it) and exits with
 128 + the signal; its finished rows are kept, and the same command goes on.
+
+A study with steps of its own around the grid (``studies.arrangement``) builds its command from
+``parse_args``, ``read_config``, ``exit_codes`` and ``run``, as ``main`` does.
 """
 
 from __future__ import annotations
@@ -50,31 +53,33 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
-from studies.relation import study
-from studies.relation.grid import calibration_plan, choose_lr, load_config, plan
-from studies.relation.lock import Stopped
-from studies.relation.report import write_reports
-from studies.relation.runs_csv import StudyError, read_rows
+from studies.runner import study
+from studies.runner.grid import calibration_plan, choose_lr, load_config, plan
+from studies.runner.lock import Stopped
+from studies.runner.report import write_reports
+from studies.runner.runs_csv import StudyError, read_rows
 
-PROG = "python -m studies.relation"
+PROG = "python -m studies.runner"
 EXECUTORS = ("local", "debug", "slurm")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m studies.relation`. A config it cannot use, a damaged runs.csv, an out_dir it cannot
-    create or in use (also by the runs of a killed invocation) or nothing to report is one `error:` line
-    and exit status 2, before anything runs; SIGTERM and
-    Ctrl-C are one line and 128 + the signal; an error during the runs keeps its traceback."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True,
-                        help="study config YAML, e.g. studies/relation/configs/relation.yaml")
+def parse_args(argv: list[str] | None = None, *, prog: str = PROG, description: str | None = None,
+               config: str | None = None) -> argparse.Namespace:
+    """The runner's options, checked; ``config`` is the default of ``--config`` (without one, it is required)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=config is None, default=config,
+                        help=f"study config YAML (default {config})" if config else
+                        "study config YAML, e.g. studies/relation/configs/relation.yaml")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
-    parser.add_argument("--report-only", action="store_true", help="rewrite summary and plots from runs.csv, run nothing")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite summary and plots from runs.csv, run nothing")
     parser.add_argument("--list", action="store_true", help="print the planned runs and whether each is done")
     parser.add_argument("--executor", choices=EXECUTORS, default="local",
-                        help="submitit executor: local subprocesses (default), debug (in this process), slurm (a job array)")
+                        help="submitit executor: local subprocesses (default), debug (in this process), "
+                        "slurm (a job array)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2: one per core here)")
     parser.add_argument("--timeout-min", type=int, default=120, help="wall-time limit of one run, in minutes")
     slurm = parser.add_argument_group("slurm", "with --executor slurm")
@@ -89,20 +94,24 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--gpus={args.gpus} is not allowed: expected an int >= 0")
     if args.max_runs is not None and args.max_runs < 0:
         parser.error(f"--max-runs={args.max_runs} is not allowed: expected an int >= 0")
+    return args
+
+
+def read_config(path: str) -> dict:
+    """The checked study config; one `error:` line and exit status 2 when it cannot be used."""
     try:
-        cfg = load_config(args.config)
+        return load_config(path)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    csv_path = Path(cfg["out_dir"]) / "runs.csv"
+
+
+@contextmanager
+def exit_codes(csv_path: Path):
+    """A ``StudyError`` as one `error:` line and exit status 2; SIGTERM and Ctrl-C as one line and 128 + the
+    signal, naming the finished runs kept in ``csv_path``; any other error keeps its traceback."""
     try:
-        if args.list or args.report_only:
-            _list_and_report(args, cfg, csv_path)
-            return
-        slurm_params = study.slurm_parameters(partition=args.partition, time_min=args.timeout_min, gpus=args.gpus,
-                                        cpus=args.cpus, parallel=args.parallel)
-        study.run_study(args.config, max_runs=args.max_runs, executor=args.executor, parallel=args.parallel,
-                  slurm=slurm_params, timeout_min=args.timeout_min)
+        yield
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -114,7 +123,30 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(128 + signum) from None
 
 
-def _list_and_report(args, cfg: dict, csv_path: Path) -> None:
+def run(args: argparse.Namespace, cfg: dict, *, prog: str = PROG) -> None:
+    """What the options ask: ``--list`` and ``--report-only`` read runs.csv and run nothing; otherwise the study."""
+    csv_path = Path(cfg["out_dir"]) / "runs.csv"
+    if args.list or args.report_only:
+        _list_and_report(args, cfg, csv_path, prog)
+        return
+    slurm_params = study.slurm_parameters(partition=args.partition, time_min=args.timeout_min, gpus=args.gpus,
+                                          cpus=args.cpus, parallel=args.parallel)
+    study.run_study(args.config, max_runs=args.max_runs, executor=args.executor, parallel=args.parallel,
+                    slurm=slurm_params, timeout_min=args.timeout_min)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m studies.runner`. A config it cannot use, a damaged runs.csv, an out_dir it cannot
+    create or in use (also by the runs of a killed invocation) or nothing to report is one `error:` line
+    and exit status 2, before anything runs; SIGTERM and Ctrl-C are one line and 128 + the signal; an
+    error during the runs keeps its traceback."""
+    args = parse_args(argv)
+    cfg = read_config(args.config)
+    with exit_codes(Path(cfg["out_dir"]) / "runs.csv"):
+        run(args, cfg)
+
+
+def _list_and_report(args, cfg: dict, csv_path: Path, prog: str) -> None:
     """``--list`` and ``--report-only``: read runs.csv, run nothing."""
     rows = read_rows(csv_path)
     if args.list:
@@ -124,13 +156,13 @@ def _list_and_report(args, cfg: dict, csv_path: Path) -> None:
             runs += plan(cfg, choose_lr(cfg, rows) if "calibration" in cfg else None)
         except ValueError:
             print("(the study's runs are planned once the calibration has finished)")
-        for run in runs:
-            print(f"{'done' if run.key in keys else 'todo'}  {run.key}  epochs={run.epochs}")
+        for planned in runs:
+            print(f"{'done' if planned.key in keys else 'todo'}  {planned.key}  epochs={planned.epochs}")
         print(f"{sum(r.key in keys for r in runs)}/{len(runs)} runs done")
     if args.report_only:
         if not rows:
             raise StudyError(f"no finished runs in {csv_path.parent} yet (no rows in {csv_path.name}), so there is "
-                             f"nothing to report: start the study with {PROG} --config {args.config}")
+                             f"nothing to report: start the study with {prog} --config {args.config}")
         write_reports(rows, csv_path.parent, cfg)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import submitit
 import yaml
 
-from studies.relation.grid import Run
+from studies.runner.grid import Run
 
 PREDICTIONS = "predictions"  # <out_dir>/predictions/<run key>.npz: each run's per-image test predictions
 
@@ -139,7 +139,7 @@ def save_predictions(path: Path, splits: dict) -> None:
     """Per-image predictions ``{split: (dataset, preds)}`` as one compressed ``.npz``, written atomically.
 
     Per split ``s``: ``s_index``, ``s_label``, ``s_pred``, ``s_distance`` (``part_distance``), and for
-    same-different ``s_positions`` and ``s_shape_ids``: what ``studies.relation.visibility.rebin`` needs.
+    same-different ``s_positions`` and ``s_shape_ids``: what ``studies.runner.visibility.rebin`` needs.
     Written to a temporary name, then renamed: a reader never sees half a file, and a run that is
     redone replaces the file of its killed attempt (which had no row in runs.csv).
     """
@@ -182,7 +182,7 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
     start = time.perf_counter()
     with warnings.catch_warnings():
         # main(args=...) is the documented way to call LightningCLI from Python; its warning is
-        # about `python -m studies.relation`'s own sys.argv. TensorBoard and CSV share the run directory.
+        # about `python -m studies.runner`'s own sys.argv. TensorBoard and CSV share the run directory.
         warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
         warnings.filterwarnings("ignore", message=".*exists and is not empty")
         try:

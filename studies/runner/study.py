@@ -1,5 +1,5 @@
 """The study's order of work (``run_study``): the shortcut audit, the calibration, every run fanned out
-through a submitit executor at most ``parallel`` at a time, then the reports (see ``studies.relation``'s
+through a submitit executor at most ``parallel`` at a time, then the reports (see ``studies.runner``'s
 ``__main__`` for the whole story)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import submitit
 
-from studies.relation import processes
-from studies.relation.grid import Run, calibration_plan, choose_lr, load_config, plan
-from studies.relation.lock import lock_out_dir, make_dirs, stop_on_sigterm
-from studies.relation.report import write_reports
-from studies.relation.run import PREDICTIONS, StudyJob, code_revision
-from studies.relation.runs_csv import StudyError, append_row, read_rows
+from studies.runner import processes
+from studies.runner.grid import Run, calibration_plan, choose_lr, load_config, plan
+from studies.runner.lock import lock_out_dir, make_dirs, stop_on_sigterm
+from studies.runner.report import write_reports
+from studies.runner.run import PREDICTIONS, StudyJob, code_revision
+from studies.runner.runs_csv import StudyError, append_row, read_rows
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root, which holds the `studies` package
 
@@ -119,7 +119,7 @@ def _cancel(handles: list, *, wait_s: float) -> None:
 def studies_importable():
     """The repository root on ``PYTHONPATH`` while jobs are submitted.
 
-    A job's process unpickles its ``StudyJob`` by importing ``studies.relation.run``, and ``studies``
+    A job's process unpickles its ``StudyJob`` by importing ``studies.runner.run``, and ``studies``
     is not installed with ``vit``: it is found from the repository root. submitit's local controller
     and ``sbatch`` both copy this process's environment as a job is submitted, so the jobs find it
     wherever they start.
@@ -203,7 +203,7 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
 
     if "shortcuts" in cfg and not (out_dir / "shortcuts.csv").exists():
         # Measure the shortcuts before the models: every task, on fresh draws.
-        from studies.relation import shortcuts
+        from studies.runner import shortcuts
 
         shortcuts.write([r for t in shortcuts.TASKS for r in shortcuts.audit(t, **cfg["shortcuts"])], out_dir)
         print(f"shortcut audit written to {out_dir / 'shortcuts.md'}", flush=True)

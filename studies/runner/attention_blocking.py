@@ -1,6 +1,6 @@
 """Does attention carry the relation? Block attention between the two strokes at test time and measure.
 
-    python -m studies.recipe.attention_blocking --ckpt_paths runs/same_different/vit/version_*/checkpoints/step*.ckpt \
+    python -m studies.runner.attention_blocking --ckpt_paths runs/same_different/vit/version_*/checkpoints/step*.ckpt \
         --out_dir studies/recipe/results/same_different/attention_blocking --name recipe
 
 For each trained ViT (a `same_different` checkpoint written by `train.py`) and each test image, the
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from studies.rows import append_rows
+from studies.runner.rows import append_rows
 from vit.checks import check_size
 from vit.data import ArrangementDataModule, SameDifferentDataModule, arrangement
 from vit.data.same_different import make_shapes, render
@@ -105,7 +105,8 @@ def part_tokens(windows: torch.Tensor, test) -> torch.Tensor:
         return stroke_tokens(windows, test.positions, test.shape_ids, test.img_size)
     out = []
     for k in range(2):  # one disc: both of render's discs at the same place
-        ink = torch.from_numpy(arrangement.render(test.positions[:, k:k + 1].repeat(1, 2, 1).numpy(), test.img_size)) > 0
+        both = test.positions[:, k:k + 1].repeat(1, 2, 1).numpy()
+        ink = torch.from_numpy(arrangement.render(both, test.img_size)) > 0
         out.append((ink[:, None] & windows[None]).flatten(2).any(-1))  # (n, N)
     return torch.stack(out, 1)
 
@@ -216,7 +217,7 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m studies.recipe.attention_blocking",
+    parser = argparse.ArgumentParser(prog="python -m studies.runner.attention_blocking",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_paths", nargs="+", required=True,
                         help="same_different or arrangement ViT checkpoints of train.py")

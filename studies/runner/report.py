@@ -18,7 +18,7 @@
 * ``visibility.md`` and ``<experiment>_<task>_visibility.png`` (``same_different``, from the per-image
   predictions in ``predictions/``): each CNN's accuracy on the pairs one of its units sees and on
   the others, and its curve against span beside the partial-view model's
-  (``studies.relation.visibility``).
+  (``studies.runner.visibility``).
 
 The tables are written by ``tables``, the figures by ``figures``, the visibility page and figure by
 ``visibility``. Every file it writes is named here; ``predictions.md`` (the predictions written before the runs)
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from studies.relation import figures, tables, visibility
-from studies.relation.cells import per_cell, read_shortcuts
+from studies.runner import figures, tables, visibility
+from studies.runner.cells import per_cell, read_shortcuts
 
 
 def write_reports(rows: list[dict], out_dir: Path, cfg: dict) -> None:

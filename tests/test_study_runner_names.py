@@ -1,4 +1,4 @@
-"""The relation study's model and experiment names are plain names: each run's folder, `<log_dir>/<run key>`, stays
+"""A study config's model and experiment names are plain names: each run's folder, `<log_dir>/<run key>`, stays
 inside `log_dir`, whatever the grid says."""
 
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from studies.relation import grid
+from studies.runner import grid
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "studies/relation/configs/tiny.yaml"

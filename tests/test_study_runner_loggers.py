@@ -1,4 +1,4 @@
-"""The relation study on the dashboards: TensorBoard run names that sort by cell, and W&B runs grouped by cell
+"""A grid study on the dashboards: TensorBoard run names that sort by cell, and W&B runs grouped by cell
 when READABLE_VIT_STUDY_WANDB asks for them (the loggers a run is given, and one real offline W&B run)."""
 
 import json
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from studies.relation import grid
-from studies.relation import run as run_module
-from studies.relation.cells import per_cell
+from studies.runner import grid
+from studies.runner import run as run_module
+from studies.runner.cells import per_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 LRS = {"vit": 1e-3, "cnn": 3e-3}

@@ -1,5 +1,5 @@
-"""The relation study's runner (studies/relation): the grid and its schedule, and tiny resumable studies end to end
-(in this process, as local submitit jobs, killed, stopped, resumed)."""
+"""The shared grid runner (studies/runner): the grid and its schedule, the shipped grids (relation, arrangement), and
+tiny resumable studies end to end (in this process, as local submitit jobs, killed, stopped, resumed)."""
 
 import csv
 import json
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import yaml
 
-from studies.relation import grid, lock, processes, runs_csv, study
-from studies.relation import run as run_module
-from studies.relation.__main__ import main as study_main
-from studies.relation.cells import model_rf
+from studies.runner import grid, lock, processes, runs_csv, study
+from studies.runner import run as run_module
+from studies.runner.__main__ import main as study_main
+from studies.runner.cells import model_rf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,9 +95,11 @@ def test_fixed_rates_replace_the_calibration(tmp_path):
     path.write_text(yaml.safe_dump({**cfg, "lrs": LRS}))
     fixed = grid.load_config(path)
     assert grid.calibration_plan(fixed) == []
-    assert {(r.model, r.overrides["model"]["lr"]) for r in grid.plan(fixed)} == {("vit-learned", 1e-3), ("cnn-rf5", 3e-3)}
+    assert {(r.model, r.overrides["model"]["lr"]) for r in grid.plan(fixed)} == {("vit-learned", 1e-3),
+                                                                                ("cnn-rf5", 3e-3)}
     path.write_text(yaml.safe_dump({**cfg, "lrs": {"vit": 1e-3}}))
-    with pytest.raises(ValueError, match=r"lrs=\{'vit': 0.001\} is not allowed: expected one rate in \(0, 1\) for each family"):
+    with pytest.raises(ValueError, match=r"lrs=\{'vit': 0.001\} is not allowed: expected one rate in \(0, 1\) "
+                                         r"for each family"):
         grid.load_config(path)
     # The shipped side check: the study's relation experiment for the ViT, twice the steps, a fixed rate.
     long = grid.load_config(ROOT / "studies/relation/configs/relation_long.yaml")
@@ -116,7 +118,8 @@ def test_an_experiments_data_options_reach_the_data_module_and_its_fingerprint()
     assert ood.overrides["data"]["class_path"] == "vit.data.ArrangementDataModule"
     assert {k: ood.overrides["data"]["init_args"][k] for k in ("train_max_span", "test_min_span")} == {
         "train_max_span": 20, "test_min_span": 21}
-    assert "task" not in ood.overrides["data"]["init_args"] and "train_max_span" not in plain.overrides["data"]["init_args"]
+    assert "task" not in ood.overrides["data"]["init_args"]
+    assert "train_max_span" not in plain.overrides["data"]["init_args"]
     assert held.overrides["data"]["init_args"]["held_out_shape"] == 3
     assert ood.fingerprint != plain.fingerprint
     from vit.training.checkpoint.schema import DATA_MODULES  # the plan's data module is one checkpoints can name
@@ -143,7 +146,8 @@ def test_default_study_is_the_documented_grid():
     calibration = grid.calibration_plan(cfg)
     assert len(calibration) == 12 and {r.seed for r in calibration} == {100, 101, 102}
     assert {r.seed for r in calibration}.isdisjoint(cfg["seeds"])
-    assert {(r.model, r.lr) for r in calibration} == {(m, lr) for m in ("vit-learned", "cnn-rf45") for lr in (1e-3, 2e-3)}
+    assert {(r.model, r.lr) for r in calibration} == {(m, lr) for m in ("vit-learned", "cnn-rf45")
+                                                      for lr in (1e-3, 2e-3)}
     runs = grid.plan(cfg, LRS)
     assert len(runs) == 23 * 5 and len({r.key for r in runs}) == 115
     cells: dict[tuple, set] = {}
@@ -182,7 +186,8 @@ def test_default_study_is_the_documented_grid():
             assert r.overrides["model"]["warmup_epochs"] == 0.2  # the recipe's 200 steps
     # The runs go in the order of the claims: the core relation cells, the receptive-field series and
     # the MLP head, the other ViTs, the 200-step runs, then the dearest cell (cnn-rf45-wide).
-    assert [r.model for r in runs[:6]] == ["vit-learned", "vit-none", "cnn-rf11", "cnn-rf11-max", "cnn-rf21", "cnn-rf45"]
+    assert [r.model for r in runs[:6]] == ["vit-learned", "vit-none", "cnn-rf11", "cnn-rf11-max", "cnn-rf21",
+                                           "cnn-rf45"]
     assert [r.experiment for r in runs] == ["relation"] * 75 + ["position"] * 35 + ["relation"] * 5
     assert {r.model for r in runs[-5:]} == {"cnn-rf45-wide"}
     # The comparisons named before the runs: one family per question, each pair of models in its experiment.
@@ -198,7 +203,8 @@ def test_default_study_is_the_documented_grid():
         ({"experiments": []}, (r"experiments=\[\] is not allowed: expected a non-empty list of experiments \(each "
                                r"a mapping with name, tasks, models, num_train\)")),
         ({"experiments": [{"name": "a", "tasks": ["diagonl"], "models": ["cnn-rf5"], "num_train": [8]}]},
-         r"tasks='diagonl' is not allowed: expected one of \['diagonal', 'relative', 'same_different', 'arrangement'\]"),
+         r"tasks='diagonl' is not allowed: expected one of "
+         r"\['diagonal', 'relative', 'same_different', 'arrangement'\]"),
         ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["resnet"], "num_train": [8]}]},
          r"models='resnet' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]"),
         ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
@@ -224,7 +230,8 @@ def test_default_study_is_the_documented_grid():
          r"comparisons.relation.readout=\[\['cnn-rf5', 'cnn-rf5'\]\] is not allowed: expected a non-empty list"),
         ({"shortcuts": {"num_train": 10, "num_test": 200}}, r"shortcuts.num_train=10 is not allowed"),
         ({"lrs": {"vit": 1e-3, "cnn": 1e-3}},
-         r"'families' goes with either 'calibration' or fixed 'lrs' \(one of them\), got \['families', 'calibration', 'lrs'\]"),
+         r"'families' goes with either 'calibration' or fixed 'lrs' \(one of them\), "
+         r"got \['families', 'calibration', 'lrs'\]"),
         ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
                            "shift_region": "inner"}]},
          r"shift_region \(task same_different\)='inner' is not allowed: expected one of \['all', 'left', 'right'\]"),
@@ -311,7 +318,8 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         assert r["revision"] == revision
         by_distance = json.loads(r["test_by_distance"])
         assert sum(n for _, n in by_distance.values()) == cfg["num_test"]
-        assert sum(c for c, _ in by_distance.values()) / cfg["num_test"] == pytest.approx(float(r["test_acc"]), abs=1e-4)
+        correct = sum(c for c, _ in by_distance.values())
+        assert correct / cfg["num_test"] == pytest.approx(float(r["test_acc"]), abs=1e-4)
         if r["experiment"] != grid.CALIBRATE:
             assert float(r["lr"]) == lrs[grid.family_of(cfg, r["model"])]
         if r["experiment"] == "relation":  # the translation test: the same weights on the moved test set
@@ -396,7 +404,8 @@ def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path)
         ("val/acc", "max", 0.995)
     shipped["trainer"]["callbacks"] = shipped["trainer"]["callbacks"][:-1]
     assert shipped == base  # nothing else differs
-    assert grid.load_config(ROOT / "studies/relation/configs/relation.yaml")["base_config"] == "studies/relation/configs/relation_base.yaml"
+    relation = grid.load_config(ROOT / "studies/relation/configs/relation.yaml")
+    assert relation["base_config"] == "studies/relation/configs/relation_base.yaml"
     base["trainer"]["callbacks"].append({**stop, "init_args": {**stop["init_args"], "stopping_threshold": 0.0}})
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     steps = {}
@@ -539,7 +548,7 @@ def test_report_only_before_any_run_finished_is_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         f"error: no finished runs in {tmp_path / 'results'} yet (no rows in runs.csv), so there is nothing to report: "
-        f"start the study with python -m studies.relation --config {config}\n")
+        f"start the study with python -m studies.runner --config {config}\n")
     assert not (tmp_path / "results").exists()
 
 
@@ -653,7 +662,7 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
 KILLED_OWNER = """
 import sys, time
 from pathlib import Path
-from studies.relation import lock, study
+from studies.runner import lock, study
 out_dir, key, folder = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 with lock.lock_out_dir(out_dir) as record_job:
     job = study.make_executor("local", folder, timeout_min=10).submit(time.sleep, 600)
@@ -844,7 +853,12 @@ def test_sigterm_stops_the_study_and_the_same_command_finishes_it(tmp_path, caps
 
     # The same command: the run under way is redone (its folder moved aside), the finished one is not.
     real_run_one, started = run_module.run_one, []
-    monkeypatch.setattr(run_module, "run_one", lambda run, **kwargs: started.append(run.key) or real_run_one(run, **kwargs))
+
+    def record_and_run(run, **kwargs):
+        started.append(run.key)
+        return real_run_one(run, **kwargs)
+
+    monkeypatch.setattr(run_module, "run_one", record_and_run)
     study_main(["--config", str(config), "--executor", "debug"])
     assert started == [runs[1].key, runs[2].key]
     assert csv_path.read_text().startswith(stopped)

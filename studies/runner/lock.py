@@ -10,8 +10,8 @@ import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from studies.relation import processes
-from studies.relation.runs_csv import StudyError
+from studies.runner import processes
+from studies.runner.runs_csv import StudyError
 
 LOCK_NAME = "study.lock"  # in out_dir, held by the invocation running the study (lock_out_dir)
 

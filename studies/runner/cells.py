@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from studies.relation.grid import CALIBRATE
-from studies.relation.stats import clopper_pearson
+from studies.runner.grid import CALIBRATE
+from studies.runner.stats import clopper_pearson
 from vit.models.cnn import receptive_field
 
 PERCENT = 100.0
@@ -62,7 +62,8 @@ def successes(accs: list[float], threshold: float | None) -> tuple[int, float, f
 
 
 def distance_edges(dists: list[int], width: int = 3) -> np.ndarray:
-    """Bin edges of ``width`` px from the smallest to the largest distance; a last bin narrower than 2 px joins the one before."""
+    """Bin edges of ``width`` px from the smallest to the largest distance; a last bin narrower than 2 px joins the
+    one before."""
     lo, hi = min(dists), max(dists)
     edges = list(range(lo, hi + 2, width))
     if edges[-1] != hi + 1:

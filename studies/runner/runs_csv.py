@@ -8,8 +8,8 @@ import re
 import time
 from pathlib import Path
 
-from studies.relation.grid import CALIBRATE, Run
-from studies.rows import append_rows
+from studies.runner.grid import CALIBRATE, Run
+from studies.runner.rows import append_rows
 
 COLUMNS = (
     "key", "experiment", "task", "model", "num_train", "seed", "train_region", "test_region", "lr",
@@ -92,6 +92,6 @@ def read_rows(csv_path: Path) -> list[dict]:
 
 
 def append_row(csv_path: Path, row: dict) -> None:
-    """Append one row whole (`studies.rows.append_rows`): a killed invocation leaves no half line."""
+    """Append one row whole (`studies.runner.rows.append_rows`): a killed invocation leaves no half line."""
     append_rows(csv_path, COLUMNS, [row])
 

@@ -112,7 +112,8 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"study config {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
     where = str(path)
     if not isinstance(cfg, dict):
-        raise ValueError(f"{where}: expected a mapping at the top level, got " + ("an empty file" if cfg is None else type(cfg).__name__))
+        got = "an empty file" if cfg is None else type(cfg).__name__
+        raise ValueError(f"{where}: expected a mapping at the top level, got {got}")
     allowed = {"base_config", "out_dir", "log_dir", "seeds", "batch_size", "train_samples", "num_val_checks",
                "num_val", "num_test", "threads", "warmup_fraction", "models", "experiments", "families",
                "calibration", "lrs", "shortcuts", "comparisons"}
@@ -182,7 +183,8 @@ def load_config(path: str | Path) -> dict:
                     sorted(exp["data"].items()))
         if seen.setdefault(name, settings) != settings:
             raise ValueError(f"{w}: experiment {name!r} is listed with (train_region, test_region, shift_region, "
-                             f"train_samples, data) {seen[name]} and {settings}; entries that share a name must share them")
+                             f"train_samples, data) {seen[name]} and {settings}; entries that share a name must "
+                             "share them")
         if name == CALIBRATE:
             raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
     _check_calibration(cfg, where)
@@ -338,7 +340,7 @@ def calibration_plan(cfg: dict) -> list[Run]:
     exp = {"name": CALIBRATE, "tasks": [cal["task"]], "models": list(cal["models"].values()),
            "num_train": [cal["num_train"]], "train_region": "all", "test_region": "all", "shift_region": None,
            "train_samples": cfg["train_samples"]}
-    return [run for lr in cal["lrs"] for run in _runs(cfg, [exp], cal["seeds"], lambda model: lr)]
+    return [run for lr in cal["lrs"] for run in _runs(cfg, [exp], cal["seeds"], lambda model, lr=lr: lr)]
 
 
 def plan(cfg: dict, lrs: dict[str, float] | None = None) -> list[Run]:

@@ -1,4 +1,5 @@
-"""What tells a ViT run stuck on the loss plateau from one that leaves it, logged while it trains.
+"""What tells a ViT run stuck on the loss plateau from one that leaves it, logged while it trains: the recipe
+study's diagnostics (its screen, ``screen.py``, and the recipe's own config, ``configs/same_different/vit.yaml``).
 
 Three measurements, each a function of the model and a fixed probe batch, and `PlateauDiagnostics`,
 the callback that logs them every `every_n_steps` optimizer steps:
@@ -26,7 +27,8 @@ from vit.models import record_attention
 
 
 def attention_stats(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
-    """`attn/block{i}_entropy` and `attn/block{i}_max_weight` of every block, averaged over images, heads and queries."""
+    """`attn/block{i}_entropy` and `attn/block{i}_max_weight` of every block, averaged over images, heads and
+    queries."""
     with torch.no_grad(), record_attention(model) as maps:
         model(x)
     stats = {}
@@ -88,7 +90,8 @@ class PlateauDiagnostics(L.Callback):
     `num_images` of the validation split. The token probe runs when the validation dataset has a
     `token_labels(patch_size)` method (`SameDifferentDataset` has: the orientation of the stroke
     whose centre lies in the token's patch), after every block. Add it to a config's `trainer.callbacks` as
-    `vit.training.diagnostics.PlateauDiagnostics`.
+    `studies.recipe.diagnostics.PlateauDiagnostics` (as `configs/same_different/vit.yaml` does), and run
+    `python train.py` from the repository root, where `studies` is importable.
     """
 
     def __init__(self, every_n_steps: int = 50, num_images: int = 256) -> None:

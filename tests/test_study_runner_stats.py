@@ -1,4 +1,4 @@
-"""The relation study's numbers: exact statistics, the shortcut baselines and the report's cells."""
+"""The runner's numbers: exact statistics, the shortcut baselines and the report's cells."""
 
 import csv
 import json
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from studies.relation import cells, report, shortcuts, tables
-from studies.relation.stats import clopper_pearson, fisher_p, holm, paired_permutation_p, sign_test_p
+from studies.runner import cells, report, shortcuts, tables
+from studies.runner.stats import clopper_pearson, fisher_p, holm, paired_permutation_p, sign_test_p
 
 
 @pytest.mark.parametrize("k,n", [(0, 5), (1, 5), (3, 5), (5, 5), (7, 20)])
@@ -41,7 +41,8 @@ def test_paired_tests_by_enumeration():
 def test_bayes_accuracy_is_the_majority_label_per_key():
     train_keys, train_y = np.array([0, 0, 0, 1, 1, 2, 2]), np.array([1, 1, 0, 0, 0, 1, 1])
     test_keys, test_y = np.array([0, 1, 2, 3]), np.array([1, 1, 1, 0])
-    # key 0 -> 1 (right), key 1 -> 0 (wrong), key 2 -> 1 (right), unseen key 3 -> the training majority (4 of 7 are 1), 1 (wrong)
+    # key 0 -> 1 (right), key 1 -> 0 (wrong), key 2 -> 1 (right), unseen key 3 -> the training majority (4 of 7 are
+    # 1), 1 (wrong)
     assert shortcuts.bayes_accuracy(train_keys, train_y, test_keys, test_y) == 0.5
 
 
@@ -76,7 +77,8 @@ def test_summary_cells_count_successes_above_the_best_shortcut(tmp_path):
     assert (cell["successes"], cell["success_threshold"], cell["receptive_field"]) == ("3", "0.7167", "7")
     assert (float(cell["success_ci_low"]), float(cell["success_ci_high"])) == pytest.approx((low, high), abs=1e-3)
     assert cell["test_acc_median"] == "0.7200"
-    assert "| cnn-rf7 | 7 | 5 | 72.0 | 50.0 95.0 72.0 70.0 99.0 | 3/5 [0.15, 0.95] |" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| cnn-rf7 | 7 | 5 | 72.0 | 50.0 95.0 72.0 70.0 99.0 | 3/5 [0.15, 0.95] |" in summary
     acc, count = cells.pooled_by_distance(rows, np.array([11, 14, 17, 20, 23]))
     assert count.tolist() == [20, 0, 0, 20] and acc[0] == 0.75 and acc[3] == 0.25
     assert cells.within_and_beyond(rows, 15) == ((0.75, 20), (0.25, 20))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from studies.relation.cells import PERCENT, distance_edges, model_rf, pooled_by_distance
-from studies.relation.grid import experiments
+from studies.runner.cells import PERCENT, distance_edges, model_rf, pooled_by_distance
+from studies.runner.grid import experiments
 
 
 def draw(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
@@ -52,7 +52,8 @@ def draw(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             # One panel per family, each with its own colours: no two curves share a style.
             panels = {name: [m for m in models if family(cfg, m) == name] for name in FAMILIES}
             panels = {name: members for name, members in panels.items() if members}
-            fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 7.5), 5.4), sharey=True, squeeze=False)
+            fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 7.5), 5.4), sharey=True,
+                                     squeeze=False)
             for ax, (name, members) in zip(axes[0], panels.items()):
                 for i, m in enumerate(members):
                     color = plt.cm.tab10(i % 10)

@@ -1,0 +1,45 @@
+"""The ViT options only the studies use, as a subclass of the library's `VisionTransformer`.
+
+`StudyViT` adds local attention (`attn_radius`, the arrangement study's `local1` cell) and the size of
+a fixed position table (`pos_scale`, the recipe screen's sin/cos candidate). Configs name it as
+`class_path: studies.runner.models.StudyViT`; importing this module lets checkpoints name it too
+(`vit.training.checkpoint.schema.allow_backbone`), so `vit.load`, attention blocking and `train.py`
+open a study's checkpoints once the study's code is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vit.checks import check_float, check_int
+from vit.models import VisionTransformer
+from vit.models.masks import local_mask
+from vit.training.checkpoint.schema import allow_backbone
+
+
+class StudyViT(VisionTransformer):
+    """`VisionTransformer(**kwargs)` with two options of the studies.
+
+    Args:
+        attn_radius: local attention, in training and at test time: a patch attends only to the patches
+            within this many grid steps (`vit.models.masks.local_mask`; 1: its 3x3 neighbourhood); the CLS
+            token and registers still see and are seen by all. None: global, the library's model.
+        pos_scale: a factor on a fixed position table (`sincos1d`, `sincos2d`): 1 is the table as
+            published, entries of RMS 0.71, while the patch embedding's output starts near 0.1.
+    """
+
+    def __init__(self, *, attn_radius: int | None = None, pos_scale: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        check_float("pos_scale", pos_scale, 0.0, 100.0, low_open=True)
+        if pos_scale != 1.0:
+            if not self.pos_embed_type.startswith("sincos"):
+                raise ValueError(f"pos_scale={pos_scale!r} is not allowed with pos_embed={self.pos_embed_type!r}: it "
+                                 "scales the fixed tables only (sincos1d, sincos2d)")
+            with torch.no_grad():
+                self.pos_embed.mul_(pos_scale)
+        if attn_radius is not None:
+            check_int("attn_radius", attn_radius, 0, 65536)
+            self.attn_mask = local_mask(self.patch_embed.grid_size, attn_radius, self.num_prefix_tokens)
+
+
+allow_backbone(StudyViT)
