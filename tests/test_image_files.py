@@ -15,7 +15,7 @@ from PIL import Image, JpegImagePlugin
 from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run
 
 from vit.data import ImageFolderDataModule
-from vit.data.image_folder import UnreadableImageError, build_transform, decode_image, read_images
+from vit.data.images import UnreadableImageError, build_transform, decode_image, read_images
 from vit.predict import main as predict_main
 from vit.training.predictions import prediction_table
 

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from vit.commands import check_output, print_skipped, write_failed
 from vit.data import ImageFolderDataModule
 from vit.data.files import first_skipped
-from vit.data.image_folder import build_transform
+from vit.data.images import build_transform
 from vit.explain.__main__ import check_paths as explain_check_paths
 from vit.export import check_out, model_card, timm_args, training_record, write
 from vit.export import main as export_main

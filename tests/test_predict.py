@@ -18,7 +18,7 @@ from PIL import Image
 from robust_helpers import run_dirs, shared_run
 
 from vit.data import CIFARDataModule, TwoCirclesDataset
-from vit.data.image_folder import build_transform, to_input
+from vit.data.images import build_transform, to_input
 from vit.predict import main
 from vit.training.checkpoint import CheckpointError, read
 from vit.training.classifier import ImageClassifier
@@ -239,9 +239,9 @@ def test_bad_options_are_refused_before_any_image_is_decoded(extra, message, che
 ])
 def test_a_topk_the_model_cannot_give_is_refused_before_any_image_is_read(topk, message, checkpoint, images, tmp_path,
                                                                          capsys, monkeypatch):
-    import vit.data.image_folder
+    import vit.data.images
 
-    monkeypatch.setattr(vit.data.image_folder, "read_images", lambda *a: pytest.fail("images were read"))
+    monkeypatch.setattr(vit.data.images, "read_images", lambda *a: pytest.fail("images were read"))
     output = tmp_path / "p.csv"
     assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
                  "--topk", topk]) == 2

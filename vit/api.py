@@ -8,7 +8,7 @@
 
 The checkpoint is opened as the commands open it (`vit.training.checkpoint.build.open_model`): no code
 from it runs, nothing is fetched but the checkpoint URL itself, and pretrained weights are not read
-again. Images are read as `vit.predict` reads them (`vit.data.image_folder.decode_image`: EXIF
+again. Images are read as `vit.predict` reads them (`vit.data.images.decode_image`: EXIF
 orientation, 16-bit and float images at their real range), then resized and normalised as the
 checkpoint records (`transform`).
 """
@@ -25,7 +25,7 @@ from PIL import Image, ImageOps
 from torch import Tensor
 
 from vit.checks import check_choice
-from vit.data.image_folder import decode_image, to_input
+from vit.data.images import decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
 from vit.training.checkpoint.build import open_model
 from vit.training.classifier import class_index
@@ -60,7 +60,7 @@ class Predictor:
     def images(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
         """The model's input `(B, C, H, W)`: files and PIL images read and transformed, a batch tensor as it is.
 
-        A file that cannot be read raises `vit.data.image_folder.UnreadableImageError` (`file: why`).
+        A file that cannot be read raises `vit.data.images.UnreadableImageError` (`file: why`).
         """
         if isinstance(images, Tensor):
             if images.ndim != 4:

@@ -10,8 +10,8 @@ image is converted the same way:
 
 1. decoded with Pillow (PNG, JPEG, TIFF and anything else Pillow reads) and turned upright by its
    EXIF orientation, a large JPEG at a reduced scale, never below four times the input size
-   (`vit.data.image_folder.decode_image`); 16-bit and float images are scaled to [0, 1] by their
-   real range (`vit.data.image_folder.to_input`), not clipped;
+   (`vit.data.images.decode_image`); 16-bit and float images are scaled to [0, 1] by their
+   real range (`vit.data.images.to_input`), not clipped;
 2. converted to RGB (3 channels) or to grayscale (1 channel, ITU-R 601 luma), per the model's
    `in_chans`; an alpha channel is dropped;
 3. resized to the recorded `img_size`, `[H, W]` (bilinear, or bicubic for CIFAR as in its training;
@@ -131,7 +131,7 @@ def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict
 
 def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compose, dict]) -> int:
     """Classify the readable images of `--input_dir` and write the CSV; 1 when there is none or it cannot be written."""
-    from vit.data.image_folder import read_images
+    from vit.data.images import read_images
     from vit.training.predictions import class_probabilities, prediction_table, write_csv
 
     model, transform, checkpoint = prepared

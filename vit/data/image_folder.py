@@ -32,48 +32,30 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from vit.checks import check_choice, check_float, check_int, check_size, first_line
+from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.base import DataNotFoundError, SplitDataModule
 from vit.data.files import (
     first_skipped,
     list_files,
-    not_a_file,
     text_name,
     visible_folders,
 )
+from vit.data.images import UnreadableImageError, build_transform, decode_image
 from vit.data.transforms import MEAN_STD, AutoAugmentName, batch_mixup, train_transform
 
 Normalization = Literal["imagenet", "inception", "none"]  # "none": pixels in [0, 1]; else `MEAN_STD`'s
 SPLITS = ("train", "val", "test")
 LAYOUTS = ("root/<class>/<image> (split into train, val and test by val_fraction and test_fraction) or "
            "root/train/<class>/<image> with optional root/val/ and root/test/ beside it")
-# A JPEG is decoded at 1/2, 1/4 or 1/8 scale while it stays this many times the input's longest side:
-# even RandomResizedCrop's smallest crop (8% of the area, 0.28 of a side) keeps the input's resolution.
-DRAFT_MARGIN = 4
 
 
 class NoReadableImageError(DataNotFoundError):
     """A class folder without one readable image; the message names its files and why each cannot be read."""
-
-
-class UnreadableImageError(ValueError):
-    """A file that cannot be decoded as an image: the message is `file: why`, one line; `reason` is the why."""
-
-    def __init__(self, message: str, reason: str | None = None) -> None:
-        super().__init__(message)  # one argument, as a DataLoader worker re-raises it in the main process
-        self.reason = message if reason is None else reason
-
-    @classmethod
-    def for_file(cls, path: str | os.PathLike, reason: str) -> UnreadableImageError:
-        """The error `path: reason`, the path as text (`text_name`)."""
-        return cls(f"{text_name(str(path))}: {reason}", reason)
 
 
 class ImageFolderDataModule(SplitDataModule):
@@ -316,106 +298,3 @@ class _ListedImageFolder(datasets.ImageFolder):
 
     def make_dataset(self, directory: str, class_to_idx: dict[str, int], *args, **kwargs) -> list[tuple[str, int]]:
         return self._listed[1]
-
-
-def decode_image(path: str | os.PathLike, size: tuple[int, int] | None = None) -> Image.Image | torch.Tensor:
-    """The image at `path`, upright, as `to_input` gives it; `UnreadableImageError` (file: why) when it cannot be read.
-
-    Only a regular file is opened (a named pipe would block forever). The EXIF orientation is applied
-    (`ImageOps.exif_transpose`: a phone photo stored sideways comes out as it was taken). With `size`,
-    the model's input `(H, W)`, a JPEG is decoded at 1/2, 1/4 or 1/8 scale (`Image.draft`, in the
-    decoder, so a 144-megapixel photo never takes its full 1.7 GB) as long as both sides stay at least
-    `DRAFT_MARGIN` times the input's longest side: a JPEG under `2 * DRAFT_MARGIN` times it is decoded
-    whole, as before. Pillow's decompression-bomb guard (`Image.MAX_IMAGE_PIXELS`) is kept, with the
-    file named.
-    """
-    if (why := not_a_file(path)) is not None:
-        raise UnreadableImageError.for_file(path, why)
-    try:
-        with Image.open(path) as image:
-            if size is not None:  # only Pillow's JPEG reader drafts; the others ignore it
-                side = DRAFT_MARGIN * max(size)  # square: the image may be turned by its orientation
-                image.draft(None, (side, side))
-            image.load()
-            ImageOps.exif_transpose(image, in_place=True)
-            return to_input(image)
-    except Image.DecompressionBombError as err:
-        raise UnreadableImageError.for_file(path, f"too large to decode safely ({str(err).split(',')[0]}, twice "
-                                            "PIL.Image.MAX_IMAGE_PIXELS, Pillow's guard against decompression "
-                                            "bombs; raise that limit only for a file you trust)") from None
-    except UnidentifiedImageError:  # Pillow's message is the whole path again
-        raise UnreadableImageError.for_file(path, "cannot identify image file: not a format Pillow reads") from None
-    except (OSError, ValueError, SyntaxError) as err:
-        raise UnreadableImageError.for_file(path, first_line(err)) from None
-
-
-def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
-    """8-bit images as they are; 16-bit and 32-bit ones as a `(1, H, W)` float tensor in [0, 1], by their real range.
-
-    Pillow's high-bit modes: `I;16*` (16-bit unsigned) are divided by 65535; `I` (32-bit signed,
-    which is how Pillow opens 16-bit PNGs) by 65535 when every value fits in 16 bits, else by
-    2**31 - 1; `F` (32-bit float) is kept when it lies in [0, 1], else min-max scaled over the image.
-    Converting them to 8 bits the usual way would clip them (a 16-bit image reads as nearly white).
-    """
-    if not image.mode.startswith(("I", "F")):
-        return image
-    pixels = np.asarray(image, dtype=np.float64)
-    if image.mode.startswith("I;16"):
-        pixels = pixels / 65535.0
-    elif image.mode == "I":
-        pixels = pixels / (65535.0 if pixels.min() >= 0 and pixels.max() <= 65535 else 2**31 - 1)
-    elif pixels.min() < 0 or pixels.max() > 1:
-        span = pixels.max() - pixels.min()
-        pixels = (pixels - pixels.min()) / span if span > 0 else np.zeros_like(pixels)
-    return torch.from_numpy(pixels.clip(0.0, 1.0).astype(np.float32))[None]  # (1, H, W)
-
-
-def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization,
-                    interpolation: str = "bilinear") -> v2.Compose:
-    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training; `img_size` is a side or `(H, W)`,
-    `interpolation` one of torchvision's `InterpolationMode` values ("bilinear", "bicubic", "nearest")."""
-    check_choice("interpolation", interpolation, ("bilinear", "bicubic", "nearest"))
-    steps = [
-        v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),  # on PIL images and (C, H, W) tensors
-        v2.ToImage(),
-        v2.Resize(check_size("img_size", img_size), interpolation=v2.InterpolationMode(interpolation),
-                  antialias=True),  # to (H, W): the aspect ratio is not kept
-        v2.ToDtype(torch.float32, scale=True),
-    ]
-    if normalization is not None:
-        mean, std = normalization
-        steps.append(v2.Normalize(list(mean), list(std)))
-    return v2.Compose(steps)
-
-
-def read_images(input_dir: Path, transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
-
-    Sub-folders (and links to them) are not searched and hidden files (`.DS_Store`, `._photo.jpg`)
-    are ignored; every other entry is read as `read_image_files` reads it, so a pipe or a device is
-    listed as skipped.
-    """
-    paths = [path for path in sorted(input_dir.iterdir()) if not path.name.startswith(".")]
-    return read_image_files([p for p in paths if not p.is_dir()], transform)
-
-
-def read_image_files(paths: list[Path], transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors (`transform` of `decode_image` of each file) of the readable images among `paths`,
-    and `{name: reason}` of the others.
-
-    The names are the files' names as text (`text_name`: a byte that is not UTF-8 is written `\\xff`).
-    A JPEG is decoded at a reduced scale for the size of `transform`'s resize (`decode_image`).
-    Broken and looping symbolic links, what is not a regular file (a named pipe, a device) and an
-    image over Pillow's decompression-bomb limit are skipped with the reason, like files Pillow cannot
-    decode.
-    """
-    resize = [step for step in getattr(transform, "transforms", ()) if isinstance(step, v2.Resize)]
-    size = tuple(resize[0].size) if resize else None
-    names, images, skipped = [], [], {}
-    for path in paths:
-        try:
-            images.append(transform(decode_image(path, size)))
-            names.append(text_name(path.name))
-        except UnreadableImageError as err:
-            skipped[text_name(path.name)] = err.reason
-    return names, images, skipped

@@ -91,7 +91,7 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     """Draw the relevance maps of the images, one row per image and one column per method; 1 without an image."""
     import torch
 
-    from vit.data.image_folder import read_image_files, read_images
+    from vit.data.images import read_image_files, read_images
     from vit.explain.plot import rollout_grid
     from vit.explain.relevance import relevance
 

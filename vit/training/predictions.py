@@ -32,7 +32,7 @@ from torchvision.transforms import v2
 
 from vit.checks import check_int
 from vit.data.files import text_name
-from vit.data.image_folder import build_transform
+from vit.data.images import build_transform
 from vit.training.checkpoint.errors import CheckpointError
 from vit.training.classifier import index_names
 

@@ -6,7 +6,7 @@ the test after `fit`), the notebooks and the studies. `read`
 
 1. makes the path or URL a local file (`fetch`: one deadline, a byte limit, nothing refused kept);
 2. loads it as data (`archive.load_archive`: a whole zip archive of stored entries under the byte
-   limit, `torch.load(weights_only=True)`);
+   limit, `torch's loader with `weights_only=True``);
 3. validates it whole against the schema (`schema.validate`): every key known, every value plain,
    typed and bounded, the classes allowlisted, the architecture's shapes compared on the meta
    device with the weights, `inputs` consistent with the backbone.
