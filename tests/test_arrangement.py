@@ -7,11 +7,12 @@ import pytest
 import torch
 from scipy import ndimage
 
-from vit.data import ArrangementDataModule, ArrangementDataset
-from vit.data.arrangement import (
+from studies.runner.arrangement import (
     DISC_PIXELS,
     DISC_SIZE,
     MARGIN,
+    ArrangementDataModule,
+    ArrangementDataset,
     label_of,
     placement_weights,
 )

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from studies.recipe import screened
+from studies.runner.arrangement import ArrangementDataset
 from studies.runner.attention_blocking import (
     CLS_CONDITIONS,
     CONDITIONS,
@@ -13,7 +14,6 @@ from studies.runner.attention_blocking import (
     receptive_windows,
     stroke_tokens,
 )
-from vit.data.arrangement import ArrangementDataset
 from vit.data.same_different import SameDifferentDataset
 from vit.models import VisionTransformer
 

@@ -115,7 +115,7 @@ def test_an_experiments_data_options_reach_the_data_module_and_its_fingerprint()
     ood = runs["span_ood-arrangement-cnn-rf45-n64000-s0"]
     plain = runs["relation-arrangement-cnn-rf45-n64000-s0"]
     held = runs["held_out-same_different-cnn-rf11-max-n64000-s0"]
-    assert ood.overrides["data"]["class_path"] == "vit.data.ArrangementDataModule"
+    assert ood.overrides["data"]["class_path"] == "studies.runner.arrangement.ArrangementDataModule"
     assert {k: ood.overrides["data"]["init_args"][k] for k in ("train_max_span", "test_min_span")} == {
         "train_max_span": 20, "test_min_span": 21}
     assert "task" not in ood.overrides["data"]["init_args"]

@@ -3,7 +3,7 @@
     python -m studies.arrangement.shortcuts --out studies/arrangement/results
 
 (the study's command, ``python -m studies.arrangement``, runs it first when ``shortcuts.csv`` is not there).
-Measured before any model, on fresh draws of ``vit.data.arrangement.ArrangementDataset`` (the train
+Measured before any model, on fresh draws of ``studies.runner.arrangement.ArrangementDataset`` (the train
 split to fit, the test split to score, fixed seeds), per setting: the regions ``all`` and ``left``
 (5/8 of the columns), and the two span ranges of the study's out-of-distribution experiment in the
 whole image, ``short`` (spans up to 20 px, what it trains on) and ``long`` (21 px and more, what it
@@ -44,9 +44,9 @@ from pathlib import Path
 import numpy as np
 from scipy import ndimage
 
+from studies.runner.arrangement import DISC_SIZE, ArrangementDataset
 from studies.runner.shortcuts import bayes_accuracy, logreg_accuracy
 from studies.runner.stats import clopper_pearson
-from vit.data.arrangement import DISC_SIZE, ArrangementDataset
 
 # Each setting: (region, min_span, max_span) of the train and test draws.
 SETTINGS = {"all": ("all", None, None), "left": ("left", None, None), "short": ("all", None, 20),

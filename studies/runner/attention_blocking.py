@@ -43,9 +43,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from studies.runner import arrangement
+from studies.runner.arrangement import ArrangementDataModule
 from studies.runner.rows import append_rows
 from vit.checks import check_size
-from vit.data import ArrangementDataModule, SameDifferentDataModule, arrangement
+from vit.data import SameDifferentDataModule
 from vit.data.same_different import make_shapes, render
 from vit.models import VisionTransformer
 from vit.models.masks import mask_attention

@@ -12,14 +12,15 @@ from typing import get_args
 
 import yaml
 
+from studies.runner import arrangement
 from vit.checks import check_choice
-from vit.data import arrangement, same_different, two_circles
+from vit.data import same_different, two_circles
 
 # Every task the study can run: its data module and the placement regions it knows.
 TASK_DATA = {
     **{task: ("vit.data.TwoCirclesDataModule", two_circles.REGIONS) for task in two_circles.TASKS},
     "same_different": ("vit.data.SameDifferentDataModule", get_args(same_different.Region)),
-    "arrangement": ("vit.data.ArrangementDataModule", get_args(arrangement.Region)),
+    "arrangement": ("studies.runner.arrangement.ArrangementDataModule", get_args(arrangement.Region)),
 }
 # The value of a data option (an experiment's ``data``): a plain scalar, checked by the data module itself.
 PLAIN = (int, float, str, bool, type(None))

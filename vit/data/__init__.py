@@ -1,13 +1,12 @@
-"""Data modules: the synthetic relation tasks (two circles, same-different, arrangement), CIFAR-10/100, and a folder of
-your own images."""
+"""Data modules: the synthetic relation tasks (two circles, same-different), CIFAR-10/100, and a folder of your own
+images."""
 
-from vit.data.arrangement import ArrangementDataModule, ArrangementDataset
 from vit.data.cifar import CIFARDataModule
 from vit.data.image_folder import ImageFolderDataModule
 from vit.data.same_different import SameDifferentDataModule, SameDifferentDataset
 from vit.data.two_circles import TwoCirclesDataModule, TwoCirclesDataset
 
 __all__ = [
-    "ArrangementDataModule", "ArrangementDataset", "CIFARDataModule", "ImageFolderDataModule",
+    "CIFARDataModule", "ImageFolderDataModule",
     "SameDifferentDataModule", "SameDifferentDataset", "TwoCirclesDataModule", "TwoCirclesDataset",
 ]

@@ -181,11 +181,18 @@ def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]
 
 
 def allow_backbone(cls: type[nn.Module]) -> None:
-    """Let checkpoints name `cls` (by its module path) as their backbone: for a subclass that a study defines and
+    """Let checkpoints name `cls` (by its module path) as their backbone: for a class that a study defines and
     imports before it opens its checkpoints. A checkpoint only ever names a registered class: nothing is imported."""
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"{cls!r} is not an nn.Module class")
     BACKBONES[f"{cls.__module__}.{cls.__name__}"] = cls
+
+
+def allow_datamodule(cls: type[L.LightningDataModule]) -> None:
+    """`allow_backbone` for a data module a study defines."""
+    if not (isinstance(cls, type) and issubclass(cls, L.LightningDataModule)):
+        raise TypeError(f"{cls!r} is not a LightningDataModule class")
+    DATA_MODULES[f"{cls.__module__}.{cls.__name__}"] = cls
 
 
 def _arguments(cls: type, given: Mapping, key: str, skip: tuple[str, ...] = ()) -> dict:

@@ -57,6 +57,7 @@ from torch.utils.data import Dataset
 from vit.checks import check_choice, check_int, check_size
 from vit.data.base import SyntheticDataModule, balanced_labels, check_pixel_options, noisy_images, seeded_rng
 from vit.data.same_different import column_range
+from vit.training.checkpoint.schema import allow_datamodule
 
 Region = Literal["all", "left", "right"]
 
@@ -279,3 +280,6 @@ class ArrangementDataModule(SyntheticDataModule):
         spans = {"min_span": hp.test_min_span} if split == "test" else {"max_span": hp.train_max_span}
         return ArrangementDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans, noise=hp.noise,
                                   region=region, seed=self.split_seeds()[split], **spans)
+
+
+allow_datamodule(ArrangementDataModule)  # its checkpoints open through vit.load and attention blocking
