@@ -268,6 +268,8 @@ def _set(keys: tuple, value):
     return edit
 
 
+MODEL_CHECKPOINT = ("ModelCheckpoint{'monitor': 'val/acc', 'mode': 'max', 'every_n_train_steps': 0, "
+                    "'every_n_epochs': 1, 'train_time_interval': None}")
 RESUME_CASES = {
     "torch RNG state of the wrong size": (("callbacks", "RestoreRNGState", "torch"), torch.zeros(10, dtype=torch.uint8),
                                           "callbacks.RestoreRNGState.torch is a torch.uint8 tensor of shape (10,)"),
@@ -284,6 +286,12 @@ RESUME_CASES = {
                                     "shape"),
     "a scheduler of the wrong type": (("lr_schedulers", 0, "last_epoch"), "x",
                                       "lr_schedulers[0].last_epoch='x' is not allowed"),
+    # Found by benchmarks/fuzz_checkpoints.py: each raised in Lightning or the sampler once the run had started.
+    "a data position past the end of the epoch": (
+        ("TwoCirclesDataModule", "train_position", "batches_done"), 2**31,
+        "train_position.batches_done=2147483648 is past the end of the epoch"),
+    "a kth best path that is not a best path": (("callbacks", MODEL_CHECKPOINT, "kth_best_model_path"), "",
+                                                "kth_best_model_path='' is not one of its best_k_models"),
 }
 
 

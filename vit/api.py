@@ -6,11 +6,9 @@
     predictor.predict(["cat.jpg", "dog.png"], topk=2)   # [[Prediction('cat', 0.93), Prediction('dog', 0.05)], ...]
     predictor.explain("cat.jpg", method="chefer", target="dog")   # (gh, gw) relevance, summing to 1
 
-The checkpoint is opened as the commands open it (`vit.training.checkpoint.build.open_model`): no code
-from it runs, nothing is fetched but the checkpoint URL itself, and pretrained weights are not read
-again. Images are read as `vit.predict` reads them (`vit.data.images.decode_image`: EXIF
-orientation, 16-bit and float images at their real range), then resized and normalised as the
-checkpoint records (`transform`).
+The checkpoint is opened as the commands open it (`load`): no code from it runs, nothing is fetched but its
+URL, and pretrained weights are not read again. Images are read as `vit.predict` reads them
+(`vit.data.images.decode_image`), then resized and normalised as the checkpoint records (`Predictor.transform`).
 """
 
 from __future__ import annotations
@@ -79,9 +77,8 @@ class Predictor:
         return class_probabilities(self.model, self.images(images))
 
     def predict(self, images: ImageLike | Sequence[ImageLike] | Tensor, topk: int = 1) -> list[list[Prediction]]:
-        """Per image (a file path, a PIL image, a list of those, or a batch tensor of model inputs), its `topk`
-        most probable classes as `Prediction(class_name, probability)`, best first (one list per image, also
-        for a single image): what `python -m vit.predict` writes in its CSV."""
+        """Per image (a file, a PIL image, a list of those, or a batch of model inputs), its `topk` most probable
+        classes, best first: one list per image, also for a single image (what `vit.predict` writes)."""
         check_topk(topk, len(self.class_names), option="topk=")
         confidence, classes = self.probabilities(images).topk(topk, dim=-1)  # (B, K) each, best first
         return [[Prediction(self.class_names[k], p) for k, p in zip(ks, ps)]
@@ -107,9 +104,9 @@ class Predictor:
 def load(path_or_url: str | os.PathLike) -> Predictor:
     """The trained model of a `train.py` checkpoint (a path or an http(s) URL), ready for inference.
 
-    Opened as the commands open it (`open_model`): read once and validated whole; a checkpoint that names a
-    class outside this project, holds anything but plain values, or whose weights do not fit the model it
-    records raises `CheckpointError` (a `ValueError`) before anything is built.
+    The checkpoint is read once and validated whole (`open_model`): one that names a class outside this project,
+    holds anything but plain values, or whose weights do not fit its model raises `CheckpointError` (a
+    `ValueError`) before anything is built.
     """
     model, checkpoint = open_model(path_or_url)
     return Predictor(model, checkpoint.inputs)

@@ -5,9 +5,7 @@ Allowed string options are declared once, as a `Literal`, and read back with `ge
     Pool = Literal["cls", "mean", "map"]
     check_choice("pool", pool, Pool)   # pool='avg' is not allowed: expected one of ['cls', 'mean', 'map']
 
-Types that jsonargparse already checks on the command line (an `int` annotation, a `Literal`) are
-still checked here, because the same constructors are called from Python, where nothing else does.
-`first_line` shortens any exception to the one line such an error quotes, `file_kind` names what a path is.
+Constructors check even what jsonargparse checks on the command line: called from Python, nothing else does.
 """
 
 from __future__ import annotations
@@ -172,10 +170,9 @@ def describe(annotation: Any) -> str:
 
 
 def check_arguments(cls: type, arguments: dict[str, Any], bounds: dict[str, tuple]) -> None:
-    """Raise `ValueError` naming the first of `cls`'s constructor arguments that is not of its annotated type, or
-    outside its `bounds`: one check for every option, derived from the signature, where each would otherwise be
-    checked by hand. `bounds` is `{name: (low, high)}` for an int (`check_int`), `{name: (low, high, low_open,
-    high_open)}` for a float (`check_float`)."""
+    """Raise `ValueError` naming the first of `cls`'s constructor arguments that is not of its annotated type or is
+    outside its `bounds`: `{name: (low, high)}` for an int (`check_int`), `{name: (low, high, low_open, high_open)}`
+    for a float (`check_float`)."""
     hints = typing.get_type_hints(cls.__init__)
     for name in inspect.signature(cls).parameters:
         if name not in arguments:

@@ -1,18 +1,9 @@
 """What the commands that open a checkpoint share: `python -m vit.predict`, `vit.explain` and `vit.export`.
 
-Each checks its arguments and opens the checkpoint before doing any work (`prepare`), then works
-(`work`). Whatever `prepare` refuses, a bad argument or a checkpoint `vit.training.checkpoint` will not
-open (`CheckpointError`, a `ValueError`), is one `error: ...` line on stderr and exit status 2,
-with nothing read or written yet.
-
-Every file a command writes is checked by `check_output` in `prepare`: an existing one is replaced only with
-`--overwrite`, and only when it is a regular file, never a link, a device, a named pipe or a folder. A write that
-fails at the end (a full disk) is one `error: ...` line naming the file and the system's reason (`write_failed`),
-exit status 1; `vit.predict` and `vit.export` write to a temporary file and rename it, so an earlier output stays
-as it was.
-
-This module and each command's `main` import neither torch nor Lightning before the arguments are
-parsed, so `--help` and a mistyped option answer at once (`parser`).
+Each checks its arguments, its outputs (`check_output`) and the checkpoint before any work (`prepare`), then works
+(`work`). A refusal is one `error: ...` line on stderr and exit status 2, with nothing read or written yet; a write
+that fails at the end is one line and exit status 1 (`write_failed`). This module and each command's `main` import
+neither torch nor Lightning before the arguments are parsed, so `--help` and a mistyped option answer at once.
 """
 
 from __future__ import annotations
@@ -91,8 +82,8 @@ def check_output(option: str, path: Path, overwrite: bool) -> None:
 def write_failed(option: str, path: str | os.PathLike, err: Exception) -> int:
     """`fail` for an output that could not be written at the end (a full disk, a folder made read-only): exit status 1.
 
-    The reason is the system's (`No space left on device`), also out of a safetensors error, which quotes
-    Rust's `io::Error` (`Error while serializing: I/O error: No space left on device (os error 28) at path ...`).
+    The reason is the system's (`No space left on device`), also out of a safetensors error, which quotes Rust's
+    `io::Error` (`... No space left on device (os error 28) at path ...`).
     """
     reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
     quoted = re.search(r"(?:^|: )([^:]+?) \(os error \d+\)", reason)

@@ -3,32 +3,20 @@
 
     python -m vit.export --ckpt_path runs/folder/vit/version_0/checkpoints/last.ckpt --out exported/
 
-The backbone's weights are written under timm's names (no `backbone.` prefix) into a timm
-`VisionTransformer` of the same configuration, and timm's own `save_for_hf` writes the folder, so
-the layout is exactly the one timm's Hub loader reads:
+The backbone's weights go under timm's names into a timm `VisionTransformer` of the same configuration, and
+timm's own `save_for_hf` writes the folder, in the layout timm's Hub loader reads. `config.json` holds the
+`architecture` (a timm ViT name where one matches), `model_args` (every size that differs from it),
+`label_names` (the checkpoint's class names, else "0", "1", ...) and a `pretrained_cfg` of the checkpoint's
+input size, normalisation and interpolation, resized without crop (`crop_pct: 1.0`, `crop_mode: squash`) as
+`vit.predict` does; `README.md` is the model card (`model_card`). Then `timm.create_model("local-dir:exported/",
+pretrained=True)`, or the Hub after `hf upload org/name exported/`, gives the checkpoint's logits, and
+`vit.models.pretrained.create_vit("exported/model.safetensors", ...)` (or the folder) reads it back.
 
-- `model.safetensors`: the state dict;
-- `config.json`: `architecture` (a timm ViT name, matching when one does), `num_classes`,
-  `num_features`, `global_pool`, `label_names` (the class names stored in the checkpoint, else
-  "0", "1", ...), `model_args` (every argument that differs from the architecture's defaults:
-  `img_size`, `patch_size`, `embed_dim`, `depth`, ...) and `pretrained_cfg` (`input_size`, `mean`,
-  `std`, `interpolation`, `crop_pct: 1.0`, `crop_mode: squash`: the resize without crop that
-  `vit.predict` does);
-- `README.md`: the model card a person reads (`model_card`), with the Hub's `library_name: timm` front
-  matter: the architecture and its size, the classes, the input size and normalisation, how to load
-  it with timm, and the data module and seed the checkpoint records, each value from the checkpoint
-  escaped so that it shows as text (`markdown_text`), never as HTML or Markdown.
-
-Then `timm.create_model("local-dir:exported/", pretrained=True)`, or from the Hub after an upload
-(`hf upload org/name exported/`), gives the same logits as the checkpoint, and this project reads it
-back with `vit.models.pretrained.create_vit("exported/model.safetensors", ...)` (or the folder).
-
-Refused, in one line naming the option, are models timm cannot compute: a `patch_kernel` other
-than the patch size, and another `attn_score` than `scaled_dot`. Fixed sin/cos
-position encodings are exported as timm's position table holding the same values (equal logits;
-in timm the table is then a parameter that fine-tuning may change). An existing non-empty `--out`
-folder is refused unless `--overwrite` is given, and even then only regular files are replaced in it (not a link
-or a device); the files are written to a temporary folder beside it first, so a full disk leaves it as it was.
+Refused, in one line naming the option, are models timm cannot compute: a `patch_kernel` other than the patch
+size, an `attn_score` other than `scaled_dot`. Fixed sin/cos encodings are exported as a timm position table of
+the same values (in timm a parameter, which fine-tuning may change). A non-empty `--out` is refused without
+`--overwrite`, and even then only regular files are replaced in it; the files are written to a temporary folder
+beside it first, so a full disk leaves it untouched.
 """
 
 from __future__ import annotations
@@ -152,8 +140,8 @@ def training_record(checkpoint: dict) -> dict:
 def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None) -> str:
     """The export's `README.md`: Hub front matter (`library_name: timm`), then what a person needs to use the model.
 
-    `args` are `timm_args`, `data_config` timm's preprocessing keys, `training` what `training_record` found.
-    Every value that comes from the checkpoint is written through `markdown_text`.
+    `args` are `timm_args`, `training` is `training_record`'s; every value from the checkpoint goes through
+    `markdown_text`.
     """
     import yaml
 
@@ -273,8 +261,8 @@ def export(backbone: VisionTransformer, out: Path, data_config: dict, names: lis
         # model_args given explicitly: timm versions that do not record a model's arguments write them too.
         save_for_hf(exported, tmp, model_config={"label_names": names, "model_args": timm_args(backbone)},
                     safe_serialization=True)
-        # safetensors creates its file with mode 0600; config.json was created by open(), under the umask,
-        # as every new file is: the weights get the same permissions, so whoever may read one reads both.
+        # safetensors creates its file with mode 0600, config.json has the umask's mode: the weights get the
+        # same permissions, so whoever may read one reads both.
         os.chmod(Path(tmp) / "model.safetensors", stat.S_IMODE(os.stat(Path(tmp) / "config.json").st_mode))
         (Path(tmp) / "README.md").write_text(model_card(timm_args(backbone), data_config, names, training))
         out.mkdir(exist_ok=True)
@@ -318,7 +306,7 @@ def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, lis
     backbone, data_config, names, training = prepared
     try:
         export(backbone, args.out, data_config, names, training)
-    except (OSError, SafetensorError) as err:  # a full disk: the temporary folder is gone, --out is as it was
+    except (OSError, SafetensorError) as err:  # a full disk: the temporary folder is gone, --out is untouched
         return write_failed("--out", args.out / "model.safetensors" if isinstance(err, SafetensorError) else args.out,
                             err)
     print(f"wrote {args.out / 'model.safetensors'}, config.json and README.md ({len(names)} classes); "

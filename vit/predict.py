@@ -3,34 +3,21 @@
     python -m vit.predict --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt \\
         --input_dir my_images/ --output predictions.csv
 
-Everything comes from the checkpoint alone (`vit.training.checkpoint`): the model (LightningCLI records
-the backbone's config in it) and its `inputs`, the image size, channels, normalisation and
-interpolation the model was trained with; no training data or pretrained file is needed. Each
-image is converted the same way:
+Everything comes from the checkpoint alone (`vit.training.checkpoint`): the model, its class names and the `inputs`
+it was trained with (image size, channels, normalisation, interpolation); no training data or pretrained file is
+needed. Each image is decoded upright by its EXIF orientation, a large JPEG at a reduced scale, 16-bit and float
+images by their real range (`vit.data.images.decode_image`); converted to RGB or to grayscale (ITU-R 601 luma) per
+`in_chans`, alpha dropped; resized to the recorded `[H, W]` with the recorded interpolation, antialiased and
+without cropping (the aspect ratio is not kept); and normalised with the recorded `(mean, std)`, if any.
 
-1. decoded with Pillow (PNG, JPEG, TIFF and anything else Pillow reads) and turned upright by its
-   EXIF orientation, a large JPEG at a reduced scale, never below four times the input size
-   (`vit.data.images.decode_image`); 16-bit and float images are scaled to [0, 1] by their
-   real range (`vit.data.images.to_input`), not clipped;
-2. converted to RGB (3 channels) or to grayscale (1 channel, ITU-R 601 luma), per the model's
-   `in_chans`; an alpha channel is dropped;
-3. resized to the recorded `img_size`, `[H, W]` (bilinear, or bicubic for CIFAR as in its training;
-   antialiased; the aspect ratio is not kept, so nothing is cropped away);
-4. scaled to [0, 1] and normalised with the recorded `(mean, std)` (CIFAR, image folders) or left
-   as is (two-circles, whose training pixels are raw values in [0, 1]).
-
-Files that cannot be read as images are reported by name and skipped, as are broken links, named
-pipes and devices (a link to `/dev/zero`); hidden files (a name starting with '.', such as
-`.DS_Store`) and sub-folders are ignored. The CSV has one row per image: `file` (relative to the
-input folder), `class_name`, `class_index` and `probability` (softmax of that class); `--topk K`
-adds the next K - 1 classes as `class_name_2`, `class_index_2`, `probability_2`, ...
-(`vit.training.predictions`). A name that is not valid UTF-8 is written with backslash escapes
-(`caf\\xff.png` for the byte 0xFF), and a name starting with `=`, `+`, `-`, `@`, a tab or a carriage
-return gets a single quote in front (`'=cmd.png`), so that a spreadsheet shows it instead of running it
-as a formula. The class names are those the checkpoint records (the data module's class
-names: folder names, CIFAR's label names). Nothing in the input folder is written; an existing output file is kept
-unless `--overwrite` is given, and only a regular file is ever replaced (not a link or a device such as `/dev/null`).
-The CSV is written to a temporary file first, then renamed: a full disk leaves the earlier output as it was.
+Files that cannot be read as images, broken links, named pipes and devices are reported by name and skipped;
+hidden files (`.DS_Store`) and sub-folders are ignored. The CSV has one row per image: `file` (relative to the
+input folder), `class_name`, `class_index` and `probability` (softmax); `--topk K` adds `class_name_2`,
+`class_index_2`, `probability_2`, ... (`vit.training.predictions`). A name that is not valid UTF-8 is written
+with backslash escapes (`caf\\xff.png`), and one starting with `=`, `+`, `-`, `@`, a tab or a carriage return
+gets a leading single quote (`'=cmd.png`), so that a spreadsheet shows it instead of running it as a formula.
+Nothing in the input folder is written. An existing output is replaced only with `--overwrite` and only when it
+is a regular file, through a temporary file renamed at the end, so a full disk leaves it untouched.
 """
 
 from __future__ import annotations
@@ -142,7 +129,7 @@ def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compos
     probs = class_probabilities(model, images, args.batch_size, args.device)
     try:
         write_csv(args.output, *prediction_table(names, probs, model.class_names, args.topk))
-    except OSError as err:  # a full disk: write_csv has removed its temporary file, --output is as it was
+    except OSError as err:  # a full disk: write_csv has removed its temporary file, --output is untouched
         return write_failed("--output", args.output, err)
     print(f"wrote {len(names)} predictions to {args.output}" + (f"; skipped {len(skipped)} file(s)" if skipped else ""))
     return 0

@@ -20,13 +20,11 @@ class DataNotFoundError(FileNotFoundError):
 class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     """A data module with `train_set`, `val_set` and `test_set` (built by `setup`), served by `_loader`.
 
-    `predict` serves the test split. Subclasses write `setup` (and `_loader(dataset, train)` when the
-    default one does not fit); the training loader takes its sampler from `train_sampler` so that its
-    order survives a resume.
-    `img_size` and `in_chans` are read from the hyperparameters of the same names unless overridden.
-    A subclass that sets `mixup` (`vit.data.transforms.batch_mixup`) gets its training batches mixed on the
-    device: `(x, y)` becomes `(x_mixed, y, y_soft)`, `y` the hard labels (train accuracy is measured
-    against them) and `y_soft` the `(B, num_classes)` mixed targets, whose rows sum to 1.
+    `predict` serves the test split. Subclasses write `setup` (and `_loader(dataset, train)` when the default
+    one does not fit); the training loader takes its sampler from `train_sampler` so that its order survives a
+    resume. A subclass that sets `mixup` (`vit.data.transforms.batch_mixup`) gets its training batches mixed on
+    the device: `(x, y)` becomes `(x_mixed, y, y_soft)`, `y` the hard labels (train accuracy is measured against
+    them) and `y_soft` the `(B, num_classes)` mixed targets, whose rows sum to 1.
     """
 
     mixup: Mixup | None = None
@@ -50,8 +48,7 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-        """Per-channel ``(mean, std)`` applied after scaling pixels to [0, 1];
-        ``None``: the pixels are used as they are."""
+        """Per-channel ``(mean, std)`` applied after scaling pixels to [0, 1]; ``None``: the pixels as they are."""
         return None
 
     def inputs(self) -> dict:

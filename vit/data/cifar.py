@@ -1,8 +1,7 @@
 """CIFAR-10 / CIFAR-100 as a LightningDataModule, with the augmentations ViTs need on small data.
 
-Pixels are decoded by torchvision's own CIFAR datasets and augmented per image by torchvision
-v2 transforms in the DataLoader workers; Mixup/CutMix (timm) mixes whole batches after they reach
-the device.
+Pixels are decoded by torchvision's own CIFAR datasets and augmented per image by torchvision v2 transforms in the
+DataLoader workers; Mixup/CutMix (timm) mixes whole batches after they reach the device.
 """
 
 import pickle
@@ -55,42 +54,27 @@ class CIFARCorruptedError(CIFARNotFoundError):
 class CIFARDataModule(SplitDataModule):
     """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set, and its test set.
 
-    Splits: `val_size` images of the official 50,000 training images are held out for validation by
-    a permutation seeded with `seed` (45,000 / 5,000 by default); the official 10,000 test images are
-    used by `test` and `predict` only. The validation subset is drawn from a second dataset object
-    over the same files that carries the eval transforms, so validation images are never augmented.
+    `val_size` of the official 50,000 training images are held out for validation by a permutation seeded
+    with `seed`; the official 10,000 test images serve `test` and `predict` only. Validation images come from
+    a second dataset object over the same files, with the eval transforms, so they are never augmented.
 
-    Per-image augmentations (training only, in the DataLoader workers), in this order:
-    `random_crop` (32x32 crop of the image zero-padded by 4), then `vit.data.transforms.train_transform`'s:
-    `horizontal_flip`, `auto_augment` (with torchvision's CIFAR10 policy for "autoaugment"),
-    normalisation with the dataset's mean/std, `random_erasing`.
+    Per-image augmentations (training only, in the DataLoader workers): `random_crop` (32x32 out of the image
+    zero-padded by 4), then `vit.data.transforms.train_transform`'s (torchvision's CIFAR10 policy for
+    "autoaugment"). Mixup / CutMix (`vit.data.transforms.batch_mixup`) mixes whole training batches on the
+    device (`SplitDataModule`); `batch_size` must then be even, and the training loader drops its last
+    incomplete batch. `repeated_augmentation=k` shows each image k times in a row within an epoch of the same
+    length (Lee et al. 2021 train with k=3).
 
-    Mixup / CutMix (timm's `Mixup`, built by `vit.data.transforms.batch_mixup`, shared with the image
-    folders) is applied to whole batches in `on_after_batch_transfer`, i.e. on the device, while the
-    trainer is training and `mixup_alpha > 0` or `cutmix_alpha > 0`. The batch `(x, y)` then becomes
-    `(x_mixed, y, y_soft)`: `y` stays the hard labels (train accuracy is measured against them) and
-    `y_soft` is the `(B, num_classes)` float target, mixed with the flipped batch and WITHOUT label
-    smoothing: the LightningModule applies its own label smoothing with
-    `F.cross_entropy(logits, y_soft, label_smoothing=...)`, which accepts probability targets.
-    `mixup_prob` is the probability of mixing a batch at all, `mixup_switch_prob` the probability of
-    CutMix instead of Mixup when both alphas are positive. timm mixes a batch with its flip, which
-    needs an even batch size: `batch_size` must be even when mixing is on, and the training loader
-    drops the last incomplete batch.
+    `prepare_data` downloads the files (rank 0 only) when `download` is true. Missing files that cannot be
+    downloaded raise `CIFARNotFoundError` before training starts, naming the folder, the files expected and
+    how to get them; files that are unreadable or not the official ones (MD5) raise `CIFARCorruptedError`,
+    naming each file and its problem.
+    The training order is shuffled by the run's seed and restored mid-epoch on resume (`vit.data.resumable`);
+    the random augmentations after a resume are drawn afresh.
 
-    Data are downloaded by `prepare_data` (rank 0 only, as Lightning calls it) when `download` is
-    true. Missing files that cannot be downloaded raise `CIFARNotFoundError` before training starts,
-    naming the folder, the files expected and how to get them; files that are there but unreadable
-    or not the official ones (MD5) raise `CIFARCorruptedError`, naming each file and its problem.
-
-    The training order is shuffled by the run's seed and restored mid-epoch when a run resumes from
-    a checkpoint (`vit.data.resumable`); the random augmentations after a resume are drawn afresh.
-    `repeated_augmentation=k` shows each image k times in a row within an epoch of the same length
-    (Lee et al. 2021 train with k=3), still resumable.
-
-    For a pretrained model: `img_size` upsamples the images (bicubic, after the 32x32 augmentations)
-    to the resolution it expects (a side, or `[H, W]`, stretched: the aspect ratio is not kept), and
-    `normalization` uses the statistics it was trained with ("imagenet" or "inception") instead of CIFAR's
-    ("cifar").
+    For a pretrained model: `img_size` upsamples the images (bicubic, after the 32x32 augmentations) to its
+    resolution (a side, or `[H, W]`, stretched), and `normalization` uses the statistics it was trained with
+    ("imagenet" or "inception") instead of CIFAR's ("cifar").
     """
 
     interpolation = "bicubic"  # the upsampling of `img_size` (`vit.data.transforms`)
@@ -182,9 +166,7 @@ class CIFARDataModule(SplitDataModule):
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Per-channel `(mean, std)` the inputs are normalised with, after scaling pixels to [0, 1]: the
-        dataset's own statistics, or those a pretrained model was trained with (timm's ImageNet or
-        inception (0.5) values)."""
+        """Per-channel `(mean, std)` after scaling pixels to [0, 1]: the dataset's own, or timm's (`MEAN_STD`)."""
         if self.hparams.normalization == "cifar":
             return CIFAR_MEAN_STD[self.dataset]
         return MEAN_STD[self.hparams.normalization]

@@ -56,8 +56,7 @@ def not_a_file(path: str | os.PathLike) -> str | None:
 def list_files(folders: list[str]) -> tuple[list[list[str]], dict[str, str]]:
     """The regular files under each of `folders` (see the module doc), and `{path: why}` of what was left out.
 
-    Folders and files are shared across `folders`: a link from one class folder into another lists
-    nothing twice.
+    Folders and files are shared across `folders`: a link from one class folder into another lists nothing twice.
     """
     skipped: dict[str, str] = {}
     seen_folders: set[str] = set()

@@ -3,23 +3,16 @@
     my_images/cats/001.jpg, my_images/dogs/002.png, ...            a seeded train/val/test split
     my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
 
-A split that has no folder of its own is drawn from the training images (`val_fraction`,
-`test_fraction`), so the images that choose the checkpoint are never the ones that score it; which
-file went where is `split_files`, and `split.json` in the run folder.
+A split without a folder of its own is drawn from the training images (`val_fraction`, `test_fraction`), so
+the images that choose the checkpoint never score it; which file went where is `split_files`, and `split.json`
+in the run folder. A root that fits neither layout (`val/` or `test/` without `train/`, or `train/` beside other
+folders) is an error.
 
-A root with `val/` or `test/` but no `train/`, or with `train/` beside other folders, fits neither
-layout and is an error. Hidden entries (`.ipynb_checkpoints/`, `.git/`, `.DS_Store`: any name
-starting with '.') are ignored at every level. Links are followed, but each folder is entered and
-each file counted once, and only regular files are read: pipes and devices are skipped
-(`vit.data.files`). Class names are the folders' names as text (`text_name`: a byte that is not
-UTF-8 is written `\\xff`); the files are read from their real paths.
-
-Images are read with Pillow (`decode_image`): turned upright by their EXIF orientation, a large
-JPEG decoded at a reduced scale, and converted to RGB (or grayscale for `in_chans=1`), whatever
-their mode (palette, RGBA, 16-bit and float: see `to_input`). Every file is decoded once at
-`setup`, so a truncated or corrupt one is skipped and listed then, not met mid-epoch; an empty
-folder, a class folder without a readable image (named with each file and why), or a single class
-is an error.
+Hidden entries (any name starting with '.') are ignored at every level. Links are followed, but each folder is
+entered and each file counted once, and only regular files are read (`vit.data.files`). Class names are the
+folders' names as text (`text_name`). Images are decoded upright, in RGB or grayscale (`in_chans`) whatever
+their mode (`decode_image`), each file once at `setup`, so a truncated or corrupt one is skipped and listed then,
+not met mid-epoch; an empty folder, a class folder without a readable image, or a single class is an error.
 """
 
 from __future__ import annotations
@@ -62,23 +55,19 @@ class ImageFolderDataModule(SplitDataModule):
     """Train / val / test splits of a folder of class folders, resized to `img_size` (a side, or `[H, W]`).
 
     Args:
-        root: the folder. With `train/` inside, `train/`, `val/` and `test/` are used as given (each
-            missing one split off `train/`); otherwise `root`'s class folders are split three ways.
-        val_fraction: share of the images held out for validation (choosing the checkpoint) when there
-            is no `val/`, seeded by `seed` and stratified by nothing (a random permutation).
-        test_fraction: share held out for the test after `fit` when there is no `test/`, drawn from the
-            same permutation, after the validation images: disjoint from both other splits. The
-            default 0.1 keeps the reported score off the images that chose the checkpoint; 0 asks for
-            the old behaviour, where the validation split is also the test split (a score biased upward).
-        normalization: the mean/std the pretrained weights expect: "imagenet" (timm's default),
-            "inception" (0.5/0.5, the augreg ViTs), or "none" (pixels in [0, 1]). timm's
-            `resolve_data_config(model=...)` tells which a timm model wants.
-        random_resized_crop: timm's / torchvision's `RandomResizedCrop` for training (else a resize);
-            then `vit.data.transforms.train_transform`'s augmentations (`horizontal_flip`, `auto_augment`
-            with ImageNet's policy for "autoaugment", `randaugment_*`, `random_erasing`), as for CIFAR.
-        mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: Mixup / CutMix of training batches on
-            the device, as for CIFAR (`vit.data.transforms.batch_mixup`): a batch becomes `(x, y, y_soft)`,
-            `batch_size` must be even and the last incomplete training batch is dropped. Off by default.
+        root: with `train/` inside, `train/`, `val/` and `test/` are used as given (each missing one split off
+            `train/`); otherwise `root`'s class folders are split three ways.
+        val_fraction: share of the images held out for validation (choosing the checkpoint) when there is no
+            `val/`, by a permutation seeded with `seed` (not stratified).
+        test_fraction: share held out for the test when there is no `test/`, from the same permutation after
+            the validation images. 0 makes the validation split the test split too (a score biased upward).
+        normalization: the mean/std the pretrained weights expect: "imagenet" (timm's default), "inception"
+            (0.5/0.5, the augreg ViTs) or "none" (pixels in [0, 1]); timm's `resolve_data_config(model=...)`
+            tells which a timm model wants.
+        random_resized_crop: `RandomResizedCrop` for training (else a resize), then
+            `vit.data.transforms.train_transform`'s augmentations (ImageNet's policy for "autoaugment").
+        mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: Mixup / CutMix of training batches, as for
+            CIFAR (`vit.data.transforms.batch_mixup`); off by default.
     """
 
     def __init__(
@@ -231,7 +220,7 @@ class ImageFolderDataModule(SplitDataModule):
         train_full = self._images(source, self.train_transform)
         eval_full = self._images(source, self.eval_transform)
         n = len(train_full)
-        # One seeded permutation: validation first (the same images as before test_fraction existed), then test.
+        # One seeded permutation: validation first, then test, then training.
         n_val = 0 if val_dir is not None else max(1, round(self.hparams.val_fraction * n))
         n_test = 0 if test_dir is not None or self.hparams.test_fraction == 0 else max(
             1, round(self.hparams.test_fraction * n))

@@ -37,13 +37,11 @@ class UnreadableImageError(ValueError):
 def decode_image(path: str | os.PathLike, size: tuple[int, int] | None = None) -> Image.Image | torch.Tensor:
     """The image at `path`, upright, as `to_input` gives it; `UnreadableImageError` (file: why) when it cannot be read.
 
-    Only a regular file is opened (a named pipe would block forever). The EXIF orientation is applied
-    (`ImageOps.exif_transpose`: a phone photo stored sideways comes out as it was taken). With `size`,
-    the model's input `(H, W)`, a JPEG is decoded at 1/2, 1/4 or 1/8 scale (`Image.draft`, in the
-    decoder, so a 144-megapixel photo never takes its full 1.7 GB) as long as both sides stay at least
-    `DRAFT_MARGIN` times the input's longest side: a JPEG under `2 * DRAFT_MARGIN` times it is decoded
-    whole, as before. Pillow's decompression-bomb guard (`Image.MAX_IMAGE_PIXELS`) is kept, with the
-    file named.
+    Only a regular file is opened (a named pipe would block forever), and its EXIF orientation is applied (a
+    phone photo stored sideways comes out as it was taken). With `size`, the model's input `(H, W)`, a JPEG is
+    decoded at 1/2, 1/4 or 1/8 scale (`Image.draft`, in the decoder, so a 144-megapixel photo never takes its
+    full 1.7 GB) as long as both sides stay at least `DRAFT_MARGIN` times the input's longest side. Pillow's
+    decompression-bomb guard (`Image.MAX_IMAGE_PIXELS`) is kept, with the file named.
     """
     if (why := not_a_file(path)) is not None:
         raise UnreadableImageError.for_file(path, why)
@@ -107,23 +105,20 @@ def build_transform(img_size: int | tuple[int, int], in_chans: int, normalizatio
 def read_images(input_dir: Path, transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
     """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
 
-    Sub-folders (and links to them) are not searched and hidden files (`.DS_Store`, `._photo.jpg`)
-    are ignored; every other entry is read as `read_image_files` reads it, so a pipe or a device is
-    listed as skipped.
+    Sub-folders (and links to them) are not searched and hidden files (`.DS_Store`, `._photo.jpg`) are ignored;
+    every other entry is read as `read_image_files` reads it, so a pipe or a device is listed as skipped.
     """
     paths = [path for path in sorted(input_dir.iterdir()) if not path.name.startswith(".")]
     return read_image_files([p for p in paths if not p.is_dir()], transform)
 
 
 def read_image_files(paths: list[Path], transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors (`transform` of `decode_image` of each file) of the readable images among `paths`,
-    and `{name: reason}` of the others.
+    """Names and tensors (`transform` of `decode_image` of each file) of the readable images among `paths`, and
+    `{name: reason}` of the others: broken or looping links, pipes, devices, files Pillow cannot decode or that
+    are over its decompression-bomb limit.
 
-    The names are the files' names as text (`text_name`: a byte that is not UTF-8 is written `\\xff`).
-    A JPEG is decoded at a reduced scale for the size of `transform`'s resize (`decode_image`).
-    Broken and looping symbolic links, what is not a regular file (a named pipe, a device) and an
-    image over Pillow's decompression-bomb limit are skipped with the reason, like files Pillow cannot
-    decode.
+    The names are the files' names as text (`text_name`). A JPEG is decoded at a reduced scale for the size of
+    `transform`'s resize.
     """
     resize = [step for step in getattr(transform, "transforms", ()) if isinstance(step, v2.Resize)]
     size = tuple(resize[0].size) if resize else None

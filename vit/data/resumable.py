@@ -1,20 +1,18 @@
 """A shuffled training order that a checkpoint can restore in the middle of an epoch.
 
-Lightning 2.6 restores the model, optimizer and loop counters from a checkpoint, but not where the
-training DataLoader was in its epoch: a plain `DataLoader(shuffle=True)` starts a fresh permutation,
-so a run resumed mid-epoch sees other batches than an uninterrupted one. (Its own hook for
-"stateful" loaders does not help here: the first iterator is created before the checkpoint's loader
-state is loaded whenever `configure_optimizers` reads `trainer.estimated_stepping_batches`, as
-`ImageClassifier` does, and the prefetched batch is counted as consumed.)
+Lightning 2.6 restores the model, optimizer and loop counters from a checkpoint, but not where the training
+DataLoader was in its epoch: a plain `DataLoader(shuffle=True)` starts a fresh permutation, so a run resumed
+mid-epoch sees other batches than an uninterrupted one. (Its hook for "stateful" loaders does not help: the first
+iterator is created before the loader state is loaded whenever `configure_optimizers` reads
+`trainer.estimated_stepping_batches`, as `ImageClassifier` does, and the prefetched batch counts as consumed.)
+Two pieces restore the position:
 
-The fix has two parts:
-
-* `ResumableSampler`: the permutation of an epoch is a pure function of `(seed, epoch)` (it is a
-  `DistributedSampler`, so under DDP each process takes its own stride of the same permutation and
-  Lightning leaves it in place), and it can be told to start `k` samples into an epoch.
-* `ResumableTrainingData`: a LightningDataModule mixin whose `state_dict` records the position
-  from the trainer's own counters (`epoch`, batches trained this epoch) when a checkpoint is
-  written; `load_state_dict` runs before the training DataLoader is built, which then starts there.
+* `ResumableSampler`: the permutation of an epoch is a pure function of `(seed, epoch)` (a `DistributedSampler`,
+  so under DDP each process takes its own stride of it and Lightning leaves it in place), and it can start
+  `k` samples into an epoch.
+* `ResumableTrainingData`: a data-module mixin whose `state_dict` records the position from the trainer's
+  counters when a checkpoint is written; `load_state_dict` runs before the training DataLoader is built,
+  which then starts there.
 
 Exactness needs the same batch size, number of processes and seed as the interrupted run.
 """
@@ -34,15 +32,12 @@ from vit.checks import check_int
 class ResumableSampler(DistributedSampler):
     """`DistributedSampler` with shuffling that can start mid-epoch after `resume_at`.
 
-    The order of epoch `e` is `randperm(len(dataset))` from a generator seeded with `seed + e`;
-    process `rank` of `num_replicas` takes every `num_replicas`-th index of it. Lightning calls
-    `set_epoch` at the start of every epoch. `resume_at(epoch, num_samples)` makes the next
-    iteration (only) skip this process's first `num_samples` indices of that epoch.
-
-    `repeats > 1` is repeated augmentation (Hoffer et al. 2020; DeiT's `RASampler`, which Lee et al.
-    2021 train with): each index of the permutation appears `repeats` times in a row, so its
-    copies go to consecutive processes (or batches) and are augmented differently, and the epoch
-    keeps the dataset's length, i.e. it covers the first `1 / repeats` of the permutation.
+    The order of epoch `e` is `randperm(len(dataset))` from a generator seeded with `seed + e`; process `rank`
+    of `num_replicas` takes every `num_replicas`-th index of it (Lightning calls `set_epoch` every epoch).
+    `repeats > 1` is repeated augmentation (Hoffer et al. 2020; DeiT's `RASampler`, which Lee et al. 2021 train
+    with): each index appears `repeats` times in a row, so its copies go to consecutive processes (or batches)
+    and are augmented differently, and the epoch keeps the dataset's length, covering the first `1 / repeats`
+    of the permutation.
     """
 
     def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
@@ -53,7 +48,7 @@ class ResumableSampler(DistributedSampler):
         self._skip = 0
 
     def resume_at(self, epoch: int, num_samples: int) -> None:
-        """Start the next iteration in epoch `epoch`, after this process's first `num_samples` samples."""
+        """Start the next iteration (only) in epoch `epoch`, after this process's first `num_samples` samples."""
         if epoch < 0 or not 0 <= num_samples <= self.num_samples:
             raise ValueError(f"cannot resume at epoch={epoch}, sample {num_samples} of {self.num_samples}")
         self.set_epoch(epoch)
@@ -73,8 +68,8 @@ class ResumableSampler(DistributedSampler):
 def shuffle_seed() -> int:
     """The run's seed (`seed_everything`, read back from `PL_GLOBAL_SEED`), 0 when none was set.
 
-    Lightning seeds the samplers it inserts for DDP the same way, so the order does not depend on
-    how many random numbers model initialisation happened to draw.
+    Lightning seeds the samplers it inserts for DDP the same way, so the order does not depend on how many
+    random numbers model initialisation happened to draw.
     """
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
@@ -82,8 +77,8 @@ def shuffle_seed() -> int:
 def training_position(trainer) -> dict[str, int]:
     """`{"epoch", "batches_done"}` of the next training batch, from the trainer's loop counters.
 
-    Called while a checkpoint is written: after a training step (`on_train_batch_end`) the step's
-    batch counts as done; after the last batch of an epoch the position is the next epoch's start.
+    Called while a checkpoint is written: after a training step (`on_train_batch_end`) the step's batch counts as
+    done; after the last batch of an epoch the position is the next epoch's start.
     """
     epoch = trainer.current_epoch
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
@@ -95,9 +90,8 @@ def training_position(trainer) -> dict[str, int]:
 class ResumableTrainingData:
     """Mixin for a LightningDataModule (put it first in the bases) whose training order survives a resume.
 
-    The data module builds its training DataLoader with `sampler=self.train_sampler(dataset,
-    batch_size)` and `generator=self.loader_generator()`; the mixin supplies `state_dict` /
-    `load_state_dict`, which Lightning saves in and restores from checkpoints.
+    The data module builds its training DataLoader with `sampler=self.train_sampler(dataset, batch_size)` and
+    `generator=self.loader_generator()`; Lightning saves the mixin's `state_dict` in checkpoints and restores it.
     """
 
     _resume_position: dict[str, int] | None = None
@@ -117,9 +111,8 @@ class ResumableTrainingData:
     def loader_generator() -> torch.Generator:
         """A generator of its own for the DataLoader, which draws its worker seed from it.
 
-        Without one, every new DataLoader iterator draws from the global torch RNG, so whether an
-        iterator was created before or after a checkpoint was restored would shift the random
-        numbers (dropout, drop-path) of every later step.
+        From the global torch RNG instead, whether an iterator is created before or after a checkpoint is restored
+        would shift the random numbers (dropout, drop-path) of every later step.
         """
         return torch.Generator().manual_seed(shuffle_seed())
 

@@ -1,39 +1,30 @@
 """Same-different pairs: are the two shapes the same? A relation with no position shortcut.
 
-Each image holds two small shapes from a fixed set of ``NUM_SHAPES`` patterns, placed independently
-anywhere in the image. Label 1: both shapes are the same pattern; label 0: two different patterns.
-This is the same-different problem of Kim, Ricci & Serre (2018), built so that no cheap cue gives
-the label away:
+Each image holds two small shapes from a fixed set of ``NUM_SHAPES`` patterns, placed independently anywhere.
+Label 1: the same pattern twice; label 0: two different patterns. The same-different problem of Kim, Ricci &
+Serre (2018), built so that no cheap cue gives the label away:
 
-* **Position carries nothing.** Both positions are drawn before and independently of the label
-  (uniform over the allowed placements, boxes never touching), so every position-only classifier,
-  corners and borders included, is at chance by construction (``studies.runner.shortcuts``
-  measures it).
-* **Ink carries nothing.** Every pattern has exactly ``SHAPE_PIXELS`` pixels on, so every image has
-  the same amount of ink.
-* **One shape alone carries nothing.** Each shape's pattern is uniform over the set in both
-  classes. A score that adds up the two shapes seen *separately*, ``h(a) + h(b)`` (a CNN whose
-  units see one shape at most, read out by global average pooling and a linear head, with
-  features that do not depend on where a shape is), is bounded by ``bag_of_shapes_ceiling``
-  (66.7% for 4 shapes), and trained with cross-entropy its optimum is the constant score (loss
-  ln 2, 50%): the loss is convex in ``h`` and symmetric under relabelling the shapes. The bound
-  is about that readout, not about seeing the shapes separately: under global max pooling, a
-  bag of one-shape detectors separates the classes exactly ("one kind present" against "two"),
-  and position-dependent features (zero padding) escape the additive form.
+* **Position carries nothing.** Both positions are drawn before and independently of the label (uniform over
+  the allowed placements, boxes never touching), so every position-only classifier, corners and borders
+  included, is at chance by construction (``studies.runner.shortcuts`` measures it).
+* **Ink carries nothing.** Every pattern has exactly ``SHAPE_PIXELS`` pixels on.
+* **One shape alone carries nothing.** Each shape's pattern is uniform over the set in both classes. A score that
+  adds up the two shapes seen *separately*, ``h(a) + h(b)`` (a CNN whose units see one shape at most, read out by
+  global average pooling and a linear head, with features that do not depend on where a shape is), is bounded by
+  ``bag_of_shapes_ceiling`` (66.7% for 4 shapes); trained with cross-entropy its optimum is the constant score
+  (loss ln 2, 50%): the loss is convex in ``h`` and symmetric under relabelling the shapes. The bound is about that
+  readout: global max pooling and position-dependent features (zero padding) escape it (``vit.models.cnn``).
 
-The patterns (``make_shapes``) are part of the task: four straight strokes 5 pixels long
-(horizontal, vertical, both diagonals), each in a ``SHAPE_SIZE`` x ``SHAPE_SIZE`` box; so the label
-is "same orientation". No pattern is a shifted copy of another, so the pattern of a shape is known
-from its pixels wherever it is. (Eight patterns, the strokes and four corners, lower the ceiling
-to 64.3%, but in pilots the best CNN reached only 84% in the study's 1000 steps, against 92% with
-the four strokes; studies/relation/README.md.)
+The patterns (``make_shapes``) are four straight strokes 5 pixels long (horizontal, vertical, both diagonals)
+in a ``SHAPE_SIZE`` x ``SHAPE_SIZE`` box, so the label is "same orientation". No pattern is a shifted copy of
+another, so a shape's pixels tell its pattern wherever it is. (Eight patterns, the strokes and four corners,
+would lower the ceiling to 64.3%, but the best CNN then reaches 84% in the study's 1000 steps, against 92%
+with the four strokes: studies/relation/README.md.)
 
-Distance. ``span`` is the side of the smallest square that holds both shapes' boxes,
-``max(|d_row|, |d_col|) + SHAPE_SIZE``: a convolutional unit can see both shapes whole only if its
-receptive field is at least ``span``; it is what the study's receptive-field figure bins by.
-
-Regions (``region``), for the translation test: ``"all"`` places boxes anywhere; ``"left"`` keeps
-both boxes in the left ``5/8`` of the columns, ``"right"`` in the right ``5/8``.
+``span``, the side of the smallest square that holds both boxes, is ``max(|d_row|, |d_col|) + SHAPE_SIZE``: a
+convolutional unit can see both shapes whole only if its receptive field is at least ``span`` (what the
+study's receptive-field figure bins by). ``region``, for the translation test: ``"all"`` places boxes
+anywhere, ``"left"`` / ``"right"`` keep both boxes in the left / right ``5/8`` of the columns.
 """
 
 from __future__ import annotations
@@ -69,12 +60,10 @@ def make_shapes() -> np.ndarray:
 def bag_of_shapes_ceiling(num_shapes: int = NUM_SHAPES) -> float:
     """Best accuracy of any rule ``h(shape_a) + h(shape_b) > t`` on balanced same/different pairs.
 
-    This is what a model that scores each shape on its own and adds the scores can reach (global
-    average pooling of local features, then a linear head). For a fixed threshold the best ``h``
-    marks a subset ``S`` of the shapes and calls a pair "same" iff both are in ``S`` (or iff
-    neither is, the mirror rule); the subset's size ``m`` is all that matters, so the maximum is
-    over ``m``: ``m / (2K) + (1 - m (m - 1) / (K (K - 1))) / 2``. ``tests/test_same_different.py``
-    checks it against a brute force over every score table with values in ``{-1, 0, 1}``.
+    For a fixed threshold the best ``h`` marks a subset ``S`` of the shapes and calls a pair "same" iff both are
+    in ``S`` (or iff neither is, the mirror rule); only the subset's size ``m`` matters, so the maximum is over
+    ``m``: ``m / (2K) + (1 - m (m - 1) / (K (K - 1))) / 2``. ``tests/test_same_different.py`` checks it against
+    a brute force over every score table with values in ``{-1, 0, 1}``.
     """
     k = num_shapes
     return max(0.5, *(m / (2 * k) + (1 - m * (m - 1) / (k * (k - 1))) / 2 for m in range(1, k + 1)))
@@ -200,11 +189,10 @@ def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: floa
 class SameDifferentDataModule(SyntheticDataModule):
     """Train, val and test splits of ``SameDifferentDataset``, each from its own seed derived from ``seed``.
 
-    Train and val are placed in ``train_region``, test in ``test_region`` (the translation test).
-    With ``held_out_shape`` (a pattern index, 0-3), train and val never show that pattern and every
-    test pair holds it: twice ("same") or beside one of the three trained patterns ("different"). A
-    model that compares the two strokes should still tell them apart; one that learned to detect the
-    three trained patterns has nothing to detect in a "same" pair.
+    Train and val are placed in ``train_region``, test in ``test_region``. With ``held_out_shape`` (a pattern
+    index, 0-3), train and val never show that pattern and every test pair holds it: twice ("same") or beside
+    a trained one ("different"). A model that compares the two strokes still tells them apart; one that learned
+    to detect the three trained patterns has nothing to detect in a "same" pair.
     """
 
     def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 1, noise: float = 0.05,

@@ -80,12 +80,11 @@ def batch_mixup(
 ) -> Mixup | None:
     """timm's batch `Mixup` for these options, or None when both alphas are 0 (mixing off).
 
-    `mixup_prob` is the probability of mixing a batch at all, `mixup_switch_prob` the probability of
-    CutMix instead of Mixup when both alphas are positive. The targets come out without label
-    smoothing: the LightningModule smooths hard and soft targets alike, and smoothing twice would
-    compound. timm mixes a batch with its flip, so `batch_size` must be even when mixing is on (and
-    the training loader drops its last incomplete batch). `SplitDataModule.on_after_batch_transfer`
-    applies it.
+    `mixup_prob` is the probability of mixing a batch at all, `mixup_switch_prob` the probability of CutMix instead
+    of Mixup when both alphas are positive. The targets come out without label smoothing: the LightningModule
+    smooths hard and soft targets alike, and smoothing twice would compound. timm mixes a batch with its flip, so
+    `batch_size` must be even when mixing is on (and the training loader drops its last incomplete batch).
+    `SplitDataModule.on_after_batch_transfer` applies it.
     """
     for name, value in [("mixup_prob", mixup_prob), ("mixup_switch_prob", mixup_switch_prob)]:
         check_float(name, value, 0.0, 1.0)  # probabilities

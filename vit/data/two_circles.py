@@ -1,39 +1,34 @@
 """Two-circles images whose class is a spatial relation between two distant circles.
 
-The "new object" of this project is *one circle in the top-left quadrant and one in the
-bottom-right quadrant*. Both circles look the same, so no local patch tells the class: a model
-has to relate two distant parts of the image. That is where a CNN (local view) and a ViT (global
-self-attention) are expected to differ.
+The "new object" of this project is *one circle in the top-left quadrant and one in the bottom-right
+quadrant*. Both circles look the same, so no local patch tells the class: a model has to relate two distant
+parts of the image, which is where a CNN (local view) and a ViT (global self-attention) are expected to differ.
 
-Coordinates. A centre is ``(row, col)`` in continuous pixel units: the image spans
-``[0, img_size]`` on both axes and pixel ``(i, j)`` has its centre at ``(i + 0.5, j + 0.5)``.
-A circle of radius ``r`` covers the pixels whose centre is closer than ``r + 0.5`` to its
-centre (``circle_masks``): a filled disc inks all of them (anti-aliased edge one pixel wide), a
-ring only its outer band.
+Coordinates. A centre is ``(row, col)`` in continuous pixel units: the image spans ``[0, img_size]`` on both
+axes and pixel ``(i, j)`` has its centre at ``(i + 0.5, j + 0.5)``. A circle of radius ``r`` covers the pixels
+whose centre is closer than ``r + 0.5`` to its centre (``circle_masks``): a filled disc inks all of them
+(anti-aliased edge one pixel wide), a ring only its outer band.
 
 Tasks (``task``):
 
-* ``"diagonal"``: two identical filled discs, each fully inside one quadrant (no ink crosses
-  the image midlines). Label 1: quadrants {top-left, bottom-right}. Label 0: any of the other
-  five pairs of distinct quadrants (TL-TR, TL-BL, TR-BL, TR-BR, BL-BR), drawn uniformly.
-* ``"relative"``: circle A is a filled disc, circle B a ring 1.5 px wide, anywhere in the image.
-  Label 1 iff A is above and to the left of B. Centres always differ by at least ``r`` on each
-  axis, so the sign of each offset is never ambiguous, and by at least ``2 r + 2`` in distance,
-  so the circles never touch. Label 0 takes the other three sign combinations, uniformly.
+* ``"diagonal"``: two identical filled discs, each fully inside one quadrant (no ink crosses the midlines).
+  Label 1: quadrants {top-left, bottom-right}; label 0: any of the other five pairs of distinct quadrants
+  (TL-TR, TL-BL, TR-BL, TR-BR, BL-BR), drawn uniformly.
+* ``"relative"``: circle A is a filled disc, circle B a ring ``RING_WIDTH`` px wide, anywhere in the image.
+  Label 1 iff A is above and to the left of B; label 0 takes the other three sign combinations, uniformly.
+  Centres differ by at least ``r`` on each axis, so the sign of each offset is never ambiguous, and by at
+  least ``2 r + 2`` in distance, so the circles never touch.
 
-Placement region (``region``), for the study of generalisation to unseen positions. A circle's
-*area* is its quadrant (``"diagonal"``) or the whole image (``"relative"``). Let ``e`` be the
-distance from the centre to the nearest side of its area and
-``t = (radius[1] + img_size / 4) / 2``: halfway between the closest a circle may come to a side
-and the middle of a quadrant (``region_threshold``). For 32x32 images and radius (3, 5),
-``t = 6.5``:
+Placement region (``region``), for generalisation to unseen positions. A circle's *area* is its quadrant
+(``"diagonal"``) or the whole image (``"relative"``); ``e`` is the distance from its centre to the nearest side
+of its area, and ``t = (radius[1] + img_size / 4) / 2`` (``region_threshold``) is halfway between the closest a
+circle may come to a side and the middle of a quadrant (``t = 6.5`` for 32x32 images and radius (3, 5)):
 
-* ``"all"``: every centre that keeps the circle inside its area (``e >= r``).
-* ``"inner"``: ``e >= t``, the centre lies in the middle square of the area.
-* ``"border"``: ``e < t``, the centre lies in the band along the sides of the area.
+* ``"all"``: every centre that keeps the circle inside its area (``e >= r``);
+* ``"inner"``: ``e >= t``, the middle square of the area;
+* ``"border"``: ``e < t``, the band along the sides of the area.
 
-``t`` does not depend on the radius of a sample, so "inner" and "border" are disjoint sets of
-centre positions, and their union is the "all" set.
+``t`` does not depend on a sample's radius, so "inner" and "border" are disjoint and their union is "all".
 """
 
 from typing import Literal, get_args
@@ -233,20 +228,15 @@ def render_circles(centers: torch.Tensor, radii: torch.Tensor, img_size: int, ta
 class TwoCirclesDataset(Dataset):
     """In-memory two-circles images generated deterministically from ``seed``; see the module doc.
 
-    Images are float32 ``(C, H, W)``: background 0, ink 1, plus Gaussian noise of std ``noise``
-    (not clipped, not normalised). With ``in_chans=3`` the grey image is repeated on the three
-    channels (a stride-0 view, so it costs no memory). Labels are int64, exactly balanced (the
-    counts differ by one when ``num_samples`` is odd).
-
-    Metadata for analysis: ``centers`` ``(N, 2, 2)`` float32 ``(row, col)`` in pixel units (for
-    ``"diagonal"`` circle 0 is the one in the lower-numbered quadrant TL < TR < BL < BR; for
-    ``"relative"`` circle 0 is the disc A, circle 1 the ring B), ``radii`` ``(N,)`` int64 (both
-    circles of a sample share it), and ``circle_mask(i)``.
+    Images are float32 ``(C, H, W)``: background 0, ink 1, plus Gaussian noise of std ``noise`` (not clipped,
+    not normalised), the grey image repeated on the ``in_chans`` channels. Labels are int64, exactly balanced.
+    Metadata: ``centers`` ``(N, 2, 2)`` float32 ``(row, col)`` in pixel units (``"diagonal"``: circle 0 in the
+    lower-numbered quadrant, TL < TR < BL < BR; ``"relative"``: circle 0 the disc A, circle 1 the ring B),
+    ``radii`` ``(N,)`` int64 (shared by both circles), and ``circle_mask(i)``.
 
     Args:
-        img_size: the side of the square images (an int, or `[H, H]`; the task is defined on a square).
+        img_size: the side of the square images (an int, or `[H, H]`).
         radius: inclusive range of integer radii, drawn uniformly per sample.
-        noise: std of the additive Gaussian pixel noise.
         region: where circle centres may be drawn: "all", "inner" or "border".
     """
 
@@ -292,14 +282,8 @@ class TwoCirclesDataset(Dataset):
 
 
 class TwoCirclesDataModule(SyntheticDataModule):
-    """Train, val and test splits of ``TwoCirclesDataset``, each from its own derived seed.
-
-    The three split seeds are spawned from ``seed`` by ``numpy.random.SeedSequence``, so the
-    splits are independent draws and never share an image. Train and val draw centres from
-    ``train_region``, test from ``test_region``. ``predict_dataloader`` serves the test split.
-    The training order is shuffled by the run's seed and restored mid-epoch on resume
-    (``vit.data.resumable``).
-    """
+    """Train, val and test splits of ``TwoCirclesDataset``, each from its own seed (``split_seeds``): train and
+    val draw centres from ``train_region``, test from ``test_region``."""
 
     def __init__(
         self,

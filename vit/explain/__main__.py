@@ -5,14 +5,9 @@
     python -m vit.explain --ckpt_path CKPT --image cat.jpg --target dog --out why_not_dog.png
 
 Works for any checkpoint written by `train.py`, the CNN included (it gets `gradcam` and `random`).
-The images are the files in `--input_dir` or given by `--image` (read as `vit.predict` reads them:
-every mode and bit depth, unreadable files skipped with the reason, hidden files ignored), else the
-first `--num_images` of the checkpoint's data module's test split. Each row is titled with the
-image, the predicted class name and its probability. The class-specific methods (`grad_rollout`,
-`chefer`, `gradcam`) explain the prediction, or `--target` (a class name, or an index when no class
-has that name); the others show what the model looks at whatever the class. The maps are drawn in a
-perceptual colour map over the image in grey, on the colour scale `--scale` picks; `--save-maps` keeps
-the raw maps, predictions and names in an `.npz` for your own plots.
+The images are read as `vit.predict` reads them (unreadable files skipped with the reason), else
+taken from the checkpoint's test split. The class-specific methods (`CLASS_METHODS`) explain the
+prediction or `--target`; the others show what the model looks at whatever the class.
 """
 
 from __future__ import annotations
@@ -62,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
-    """The arguments checked, then the checkpoint opened, with the methods its model can run and the class to
-    explain; without images given, the checkpoint's data module (for its test images)."""
+    """Check the arguments and open the checkpoint: its model, usable methods, target and (without images) data."""
     from vit.explain.relevance import usable_methods
     from vit.training.checkpoint import CheckpointError
     from vit.training.checkpoint.build import build_datamodule, open_model
@@ -179,8 +173,7 @@ def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], la
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Raise `ValueError`, before any work, for files that cannot be written (`check_output`) or images that are
-    not there."""
+    """Raise `ValueError`, before any work, for outputs that cannot be written or images that are not there."""
     check_image_format(args.out)
     check_output("--out", args.out, args.overwrite)
     if args.save_maps is not None:
@@ -196,10 +189,8 @@ def check_paths(args: argparse.Namespace) -> None:
 
 
 def check_image_format(out: Path) -> None:
-    """Raise `ValueError` unless matplotlib can write `out` in the format its extension names.
-
-    Without an extension matplotlib would append one and write another file than `out`.
-    """
+    """Raise `ValueError` unless matplotlib can write `out` in the format its extension names (without one,
+    matplotlib would append one and write another file)."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = sorted(FigureCanvasBase.get_supported_filetypes())

@@ -32,28 +32,20 @@ METHOD_TITLES = {"grad_rollout": "grad rollout"}  # a column's title; the others
 class RolloutImages(L.Callback):
     """Every `every_n_epochs` epochs (and after the last one), log rollout overlays of fixed images.
 
-    The images are the first validation images, taken round-robin over their labels so that every
-    class seen there shows up (positives and negatives on two-circles), and stay the same for the
-    whole run, so the dashboard shows how one set of maps changes with training. Each logged image
-    is a grid: one row per image (titled with label, prediction and its probability) and one
-    column per method in `methods`, computed with `vit.explain.relevance.relevance` on the backbone
-    (`pl_module.backbone`, else the module itself), whatever its `pool`, and drawn as `python -m vit.explain`
-    draws them (`vit.explain.plot.rollout_grid`: the image in grey under a colour map, with colour bars).
-
-    Methods the backbone cannot run (the attention methods on the CNN: `usable_methods`) are left
-    out with a single warning; a backbone that can run none of them logs nothing.
+    The images are the first validation images, round-robin over their labels so every class shows
+    up, and stay the same for the whole run, so the dashboard shows how one set of maps changes with
+    training. The grid is drawn as `python -m vit.explain` draws it (`rollout_grid`): one row per
+    image, one column per method, on the backbone (`pl_module.backbone`, else the module). Methods
+    the backbone cannot run (attention methods on the CNN) are left out with one warning.
 
     Args:
         every_n_epochs: log after epochs n, 2n, ... and after the last epoch (`max_epochs`).
         num_images: rows of the grid.
-        methods: any method of `vit.explain.relevance` ("attention", "rollout", "grad_rollout",
-            "flow", "chefer", "gradcam", "random"); the class-specific ones explain the prediction.
+        methods: methods of `vit.explain.relevance`; the class-specific ones explain the prediction.
         head_fusion, discard_ratio: options of "rollout"; see `vit.explain.rollout.attention_rollout`.
-        class_names: names for the titles; by default the model's `class_names` (the data module's),
-            else the class indices.
+        class_names: names for the titles; by default the model's `class_names`, else the class indices.
         scale: which maps share one colour scale: each image's `"row"`, the whole `"figure"`, or each
             `"panel"` alone (see `rollout_grid`); one scale per row keeps an untrained model's flat maps flat.
-        tag: the name of the image on the dashboard.
         dpi: resolution of the rendered grid (each cell is `vit.explain.plot.PANEL_INCHES` square).
     """
 
@@ -159,11 +151,7 @@ class RolloutImages(L.Callback):
         self.logged_epochs.append(trainer.current_epoch)
 
     def render(self, model: nn.Module, images: Tensor | None = None):
-        """The overlay grid of the chosen images for `model`, as a matplotlib Figure.
-
-        `images` are the chosen images as the model should get them (e.g. in its precision); by
-        default the chosen images as they are.
-        """
+        """The overlay grid of the chosen images (or `images`, e.g. in the model's precision) for `model`."""
         if self.images is None:
             raise RuntimeError("no images chosen yet: they are taken from the first validation batches")
         x = (self.images if images is None else images).to(next(model.parameters()).device)
@@ -190,10 +178,8 @@ class RelevanceScores(L.Callback):
     `val/relevance_mass/<method>`.
 
     Every `every_n_epochs` epochs (and after the last), the first `num_images` validation images
-    are mapped with each method (`vit.explain.relevance`) and scored against the masks the
-    validation set provides (`circle_mask(i)`, as two-circles does), through `pl_module.log`, so
-    TensorBoard, W&B and CSV all get them. Data without masks, and methods the backbone cannot
-    run (attention methods on a CNN), are skipped with one warning each.
+    are scored against the masks the validation set provides (`circle_mask(i)`, as two-circles
+    does). Data without masks, and methods the backbone cannot run, are skipped with one warning.
     """
 
     def __init__(self, *, methods: Sequence[str] = ("rollout", "chefer", "gradcam"), num_images: int = 64,
@@ -238,17 +224,14 @@ class RelevanceScores(L.Callback):
 class TestPredictionsTable(L.Callback):
     """After `test`, log a W&B table of test images, the mistakes first: `test/predictions`.
 
-    Columns: `image`, `true` and `predicted` (class names), `probability` (the softmax of the
-    predicted class) and, for a backbone with attention, `rollout` (the rollout overlay drawn as
-    `vit.explain.plot.overlay` draws it). Rows: the mistakes, most confident first, then correct
-    predictions in test order, at most `num_rows`, chosen by `RankedPredictions` as `TestMistakesGrid`'s
-    are. The logits are those `test_step` returns (`ImageClassifier` does); with several processes,
-    rank 0's share of the test set is shown. Without a W&B logger nothing is computed.
+    Columns: `image`, `true` and `predicted` (class names), `probability` (of the predicted class)
+    and, for a backbone with attention, the `rollout` overlay. Rows: chosen by `RankedPredictions`
+    from the logits `test_step` returns; with several processes, rank 0's share of the test set.
+    Without a W&B logger nothing is computed.
 
     Args:
         num_rows: the most rows the table has.
         class_names: names for the class columns; by default the model's `class_names`, else indices.
-        tag: the table's name on the dashboard.
     """
 
     def __init__(self, *, num_rows: int = 64, class_names: Sequence[str] | None = None,
@@ -305,17 +288,14 @@ class TestPredictionsTable(L.Callback):
 class TestMistakesGrid(L.Callback):
     """After `test`, log a grid of the most confident test mistakes, each titled with its true and predicted class.
 
-    The dashboards without W&B's table get it (TensorBoard's Images tab, CSV's `images/` PNGs);
-    a W&B logger is left out, since `TestPredictionsTable` shows it the same mistakes, and more.
-    The mistakes are chosen by `RankedPredictions` (most confident first, at most `num_images`)
-    from the logits `test_step` returns; with several processes, rank 0's share of the test set.
-    A test without mistakes logs no grid. After the test, `kept` holds what was drawn.
+    For loggers other than W&B (`TestPredictionsTable` shows it the same mistakes and more). The
+    mistakes come from `RankedPredictions` over the logits `test_step` returns (rank 0's share of the
+    test set); a test without mistakes logs no grid. After the test, `kept` holds what was drawn.
 
     Args:
         num_images: the most mistakes shown.
         columns: images in a row of the grid.
         class_names: names for the titles; by default the model's `class_names`, else the class indices.
-        tag: the name of the image on the dashboard.
         dpi: resolution of the rendered grid (each cell is 1.6 inches square).
     """
 

@@ -1,7 +1,6 @@
 """Relevance maps drawn over their images in grey: one overlay, and a grid of images x methods with colour bars.
 
-Matplotlib is imported inside the functions, so importing `vit.explain` stays light.
-"""
+Matplotlib is imported inside the functions, so importing `vit.explain` stays light."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ def overlay(
 ) -> np.ndarray:
     """Blend a patch map `(gh, gw)` over an image `(C, H, W)` shown in grey; returns `(H, W, 3)` floats in [0, 1].
 
-    The map is upsampled bilinearly to the image size and coloured with `cmap` from `vmin` (default:
-    the map's min) to `vmax` (default: its max), so the maps of `relevance` (which sum to 1) can be
-    passed as they are. The image is min-max scaled and shown in grey, so its own colours do not
+    The map is upsampled bilinearly and coloured from `vmin` to `vmax` (default: the map's min and max),
+    so `relevance`'s maps (which sum to 1) pass as they are. The image is grey so its colours do not
     mix with the colour map's.
     """
     import matplotlib
@@ -56,16 +54,14 @@ def rollout_grid(
 
     Args:
         images: `(B, C, H, W)`.
-        maps: column name -> patch maps `(B, gh, gw)`, e.g. {"rollout": ..., "grad rollout": ...}.
-        titles: optional per-row title shown above each image (e.g. label and prediction).
-        scale: which maps share one colour scale, from 0 (or the lowest value, if negative) to the
-            largest value among them: those of a `"row"` (one image, every method: one colour bar
-            per row) or of the whole `"figure"` (one colour bar). `"panel"` stretches each map from
-            its own min to its own max: where the relevance is within that map, however flat the
-            map is, so a near-uniform map looks as sharp as a peaked one.
+        maps: column name -> patch maps `(B, gh, gw)`.
+        titles: one title per row, above its image.
+        scale: which maps share one colour scale, from 0 (or the lowest value, if negative) to their
+            largest value: a `"row"`'s (one colour bar per row) or the whole `"figure"`'s. `"panel"`
+            stretches each map from its own min to its max, so a near-uniform map looks as sharp as a
+            peaked one.
 
-    Built on `matplotlib.figure.Figure`, not pyplot, so it needs no display and leaves no global
-    figure state behind (safe in a Lightning callback).
+    A `matplotlib.figure.Figure`, not pyplot's: no display needed, no global state left (safe in a callback).
     """
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize

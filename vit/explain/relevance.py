@@ -4,28 +4,22 @@
     pixels = to_pixels(maps, images.shape[-2:])         # (B, H, W), the same mass spread over pixels
 
 Methods (`Method`), each a published rule:
-- "attention": the last block's attention of the pooled token (the CLS row, the MAP query, or the
-  mean over rows for mean pooling) over the patches, heads averaged.
-- "rollout": Abnar & Zuidema 2020, attention rollout (options `head_fusion`, `discard_ratio`,
-  `start_layer`; `vit.explain.rollout.attention_rollout`).
-- "grad_rollout": rollout of the gradient-weighted maps `mean_h((dy/dA * A)^+)`, Chefer et al.'s
-  weighting in rollout's chain (option `start_layer`); class-specific.
+- "attention": the last block's attention of the pooled token over the patches, heads averaged.
+- "rollout": Abnar & Zuidema 2020, attention rollout (`vit.explain.rollout.attention_rollout`).
+- "grad_rollout": rollout of the gradient-weighted maps `mean_h((dy/dA * A)^+)` (Chefer et al.'s
+  weighting in rollout's chain); class-specific.
 - "flow": Abnar & Zuidema 2020, attention flow: the maximum flow from each input patch to the
-  pooled output through the layer graph whose capacities are the residual-mixed attention
-  `0.5 A + 0.5 I`, heads averaged (scipy's max-flow on integer capacities).
+  pooled output through the layers, with capacities `0.5 A + 0.5 I`, heads averaged.
 - "chefer": Chefer, Gur & Wolf 2021, "Generic Attention-model Explainability": `R = I`, then for
   each block `R <- R + mean_h((dy/dA * A)^+) R`, read at the pooled token; class-specific.
-- "gradcam": Selvaraju et al. 2017, Grad-CAM: `ReLU(sum_k alpha_k A^k)` with `alpha_k` the mean
-  gradient of the target logit over the positions of feature map `k`; on the ViT's tokens before the
-  last block's attention (`blocks[-1].norm1`, CLS dropped, as pytorch-grad-cam does for ViTs) and on
-  the ResNet's last stage, so the CNN gets maps too. Tested against pytorch-grad-cam.
+- "gradcam": Selvaraju et al. 2017, Grad-CAM: `ReLU(sum_k alpha_k A^k)`, `alpha_k` the mean gradient
+  of the target logit over feature map `k`; on the ViT's tokens at `blocks[-1].norm1` (CLS dropped, as
+  pytorch-grad-cam does, which the tests compare with) and on the ResNet's last stage.
 - "random": a seeded uniform map, the baseline every table needs.
 
-Every map is returned normalised to sum 1 over its grid (all zeros stays zeros), so that shares of
-relevance compare across methods; the overlays of `vit.explain.plot` scale them for display. The
-class explained is `target` (default: the prediction). This module runs the model (in eval mode,
-every module's train/eval flag restored afterwards, parameters' `.grad` untouched); the formulas
-are functions of tensors in `vit.explain.rollout`.
+Every map sums to 1 over its grid (all zeros stays zeros), so shares of relevance compare across
+methods. This module runs the model (in eval mode, each module's train/eval flag restored after,
+parameters' `.grad` untouched); the formulas are functions of tensors in `vit.explain.rollout`.
 """
 
 from __future__ import annotations
@@ -107,9 +101,8 @@ def usable_methods(model: nn.Module, requested: Sequence[str], *, skip: bool = F
                    option: str = "method=") -> list[str]:
     """The methods of `requested` that `model` can run, in order; `["all"]`: every method it can run.
 
-    An attention method (`ATTENTION_METHODS`) on a model without attention layers (the CNN) is a
-    `ValueError` naming it after `option` ("--method " on the command line) and saying what works
-    instead, or with `skip` is left out (the callbacks warn about what they leave out).
+    An attention method (`ATTENTION_METHODS`) on a model without attention layers (the CNN) is left
+    out with `skip`, else a `ValueError` naming it after `option` ("--method " on the command line).
     """
     if list(requested) == ["all"]:
         requested, skip = METHODS, True
@@ -127,15 +120,12 @@ def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int |
     """The attention maps of one forward pass of `images` and the gradient of the target logit w.r.t. each.
 
     Both lists are detached, one entry per recorded map (`(B, H, N, N)` per block, then for
-    `pool="map"` the query's `(B, H, 1, P)` over the P patches); a map that does not reach the logit gets a zero
-    gradient. `target` is a class index or a `(B,)` tensor of them; by default the predicted class.
-    Gradients are taken with `torch.autograd.grad` w.r.t. the maps only, so parameter `.grad`s are
-    left as they were. Works under `torch.no_grad()` / `torch.inference_mode()`, as in a Lightning
-    validation loop, and with frozen parameters.
+    `pool="map"` the query's `(B, H, 1, P)`); a map that does not reach the logit gets a zero
+    gradient. `target`: a class index or a `(B,)` tensor of them; default: the prediction. Only the
+    maps get gradients (`torch.autograd.grad`), so parameters' `.grad` are untouched. Works under
+    `torch.no_grad()` / `torch.inference_mode()` (a Lightning validation loop) and with frozen parameters.
     """
-    # Lightning validation runs under inference_mode; autograd needs it off and an ordinary
-    # (non-inference) copy of the input. The input requires grad so the graph exists even when
-    # every parameter is frozen.
+    # A non-inference copy of the input that requires grad: a graph exists even with every parameter frozen.
     with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
         x = images.detach().clone().requires_grad_(True)
         with record_attention(model) as maps:
@@ -159,9 +149,7 @@ def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, g
     Nodes: every token at every layer (layer 0 the input). An edge from token j at layer l to token i
     at layer l + 1 has the capacity `0.5 A_l[i, j] + 0.5 [i == j]` (rows re-normalised), as for
     rollout. The top tokens feed a super-sink with the weight the pooling gives them
-    (`readout_weights`: the CLS token, every patch token equally, or the MAP query's attention
-    `pool_attn`). Sources are the patches only: `reg_tokens` registers sit between the CLS token and
-    them, as `readout_weights` lays the tokens out.
+    (`readout_weights`). Sources are the patch tokens only, not the CLS token or registers.
     """
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import maximum_flow
@@ -204,8 +192,7 @@ def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = Non
 
     handle = layer.register_forward_hook(keep)
     try:
-        # As in a validation loop: inference mode off, gradients on; only d(logit)/d(activation) is
-        # taken, so the parameters' .grad (and so training) are left alone.
+        # As in `attention_gradients`: only d(logit)/d(activation) is taken, parameters' .grad are untouched.
         with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
             logits = model(images.detach().clone().requires_grad_(True))
             [gradient] = torch.autograd.grad(_target_score(logits, target), store["activation"])
@@ -241,9 +228,7 @@ def to_pixels(maps: Tensor, size: tuple[int, int]) -> Tensor:
     return pixels * (gh * gw) / (H * W)
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------------
+# --- Helpers ---------------------------------------------------------------------------------
 
 
 def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None, head_fusion: str,
@@ -267,10 +252,8 @@ def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None,
 
 
 def _target_score(logits: Tensor, target: Tensor | int | None) -> Tensor:
-    """The sum over the batch of each sample's target logit (by default its predicted class).
-
-    Samples are independent, so the gradient of the sum gives each sample its own gradient.
-    """
+    """The sum over the batch of each sample's target logit (default: its prediction); samples are independent,
+    so the sum's gradient gives each its own."""
     B = logits.shape[0]
     target = logits.argmax(dim=-1) if target is None else target
     target = torch.as_tensor(target, device=logits.device).long().expand(B)  # (B,)

@@ -1,11 +1,9 @@
 """Attention rollout and its relatives, as functions of tensors: which input tokens an output reads.
 
-Nothing here runs a model. `vit.explain.relevance.relevance` does, and passes what it records
-(`record_attention`): one softmax map `(B, H, N, N)` per block, first block first, and for the
-gradient methods the gradient of the explained logit with respect to each. The chains below turn
-the per-block maps into one token-to-token map `R` `(B, N, N)` (row i: how much output token i
-draws on each input token), and `rollout_to_patch_map` reads the row(s) the pooling uses over the
-patches.
+Nothing here runs a model: `vit.explain.relevance` records one softmax map `(B, H, N, N)` per block
+(and for the gradient methods the explained logit's gradient w.r.t. each). The chains turn them into
+one token-to-token map `R` `(B, N, N)` (row i: how much output token i draws on each input token),
+and `rollout_to_patch_map` reads the row(s) the pooling uses over the patches.
 
 References:
     Abnar & Zuidema, "Quantifying Attention Flow in Transformers", ACL 2020 (attention rollout).
@@ -31,9 +29,7 @@ Scale = Literal["minmax", "sum"]
 HEAD_FUSIONS = get_args(HeadFusion)
 
 
-# ---------------------------------------------------------------------------------------------
-# One block's map
-# ---------------------------------------------------------------------------------------------
+# --- One block's map -------------------------------------------------------------------------
 
 
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
@@ -54,11 +50,10 @@ def gradient_weighted(attn: Tensor, grad: Tensor) -> Tensor:
 
 
 def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = True) -> Tensor:
-    """Zero the lowest `discard_ratio` fraction of each sample's entries of a `(B, N, N)` map.
+    """Zero the lowest `int(discard_ratio * N * N)` entries of each sample's `(B, N, N)` map.
 
-    Exactly `int(discard_ratio * N * N)` entries per sample become zero. With `keep_cls_self`, the
-    entry [0, 0] (the CLS token attending to itself) is never among them: without it, aggressive
-    discarding can cut the CLS token off from its own path through the network.
+    With `keep_cls_self`, entry [0, 0] (the CLS token attending to itself) is kept: aggressive
+    discarding could cut the CLS token off from its own path through the network.
     """
     _check_discard_ratio(discard_ratio)
     B, N, _ = fused.shape
@@ -82,9 +77,7 @@ def residual(fused: Tensor) -> Tensor:
     return with_residual / with_residual.sum(dim=-1, keepdim=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Chains over the blocks: (B, N, N) token-to-token maps
-# ---------------------------------------------------------------------------------------------
+# --- Chains over the blocks: (B, N, N) token-to-token maps -----------------------------------
 
 
 def chain(steps: Sequence[Tensor]) -> Tensor:
@@ -106,17 +99,14 @@ def attention_rollout(
     """Attention rollout (Abnar & Zuidema 2020) of per-block maps `(B, H, N, N)` -> `(B, N, N)`.
 
     Per block: fuse heads, optionally discard the weakest entries, account for the residual
-    connection as `0.5 * A + 0.5 * I`, and re-normalise every row to sum to 1 (row i is the
-    distribution token i reads from). Blocks are then chained with the first block rightmost,
-    `R = Â_L ... Â_2 Â_1`, so row i of R says how much output token i draws on each input token.
+    connection as `0.5 * A + 0.5 * I`, and re-normalise every row to sum to 1. Blocks are then
+    chained with the first block rightmost, `R = Â_L ... Â_2 Â_1`.
 
     Args:
         attentions: one softmax map `(B, H, N, N)` per block, first block first.
-        head_fusion: how heads are combined, "mean" | "max" | "min".
         discard_ratio: fraction in [0, 1) of each sample's fused entries set to zero per block.
-        start_layer: index of the first block to include; earlier blocks are skipped.
-        keep_cls_self: never discard entry [0, 0]. Leave True when token 0 is a CLS token; pass
-            False for models without one (`num_prefix_tokens == 0`).
+        start_layer: index of the first block to include.
+        keep_cls_self: never discard entry [0, 0]; False for models without a CLS token.
     """
     _check_attentions(attentions)
     _check_discard_ratio(discard_ratio)
@@ -130,10 +120,8 @@ def attention_rollout(
 def gradient_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor], start_layer: int = 0) -> Tensor:
     """Gradient-weighted rollout (Chefer et al. 2021 style) of per-block maps `(B, H, N, N)` -> `(B, N, N)`.
 
-    Per block the attention is weighted by the gradient of the explained logit, `grads`,
-    `mean_heads((dy/dA * A).clamp(min=0))`, then chained exactly like `attention_rollout`
-    (residual `0.5 * A + 0.5 * I`, row normalisation, first block rightmost). A block whose
-    attention gets no gradient therefore contributes the identity.
+    Each block's `mean_heads((dy/dA * A).clamp(min=0))`, with `grads` = dy/dA, chained as in
+    `attention_rollout`; a block whose attention gets no gradient contributes the identity.
     """
     _check_attentions(attentions)
     _check_start_layer(start_layer, len(attentions))
@@ -149,18 +137,15 @@ def chefer_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor]) -> Ten
     return chain([eye + w for w in weighted])
 
 
-# ---------------------------------------------------------------------------------------------
-# Read-out: the pooled output's relevance over the patches
-# ---------------------------------------------------------------------------------------------
+# --- Read-out: the pooled output's relevance over the patches --------------------------------
 
 
 def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None, reg_tokens: int = 0) -> Tensor:
-    """How much the pooled vector takes from each output token: `(1, N)`, or `(B, N)` for "map".
+    """How much the pooled vector takes from each output token `[CLS] [registers] [patches]`: `(1, N)` or `(B, N)`.
 
-    Tokens are `[CLS] [registers] [patches]` (`reg_tokens` registers; a CLS token for "cls" only).
-    "cls": all from the CLS token; "mean": 1/P from each of the P patch tokens; "map": the pooling
-    query's head-fused attention `pool_attn` `(B, 1, P)` over the patches (no residual: the query is
-    a learned vector, not a token). Registers are never read out: they get 0.
+    "cls": all from the CLS token (the only pool with one); "mean": 1/P from each of the P patches;
+    "map": the query's head-fused attention `pool_attn` `(B, 1, P)` over the patches (no residual: the
+    query is a learned vector, not a token). Registers get 0.
     """
     if pool == "cls":
         return torch.eye(1, num_tokens)
@@ -181,20 +166,11 @@ def rollout_to_patch_map(
     """Turn a token-to-token map `(B, N, N)` (a rollout, Chefer's R, one block's attention) into
     one relevance value per patch, `(B, gh, gw)`.
 
-    Tokens are `[CLS] [registers] [patches]`: a CLS token for "cls" only, `reg_tokens` registers.
-    What the prediction reads depends on how the tokens are pooled (`readout_weights`):
-        "cls":  the CLS row over the patch tokens (the prefix columns dropped).
-        "mean": the mean of the patch rows; the pooled vector is the average of the output patch
-                tokens, so its relevance is the average of their rows.
-        "map":  the pooling query's head-fused attention over the patches `pool_attn` `(B, 1, P)`
-                (or `(B, P)`) pushed through the map, `pool_attn @ R[patch rows]`.
-    The registers' columns are dropped too: what flows through a register is not a patch's.
-
-    `scale` sets how each sample's values are scaled:
-        "minmax": to [0, 1] by min-max (`minmax`), for display.
-        "sum":    divided by their sum over the patches (`normalise`), so the map is a distribution
-                  over the patches and the sum over any set of patches is that set's share of the
-                  relevance. A sample with no relevance on any patch stays all zeros.
+    The pooled output's row is `readout_weights @ R`: the CLS row for "cls", the mean of the patch
+    rows for "mean", `pool_attn @ R` for "map" (`pool_attn` `(B, 1, P)` or `(B, P)`). The prefix
+    columns (CLS, registers) are dropped: what flows through a register is not a patch's.
+    `scale`: "minmax" to [0, 1] for display (`minmax`), or "sum" a distribution over the patches
+    (`normalise`: any set's sum is its share of the relevance; no relevance stays all zeros).
     Patches are laid out row-major, as a conv patch embedding's `flatten(2)` orders them.
     """
     check_choice("pool", pool, Pool)
@@ -220,9 +196,7 @@ def rollout_to_patch_map(
     return relevance.reshape(B, gh, gw)
 
 
-# ---------------------------------------------------------------------------------------------
-# Scaling: one for shares, one for display
-# ---------------------------------------------------------------------------------------------
+# --- Scaling: one for shares, one for display ------------------------------------------------
 
 
 def normalise(maps: Tensor) -> Tensor:
@@ -243,9 +217,7 @@ def minmax(maps: Tensor) -> Tensor:
     return (maps - lo) / torch.where(span > 0, span, torch.ones_like(span))
 
 
-# ---------------------------------------------------------------------------------------------
-# Checks
-# ---------------------------------------------------------------------------------------------
+# --- Checks ----------------------------------------------------------------------------------
 
 
 def _check_discard_ratio(discard_ratio: float) -> None:

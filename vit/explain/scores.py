@@ -1,14 +1,13 @@
 """Scores for relevance maps: do they point at the ground truth, and do they say what the model uses?
 
-Two different questions, which disagree when a model uses a shortcut:
-- **Localisation** (against ground-truth masks, e.g. the two-circles generator's circles): the
-  pointing game (Zhang et al. 2016: is the most relevant cell on an object), the relevance mass
-  inside the objects, and the average precision of the pixel map against the mask.
-- **Faithfulness** (against the model itself, on any data): deletion and insertion curves
-  (Petsiuk et al. 2018, RISE): cells are replaced by the background value (deletion) or restored
-  into a background image (insertion) in order of relevance, the target class's probability is
-  recorded, and the area under the curve summarises it (lower is better for deletion, higher for
-  insertion).
+The two disagree when a model uses a shortcut:
+- **Localisation** (against ground-truth masks, e.g. two-circles' circles): the pointing game
+  (Zhang et al. 2016: is the most relevant cell on an object), the relevance mass inside the
+  objects, and the average precision of the pixel map against the mask.
+- **Faithfulness** (against the model, on any data): deletion and insertion curves (Petsiuk et al.
+  2018, RISE): in order of relevance, cells are replaced by the background (deletion) or restored
+  into it (insertion), and the area under the target probability's curve summarises it (lower is
+  better for deletion, higher for insertion).
 - **Sanity** (Adebayo et al. 2018): a method whose maps barely change when the model's weights are
   randomised does not explain the model; `rank_correlation` measures how much they change.
 """

@@ -1,8 +1,6 @@
 """Multi-head attention as the general mechanism `softmax(f(Q, K) + M) V`.
 
-`f` is a score function (`vit.models.scores`), `M` an additive mask (`vit.models.masks`). Each of
-the H heads attends with its own slice of the projected queries, keys and values; the heads'
-outputs are concatenated and projected back.
+`f` is a score function (`vit.models.scores`), `M` an additive mask (`vit.models.masks`).
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ from vit.checks import check_int
 from vit.models.masks import attention_bias
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
-# Scores that are a (rescaled) dot product of projected queries with keys, and so can run through
-# the fused `F.scaled_dot_product_attention` kernel: by option name, and by the module `build_score` makes
-# for them. The additive forms cannot.
+# The scores that are a (rescaled) dot product, by option name and by `build_score`'s module: they can run
+# through the fused `F.scaled_dot_product_attention` kernel, the additive forms cannot.
 FUSED_SCORES = ("scaled_dot", "dot", "general")
 FUSED_SCORE_MODULES = (DotScore, GeneralScore)
 
@@ -25,23 +22,19 @@ FUSED_SCORE_MODULES = (DotScore, GeneralScore)
 class Attention(nn.Module):
     """Multi-head self- or cross-attention with a selectable score function and masks.
 
-    Self-attention: `attn(x)`, queries, keys and values all from `x (B, M, dim)`.
-    Cross-attention: `attn(x, context)`: queries from `x`, keys and values from
-    `context (B, N, kdim)`; or `attn(x, context, value=v)` with values from `v (B, N, vdim)`.
+    `attn(x)`: self-attention over `x (B, M, dim)`. `attn(x, context)`: queries from `x`, keys and values from
+    `context (B, N, kdim)`; `attn(x, context, value=v)`: values from `v (B, N, vdim)`. With `kdim = vdim = dim`
+    (the default) the three input projections are one `qkv` layer, timm's layout; other widths get separate
+    `q`, `k`, `v` layers to the attention width `attn_dim` (default `dim`).
 
-    With `kdim = vdim = dim` (the default), the three input projections are one fused `qkv` linear
-    layer, timm's layout. Other widths get separate `q`, `k`, `v` layers, which bring queries,
-    keys and values of any width to the attention width `attn_dim` (default `dim`).
+    Two paths compute the same numbers: `attend`, the explicit `softmax(f(Q, K) + M) V`, and `attend_fused`,
+    `F.scaled_dot_product_attention`, which never materialises the `(M, N)` weights. The dot-product scores
+    take the fused path, the additive ones the explicit one; under `vit.models.record_attention` every score
+    takes the explicit path and the weights `(B, H, M, N)` are recorded, still in the autograd graph.
 
-    Two paths compute the same numbers: `attend`, the explicit `softmax(f(Q, K) + M) V`, and
-    `attend_fused`, `F.scaled_dot_product_attention`, a fused kernel that never materialises the
-    `(M, N)` weights. The dot-product scores take the fused path, the additive ones the explicit
-    one; under `vit.models.record_attention` every score takes the explicit path and the weights
-    `(B, H, M, N)` are recorded, still in the autograd graph.
-
-    Masks (see `vit.models.masks`): `mask` bool (True = may attend) or float (added), broadcastable
-    to `(B, H, M, N)`; `key_mask (B, N)` bool, False for padding keys; `causal`. Masked weights are
-    exactly 0, and a query row with every key masked gets zero weights and a zero output, not NaN.
+    Masks (`vit.models.masks`): `mask` bool (True = may attend) or float (added), broadcastable to
+    `(B, H, M, N)`; `key_mask (B, N)` bool, False for padding keys; `causal`. Masked weights are exactly 0,
+    and a query whose every key is masked gets zero weights and a zero output, not NaN.
     """
 
     def __init__(
@@ -170,10 +163,9 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The general mechanism `softmax(f(q, k) + M) v`, explicitly; returns `(out (B, H, M, d), weights (B, H, M, N))`.
 
-    `score` computes `f(q, k)` `(B, H, M, N)`; `bias` is the additive mask `M` (0 / -inf / finite),
-    broadcastable to the scores. A query whose keys are all masked gets zero weights and a zero
-    output instead of the NaN that a softmax over a row of -inf gives. `weights` are the softmax
-    before dropout: what the query attends to.
+    `score` computes `f(q, k)` `(B, H, M, N)`; `bias` is the additive mask `M` (0 / -inf / finite), broadcastable
+    to the scores. A query whose keys are all masked gets zero weights and a zero output instead of the NaN that a
+    softmax over a row of -inf gives. `weights` are the softmax before dropout: what the query attends to.
     """
     scores = score(q, k)  # (B, H, M, N)
     empty = None

@@ -1,47 +1,37 @@
 """A plain CNN whose receptive field is a parameter: the local view of the study, made measurable.
 
-``conv (k x k, stride s) -> BatchNorm -> ReLU`` layers, then global pooling and a head. By default
-global average pooling and a linear head, so the classifier sees a sum of local features and
-nothing else. The readout is an option, because it decides what a local view can do with a
-relation (studies/relation/README.md):
+``conv (k x k, stride s) -> BatchNorm -> ReLU`` layers, then global pooling and a head. The readout decides
+what a local view can do with a relation (studies/relation/README.md):
 
-* ``pool="avg"``, ``head="linear"`` (the default): the logit is a sum over units. If each unit sees
-  one part, the score is additive over the parts, ``h(a) + h(b)``, and on same/different pairs no
-  such rule beats ``bag_of_shapes_ceiling`` (66.7% for 4 shapes; under cross-entropy the additive
-  optimum is the constant, 50%).
-* ``pool="max"``: global max pooling. A bag of one-part detectors then reports *which* parts are
-  present, not how many, and "one kind present" against "two kinds present" is linearly
-  separable: a same/different relation read with no unit that sees both parts.
-* ``head="mlp"``: ``Linear(F, 2C) -> ReLU -> Linear(2C, num_classes)`` on the pooled features (``F = C``
-  channels pooled, ``C x H' x W'`` flattened; ``head.fc1``, ``head.fc2``), hidden width twice the
-  channels as in the ViT's MLP: a nonlinear
-  function of the pooled features, so not additive either.
-* ``pool="flatten"``: no pooling; the head reads the whole last feature map, flattened (``C x H' x
-  W'`` features), as the classic LeNet/AlexNet heads do. The readout keeps where each unit is: a
-  linear head weighs every unit by its place, but is still a sum over units, so additive over
-  parts that no unit sees together; an MLP head (``head="mlp"``) can combine two units' places
-  nonlinearly, and so relate parts that no unit sees together.
+* ``pool="avg"``, ``head="linear"`` (the default): the logit is a sum over units. If each unit sees one part,
+  the score is additive over the parts, ``h(a) + h(b)``, and on same/different pairs no such rule beats
+  ``bag_of_shapes_ceiling`` (66.7% for 4 shapes; under cross-entropy the additive optimum is the constant, 50%).
+* ``pool="max"``: a bag of one-part detectors reports *which* parts are present, not how many, so "one kind
+  present" against "two kinds present" is linearly separable: a same/different relation read with no unit
+  that sees both parts.
+* ``head="mlp"``: ``Linear(F, 2C) -> ReLU -> Linear(2C, num_classes)`` (``head.fc1``, ``head.fc2``) on the
+  ``F`` pooled features, hidden width twice the ``C`` channels as in the ViT's MLP: not additive either.
+* ``pool="flatten"``: no pooling; the head reads the whole last feature map (``C x H' x W'`` features), as the
+  classic LeNet/AlexNet heads do, so it weighs every unit by its place. A linear head is still a sum over
+  units, additive over parts that no unit sees together; an MLP head can relate them.
 
-The receptive field of the last layer (``receptive_field``) follows from the layers alone, by the
-recurrence over layers
+The receptive field of the last layer (``receptive_field``) follows from the layers alone:
 
     r <- r + (k - 1) * j,    j <- j * s        (starting from r = 1, j = 1)
 
-where ``j`` is the distance in input pixels between two neighbouring units (the product of the
-strides so far). Every output unit sees an ``r x r`` input square and nothing outside it;
-``tests/test_cnn.py`` checks the formula against the support of a gradient. The *effective*
-receptive field, where most of the gradient mass lies, is smaller (Luo et al. 2016).
+where ``j`` is the distance in input pixels between two neighbouring units (the product of the strides so
+far). Every output unit sees an ``r x r`` input square and nothing outside it (``tests/test_cnn.py`` checks
+this against the support of a gradient). The *effective* receptive field, where most of the gradient mass
+lies, is smaller (Luo et al. 2016).
 
-Padding (``padding``), which decides what the network can know about absolute position:
+``padding`` decides what the network can know about absolute position:
 
-* ``"zero"``: zero padding. Units near the border see the padding, so the border is visible and
-  a deep enough network can read absolute position from it (Islam et al. 2020; Kayhan & van
-  Gemert 2020).
-* ``"circular"``: the image wraps around. Every unit sees a full neighbourhood and the network is
-  equivariant to circular shifts: with global average pooling its output cannot depend on where
-  the content is, only on its arrangement modulo the image size.
-* ``"valid"``: no padding; each layer shrinks the map by ``k - 1`` (then divides it by the stride).
-  No unit sees past the border, but units near it see fewer shifted copies of the content.
+* ``"zero"``: units near the border see the padding, so a deep enough network can read absolute position
+  from it (Islam et al. 2020; Kayhan & van Gemert 2020).
+* ``"circular"``: the image wraps around. The network is equivariant to circular shifts: with global average
+  pooling its output depends only on the content's arrangement modulo the image size.
+* ``"valid"``: no padding; each layer shrinks the map by ``k - 1`` (then divides it by the stride). No unit
+  sees past the border, but units near it see fewer shifted copies of the content.
 """
 
 from __future__ import annotations
@@ -72,14 +62,8 @@ def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> 
 class ConvNet(nn.Module):
     """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global pooling, a head.
 
-    Args:
-        widths: output channels of each layer.
-        strides: stride of each layer (default all 1).
-        kernel_size: the side of every kernel (odd).
-        padding: "zero", "circular" or "valid" (see the module doc).
-        pool: global "avg" (default) or "max" pooling of the last feature map, or "flatten" (none: the head
-            reads every unit of the last map).
-        head: "linear" (default) or "mlp" (one hidden layer of width ``2 * widths[-1]``).
+    ``widths`` and ``strides`` (default all 1) are per layer, ``kernel_size`` (odd) is every kernel's side;
+    ``padding``, ``pool`` and ``head`` are described in the module doc.
     """
 
     def __init__(
@@ -132,7 +116,7 @@ class ConvNet(nn.Module):
         self.pool = {"avg": nn.AdaptiveAvgPool2d(1), "max": nn.AdaptiveMaxPool2d(1), "flatten": nn.Identity()}[pool]
         self.num_features = in_chs * (h * w if pool == "flatten" else 1)  # what the head reads
         in_chs = self.num_features
-        if head == "linear":  # the keys `head.weight`, `head.bias` of every checkpoint so far
+        if head == "linear":  # a bare Linear: the keys `head.weight`, `head.bias`
             self.head = nn.Linear(in_chs, num_classes)
         else:
             self.head = nn.Sequential(OrderedDict(fc1=nn.Linear(in_chs, 2 * widths[-1]), act=nn.ReLU(),

@@ -1,10 +1,9 @@
 """CoordConv baseline: the ResNet, fed two extra channels that hold each pixel's row and column.
 
-Liu et al. (2018, "An intriguing failing of convolutional neural networks and the CoordConv
-solution") showed that a plain CNN struggles to map *where* something is, and that appending
-coordinate channels to the input fixes it. That is the control a reviewer asks for in the two-circles
-study: if a CNN fails a relation between distant parts, is it the local view or only the missing
-absolute position? A CoordConv ResNet keeps the local view and adds the position.
+Liu et al. (2018, "An intriguing failing of convolutional neural networks and the CoordConv solution"):
+a plain CNN struggles to map *where* something is, and coordinate channels fix it. The two-circles study's
+control: if a CNN fails a relation between distant parts, is it the local view or the missing absolute
+position? A CoordConv ResNet keeps the local view and adds the position.
 """
 
 from __future__ import annotations

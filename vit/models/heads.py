@@ -15,14 +15,14 @@ from vit.models.scores import Score, build_score
 class MAPHead(AttentionPoolLatent):
     """Multihead attention pooling (big_vision's "map" head), as timm's `AttentionPoolLatent`.
 
-    A learned query (the latent) cross-attends to the tokens, then a residual MLP refines the
-    result: `p = attn(latent, tokens)`, `p = p + mlp(norm(p))`. The image is summarised by what one
-    learned question finds, instead of by a token reserved for it (CLS) or by an average.
+    A learned query (the latent) cross-attends to the tokens, then a residual MLP refines the result:
+    `p = attn(latent, tokens)`, `p = p + mlp(norm(p))`. The image is summarised by what one learned question
+    finds, instead of by a token reserved for it (CLS) or by an average.
 
     The parameters are timm's layer's own (`latent`, `q`, `kv`, `proj`, `norm`, `mlp`), so timm's
-    `global_pool="map"` weights load as they are; the forward pass is ours only so that the
-    query's attention goes through this project's score functions (`attn_score`) and is recorded by
-    `vit.models.record_attention`, `(B, H, 1, N)`, like every block's.
+    `global_pool="map"` weights load as they are; the forward pass is ours so that the query's attention goes
+    through this project's score functions (`attn_score`) and is recorded by `vit.models.record_attention`,
+    `(B, H, 1, N)`, like every block's.
     """
 
     def __init__(

@@ -9,11 +9,8 @@ def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: tuple[int, in
                       dtype: torch.dtype | None = None) -> None:
     """Raise a ValueError naming what was expected and what came when `x` does not fit the model.
 
-    `img_size` is `(H, W)`, as the models store it (converted once, in their constructors, by
-    `vit.checks.check_size`).
-
-    `dtype` is the weights' dtype: inputs must have it, except under autocast, which casts them
-    (Lightning's `bf16-mixed` keeps float32 inputs and autocasts the layers).
+    `img_size` is `(H, W)`, as the models store it (`vit.checks.check_size`). `dtype` is the weights' dtype:
+    inputs must have it, except under autocast, which casts them (Lightning's `bf16-mixed` keeps float32 inputs).
     """
     H, W = img_size
     if x.ndim != 4 or x.shape[1] != in_chans or x.shape[2:] != (H, W):

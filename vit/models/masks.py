@@ -1,9 +1,8 @@
 """Attention masks, combined into one additive bias `M`: 0 where a query may look, -inf where not.
 
-Conventions (as `F.scaled_dot_product_attention`): a boolean mask is True where attention is
-allowed; a float mask is added to the scores (0 / -inf, or any finite bias). Shapes broadcast to
-`(B, H, M, N)` (batch, heads, queries, keys). An integer mask is refused: a 0/1 tensor read as a
-bias would add 0 or 1 to the scores and block nothing.
+Conventions (as `F.scaled_dot_product_attention`): a boolean mask is True where attention is allowed; a float mask
+is added to the scores (0 / -inf, or any finite bias). Shapes broadcast to `(B, H, M, N)` (batch, heads, queries,
+keys). An integer mask is refused: a 0/1 tensor read as a bias would add 0 or 1 to the scores and block nothing.
 """
 
 from __future__ import annotations
@@ -81,10 +80,8 @@ def attention_bias(
 ) -> torch.Tensor | None:
     """Combine the three mask forms into one additive bias broadcastable to `(B, H, M, N)`, or None.
 
-    Args:
-        mask: bool or float, broadcastable to `(B, H, M, N)`.
-        key_mask: `(B, N)` bool, True for keys that may be attended (False: padding).
-        causal: query `i` sees keys `0..i` only.
+    `mask` is bool or float; `key_mask` `(B, N)` bool, False for padding keys; `causal`: query `i` sees keys
+    `0..i` only.
     """
     target = (batch, heads, num_queries, num_keys)
     bias = None
@@ -114,9 +111,8 @@ def attention_bias(
 def mask_attention(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
     """While open, every block of a `VisionTransformer` applies `mask` (bool or additive, as above) as its `attn_mask`.
 
-    For experiments on a trained model without changing it: e.g. forbid the tokens of one object
-    to attend to those of another, in every layer, and see what the logits lose. `mask` must
-    broadcast to each layer's `(B, H, N, N)`.
+    For experiments on a trained model without changing it: e.g. forbid the tokens of one object to attend to those
+    of another, in every layer, and see what the logits lose. `mask` must broadcast to each layer's `(B, H, N, N)`.
     """
     check_mask(mask)
     if getattr(model, "attn_mask", None) is not None:

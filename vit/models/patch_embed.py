@@ -12,14 +12,13 @@ from vit.models.inputs import check_image_batch
 class PatchEmbed(nn.Module):
     """`(B, C, H, W) -> (B, N, D)` with a strided convolution, `N = (H / P) * (W / P)`.
 
-    A convolution with kernel = stride = patch size is exactly "flatten each P x P patch and apply
-    one shared linear map", written so that the kernel does the reshaping. `img_size` is `(H, W)`
-    (`vit.checks.check_size` of what the model was given); each side must be a multiple of `patch_size`.
+    A convolution with kernel = stride = patch size is exactly "flatten each P x P patch and apply one shared
+    linear map", the kernel doing the reshaping. Each side of `img_size` `(H, W)` must be a multiple of
+    `patch_size`.
 
-    `kernel_size` > `patch_size` makes the patches overlap: each token then sees a
-    `kernel_size`-wide window centred on its patch (zero padding `(kernel_size - patch_size) / 2`
-    keeps the grid), so a feature smaller than the window but cut by a patch border is still seen
-    whole by one token.
+    `kernel_size` > `patch_size` makes the patches overlap: each token sees a `kernel_size`-wide window centred
+    on its patch (zero padding `(kernel_size - patch_size) / 2` keeps the grid), so a feature smaller than the
+    window but cut by a patch border is still seen whole by one token.
     """
 
     def __init__(self, *, img_size: tuple[int, int], patch_size: int, in_chans: int, embed_dim: int,

@@ -22,9 +22,8 @@ def sincos_1d(positions: torch.Tensor, dim: int, temperature: float = 10000.0) -
 def sincos_2d(grid_h: int, grid_w: int, dim: int, temperature: float = 10000.0) -> torch.Tensor:
     """2-D form over a patch grid (Beyer et al. 2022, "Better plain ViT baselines").
 
-    The first half of the channels encodes the patch row with `sincos_1d`, the second half the
-    patch column. Patches are in row-major order, as `PatchEmbed` emits them. Returns
-    `(grid_h * grid_w, dim)`.
+    The first half of the channels encodes the patch row with `sincos_1d`, the second half the patch column.
+    Patches are in row-major order, as `PatchEmbed` emits them. Returns `(grid_h * grid_w, dim)`.
     """
     if dim % 4 != 0:
         raise ValueError(f"2-D sin/cos position encoding needs a width divisible by 4, got dim={dim}")

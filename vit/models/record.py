@@ -1,23 +1,17 @@
 """Recording attention maps: `with record_attention(model) as maps: model(x)`.
 
-`model(x)` always returns logits. To look inside, wrap the call: while the context is open,
-every `Attention` module in `model` takes its explicit path (`softmax(f(Q, K) + M)`, the weights
-materialised) and appends its weights `(B, H, M, N)` to `maps`, in the order the modules are
-called: the blocks first to last, then, for `pool="map"`, the pooling query's `(B, H, 1, P)` over the P patch tokens.
-The maps stay in the autograd graph, so gradients with respect to them can be taken (gradient
-rollout, Chefer et al.). The same idea as lucidrains' `Recorder` and timm's attention hooks,
-without wrapping or patching the model: each `Attention` checks one attribute, `recorder`.
+`model(x)` always returns logits. While the context is open, every `Attention` module in `model` takes its
+explicit path (`softmax(f(Q, K) + M)`, the weights materialised) and appends its weights `(B, H, M, N)` to
+`maps`, in call order: the blocks first to last, then, for `pool="map"`, the pooling query's `(B, H, 1, P)`
+over the P patch tokens. The maps stay in the autograd graph, so gradients with respect to them can be taken
+(gradient rollout, Chefer et al.). Like lucidrains' `Recorder` and timm's attention hooks, without wrapping
+or patching the model: any module with a `recorder` attribute (None when idle) is recorded, so an attention
+layer of your own takes part by appending its weights to `self.recorder` when it is a list.
 
-The protocol is that attribute: any module with a `recorder` attribute (None when idle) is
-recorded, so an attention layer of your own takes part by appending its weights to
-`self.recorder` when it is a list.
-
-While recording, activation checkpointing (`set_grad_checkpointing`, timm's `grad_checkpointing`
-attribute) is off, and it is switched back on when the context closes. A checkpointed block runs its
-attention a second time in the backward pass: inside the context that records every map twice, and
-after it the layer takes the fused path, whose saved tensors differ, so the backward pass fails.
-Recording is for looking inside at explanation-sized batches, where the memory checkpointing saves
-is not needed; the maps and their gradients are those of the plain path.
+Activation checkpointing (`set_grad_checkpointing`) is off while recording and back on after: a checkpointed
+block runs its attention again in the backward pass, which inside the context records every map twice and
+after it takes the fused path, whose saved tensors differ, so the backward pass fails. Recording is for
+explanation-sized batches, where the memory checkpointing saves is not needed.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
     Recording the same model twice at once is refused (the inner context would steal the outer
     one's maps). A model without attention layers (a CNN) records nothing: the list stays empty.
-    Activation checkpointing is off inside the context (see the module's docstring).
     """
     layers = [m for m in model.modules() if hasattr(m, "recorder")]
     if any(layer.recorder is not None for layer in layers):

@@ -44,10 +44,9 @@ def concat_score(
 def additive_score(q: torch.Tensor, k: torch.Tensor, w_b: torch.Tensor, w_a: torch.Tensor) -> torch.Tensor:
     """`w_a^T tanh(W_b [q ; k])`, with `W_b (H, d_a, 2d)` acting on the concatenation of q and k.
 
-    `W_b [q ; k] = W_b[:, :d] q + W_b[:, d:] k` exactly, so this is `concat_score` with the two
-    halves of one matrix: the two forms are the same function family, parameterised differently
-    (the literature lists them separately). Concatenating every pair would materialise
-    `(B, H, M, N, 2d)` for nothing, so the split is used.
+    `W_b [q ; k] = W_b[:, :d] q + W_b[:, d:] k` exactly, so this is `concat_score` with the two halves of one
+    matrix: the two forms are the same function family, parameterised differently (the literature lists them
+    separately). Concatenating every pair would materialise `(B, H, M, N, 2d)` for nothing, so the split is used.
     """
     d = q.shape[-1]
     return concat_score(q, k, w_b[..., :d], w_b[..., d:], w_a)

@@ -29,38 +29,33 @@ BOUNDS = {"in_chans": (1, 1024), "num_classes": (1, 10**7), "embed_dim": (1, 655
 class VisionTransformer(nn.Module):
     """A plain ViT whose parameter names match `timm.models.VisionTransformer`; built from numbers alone.
 
-    For the same configuration (`attn_score="scaled_dot"`, `pos_embed="learned"`, and timm's
-    `global_pool` for `pool`: "token" for "cls", "avg" for "mean", "map" for "map", with the same
-    `reg_tokens`, `no_embed_class` and `fc_norm`), `VisionTransformer(...).load_state_dict(timm_vit.state_dict())`
-    loads strictly and gives the same features and logits. Pretrained weights come in through a builder
-    (`vit.models.pretrained.create_vit`, or `ImageClassifier(pretrained=...)` in a config), as timm's
-    `create_model` builds the network, then loads. Tokens: `[CLS] [registers] [patches]`,
-    `num_prefix_tokens` = (1 with a CLS token) + `reg_tokens`. timm's model API is there too:
+    For the same configuration (`attn_score="scaled_dot"`, `pos_embed="learned"`, timm's `global_pool` "token",
+    "avg" or "map" for `pool` "cls", "mean" or "map", the same `reg_tokens`, `no_embed_class` and `fc_norm`),
+    a timm ViT's state dict loads strictly and gives the same features and logits. Pretrained weights come
+    through a builder (`vit.models.pretrained.create_vit`, or `ImageClassifier(pretrained=...)` in a config), as
+    in timm's `create_model`. Tokens: `[CLS] [registers] [patches]`. timm's model API is there too:
     `forward_intermediates`, `get_classifier`, `reset_classifier`, `set_grad_checkpointing`, `num_features`.
 
     Args:
-        img_size: the side of a square image, or `(H, W)`; the patch grid is `(H / P, W / P)`.
-        patch_size: P. `embed_dim`, `depth`, `num_heads`, `mlp_ratio` size the encoder; the first three
-            are `DEFAULT_SHAPE`'s when None (a config with pretrained weights gets the source's: `train.py`
-            fills them in before the model is built).
+        img_size: a side, or `(H, W)`; the patch grid is `(H / P, W / P)`, P the `patch_size`.
+        embed_dim, depth, num_heads: `DEFAULT_SHAPE`'s when None (`train.py` fills in a pretrained source's).
         pool: how the tokens become one vector for the head: "cls" (a learned CLS token, read out),
             "mean" (the patch tokens' average), "map" (a learned query cross-attending to the patches, `MAPHead`).
         fc_norm: the final LayerNorm after the pooling (`fc_norm`) instead of on every token (`norm`);
             by default after for "mean" (timm's `global_pool="avg"`), before for "cls" and "map".
         reg_tokens: learned register tokens after the CLS token (Darcet et al. 2024), never read out.
         no_embed_class: positions for the patches only (timm's register models), not the prefix tokens.
-        qkv_bias, qk_norm: a bias on the q, k, v projections; a LayerNorm on each head's queries and keys.
-        pos_embed: "learned" (timm's table, a parameter), "sincos1d" (over the token index), "sincos2d" (over
-            the patch grid, the prefix tokens at zero), or "none" (an ablation: the encoder is then
-            permutation equivariant over patches). The fixed tables are non-persistent buffers.
+        qk_norm: a LayerNorm on each head's queries and keys.
+        pos_embed: "learned" (a parameter), "sincos1d" (over the token index), "sincos2d" (over the patch grid,
+            prefix tokens at zero), both non-persistent buffers, or "none" (an ablation: the encoder is then
+            permutation equivariant over patches).
         drop_path_rate: stochastic depth of the last block, rising linearly from 0 in the first.
         attn_score: the score function `f(q, k)` of every attention layer (`vit.models.scores`);
             `score_dim` the hidden width of the additive forms.
         qk_init_std: the init std of the query and key projections (`init_weights`).
         patch_kernel: a patch window wider than the patch: overlapping patches (`PatchEmbed`).
 
-    `attn_mask`, None here, is a fixed mask every block applies (`vit.models.masks`): a subclass sets
-    it, as local attention does in the study that uses it.
+    `attn_mask`, None here, is a fixed mask every block applies (`vit.models.masks`); a subclass may set it.
     """
 
     def __init__(
@@ -145,11 +140,11 @@ class VisionTransformer(nn.Module):
     def init_weights(self) -> None:
         """timm's scheme: truncated normal (std 0.02) for linear layers and learned positions.
 
-        The query and key rows of every `qkv` get std `qk_init_std` instead. At timm's 0.02 the
-        attention logits start with a std of about 0.02 at width 64: every row is near uniform, and
-        each token reads the average of all the others. At `1 / sqrt(embed_dim)` a query's entries
-        have unit variance (its input is layer-normalised), so the scaled logits start with a std of
-        about 1: attention depends on content from the first step.
+        The query and key rows of every `qkv` get std `qk_init_std` instead. At timm's 0.02 the attention
+        logits start with a std of about 0.02 at width 64: every row is near uniform, and each token reads the
+        average of all the others. At `1 / sqrt(embed_dim)` a query's entries have unit variance (its input is
+        layer-normalised), so the scaled logits start with a std of about 1: attention depends on content from
+        the first step.
         """
         if isinstance(self.pos_embed, nn.Parameter):
             trunc_normal_(self.pos_embed, std=0.02)

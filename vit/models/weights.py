@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-_HUB_PREFIXES = ("hf-hub:", "hf_hub:")  # timm's source prefix, and its older spelling
+_HUB_PREFIXES = ("hf-hub:", "hf_hub:")  # timm's source prefix, in both spellings timm reads
 _WEIGHT_SUFFIXES = (".safetensors", ".pth", ".bin", ".pt", ".ckpt", ".tar", ".npz")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?")  # org/name[@revision]
 _FORMATS = ".safetensors, or a torch.save file (.pth, .pt, .bin, .ckpt, .tar)"
@@ -29,9 +29,8 @@ class PretrainedError(ValueError):
 def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The state dict named by `source` (see `source_kind`), checked to hold finite values only.
 
-    A local file is `.safetensors`, or a `.pth`/`.bin` state dict or a checkpoint dict holding one,
-    read with `weights_only=True`; a timm model name or hub id is downloaded by timm into its cache
-    where the network allows.
+    A local file is `.safetensors`, or a `.pth`/`.bin` state dict or a checkpoint dict holding one, read with
+    `weights_only=True`; a timm model name or hub id is downloaded by timm into its cache where the network allows.
     """
     kind = source_kind(source)
     if kind == "file":
@@ -125,7 +124,7 @@ def _read_safetensors(path: Path, name: str, head: bytes, size: int) -> dict[str
 
 
 def _read_torch(path: Path, name: str, head: bytes, size: int) -> dict[str, torch.Tensor]:
-    # torch.save writes a zip archive (its table of contents at the end); files from before PyTorch 1.6 are a pickle.
+    # torch.save writes a zip archive (its table of contents at the end), or a bare pickle in its legacy format.
     if head.startswith(b"PK\x03\x04"):
         if not zipfile.is_zipfile(path):
             raise _truncated(name, "torch.save", size)

@@ -34,14 +34,12 @@ class Preempted(Exception):
 class StopOnSignal(L.Callback):
     """On SIGTERM or SIGINT (what SLURM, Kubernetes, `timeout` and Ctrl-C send), stop `fit` cleanly.
 
-    The step under way finishes, `last.ckpt` is written at that step (atomically, through the
-    trainer's checkpoint I/O), and `Preempted` is raised: the command line prints where to resume
-    from, skips the test after fit, and exits with 128 + the signal's number, so a job script or an
-    `&&` chain does not take the run for a finished one. SIGTERM is Lightning's own notice
-    (`trainer.received_sigterm`, which it also passes between DDP processes); SIGINT is caught
-    here for the duration of `fit`, and a second Ctrl-C interrupts at once. A SIGTERM that arrives
-    during validation is stopped by Lightning there (`SIGTERMException`); `last.ckpt` is then
-    written from `on_exception`, at the last finished step, and the command line exits the same way.
+    The step under way finishes, `last.ckpt` is written at that step through the trainer's (atomic)
+    checkpoint I/O, and `Preempted` is raised; the command line then exits with 128 + the signal's
+    number, so a job script or an `&&` chain does not take the run for a finished one. SIGTERM is
+    Lightning's notice (`trainer.received_sigterm`, shared between DDP processes); SIGINT is caught
+    during `fit`, and a second Ctrl-C interrupts at once. A SIGTERM during validation stops there
+    (`SIGTERMException`), and `on_exception` writes `last.ckpt` at the last finished step.
     """
 
     def __init__(self) -> None:
@@ -105,9 +103,8 @@ def save_last_checkpoint(trainer: L.Trainer) -> str | None:
 class RestoreRNGState(L.Callback):
     """Save the random-number states (torch, CUDA, numpy, Python) in every checkpoint; restore them when `fit` resumes.
 
-    Lightning restores weights, optimizer, schedule and loop counters, but not the generators, so
-    without this a resumed run's dropout and drop-path would draw other numbers than the
-    uninterrupted run. A model merely loaded for `validate`/`test` is left alone.
+    Lightning restores weights, optimizer, schedule and loop counters but not the generators; without
+    them a resumed run's dropout and drop-path would draw other numbers than the uninterrupted run.
     """
 
     def __init__(self) -> None:
@@ -128,17 +125,12 @@ class RestoreRNGState(L.Callback):
 class StopOnNonFinite(L.Callback):
     """Stop training when `train/loss` becomes NaN or infinite, and never checkpoint what came after it.
 
-    Checking a GPU tensor's value on the host stalls the device's queue, so the loss is not looked
-    at on every step. Each step's (process-averaged) loss is kept on the device; they are checked
-    together every `check_every_n_steps` steps, at the end of every epoch, and before every
-    checkpoint is written. The error names the FIRST non-finite step, whichever check finds it. A
-    checkpoint is refused when the loss went non-finite since the last check, or when a weight is
-    non-finite, so every checkpoint on disk predates the failure; with checkpoints every step, the
-    last one is exactly the state before the step whose loss was non-finite.
-
-    The loss comes from `training_step`'s output `{"loss", "mean_loss"}` (`ImageClassifier`
-    returns both: `mean_loss` is the all-reduced one, so every process decides the same at the
-    same step and they stop together).
+    Reading a GPU value on the host stalls the device's queue, so each step's loss stays on the device
+    and they are checked together every `check_every_n_steps` steps, at each epoch's end and before
+    each checkpoint; the error names the first non-finite step. A checkpoint is refused when a loss
+    since the last check or a weight is non-finite, so every checkpoint on disk predates the failure.
+    The loss is `training_step`'s `mean_loss` (all-reduced, so every process stops at the same step),
+    else its `loss`.
     """
 
     def __init__(self, check_every_n_steps: int = 50) -> None:

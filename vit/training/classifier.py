@@ -22,8 +22,7 @@ SCHEMA_VERSION = 2  # of the checkpoints this class writes: `vit.training.checkp
 
 
 def format_test_results(metrics: dict[str, float], where: str = "") -> str:
-    """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, and each class's
-    accuracy."""
+    """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, per-class accuracy."""
     lines = [f"test/acc = {metrics['test/acc']:.4f}" + (f"  ({where})" if where else "")]
     lines += [f"{key} = {metrics[key]:.4f}" for key in ("test/top5_acc", "test/ece") if key in metrics]
     per_class = {key.removeprefix("test/class_acc/"): value for key, value in metrics.items()
@@ -38,9 +37,8 @@ def format_test_results(metrics: dict[str, float], where: str = "") -> str:
 def warmup_cosine_schedule(
     optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
 ) -> LRScheduler:
-    """Per-step multiplier of the learning rate `lr`: `(step + 1) / warmup_steps` during warmup, then a
-    cosine from 1 at `warmup_steps` down to `min_lr_ratio` at `total_steps` (torch's LinearLR, CosineAnnealingLR).
-    """
+    """Per-step multiplier of `lr`: `(step + 1) / warmup_steps` during warmup, then a cosine from 1 at
+    `warmup_steps` down to `min_lr_ratio` at `total_steps` (torch's LinearLR, CosineAnnealingLR)."""
     lr = optimizer.defaults["lr"]
     cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=lr * min_lr_ratio)
     if warmup_steps == 0:
@@ -51,7 +49,7 @@ def warmup_cosine_schedule(
 
 
 def index_names(num_classes: int) -> list[str]:
-    """The class names of a model that knows none: `["0", "1", ...]` (checkpoints written before names were stored)."""
+    """The class names of a model that knows none: `["0", "1", ...]`."""
     return [str(i) for i in range(num_classes)]
 
 
@@ -104,8 +102,8 @@ class ImageClassifier(L.LightningModule):
     """Cross-entropy training of `backbone` with AdamW and a per-step warmup + cosine schedule.
 
     Args:
-        backbone: the network; in YAML, `class_path: vit.models.VisionTransformer` (or `ResNet`)
-            with its `init_args`. It must have a `num_classes` attribute.
+        backbone: the network, with a `num_classes` attribute; in YAML, `class_path: vit.models.VisionTransformer`
+            (or `ResNet`) with its `init_args`.
         pretrained: weights the `VisionTransformer` backbone starts from: a timm model name, a hub id or a
             local file, adapted to its config (`vit.models.pretrained.load_pretrained`); `train.py` fills the
             backbone's unset `embed_dim`, `depth`, `num_heads` from it. Never loaded again from a checkpoint.
@@ -115,38 +113,25 @@ class ImageClassifier(L.LightningModule):
         min_lr_ratio: the cosine ends at `lr * min_lr_ratio`.
         label_smoothing: applied to hard labels and to the soft (Mixup/CutMix) targets alike.
         compile: `torch.compile` the backbone in place (`nn.Module.compile`), so checkpoint keys stay `backbone.*`.
-        trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`);
-            or an int k, the last k blocks with the final norm (`norm`, or `fc_norm` after the mean pooling)
-            and the head (k=0 is "head" plus the norm). Frozen parameters get no gradient and are not given to the
-            optimizer.
+        trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`); or an int k,
+            the last k blocks with the final norm (`norm` or `fc_norm`) and the head (k=0: "head" plus the norm).
+            Frozen parameters get no gradient and are not given to the optimizer.
         layer_decay: layer-wise learning-rate decay d in (0, 1] (BEiT, Bao et al. 2022; MAE), off by default, with
-            timm's `param_groups_layer_decay` and the backbone's `group_matcher`: of L = depth + 2 layers (the stem
-            `patch_embed`/`cls_token`/`reg_token`/`pos_embed` is layer 0, block `blocks.N` is layer N + 1 with the
-            final `norm` in the last block's layer, the head (`fc_norm`, MAP head, `head`) is layer L - 1), layer i
-            trains at `lr * d ** (L - 1 - i)`: the head at `lr`, the stem at `lr * d ** (depth + 1)`. The schedule
-            scales every group alike, so it needs `min_lr_ratio=0` (torch's cosine has one floor for all groups).
-        ema_decay: keep an exponential moving average of the backbone, off by default (timm's `ModelEmaV3`: after
-            every optimizer step `ema = ema_decay * ema + (1 - ema_decay) * weights`, starting from the weights
-            training starts from). Validation, test and prediction use the average; the checkpoint holds it under
-            `ema.module.*` beside the trained `backbone.*`, so a resumed `fit` continues both, and
-            `vit.training.checkpoint.build.build_classifier` puts the average in `backbone` for every command.
+            timm's `param_groups_layer_decay` and the backbone's `group_matcher`: of L = depth + 2 layers (0: the
+            stem `patch_embed`/`cls_token`/`reg_token`/`pos_embed`; N + 1: block `blocks.N`, the final `norm` in
+            the last block's; L - 1: the head `fc_norm`/MAP head/`head`), layer i trains at `lr * d ** (L - 1 - i)`.
+            Needs `min_lr_ratio=0`: torch's cosine has one floor for all groups.
+        ema_decay: keep an exponential moving average of the backbone, off by default (timm's `ModelEmaV3`:
+            `ema = ema_decay * ema + (1 - ema_decay) * weights` after every optimizer step, from the starting
+            weights). Validation, test and prediction use it; checkpoints hold it as `ema.module.*` beside
+            `backbone.*` (`fit` resumes both; `build_classifier` loads it as `backbone` for other commands).
 
-    Class names: `class_names` (`["0", "1", ...]` until known) is taken from the data module's
-    `class_names` when a trainer runs the model with one, and travels in every checkpoint under the
-    top-level key `"class_names"` (`on_save_checkpoint` / `on_load_checkpoint`), beside `"inputs"`, the data module's
-    `inputs()` (image size, channels, normalisation, interpolation). `vit.training.checkpoint` opens
-    checkpoints for inference from these alone.
-
-    Testing logs, beside `test/loss` and `test/acc`: `test/ece` (expected calibration error, 15
-    equal-width confidence bins, torchmetrics' `MulticlassCalibrationError`), `test/top5_acc` when
-    there are more than 5 classes, and `test/class_acc/<name>`, the accuracy on each class's images
-    (the confusion matrix's diagonal over its row sums; classes without a test image are left out).
-    `format_test_results` prints them.
-
-    A batch is `(x, y)`, or `(x, y, y_soft)` when the data module mixes images (Mixup/CutMix):
-    then the loss uses the soft targets and the training accuracy the hard labels `y`. The
-    training step returns the loss averaged over processes as `mean_loss` too, for
-    `vit.training.callbacks.StopOnNonFinite`.
+    `class_names` (`["0", "1", ...]` until known) comes from the data module and travels in every
+    checkpoint under `"class_names"`, beside `"inputs"` (the data module's `inputs()`: image size,
+    channels, normalisation, interpolation): `vit.training.checkpoint` opens checkpoints for inference
+    from these alone. Testing also logs `test/ece` (15 equal-width bins), `test/top5_acc` (more than 5
+    classes) and `test/class_acc/<name>` (classes with test images). A batch is `(x, y)`, or
+    `(x, y, y_soft)` with Mixup/CutMix: the loss then uses the soft targets, the training accuracy `y`.
     """
 
     def __init__(
@@ -189,9 +174,8 @@ class ImageClassifier(L.LightningModule):
         num_classes = getattr(backbone, "num_classes", None)
         if not isinstance(num_classes, int):
             raise ValueError(f"backbone {type(backbone).__name__} must have an int attribute `num_classes`")
-        # Under LightningCLI, save_hyperparameters records the backbone's config (class_path +
-        # init_args), which is what a checkpoint needs to rebuild it without the YAML. A module
-        # built in Python is no hyperparameter: it is left out (reload then passes `backbone=`).
+        # Under LightningCLI this records the backbone's class_path + init_args, so a checkpoint rebuilds it
+        # without the YAML. A module built in Python is no hyperparameter (reload then passes `backbone=`).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Attribute 'backbone' is an instance of `nn.Module`")
             self.save_hyperparameters()
@@ -201,10 +185,9 @@ class ImageClassifier(L.LightningModule):
             load_pretrained(backbone, pretrained)
         self.backbone = backbone
         freeze(backbone, trainable)
-        # The average starts from the weights training starts from; it is a submodule, so it moves with the
-        # model and is saved and restored with its state dict (`ema.module.*`). Never trained: no gradients.
+        # A submodule: moves with the model and is saved in its state dict (`ema.module.*`); never trained.
         self.ema = ModelEmaV3(backbone, decay=ema_decay).requires_grad_(False) if ema_decay is not None else None
-        if self.ema is not None:  # timm puts its copy in eval mode; it only runs in evaluation, which sets the mode
+        if self.ema is not None:  # timm leaves its copy in eval mode; evaluation sets the mode it runs in
             self.ema.module.train(backbone.training)  # so training does not start with modules left in eval mode
         if compile:
             self.backbone.compile()
@@ -237,8 +220,7 @@ class ImageClassifier(L.LightningModule):
         return {"loss": loss, "mean_loss": mean_loss}
 
     def on_fit_start(self) -> None:
-        # train/loss is logged already averaged over the processes (training_step), so Lightning's
-        # advice to add sync_dist=True (a second all-reduce per step) does not apply to it.
+        # train/loss is logged already averaged over processes: Lightning's sync_dist advice does not apply.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
                                 category=PossibleUserWarning)
 
@@ -305,8 +287,7 @@ class ImageClassifier(L.LightningModule):
                              "project, whose checkpoints this version does not open")
         names = check_class_names(checkpoint["class_names"], len(self.class_names), "the checkpoint's class_names")
         if self._trainer is not None and names != self.class_names:
-            # The data module's labels are what the metrics count; the checkpoint's names are what
-            # the model learned. Different lists mean the labels do not mean what they did in training.
+            # The metrics count the data module's labels; different names mean they differ from training's.
             warnings.warn(f"the checkpoint's class names {names[:10]} differ from the data module's "
                           f"{self.class_names[:10]}: the reports use the data module's", stacklevel=2)
             return
@@ -329,8 +310,7 @@ class ImageClassifier(L.LightningModule):
             groups = param_groups_layer_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip,
                                               layer_decay=hp.layer_decay)
             for group in groups:
-                # timm's schedulers read `lr_scale`, torch's do not: it enters through each group's own lr,
-                # which LinearLR and CosineAnnealingLR (floor 0) then scale alike.
+                # torch's schedulers ignore timm's `lr_scale`: it enters through each group's own lr.
                 group["lr"] = hp.lr * group["lr_scale"]
         return torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
 

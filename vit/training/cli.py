@@ -52,9 +52,9 @@ from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
 class ViTCLI(LightningCLI):
     """LightningCLI that links the data's shape into the backbone and tests the best checkpoint after `fit`.
 
-    It also makes runs robust: checkpoints are written atomically, `--ckpt_path last` continues the
-    newest run of the configured logger in its own folder, a checkpoint is checked against the
-    config before Lightning loads it, and bad values stop the run with a one-paragraph error.
+    Checkpoints are written atomically, `--ckpt_path last` continues the logger's newest run in its
+    own folder, a checkpoint is checked against the config before Lightning loads it, and bad values
+    stop the run with a one-paragraph error.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -85,12 +85,10 @@ class ViTCLI(LightningCLI):
         backbone_args = config.model.get("backbone", {}).get("init_args") or {}
         pretrained = config.model.get("pretrained")
         if config.get("ckpt_path") is not None and pretrained:
-            # The checkpoint's weights replace the pretrained ones: loading them would only cost time, and
-            # a file or hub id that is not there (another machine, offline) would stop the run.
+            # The checkpoint's weights replace the pretrained ones; loading these would cost time, or fail offline.
             config.model.pretrained = None
         elif pretrained and any(backbone_args.get(k, 0) is None for k in DEFAULT_SHAPE):
-            # The backbone's size, unset, is the source's: written into the config, so that config.yaml and every
-            # checkpoint hold the numbers (a checkpoint is rebuilt without its pretrained source).
+            # An unset backbone size is the source's, written into the config: checkpoints rebuild without the source.
             given = {name: backbone_args.get(name) for name in DEFAULT_SHAPE}
             try:
                 shape = resolve_shape(pretrained, **given)
@@ -119,8 +117,7 @@ class ViTCLI(LightningCLI):
     # --- Robust runs: resuming, checks before work starts, atomic checkpoints ----------------------
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
-        # `test` prints `format_test_results` (per class, by name) instead of Lightning's table; --verbose true adds
-        # the table.
+        # `test` prints `format_test_results` instead of Lightning's table (--verbose true adds it).
         parser.set_defaults({"test.verbose": False})
         super().parse_arguments(parser, args)
         self._checkpoint: Checkpoint | None = None  # the --ckpt_path checkpoint, read and validated once
@@ -144,21 +141,17 @@ class ViTCLI(LightningCLI):
                     rank_zero_warn(f"--ckpt_path {self._checkpoint.source}: the checkpoint's value is used for {line}")
 
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI would merge the checkpoint's hyperparameters into the config here, for jsonargparse to build
-        # what they name. The model of a checkpoint is built from its validated values instead (`instantiate_classes`).
+        # No merge of the checkpoint's hyperparameters: its model is built from checked values (`instantiate_classes`).
         return
 
     def instantiate_classes(self) -> None:
-        # Constructors (ours and the Trainer's) check their arguments and raise ValueError or
-        # MisconfigurationException naming the value: a usage error, not a bug, so it is reported as
-        # one (see `main`). The same exceptions raised later, during training, are not caught.
+        # A constructor's error names a bad value: a usage error (see `main`), unlike the same error in training.
         try:
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
             raise ConfigError(constructor_message(str(err))) from err
         if self._checkpoint is not None:
-            # The model the checkpoint's weights (and run) belong to, built by this project from checked values;
-            # the saved config.yaml records it as the run's model.
+            # The checkpoint's model, built from checked values; config.yaml records it as the run's model.
             self.model = build_classifier(self._checkpoint, inference=False)
             self._add_configure_optimizers_method_to_model(self.subcommand)
             check_data_fits(self._checkpoint, self.datamodule)
@@ -172,7 +165,7 @@ class ViTCLI(LightningCLI):
             raise ConfigError(f"--ckpt_path needs this project's checkpoint reader; the configured checkpoint_io "
                               f"{type(trainer.strategy.checkpoint_io).__name__} would read the file itself")
         if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
-            # `train.py predict` writes its predictions (a CSV in the run folder), not only computes them.
+            # `train.py predict` writes its predictions (a CSV in the run folder).
             trainer.callbacks.append(PredictionWriter())
         if trainer.fast_dev_run:
             # A smoke test has no logger, so checkpoints would land in the current folder: none are kept.
@@ -199,9 +192,8 @@ class ViTCLI(LightningCLI):
     def _check_before_running(self) -> None:
         """The pre-flight: everything that can be checked before a run folder exists.
 
-        The checkpoint against the model, the loggers' save directories (test-written), the run
-        folder, and for `fit` one forward pass of one training image and the optimizer's settings.
-        Whatever fails here is a usage error (one line, exit 2), whatever its type.
+        The checkpoint against the model, the loggers' save directories, the run folder, and for `fit`
+        one training image through the model. Whatever fails here is a usage error (exit 2).
         """
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         for writer in [c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)]:
@@ -209,19 +201,6 @@ class ViTCLI(LightningCLI):
                 check_topk(writer.topk, len(self.model.class_names), option="PredictionWriter topk=")
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-        if self._checkpoint is not None:
-            # Lightning restores from this validated dict (for `fit`, only what `check_resume` accepts); the
-            # file is not read again.
-            validated = (check_resume(self._checkpoint, self.trainer, self.model, self.datamodule)
-                         if self.subcommand == "fit" else self._checkpoint.raw)
-            self.trainer.strategy.checkpoint_io.expect(ckpt_path, validated)
-        for logger in self.trainer.loggers:
-            if getattr(logger, "save_dir", None):
-                check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
-        # RunConfig checks this too, but from inside the run, where Lightning's clean-up after the
-        # error would already have added a TensorBoard file to the other run's folder.
-        if self.save_config_callback and self.trainer.log_dir is not None:
-            check_run_dir(Path(self.trainer.log_dir), stage=self.subcommand, ckpt_path=ckpt_path)
         if self.subcommand == "fit" and self.datamodule is not None:
             try:
                 forward_one_image(self.model, self.datamodule)
@@ -230,14 +209,25 @@ class ViTCLI(LightningCLI):
             except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
                 raise ConfigError(f"pre-flight: one training image through the model failed: "
                                   f"{type(err).__name__}: {first_line(err)}") from err
+        if self._checkpoint is not None:  # after the forward pass, which sets up the training data
+            # Lightning restores from this validated dict (for `fit`, what `check_resume` accepts), not the file.
+            validated = (check_resume(self._checkpoint, self.trainer, self.model, self.datamodule)
+                         if self.subcommand == "fit" else self._checkpoint.raw)
+            self.trainer.strategy.checkpoint_io.expect(ckpt_path, validated)
+        for logger in self.trainer.loggers:
+            if getattr(logger, "save_dir", None):
+                check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
+        # RunConfig checks this too, but inside the run, where Lightning's clean-up after the error would
+        # add a TensorBoard file to the other run's folder.
+        if self.save_config_callback and self.trainer.log_dir is not None:
+            check_run_dir(Path(self.trainer.log_dir), stage=self.subcommand, ckpt_path=ckpt_path)
 
 
 def main(args=None) -> ViTCLI:
     """Entry point of `train.py`: `python train.py {fit,validate,test,predict} --config FILE`.
 
-    Errors a user can fix (missing data, a bad config value, an unusable checkpoint or run
-    folder, a loss that diverged) are printed as one `error: ...` paragraph without a traceback,
-    and the process exits with status 2 (usage) or 1 (`SystemExit` when called in-process).
+    Errors a user can fix (missing data, a bad config value, an unusable checkpoint or run folder, a
+    diverged loss) print one `error: ...` paragraph, no traceback, and exit (`SystemExit`) with 2 (usage) or 1.
     """
     _quiet_lightning()
     try:
@@ -247,11 +237,10 @@ def main(args=None) -> ViTCLI:
             subclass_mode_data=True,
             save_config_callback=RunConfig,
             save_config_kwargs={"overwrite": False, "command": _command(args)},
-            # Always present, not configurable: exact resumes, a loud stop on a diverged loss, the HParams table.
+            # Always present: exact resumes, a stop on a diverged loss or a signal, the HParams table.
             trainer_defaults={"callbacks": [RestoreRNGState(), StopOnNonFinite(), StopOnSignal(), HParamsTable()]},
             args=args,
         )
-    # Errors a user can fix are one paragraph, not a traceback.
     except (ConfigError, CheckpointError, RunDirectoryError) as err:
         _exit(f"error: {err}", code=2)
     except (NonFiniteError, DataNotFoundError) as err:
@@ -262,15 +251,14 @@ def main(args=None) -> ViTCLI:
         _exit("stopped by SIGTERM during validation: last.ckpt holds the last finished training step. Resume with "
               "the same command and --ckpt_path last", code=128 + signal.SIGTERM)
     finally:
-        # Each DDP process leaves its process group before the interpreter exits; a group left to
-        # the interpreter's shutdown aborted a gloo process at times ("terminate called").
+        # Left to the interpreter's shutdown, a process group can abort a gloo process ("terminate called").
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
 def _quiet_lightning() -> None:
-    """Silence two lines every run printed that say nothing about the run: Lightning's advertisement for its
-    litlogger service, and torch's `LeafSpec` deprecation, raised inside Lightning's own code (not fixable here)."""
+    """Silence two lines that say nothing about the run: Lightning's advertisement for its litlogger service, and
+    torch's `LeafSpec` deprecation, raised inside Lightning's own code."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

@@ -1,9 +1,5 @@
 """Filling the dashboard: figures to arrays, one image to every logger, the confusion matrix, the HParams table,
-and the test predictions a predictions view shows (the most confident mistakes first).
-
-Images go to whichever loggers the trainer has: W&B (`wandb.Image`), TensorBoard (`add_image`) or
-CSV (PNG files in the run's folder).
-"""
+and the test predictions a predictions view shows (the most confident mistakes first)."""
 
 from __future__ import annotations
 
@@ -26,21 +22,16 @@ from vit.checks import check_int
 
 
 class ConfusionMatrix(L.Callback):
-    """When training ends, log the confusion matrix of the last validation pass of `fit`.
+    """When training ends, log the confusion matrix of the last validation pass of `fit` (by default the final weights).
 
-    With validation after every epoch (the default) that is the final weights. The counts come from
-    the logits `validation_step` returns (`ImageClassifier` does), into torchmetrics'
-    `MulticlassConfusionMatrix`, during the trainer's own validation (`limit_val_batches` applies,
-    the sanity check does not count), and are drawn by its `.plot()`; rows are true classes,
-    columns predictions. The counts are kept in `matrix` `(num_classes, num_classes)` after fit.
+    The counts come from the logits `validation_step` returns, during the trainer's own validation
+    (`limit_val_batches` applies, the sanity check does not count); rows are true classes, columns
+    predictions. They stay in `matrix` `(num_classes, num_classes)` after fit.
 
     Args:
-        class_names: axis labels; by default the model's `class_names` (the data module's, e.g. the
-            folder names), else the class indices.
-        tag: the name of the image on the dashboard.
-        test_tag: the name of W&B's own confusion matrix of the test set (`wandb.plot.confusion_matrix`,
-            from the logits `test_step` returns), logged at the end of `test` when the trainer has a
-            W&B logger.
+        class_names: axis labels; by default the model's `class_names`, else the class indices.
+        test_tag: the name of W&B's own confusion matrix of the test set (`wandb.plot.confusion_matrix`),
+            logged at the end of `test` when the trainer has a W&B logger.
         dpi: resolution of the rendered figure.
     """
 
@@ -112,7 +103,7 @@ class ConfusionMatrix(L.Callback):
         side = min(12.0, 2.0 + 0.45 * K)
         fig = Figure(figsize=(side + 1.0, side), layout="constrained")
         ax = fig.subplots()
-        # Counts written in up to 20 classes; beyond that they no longer fit their cells.
+        # Counts written in up to 20 classes; beyond that they do not fit their cells.
         self._counts.plot(self.matrix, ax=ax, add_text=K <= 20, labels=class_names)
         accuracy = self.matrix.trace().item() / max(1, self.matrix.sum().item())
         ax.set_title(f"confusion matrix, accuracy {accuracy:.4f}\n{title}", fontsize="medium")
@@ -122,14 +113,10 @@ class ConfusionMatrix(L.Callback):
 class HParamsTable(L.Callback):
     """Fill TensorBoard's HParams tab: one row per run, its settings beside its final metrics.
 
-    At the start of `fit` (or of a `test` on its own) each TensorBoard logger gets the run's row of
-    the table (`write_session_start`): the model's and the data's hyperparameters (the backbone's
-    `class_path` and `init_args` among them, flattened to `backbone/init_args/depth` and so on),
-    the seed and the trainer's `max_epochs` and `precision`; the metrics `hp/val_acc`,
-    `hp/val_loss`, `hp/test_acc`, `hp/test_loss` start as NaN (not known yet). TensorBoard shows
-    a metric's last value in the run, so each validation of `fit` logs the `hp/val_*` values
-    (the table ends with the last one) and the end of `test` the `hp/test_*` values. Loggers that are
-    not TensorBoard are left alone: W&B gets the whole config from `RunConfig`, CSV keeps `hparams.yaml`.
+    At the start of `fit` (or of a lone `test`) each TensorBoard logger gets the run's row (`settings`,
+    flattened as `backbone/init_args/depth`), with the `hp/*` metrics at NaN. TensorBoard shows a
+    metric's last value, so each validation of `fit` logs `hp/val_*` and the end of `test` `hp/test_*`.
+    Other loggers are left alone: W&B gets the whole config from `RunConfig`, CSV keeps `hparams.yaml`.
 
     Args:
         metrics: the logged metrics to copy into the table, each as `hp/<name with / as _>`.
@@ -167,8 +154,7 @@ class HParamsTable(L.Callback):
     def settings(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """The run's settings as a nested dict (the logger flattens it): model, data, seed, trainer.
 
-        LightningCLI's bookkeeping (`_class_path`, `_instantiator`) is left out: not a setting, and
-        the tab would show it first.
+        LightningCLI's bookkeeping (`_class_path`, `_instantiator`) is no setting, and the tab would show it first.
         """
         datamodule = trainer.datamodule
         seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything (LightningCLI's `seed_everything`)
@@ -191,11 +177,9 @@ class RankedPredictions:
     """The test predictions a predictions view shows, kept batch by batch: the mistakes, most confident first,
     then (unless `mistakes_only`) the correct predictions in test order; at most `size` of them.
 
-    Only the first `size` in that order are held between batches, so a large test set costs no
-    memory. W&B's table (`TestPredictionsTable`) and TensorBoard's grid (`TestMistakesGrid`) both
-    choose their rows here. After the test: `images` `(n, C, H, W)`, `labels`, `predicted` and
-    `probability` (the softmax of the predicted class), each `(n,)` on the CPU, `n <= size`, in that order;
-    `num_classes`, the width of the logits.
+    Only those `size` are held between batches, so a large test set costs no memory. After the test:
+    `images` `(n, C, H, W)`, `labels`, `predicted` and `probability` (of the predicted class), each
+    `(n,)` on the CPU, in that order; `num_classes`, the width of the logits.
     """
 
     def __init__(self, size: int, *, mistakes_only: bool = False) -> None:
@@ -240,12 +224,10 @@ class RankedPredictions:
 def write_session_start(logger: TensorBoardLogger, settings: dict[str, Any], step: int = 0) -> None:
     """Write a run's row of TensorBoard's HParams table (its settings), and no experiment summary.
 
-    `TensorBoardLogger.log_hyperparams` with metrics writes an experiment summary too, and
-    TensorBoard takes the table's columns from the first one it finds, in name order. Without
-    one, it builds the columns from every run's row: the settings whose values differ between the
-    runs first (the 5 shown at first), and every scalar tag as a metric, in name order (`epoch` and
-    the `hp/` ones first). So the logger keeps `default_hp_metric: false`, as the configs set it:
-    Lightning's `hp_metric` comes with an experiment summary of its own.
+    TensorBoard takes the table's columns from the first experiment summary it finds, in name order
+    (`log_hyperparams` with metrics writes one). Without one it builds them from every run's row: the
+    settings that differ between runs first, and every scalar tag as a metric (`epoch` and `hp/`
+    first). Hence `default_hp_metric: false` in the configs: Lightning's `hp_metric` writes a summary.
     """
     from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
     from torch.utils.tensorboard.summary import hparams
@@ -269,10 +251,7 @@ def _tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
 
 
 def epoch_title(epoch: int, step: int) -> str:
-    """When a figure was drawn, named as the checkpoints are: `after epoch 00 (step 8)` for `epoch00-....ckpt`.
-
-    `epoch` is Lightning's 0-based `current_epoch`, the number in ModelCheckpoint's file names.
-    """
+    """When a figure was drawn, named as the checkpoints are: `after epoch 00 (step 8)` for `epoch00-....ckpt`."""
     return f"after epoch {epoch:02d} (step {step})"
 
 
@@ -290,12 +269,10 @@ _unsupported_warned: set[str] = set()
 
 
 def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, loggers: Sequence | None = None) -> None:
-    """Log an RGB `(H, W, 3)` uint8 image to every logger of `trainer` (or those in `loggers`),
-    at the current global step.
+    """Log an RGB `(H, W, 3)` uint8 image to every logger of `trainer` (or those in `loggers`) at the current step.
 
-    W&B: `wandb.Image` under `tag`; TensorBoard: `add_image(tag, ...)`; CSV: a PNG file
-    `<log_dir>/images/<tag with / as _>-step<step>.png` (never overwriting an existing file).
-    Other loggers get a one-time warning.
+    W&B: `wandb.Image`; TensorBoard: `add_image`; CSV: `<log_dir>/images/<tag with / as _>-step<step>.png`
+    (never overwriting a file). Other loggers get a one-time warning.
     """
     step = trainer.global_step
     for logger in trainer.loggers if loggers is None else loggers:

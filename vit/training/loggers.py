@@ -1,8 +1,6 @@
 """Experiment tracking: a W&B logger that runs offline by itself when it cannot run online.
 
-Choose it in YAML with a second config on top of an experiment's:
-
-    python train.py fit --config configs/two_circles/vit.yaml --config configs/logger/wandb.yaml
+Chosen by a second config on top of an experiment's: `--config configs/logger/wandb.yaml`.
 """
 
 from __future__ import annotations
@@ -21,12 +19,8 @@ _LOCAL_MODES = ("offline", "dryrun", "disabled")
 
 
 def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
-    """Decide whether a W&B run can go online now: `(online, reason)`.
-
-    Order: an explicit `WANDB_MODE` wins; then credentials (`WANDB_API_KEY`, `wandb login`'s
-    netrc entry, the settings file) must exist; then the W&B server must accept a TCP connection
-    within `probe_timeout` seconds. Without credentials the network is never touched.
-    """
+    """Whether a W&B run can go online now, `(online, reason)`: an explicit `WANDB_MODE` wins; else it needs stored
+    credentials (without them the network is never touched) and the server accepting a TCP connection in time."""
     import wandb
 
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
@@ -51,13 +45,11 @@ def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
 class WandbLogger(_LightningWandbLogger):
     """Lightning's `WandbLogger`, online when it can be and offline (written to disk) when not.
 
-    With `offline=None` (the default) the choice is made once, at construction, by `wandb_online`:
-    no API key or no network means an offline run under `save_dir/wandb/offline-run-*`, and the
-    command that uploads it later (`wandb sync DIR`) is printed when the run starts.
-    `offline=True` / `False` force the mode.
+    With `offline=None` (the default) `wandb_online` decides at construction: without an API key or
+    network the run goes to `save_dir/wandb/offline-run-*`, and the `wandb sync DIR` that uploads it
+    is printed when the run starts. `offline=True` / `False` force the mode.
 
     Args:
-        project: the W&B project; runs of this repository go to "vit" unless told otherwise.
         name: the run's display name (W&B picks one when None).
         save_dir: where W&B writes its `wandb/` folder; checkpoints and the resolved `config.yaml`
             go to `save_dir/project/run_id/`.
@@ -97,11 +89,9 @@ class WandbLogger(_LightningWandbLogger):
             if value is not None:
                 kwargs[key] = value
         if offline and "mode" not in kwargs:
-            # Given to wandb.init directly: Lightning's own `offline` flag would instead set
-            # WANDB_MODE for the whole process, and every later run in it.
+            # To wandb.init directly: Lightning's `offline` would set WANDB_MODE for every later run of the process.
             kwargs["mode"] = "offline"
-        # Absolute: W&B's service process, started by the first run of a process, resolves a relative
-        # folder against its own working directory, not the caller's at the time of this run.
+        # Absolute: W&B's service process resolves a relative folder against its own working directory.
         save_dir = os.path.abspath(save_dir)
         super().__init__(name=name, save_dir=save_dir, project=project, log_model=log_model, prefix=prefix, **kwargs)
         self.is_offline = offline

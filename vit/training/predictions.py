@@ -3,15 +3,10 @@ predictions are written to.
 
 The CSV has one row per image: `file`, `class_name`, `class_index`, `probability` (the softmax of the
 best class); with `topk=K` the next classes follow as `class_name_2`, `class_index_2`,
-`probability_2`, ... up to K. `vit.predict` writes it for a folder of files, `PredictionWriter` for
-`train.py predict`; both commands that read images (`vit.predict`, `vit.explain`) take their transform from
-`inference_transform`.
-
-The `file` and `class_name` cells are made safe to open in a spreadsheet (`csv_text`): a name that is
-not valid UTF-8 is written with backslash escapes (`caf\\xff.png`, the byte 0xFF), and one that
-starts with `=`, `+`, `-`, `@`, a tab or a carriage return, which Excel, LibreOffice and Google
-Sheets would run as a formula, gets a single quote in front (`'=cmd.png`), OWASP's advice against
-CSV injection.
+`probability_2`, ... up to K. Its `file` and `class_name` cells are safe to open in a spreadsheet
+(`csv_text`): a name that is not valid UTF-8 gets backslash escapes (`caf\\xff.png`), and one that
+a spreadsheet would run as a formula gets a single quote in front (`'=cmd.png`, OWASP's advice
+against CSV injection).
 """
 
 from __future__ import annotations
@@ -49,12 +44,8 @@ def inference_transform(inputs: dict) -> v2.Compose:
 @torch.no_grad()
 def class_probabilities(model: nn.Module, images: Tensor | Sequence[Tensor], batch_size: int = 256,
                         device: str | torch.device | None = None) -> Tensor:
-    """Class probabilities `(N, num_classes)` (softmax of the logits) of `images`, a batch `(N, C, H, W)` or a list of
-    `(C, H, W)`, on the CPU: what `vit.predict` writes and `vit.api.Predictor` returns.
-
-    `batch_size` images go through the model at a time, on `device` (the model is moved there; by default, where
-    the model is).
-    """
+    """Class probabilities `(N, num_classes)` on the CPU of `images`, a batch `(N, C, H, W)` or a list of
+    `(C, H, W)`, run `batch_size` at a time on `device` (the model is moved there; default: where it is)."""
     if device is None:
         device = next(model.parameters()).device
     else:
@@ -121,8 +112,7 @@ def free_path(path: Path) -> Path:
 
 
 def sample_name(dataset: Dataset, index: int) -> str:
-    """How sample `index` of `dataset` is named in the CSV: its file relative to an image folder's root,
-    else its index."""
+    """How sample `index` of `dataset` is named in the CSV: its file under an image folder's root, else its index."""
     while isinstance(dataset, Subset):
         dataset, index = dataset.dataset, dataset.indices[index]
     samples = getattr(dataset, "samples", None)  # torchvision's ImageFolder: [(path, label), ...]
@@ -134,12 +124,10 @@ def sample_name(dataset: Dataset, index: int) -> str:
 class PredictionWriter(BasePredictionWriter):
     """`train.py predict`: the predictions CSV (see the module doc) of the predict split, in the run folder.
 
-    The file is `filename` in `trainer.log_dir`, or `stem-1.csv`, `stem-2.csv`, ... when that is
-    taken; `file` names the image relative to an image folder's root, or the sample's index in the
-    split (the synthetic and CIFAR data have no files). The class names are the model's
-    (`ImageClassifier.class_names`). With several processes each writes its share to
-    `stem-rank<r>.csv` (a `DistributedSampler` repeats a few samples to even out the shares).
-    `train.py predict` adds one with the defaults unless the config has one.
+    The file is `filename` in `trainer.log_dir`, or `stem-1.csv`, ... when that is taken; `file` is
+    the image relative to an image folder's root, else the sample's index. With several processes
+    each writes its share to `stem-rank<r>.csv` (a `DistributedSampler` repeats a few samples to
+    even out the shares). `train.py predict` adds one unless the config has one.
     """
 
     def __init__(self, *, filename: str = "predictions.csv", topk: int = 1) -> None:

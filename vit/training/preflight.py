@@ -1,34 +1,16 @@
 """Every check made before a run starts (the pre-flight), and where `--ckpt_path` leads.
 
-Everything here runs before any run folder exists, so a failure costs nothing. In the order the
-command line makes them:
-
-1. right after parsing: `--ckpt_path last` resolved to a file and a resumed run to its own folder
-   (`resolve_resume`); the checkpoint read and validated whole (`vit.training.checkpoint.read`);
-   its recorded settings against the ones typed (`check_given_config`);
-2. once the classes exist: the checkpoint's model, built from its validated values, against the
-   data module's images and classes (`check_data_fits`), and recorded in the run's config
-   (`record_model`); for `fit`, the trainer's optimisation settings (`check_trainer_options`) and
-   the trainer state the run resumes (`vit.training.checkpoint.resume.check_resume`); the loggers'
-   save folders (`check_writable`); one training image through the model (`forward_one_image`).
-
-What a checkpoint may override of the config a user typed: with `--ckpt_path`, the model is the
-checkpoint's (its weights are that architecture), so a value typed on the command line or in a
-`--config` would be silently replaced by the checkpoint's. For values the user set (that differ
-from the default) and that differ from the checkpoint's:
+Everything here runs before any run folder exists, so a failure costs nothing. With `--ckpt_path`
+the model is the checkpoint's: a value left at its default takes the checkpoint's silently (that is
+how `--ckpt_path` is meant to be used), but one the user set that differs from it is checked:
 
 - the backbone (its class and every `init_args` value) must match, for every subcommand: the
-  weights are that architecture, and evaluating or resuming another one is not what was asked;
+  weights are that architecture;
 - the optimisation settings (`model.lr`, `weight_decay`, ...) must match for `fit`, which resumes
-  the run as it was (its optimizer and schedule state come from the checkpoint); for `validate`,
-  `test` and `predict` they do not matter, and one warning line lists them;
+  the run's optimizer and schedule; for `validate`, `test` and `predict` one warning lists them;
 - for `fit`, the data module's settings must match too (batch size, dataset size, seed, ...; not
-  where the files are or how many loader workers read them): they define where in the data the
-  run is, and a different batch size would skip or repeat part of the epoch. The number of
-  processes must also be the same (`check_resume`).
-
-A value left at its default takes the checkpoint's silently: that is how `--ckpt_path` is meant
-to be used.
+  `NOT_THE_RUN`): they say where in the data the run is, and a different batch size would skip or
+  repeat part of the epoch. The number of processes must also be the same (`check_resume`).
 """
 
 from __future__ import annotations
@@ -59,20 +41,17 @@ class ConfigError(ValueError):
 
 
 def is_local_file(ckpt_path) -> bool:
-    """False for None and for the names Lightning resolves itself to a checkpoint of the trainer
-    ("best", "last", "hpc")."""
+    """False for None and for the names Lightning resolves itself ("best", "last", "hpc")."""
     return ckpt_path is not None and str(ckpt_path) not in ("best", "last", "hpc")
 
 
 def resolve_resume(subcommand: str, config) -> None:
     """Turn `--ckpt_path last` into a file, and make `fit` from a checkpoint continue in that run's folder.
 
-    A new run gets a new `version_N` folder, where Lightning's own "last" finds nothing. Here "last"
-    is the newest `last.ckpt` under the logger's `save_dir/name/*/checkpoints/` (or under the
-    version set in the config). When `fit` resumes from a checkpoint inside such a run folder and no
-    version is set, and the checkpoint is that run's newest `last.ckpt`, the logger's version is set
-    to that folder, so logs and checkpoints continue there; from an older checkpoint, training goes
-    on in a new folder and the run is left as it is. Only loggers that lay runs out as
+    A new run gets a new `version_N` folder, where Lightning's own "last" finds nothing: here "last"
+    is the newest `last.ckpt` under the logger's `save_dir/name/*/checkpoints/` (or the configured
+    version's). `fit` from a run's newest `last.ckpt`, with no version set, continues in that run's
+    folder; from an older checkpoint, in a new folder. Only loggers that lay runs out as
     `save_dir/name/version` (TensorBoard, CSV) are handled.
     """
     ckpt_path = config.get("ckpt_path")
@@ -126,8 +105,7 @@ def _version_dir(version) -> str:
 
 
 def check_given_config(subcommand: str, config, checkpoint: dict, model_class: type, ckpt_path) -> list[str]:
-    """Raise `CheckpointError` for settings that must match (module docstring);
-    return the warning lines for the rest."""
+    """Raise `CheckpointError` for settings that must match (module docstring); return warnings for the rest."""
     errors, warnings = config_differences(subcommand, config, checkpoint, model_class)
     if errors:
         why = ("fit resumes the run as it was trained" if subcommand == "fit"
@@ -234,8 +212,8 @@ def record_model(config, checkpoint: Checkpoint) -> None:
 def check_trainer_options(trainer) -> None:
     """Raise `ConfigError` for the `fit` settings the Trainer takes without a check.
 
-    `accumulate_grad_batches=0` divides by zero once training starts (a traceback, a run folder
-    already made), and a negative `gradient_clip_val` turns clipping off without a word, as 0 does.
+    `accumulate_grad_batches=0` divides by zero once training starts, and a negative
+    `gradient_clip_val` turns clipping off without a word, as 0 does.
     """
     try:
         check_int("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, 1)
@@ -252,10 +230,7 @@ def check_trainer_options(trainer) -> None:
 
 
 def check_writable(folder: Path, option: str) -> None:
-    """Raise `ConfigError` unless `folder` can be created and written; nothing is left behind.
-
-    The deepest part of the path that exists must be a folder in which a file can be written.
-    """
+    """Raise `ConfigError` unless `folder` can be created and a file written in it; nothing is left behind."""
     existing = folder.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

@@ -1,12 +1,4 @@
-"""The run directory: never reused by accident, and it records what is needed to rerun it.
-
-`RunConfig` replaces LightningCLI's `SaveConfigCallback`. Next to `config.yaml` it
-writes `run_info.json` (seed, package versions, git commit, command line, devices). It refuses a
-run directory that already holds a run (a `config.yaml` or checkpoints), unless this is `fit`
-resuming from a checkpoint inside that directory: then the config and run info of the resumed
-part go to `config_resume1.yaml` and `run_info_resume1.json` (then 2, 3, ...), so nothing is
-overwritten.
-"""
+"""The run directory: never reused by accident, and it records what is needed to rerun it."""
 
 from __future__ import annotations
 
@@ -32,13 +24,13 @@ class RunDirectoryError(ValueError):
 
 
 class RunConfig(SaveConfigCallback):
-    """Save the resolved `config.yaml` and `run_info.json` in the run's folder, never reusing a folder by accident.
+    """LightningCLI's `SaveConfigCallback` that also writes `run_info.json`, and never reuses a run's folder.
 
     TensorBoard and CSV runs have a folder per run (`trainer.log_dir`): the files go there, a folder
-    that already holds a run is refused, and `fit` resuming inside its own folder adds
-    `config_resume1.yaml` / `run_info_resume1.json` (then 2, 3, ...) instead of overwriting.
-    Other loggers (W&B) have no run folder: the files go beside the run's checkpoints,
-    `save_dir/name/version/`, and the logger also gets the whole config (`log_hyperparams`).
+    that already holds a run (a `config.yaml` or checkpoints) is refused, and `fit` resuming inside
+    its own folder adds `config_resume1.yaml` / `run_info_resume1.json` (then 2, 3, ...) instead of
+    overwriting. Other loggers (W&B) have no run folder: the files go beside the run's checkpoints,
+    `save_dir/name/version/`, and the logger gets the whole config (`log_hyperparams`).
     """
 
     def __init__(self, *args, command: list[str] | None = None, **kwargs) -> None:
@@ -52,11 +44,11 @@ class RunConfig(SaveConfigCallback):
         if self.already_saved or not self.save_to_log_dir:
             return
         folder_per_run = not trainer.loggers or isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger))
-        # Collectives (rank 0 decides, every rank gets its answer): called where all ranks are.
+        # Collectives: every rank calls them; rank 0 decides and claims, every rank gets its answer.
         run_dir = (Path(trainer.log_dir) if folder_per_run
                    else Path(trainer.strategy.broadcast(_checkpoint_run_dir(trainer))))
         taken, refusal = False, None
-        if trainer.is_global_zero:  # rank 0 decides and claims; every rank gets its answer
+        if trainer.is_global_zero:
             taken = holds_a_run(run_dir, self.config_filename)
             if folder_per_run:
                 try:
@@ -80,8 +72,7 @@ class RunConfig(SaveConfigCallback):
         self.already_saved = trainer.strategy.broadcast(True)
 
     def _claim(self, run_dir: Path) -> str | None:
-        """Write the config with an exclusive create, so two runs can never both take one folder;
-        the refusal, or None."""
+        """Write the config with an exclusive create, so two runs never take one folder; the refusal, or None."""
         stem, ext = os.path.splitext(self.config_filename)
         path = run_dir / f"{stem}{self._suffix}{ext}"
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -196,12 +196,20 @@ def _checkpoint_folder(callback: ModelCheckpoint, trainer: L.Trainer) -> Path:
 def _data_position(raw: dict, datamodule, world_size: int) -> None:
     key = type(datamodule).__qualname__ if datamodule is not None else None
     state = raw.get(key) if key else None
-    if state and state["world_size"] != world_size:
+    if not state:
+        return
+    if state["world_size"] != world_size:
         raise CheckpointError(
             f"{key}.world_size: it was written by {state['world_size']} process(es) and this run has {world_size}: "
-            "each "
-            f"process's share of the epoch differs, so the run cannot continue where it stopped. Resume with "
+            "each process's share of the epoch differs, so the run cannot continue where it stopped. Resume with "
             f"{state['world_size']} process(es) (trainer.devices x trainer.num_nodes)")
+    train_set, batch_size = getattr(datamodule, "train_set", None), datamodule.hparams.get("batch_size")
+    if train_set is not None and isinstance(batch_size, int):  # set up by the pre-flight's forward pass
+        share = math.ceil(len(train_set) / world_size)  # this process's samples in an epoch (DistributedSampler's)
+        done = state["train_position"]["batches_done"]
+        if done * batch_size > share:
+            raise CheckpointError(f"{key}.train_position.batches_done={done} is past the end of the epoch: "
+                                  f"{math.ceil(share / batch_size)} batches of {batch_size} hold its {share} images")
 
 
 def _scaler(state: Any) -> None:

@@ -88,6 +88,10 @@ def _model_checkpoint(state: Any, key: str) -> None:
         if path and "://" in path:
             raise CheckpointError(f"{key}.{name}={shown(path, 100)} is not allowed: a checkpoint's paths are local "
                                   "files of its run, never URLs")
+    # ModelCheckpoint compares each new score with best_k_models[kth_best_model_path].
+    if best_k and paths["kth_best_model_path"] not in best_k:
+        raise CheckpointError(f"{key}.kth_best_model_path={shown(paths['kth_best_model_path'], 100)} is not one of "
+                              "its best_k_models")
 
 
 def _early_stopping(state: Any, key: str) -> None:
