@@ -46,8 +46,7 @@ _NO_HEADERS = "the server's status line and headers did not all arrive within"
 def fetch(ckpt_path: str | os.PathLike) -> str:
     """A local file for `ckpt_path`: a path as it is (`~` expanded), `file://` as its path, any other URL downloaded.
 
-    Every checkpoint then goes through the same checks (`read_checkpoint`: `weights_only=True`, layout; the CLI's
-    config, world-size and finite-weights checks) before Lightning loads it. A URL (`http(s)://`, or any fsspec
+    Every checkpoint then goes through the same reading and schema (`vit.training.checkpoint.read`). A URL (`http(s)://`, or any fsspec
     scheme such as `s3://`) is downloaded afresh on every call into the cache (see the module): a `last.ckpt` that
     changed since the last resume is not read stale, and two URLs ending in the same file name but with different
     paths never share a file (torch hub's cache keys by the name alone). An http(s) URL's `user:password@` is sent
