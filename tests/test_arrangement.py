@@ -15,7 +15,9 @@ from studies.runner.arrangement import (
     ArrangementDataset,
     label_of,
     placement_weights,
+    sample_pairs,
 )
+from studies.runner.shortcuts import bayes_accuracy
 
 
 def _tilt_by_angle(d_row: int, d_col: int) -> int:
@@ -129,31 +131,75 @@ def test_a_span_that_does_not_fit_the_region_is_refused():
         ArrangementDataset(num_samples=10, region="left", min_span=24)
 
 
-def test_placement_weights_give_both_classes_the_same_disc_marginal():
-    # Enumerated independently of the sampler: every counter-clockwise displacement of a 20x20 image (the rule, not the
-    # sampler's list), its probability under steps 1-2, every placement, each pair weighted by w[a] w[b]; then the
-    # clockwise class as the mirror image. The disc marginals of the two classes agree; without the weights they do not.
-    rows = cols = 16
-    lo, hi = 11, 20
-    w = placement_weights(rows, cols, lo, hi)
-    majors = hi - lo + 1
+def _exact_marginal(rows: int, cols: int, span: int, weights: np.ndarray) -> np.ndarray:
+    """The disc marginal of the counter-clockwise pairs of ``span``, enumerated independently of the sampler: every
+    counter-clockwise displacement of that span (the rule, not the sampler's list), its probability under steps 1-2,
+    every placement, each pair weighted by ``w[a] w[b]``."""
+    major = span - DISC_SIZE
+    m = np.zeros((rows, cols))
+    for dr in range(-(rows - 1), rows):
+        for dc in range(-(cols - 1), cols):
+            if label_of(np.array([dr, dc])) != 1 or max(abs(dr), abs(dc)) != major:
+                continue
+            p = 1 / ((major - 2 * MARGIN + 1) * 4) / ((rows - abs(dr)) * (cols - abs(dc)))
+            for r in range(max(0, -dr), rows - max(0, dr)):
+                for c in range(max(0, -dc), cols - max(0, dc)):
+                    mass = p * weights[r, c] * weights[r + dr, c + dc]
+                    m[r, c] += mass
+                    m[r + dr, c + dc] += mass
+    return m / m.sum()
 
-    def marginal(weights):
-        m = np.zeros((rows, cols))
-        for dr in range(-(rows - 1), rows):
-            for dc in range(-(cols - 1), cols):
-                major = max(abs(dr), abs(dc))
-                if label_of(np.array([dr, dc])) != 1 or not lo <= major + DISC_SIZE <= hi:
-                    continue
-                p = 1 / (majors * (major - 2 * MARGIN + 1) * 4) / ((rows - abs(dr)) * (cols - abs(dc)))
-                for r in range(max(0, -dr), rows - max(0, dr)):
-                    for c in range(max(0, -dc), cols - max(0, dc)):
-                        mass = p * weights[r, c] * weights[r + dr, c + dc]
-                        m[r, c] += mass
-                        m[r + dr, c + dc] += mass
-        return m / m.sum()
 
-    ccw = marginal(w)
-    assert np.allclose(ccw, ccw[:, ::-1], rtol=1e-5, atol=0)  # the clockwise class's marginal is the mirror image
-    plain = marginal(np.ones_like(w))
-    assert np.abs(plain / plain[:, ::-1] - 1).max() > 0.1
+@pytest.mark.parametrize("rows, cols, span", [(16, 16, 11), (16, 16, 20), (28, 28, 25), (28, 28, 32), (28, 16, 20)])
+def test_placement_weights_give_both_classes_the_same_disc_marginal_within_each_span(rows, cols, span):
+    # The clockwise class is the mirror image of the counter-clockwise one, so its marginal is the mirror image: the
+    # two agree when the counter-clockwise marginal is mirror-symmetric, span by span (so in every bin of spans a table
+    # scores). Without the weights they do not.
+    ccw = _exact_marginal(rows, cols, span, placement_weights(rows, cols, span))
+    assert np.abs(ccw - ccw[:, ::-1]).max() <= 1e-6 * ccw.max()
+    plain = _exact_marginal(rows, cols, span, np.ones((rows, cols)))
+    assert np.abs(plain - plain[:, ::-1]).max() > 0.1 * plain.max()
+
+
+def test_placement_weights_are_the_closest_reweighting_and_keep_a_quarter_turn():
+    # log w antisymmetric under the mirror (the form of the least-divergence solution); in a square region a quarter
+    # turn keeps each class, so which quadrants the discs occupy stays label-free.
+    for span in (11, 18, 25, 32):
+        w = placement_weights(28, 28, span)
+        support = w > 0
+        assert np.array_equal(support, support[:, ::-1])
+        assert np.allclose((w * w[:, ::-1])[support], 1.0, rtol=1e-9)
+        assert np.allclose(w, np.rot90(w), rtol=1e-9, atol=0)
+    # At span 32 (a 32-px image), a disc one row below the top-left corner is always the upper disc of a pair falling
+    # to the right (clockwise): left out in both classes, so it tells nothing.
+    w = placement_weights(28, 28, 32)
+    assert w[1, 0] == 0 and w[1, -1] == 0 and w[0, 0] > 0
+
+
+def test_sampled_pairs_follow_the_weights_span_by_span():
+    labels = np.arange(4000) % 2
+    pos = sample_pairs(np.random.default_rng(0), labels, 32, min_span=29, max_span=30)
+    span = np.abs(pos[:, 1] - pos[:, 0]).max(1) + DISC_SIZE
+    assert set(span.tolist()) == {29, 30} and abs((span == 29).mean() - 0.5) < 0.04  # the span uniform
+    for s in (29, 30):
+        w = placement_weights(28, 28, s)
+        for y, weights in ((1, w), (0, w[:, ::-1])):  # the clockwise pairs: the mirror images
+            p = pos[(span == s) & (labels == y)]
+            assert (weights[p[..., 0], p[..., 1]] > 0).all()
+            assert (label_of(p[:, 1] - p[:, 0]) == y).all()
+
+
+def test_one_disc_says_nothing_about_the_tilt_on_long_spans_of_a_draw_of_every_span():
+    # What a per-span table scores: images of every span, the long ones picked out. One disc (chosen at random) per
+    # image, the majority label of its position learned on one draw, scored on another: chance (a balance over all
+    # spans pooled leaves ~58% here).
+    keys, ys = [], []
+    for seed in (1, 2):
+        ds = ArrangementDataset(num_samples=30_000, noise=0.0, seed=seed)
+        long = ds.span.numpy() >= 25
+        centre = ds.positions.numpy()[long] + DISC_SIZE // 2  # (n, 2, 2)
+        disc = centre[np.arange(len(centre)), np.random.default_rng(seed).integers(2, size=len(centre))]
+        keys.append(disc[:, 0] * 32 + disc[:, 1])
+        ys.append(ds.labels.numpy()[long])
+    assert len(ys[1]) > 10_000
+    assert bayes_accuracy(keys[0], ys[0], keys[1], ys[1]) < 0.53  # +-1 point is the 95% interval at 10,000 images

@@ -201,3 +201,92 @@ def test_a_model_card_without_a_training_record_says_so(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert "## Training\n\n- not recorded in the checkpoint\n" in card
     assert "5 classes, label i is the i-th (`config.json`'s `label_names`): a, b, c, d, e." in card
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(img_size=96, patch_size=16, embed_dim=192, depth=12, num_heads=3), "vit_tiny_patch16_224"),
+    (dict(img_size=(96, 128), patch_size=16, embed_dim=192, depth=12, num_heads=3), "vit_tiny_patch16_224"),
+    (dict(img_size=32, patch_size=8, embed_dim=40, depth=2, num_heads=4), "test_vit"),  # no timm ViT this wide
+    (dict(img_size=96, patch_size=16, embed_dim=192, depth=12, num_heads=3, reg_tokens=1), "test_vit"),
+], ids=str)
+def test_the_architecture_names_a_timm_vit_of_the_same_size_or_none(tmp_path, kwargs, name):
+    model = random_vit(**kwargs)
+    C, (H, W) = model.patch_embed.in_chans, model.patch_embed.img_size
+    export(model, tmp_path / "out", dict(DATA, input_size=(C, H, W)), list("abcde"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architecture"] == name and config["model_args"]["img_size"] == [H, W]
+    if name != "test_vit":  # the name's own sizes are the model's: timm builds it from the name and the image size
+        with torch.device("meta"):
+            default = timm.create_model(name, pretrained=False, img_size=(H, W))
+        assert (default.embed_dim, len(default.blocks), default.blocks[0].attn.num_heads,
+                default.patch_embed.patch_size[0]) == (model.embed_dim, len(model.blocks),
+                                                       model.blocks[0].attn.num_heads, model.patch_embed.patch_size)
+    exported = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = torch.randn(2, C, H, W)
+    assert (logits(exported, x) - logits(model, x)).abs().max() < 1e-5
+
+
+def test_the_card_front_matter_says_what_the_hub_shows(tmp_path):
+    import yaml
+
+    from vit.export import hub_base_model, hub_dataset, model_card
+
+    args = timm_args(random_vit())
+    training = {"dataset": hub_dataset({"_class_path": "vit.data.cifar.CIFARDataModule", "dataset": "cifar10"}),
+                "base_model": hub_base_model("vit_tiny_patch16_224.augreg_in21k")}
+    card = model_card(args, dict(input_size=(3, 32, 32), **DATA), list("abcde"), training, "apache-2.0")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front == {"library_name": "timm", "license": "apache-2.0", "pipeline_tag": "image-classification",
+                     "base_model": "timm/vit_tiny_patch16_224.augreg_in21k", "datasets": ["cifar10"],
+                     "metrics": ["accuracy"], "tags": ["image-classification", "timm", "vision-transformer"]}
+    bare = yaml.safe_load(model_card(args, dict(input_size=(3, 32, 32), **DATA), list("abcde")).split("---\n")[1])
+    assert set(bare) == {"library_name", "pipeline_tag", "metrics", "tags"}  # no license unless given, no base, no data
+    assert hub_dataset({"_class_path": "vit.data.image_folder.ImageFolderDataModule", "data_dir": "cifar10"}) is None
+    # A name without a tag: the repo of timm's default tag, where `pretrained="vit_small_patch16_224"` downloads from.
+    assert hub_base_model("vit_small_patch16_224") == timm.models.get_pretrained_cfg("vit_small_patch16_224").hf_hub_id
+    assert hub_base_model("vit_small_patch16_224").startswith("timm/vit_small_patch16_224.")
+    assert hub_base_model("hf-hub:org/my-vit@main") == "org/my-vit" and hub_base_model("org/my-vit") == "org/my-vit"
+    for local in (str(tmp_path / "weights.safetensors"), "runs/x/last.ckpt", "not_a_timm_model", None):
+        assert hub_base_model(local) is None
+
+
+def test_a_license_that_is_not_a_hub_id_is_refused_naming_the_form(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--ckpt_path", "x.ckpt", "--out", str(tmp_path / "out"), "--license", "Apache 2.0"])
+    assert "'Apache 2.0' is not a Hub license id" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_card_code_as_written_gives_the_checkpoints_logits_on_a_rotated_jpeg(checkpoint, tmp_path, monkeypatch):
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    import vit
+
+    out = tmp_path / "out"
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(out), "--license", "mit"]) == 0
+    card = (out / "README.md").read_text()
+    assert "\nlicense: mit\n" in card.split("---")[1]
+    # A photo stored sideways, with the EXIF tag (orientation 6: turn 90 degrees clockwise) that makes it upright.
+    y, x = np.mgrid[0:40, 0:64]
+    pixels = np.stack([x * 4, y * 6, (x * y) % 256], axis=-1).astype(np.uint8)  # no symmetry a turn would keep
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    photo = tmp_path / "rotated.jpg"
+    Image.fromarray(pixels).save(photo, exif=exif, quality=95)
+    code = re.search(r"```python\n(.*?)```", card, re.DOTALL)[1]
+    code = code.replace("path/to/this/folder", str(out)).replace('"photo.jpg"', repr(str(photo)))
+    scope = {}
+    exec(code, scope)
+    predictor = vit.load(checkpoint)
+    with torch.no_grad():
+        expected = predictor.model(predictor.images(photo))
+        card_logits = scope["model"](scope["x"])
+        mode = "RGB" if scope["x"].shape[1] == 3 else "L"  # as the card converts
+        unturned = scope["transform"](Image.open(photo).convert(mode))[None]
+        sideways = scope["model"](unturned)
+    assert (card_logits - expected).abs().max() < 1e-5
+    # Read without the EXIF turn the input differs, and so do the logits by more than the tolerance: the test can fail.
+    assert (unturned - scope["x"]).abs().max() > 0.1 and (sideways - expected).abs().max() > 1e-5

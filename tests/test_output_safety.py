@@ -165,7 +165,7 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_the_earlier_export_and_no_
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)  # the writer timm's save_for_hf calls
     prepared = (tiny_vit(), DATA, list("abcd"), {})
-    assert write(argparse.Namespace(out=out, overwrite=True), prepared) == 1
+    assert write(argparse.Namespace(out=out, overwrite=True, license=None), prepared) == 1
     where = out / "model.safetensors" if isinstance(err, SafetensorError) else out
     assert capsys.readouterr() == ("", f"error: --out {where} could not be written: No space left on device\n")
     assert {p.name: p.read_text() for p in out.iterdir()} == {
@@ -231,8 +231,9 @@ def test_the_model_card_shows_a_checkpoints_text_as_text():
     card = model_card(timm_args(model), DATA, HOSTILE, training_record(checkpoint))
 
     front, body = card.split("---\n", 2)[1:]
-    assert yaml.safe_load(front) == {"library_name": "timm", "tags": ["image-classification", "timm",
-                                                                      "vision-transformer"]}
+    assert yaml.safe_load(front) == {"library_name": "timm", "pipeline_tag": "image-classification",
+                                     "metrics": ["accuracy"], "tags": ["image-classification", "timm",
+                                                                       "vision-transformer"]}
     for raw in ["<script>alert(1)</script>", "a|b", "line\nbreak", "<img", "](https", "`7`", "---\n"]:
         assert raw not in body, raw
     # A leading '#' is kept, escaped: shown as written, never a heading.

@@ -5,39 +5,74 @@ rewritten as committed)."""
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from studies.arrangement import __main__ as command
 from studies.arrangement import report, shortcuts
+from studies.runner.grid import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "studies/arrangement/results/arrangement"
 INPUTS = ("runs.csv", "blocking.csv", "predictions")  # what the runs and the blocking wrote; the rest is report
 
 
-def test_audit_shortcuts_stay_at_chance_and_the_relation_does_not(tmp_path):
-    rows = shortcuts.audit("all", num_train=3000, num_test=2000, mlp=False)
-    by_name = {r["baseline"]: r for r in rows}
-    assert {"disc_a", "disc_b", "midpoint", "span", "distance", "ink", "parts", "quadrants", "pixels_logreg",
-            "centres_logreg", "grid4", "positions_sorted"} == set(by_name)
+def test_audit_shortcuts_stay_at_chance_on_every_subset_and_the_relation_does_not(tmp_path):
+    from studies.runner.arrangement import ArrangementDataset
+
+    fit = shortcuts.Images.of([ArrangementDataset(num_samples=4000, seed=11)])
+    scored = shortcuts.Images.of([ArrangementDataset(num_samples=1500, seed=12),
+                                  ArrangementDataset(num_samples=1500, seed=13)])
+    setting = shortcuts.Setting("relation", scored, fit, {(11, 32): "every image", (25, 32): "spans >= 25"})
+    rows = shortcuts.audit(setting, mlp=False)
+    by_name = {(r["region"], r["baseline"]): r for r in rows}
+    every = {"disc_a", "disc_b", "disc_random", "midpoint", "span", "distance", "ink", "parts", "quadrants",
+             "pixels_logreg", "centres_logreg"}
+    assert {b for (g, b) in by_name if g == "relation 25-32"} == every  # the subsets: the shortcuts only
+    assert {b for (g, b) in by_name if g == "relation 11-32"} == every | {"grid4", "positions_sorted"}
+    assert by_name[("relation 11-32", "ink")]["n"] == 3000
+    assert by_name[("relation 25-32", "ink")]["n"] == int((scored.span >= 25).sum())
     for r in rows:
         assert r["low"] <= r["accuracy"] <= r["high"], r
         if r["shortcut"]:
-            assert r["accuracy"] < 0.56, r  # 2000 test images: the 95% interval is about +-2.2 points
-    assert by_name["positions_sorted"]["accuracy"] > 0.9 and not by_name["positions_sorted"]["shortcut"]
-    shortcuts.write(rows, tmp_path, 1.0, "cmd", (3000, 2000))
+            assert r["low"] < 0.53, r  # at chance: the interval reaches below 53% (about +-3 points at 1,000 images)
+    assert by_name[("relation 11-32", "positions_sorted")]["accuracy"] > 0.9
+    shortcuts.write(rows, [setting], tmp_path, 1.0, "cmd")
     text = (tmp_path / "shortcuts.md").read_text()
-    assert "Shortcuts above 55%: none." in text and "| *not shortcuts* |" in text
+    assert "Shortcuts above 55%: none." in text and "| 25-32 | " in text and "| relation 11-32 | " in text
     assert len((tmp_path / "shortcuts.csv").read_text().splitlines()) == len(rows) + 1
 
 
-def test_the_long_span_setting_is_audited_on_long_pairs_only():
-    rows = shortcuts.audit("long", num_train=2000, num_test=1000, mlp=False)
-    assert {r["region"] for r in rows} == {"long"}
-    assert all(r["accuracy"] < 0.57 for r in rows if r["shortcut"]), rows
+def test_the_audit_scores_the_span_bins_the_tables_score():
+    cfg = load_config(ROOT / command.CONFIG)
+    relation = shortcuts.span_subsets(cfg, "relation", 11, 32)
+    # every image; by_distance.md's bins; within and beyond 11 px (cnn-rf11*) and 21 px (cnn-rf21); spans >= 25
+    assert list(relation) == [(11, 32), (11, 13), (14, 16), (17, 19), (20, 22), (23, 25), (26, 28), (29, 32),
+                              (11, 11), (12, 32), (11, 21), (22, 32), (25, 32)]
+    ood = shortcuts.span_subsets(cfg, "span_ood", 21, 32)
+    assert list(ood) == [(21, 32), (21, 23), (24, 26), (27, 29), (30, 32), (21, 24), (25, 28), (29, 32), (25, 32)]
+    committed = (ROOT / "studies/arrangement/results/arrangement/by_distance.md").read_text()
+    assert "| 11-13 | 14-16 | 17-19 | 20-22 | 23-25 | 26-28 | 29-32 |" in committed
+    assert "| 21-23 | 24-26 | 27-29 | 30-32 |" in committed
+    header = report.span_ood_table([], RESULTS)[2]  # the span_ood table's bins
+    assert all(f"test {a}-{b}" in header for a, b in shortcuts.SPAN_OOD_BINS)
+
+
+def test_the_audit_scores_the_images_the_study_draws():
+    from studies.runner.arrangement import ArrangementDataModule
+
+    settings = shortcuts.study_settings(load_config(ROOT / command.CONFIG), num_fit=200)
+    assert [s.name for s in settings] == ["relation", "span_ood", "span_ood/val"]
+    relation, ood, val = settings
+    assert len(relation.scored.labels) == len(ood.scored.labels) == 5 * 4000 and len(val.scored.labels) == 5 * 1000
+    assert (ood.scored.span.min(), val.scored.span.max()) == (21, 20)
+    # seed 3's test split, made as the runner makes it (num_test and the experiment's data options of the config)
+    test = ArrangementDataModule(num_test=4000, seed=3, test_min_span=21, train_max_span=20).make_split(
+        "test", 4000, "all")
+    assert np.array_equal(ood.scored.centres[3 * 4000:4 * 4000], test.positions.numpy() + 2)
+    assert len(relation.fit.labels) == 200 and not np.array_equal(relation.fit.centres, relation.scored.centres[:200])
 
 
 def test_the_report_splits_the_held_out_test_by_class_and_the_unseen_spans_by_bin(tmp_path):
-    import numpy as np
-
     (tmp_path / "predictions").mkdir()
     rng = np.random.default_rng(0)
     rows = []

@@ -5,7 +5,8 @@
 
 The backbone's weights go under timm's names into a timm `VisionTransformer` of the same configuration, and
 timm's own `save_for_hf` writes the folder, in the layout timm's Hub loader reads. `config.json` holds the
-`architecture` (a timm ViT name where one matches), `model_args` (every size that differs from it),
+`architecture` (timm's name for a plain ViT of this width, depth, heads and patch size, else timm's `test_vit`,
+which names no size), `model_args` (every argument, the image size included),
 `label_names` (the checkpoint's class names, else "0", "1", ...) and a `pretrained_cfg` of the checkpoint's
 input size, normalisation and interpolation, resized without crop (`crop_pct: 1.0`, `crop_mode: squash`) as
 `vit.predict` does; `README.md` is the model card (`model_card`). Then `timm.create_model("local-dir:exported/",
@@ -39,14 +40,25 @@ if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--hel
 
     from vit.models import VisionTransformer
 
-# timm's ViTs by width, depth and heads, for naming the architecture when one fits.
-_FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large"}
-_FALLBACK_ARCHITECTURE = "vit_base_patch16_224"  # any timm ViT: `model_args` overrides every size
+# timm's plain ViTs (`vit_{family}_patch{P}_{S}`: only these four sizes set) by width, depth and heads.
+_FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large",
+             (1280, 32, 16): "huge"}
+# What a plain timm ViT has besides its sizes: a model that differs here is not the one the name describes.
+_PLAIN = dict(mlp_ratio=4.0, qkv_bias=True, qk_norm=False, class_token=True, reg_tokens=0, no_embed_class=False,
+              pos_embed="learn")
+# timm registers no ViT without sizes in its name, and `create_model("local-dir:...")` builds only a registered
+# `architecture`. `test_vit` is the one whose name states no size: every argument it sets is in `model_args`
+# (`dynamic_img_size` too, which `timm_args` always gives), so it builds exactly what they say.
+GENERIC_ARCHITECTURE = "test_vit"
 _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
 # What config.json's pretrained_cfg says of these weights; the rest of the architecture's default cfg
 # (its tag, license, paper) describes timm's own weights, not these.
 _PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "interpolation", "crop_pct", "crop_mode",
                         "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
+# The Hub's dataset ids of the public datasets a data module names: (its class path, its `dataset`) -> id.
+_HUB_DATASETS = {("vit.data.cifar.CIFARDataModule", "cifar10"): "cifar10",
+                 ("vit.data.cifar.CIFARDataModule", "cifar100"): "cifar100"}
+_LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: apache-2.0, mit, cc-by-4.0, other, ...
 FILES = ("model.safetensors", "config.json", "README.md")  # what `export` writes into --out
 
 
@@ -79,20 +91,26 @@ def timm_args(model: VisionTransformer) -> dict:
         qkv_bias=attn.qkv.bias is not None, qk_norm=not isinstance(attn.q_norm, nn.Identity),
         class_token=model.cls_token is not None, global_pool=_TIMM_POOL[model.pool], fc_norm=model.use_fc_norm,
         reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
-        pos_embed="none" if model.pos_embed is None else "learn",
+        pos_embed="none" if model.pos_embed is None else "learn", dynamic_img_size=False,
     )
 
 
 def architecture(args: dict) -> str:
-    """timm's name for a ViT of this size (`vit_small_patch16_224`), else a generic one (sizes go in `model_args`)."""
+    """timm's name for a plain ViT of this width, depth, heads and patch size (`vit_tiny_patch16_224`), else
+    `GENERIC_ARCHITECTURE`; the image size, classes and pooling are `model_args`' (`create_model(name, img_size=...)`).
+
+    Of the names of the right size, the one at the model's image size where timm has it (`vit_base_patch16_384`),
+    else the 224-pixel one.
+    """
     import timm
 
     family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
+    if family is None or any(args[key] != value for key, value in _PLAIN.items()):
+        return GENERIC_ARCHITECTURE
     height, width = args["img_size"]
-    name = f"vit_{family}_patch{args['patch_size']}_{height}"
-    if family and height == width and args["mlp_ratio"] == 4.0 and timm.is_model(name):
-        return name
-    return _FALLBACK_ARCHITECTURE
+    sizes = ([height] if height == width else []) + [224, 384]
+    names = [f"vit_{family}_patch{args['patch_size']}_{size}" for size in sizes]
+    return next((name for name in names if timm.is_model(name)), GENERIC_ARCHITECTURE)
 
 
 def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Module:
@@ -113,14 +131,18 @@ def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Mod
 
 def training_record(checkpoint: dict) -> dict:
     """What the checkpoint says of its training, for the model card: `data_module` (its class path), `seed`,
-    `epoch`, `global_step`, `model` (the classifier's plain settings: lr, weight decay, ...) and `metrics`
-    (each ModelCheckpoint's monitored metric: its best and its value when this checkpoint was written)."""
+    `epoch`, `global_step`, `dataset` (the Hub id of the public dataset the data module reads, `hub_dataset`),
+    `base_model` (the Hub id of the weights it was fine-tuned from, `hub_base_model`), `model` (the classifier's
+    plain settings: lr, weight decay, ...) and `metrics` (each ModelCheckpoint's monitored metric: its best and its
+    value when this checkpoint was written)."""
     data = checkpoint.get("datamodule_hyper_parameters") or {}
+    hparams = checkpoint.get("hyper_parameters") or {}
     record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
-              "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step")}
+              "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
+              "dataset": hub_dataset(data), "base_model": hub_base_model(hparams.get("pretrained"))}
     record = {key: value for key, value in record.items()
               if isinstance(value, (str, int)) and not isinstance(value, bool)}
-    settings = {key: value for key, value in (checkpoint.get("hyper_parameters") or {}).items()
+    settings = {key: value for key, value in hparams.items()
                 if not key.startswith("_") and key != "backbone" and isinstance(value, (str, int, float, bool, list))}
     if settings:
         record["model"] = settings
@@ -137,8 +159,39 @@ def training_record(checkpoint: dict) -> dict:
     return record
 
 
-def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None) -> str:
-    """The export's `README.md`: Hub front matter (`library_name: timm`), then what a person needs to use the model.
+def hub_dataset(data: dict) -> str | None:
+    """The Hub id of the public dataset a data module's hyperparameters name (CIFAR-10: `cifar10`); None for the
+    rest (an image folder, the synthetic sets)."""
+    path, name = data.get("_class_path"), data.get("dataset")
+    return _HUB_DATASETS.get((path, name)) if isinstance(path, str) and isinstance(name, str) else None
+
+
+def hub_base_model(pretrained: object) -> str | None:
+    """The Hub id of the weights `ImageClassifier(pretrained=...)` started from: a hub id as given (without
+    `hf-hub:` and `@revision`), a timm name as the repo timm downloads it from (`timm/<name>.<tag>`, the default tag
+    where none is given); None for a local file or a name timm does not know."""
+    from timm.models import get_pretrained_cfg
+
+    from vit.models.weights import source_kind
+
+    if not isinstance(pretrained, str) or not pretrained:
+        return None
+    kind = source_kind(pretrained)
+    if kind == "hub":
+        return re.sub(r"^hf[-_]hub:", "", pretrained, flags=re.IGNORECASE).split("@", 1)[0]
+    if kind == "name":
+        try:
+            cfg = get_pretrained_cfg(pretrained)
+        except RuntimeError:  # a tag timm does not have
+            return None
+        return cfg.hf_hub_id if cfg is not None and cfg.hf_hub_id else None
+    return None
+
+
+def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None,
+               license: str | None = None) -> str:
+    """The export's `README.md`: Hub front matter (`library_name: timm`, `pipeline_tag`, `license` when given,
+    `base_model`, `datasets`, `metrics`), then what a person needs to use the model.
 
     `args` are `timm_args`, `training` is `training_record`'s; every value from the checkpoint goes through
     `markdown_text`.
@@ -151,12 +204,21 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     shown = (", ".join(markdown_text(n) for n in names[:20])
              + (f", ... ({len(names)} in all)" if len(names) > 20 else ""))
     training = training or {}
-    front_matter = {"library_name": "timm", "tags": ["image-classification", "timm", "vision-transformer"]}
+    front_matter = {"library_name": "timm", "license": license, "pipeline_tag": "image-classification",
+                    "base_model": training.get("base_model"),
+                    "datasets": [training["dataset"]] if "dataset" in training else None,
+                    "metrics": ["accuracy"], "tags": ["image-classification", "timm", "vision-transformer"]}
+    front_matter = {key: value for key, value in front_matter.items() if value is not None}
+    if name == GENERIC_ARCHITECTURE:
+        named = (f"timm's `{name}` entry point: no timm ViT has these sizes, and `{name}` builds the one the sizes "
+                 "in `model_args` describe")
+    else:
+        named = f"`{name}`, at the image size and with the head and pooling in `model_args`"
     lines = [
         "---", *yaml.safe_dump(front_matter, sort_keys=False).splitlines(), "---", "",
         "# Vision Transformer image classifier", "",
         (f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
-         f"architecture (`{name}`, with the sizes below in `model_args`)."), "",
+         f"architecture ({named})."), "",
         "## Architecture", "",
         (f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
          f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
@@ -176,12 +238,13 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         "```python",
         "import timm",
         "import torch",
-        "from PIL import Image",
+        "from PIL import Image, ImageOps",
         "",
         'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
         "config = timm.data.resolve_data_config(model=model)",
         "transform = timm.data.create_transform(**config)",
-        f'x = transform(Image.open("photo.jpg").convert("{"RGB" if channels == 3 else "L"}"))[None]',
+        "image = ImageOps.exif_transpose(Image.open(\"photo.jpg\"))  # upright, as the camera held it",
+        f'x = transform(image.convert("{"RGB" if channels == 3 else "L"}"))[None]',
         "with torch.no_grad():",
         "    probabilities = model(x).softmax(-1)  # (1, num_classes), in the order of the classes above",
         "```",
@@ -250,9 +313,9 @@ def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[st
 
 
 def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str],
-           training: dict | None = None) -> None:
-    """Write `model.safetensors`, `config.json` and `README.md` (`model_card`) into `out` (created), through a
-    temporary folder beside it."""
+           training: dict | None = None, license: str | None = None) -> None:
+    """Write `model.safetensors`, `config.json` and `README.md` (`model_card`, `license` in its front matter) into
+    `out` (created), through a temporary folder beside it."""
     from timm.models import save_for_hf
 
     exported = to_timm(backbone, data_config)
@@ -264,7 +327,8 @@ def export(backbone: VisionTransformer, out: Path, data_config: dict, names: lis
         # safetensors creates its file with mode 0600, config.json has the umask's mode: the weights get the
         # same permissions, so whoever may read one reads both.
         os.chmod(Path(tmp) / "model.safetensors", stat.S_IMODE(os.stat(Path(tmp) / "config.json").st_mode))
-        (Path(tmp) / "README.md").write_text(model_card(timm_args(backbone), data_config, names, training))
+        card = model_card(timm_args(backbone), data_config, names, training, license)
+        (Path(tmp) / "README.md").write_text(card)
         out.mkdir(exist_ok=True)
         for name in FILES:
             os.replace(Path(tmp) / name, out / name)  # each file replaced whole, never half-written
@@ -290,7 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--out", required=True, type=Path,
                          help="folder to write model.safetensors, config.json and README.md")
     options.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
+    options.add_argument("--license", type=hub_license,
+                         help="the Hub license id for the model card's front matter (apache-2.0, mit, cc-by-4.0, "
+                              "other, ...); default: none written, because the weights' license follows from the "
+                              "base model's and the data's, which only you know")
     return run(options.parse_args(argv), prepare, write)
+
+
+def hub_license(text: str) -> str:
+    """`--license` as the Hub spells its license ids (lowercase: `apache-2.0`), else an error naming the form."""
+    if not _LICENSE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Hub license id: lowercase letters, digits, '.', '+' "
+                                         "and '-', like apache-2.0, mit, cc-by-4.0 or other")
+    return text
 
 
 def prepare(args: argparse.Namespace) -> tuple[VisionTransformer, dict, list[str], dict]:
@@ -305,7 +381,7 @@ def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, lis
 
     backbone, data_config, names, training = prepared
     try:
-        export(backbone, args.out, data_config, names, training)
+        export(backbone, args.out, data_config, names, training, args.license)
     except (OSError, SafetensorError) as err:  # a full disk: the temporary folder is gone, --out is untouched
         return write_failed("--out", args.out / "model.safetensors" if isinstance(err, SafetensorError) else args.out,
                             err)

@@ -1,19 +1,30 @@
-"""The arrangement task's shortcut audit: how far the tilt of a pair can be read without relating its two discs.
+"""The arrangement task's shortcut audit: how far the tilt of a pair can be read without relating its two discs, on
+every subset of images that the study's tables score.
 
-    python -m studies.arrangement.shortcuts --out studies/arrangement/results
+    python -m studies.arrangement.shortcuts --out studies/arrangement/results/audit_v2
 
-(the study's command, ``python -m studies.arrangement``, runs it first when ``shortcuts.csv`` is not there).
-Measured before any model, on fresh draws of ``studies.runner.arrangement.ArrangementDataset`` (the train
-split to fit, the test split to score, fixed seeds), per setting: the regions ``all`` and ``left``
-(5/8 of the columns), and the two span ranges of the study's out-of-distribution experiment in the
-whole image, ``short`` (spans up to 20 px, what it trains on) and ``long`` (21 px and more, what it
-is tested on). Each row is a test accuracy with its exact 95%
-Clopper-Pearson interval. Bayes rows are the majority label per key learned on the train split
-(``studies.runner.shortcuts.bayes_accuracy``): an upper estimate of what that statistic gives.
+Measured before any model, on the study's own images (``--config``: the study's config). A setting is one split as
+the study draws it: for each experiment of the task ``arrangement``, the test split of every seed, made by the data
+module of its runs (``studies.runner.grid.plan``) and pooled over the seeds; and the validation split of an
+experiment that bounds the trained spans (``span_ood/val``: the ``val`` column of ``arrangement.md``). Each baseline
+is scored on the subsets of a setting's images that the tables score (``span_subsets``):
+
+* every image (``summary.md``, ``comparisons.md``);
+* the 3-px span bins of ``by_distance.md`` (``studies.runner.cells.distance_edges``);
+* within and beyond each CNN's receptive field in the span range (``by_distance.md``'s ``<= RF`` / ``> RF`` and its
+  split tables);
+* the span bins of ``arrangement.md``'s ``span_ood`` table (``SPAN_OOD_BINS``);
+* spans >= 25, the longest, where the discs hug the borders and corners.
+
+On each subset a baseline is fit on the images of the same spans in a fresh draw of the same law (the same data
+module with seed ``FIT_SEED``, ``--num-fit`` images), then scored on the study's images of those spans. Each row is
+a test accuracy with its exact 95% Clopper-Pearson interval. Bayes rows are the majority label per key learned on
+the fit draw (``studies.runner.shortcuts.bayes_accuracy``): an upper estimate of what that statistic gives.
 
 Shortcuts, label-free by construction or by measurement (each must stay at most 55%):
 
-* ``disc_a``, ``disc_b``: Bayes on one disc's centre pixel alone;
+* ``disc_a``, ``disc_b``, ``disc_random``: Bayes on one disc's centre pixel alone (the first, the second, or one
+  chosen by a seeded coin per image);
 * ``midpoint``: Bayes on the pair's midpoint (half-pixel grid);
 * ``span``, ``distance``: Bayes on the span and on the rounded centre distance;
 * ``ink``, ``parts``: logistic regression on the total ink; Bayes on the number of connected
@@ -24,7 +35,8 @@ Shortcuts, label-free by construction or by measurement (each must stay at most 
 * ``centres_logreg``: logistic regression on the two-hot map of the discs' centres (the same, on
   the positions alone).
 
-Not shortcuts, at chance by no design (they read the relation, at some resolution):
+Not shortcuts, at chance by no design (they read the relation, at some resolution), scored on every image of each
+setting only:
 
 * ``grid4``: Bayes on which cells of a 4x4 grid the two discs occupy (unordered): the relation
   read at an 8-px resolution;
@@ -38,27 +50,119 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shlex
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from scipy import ndimage
 
-from studies.runner.arrangement import DISC_SIZE, ArrangementDataset
+from studies.runner.arrangement import DISC_SIZE, ArrangementDataModule, ArrangementDataset
+from studies.runner.cells import distance_edges, model_rf
+from studies.runner.grid import experiments, load_config, plan
 from studies.runner.shortcuts import bayes_accuracy, logreg_accuracy
 from studies.runner.stats import clopper_pearson
 
-# Each setting: (region, min_span, max_span) of the train and test draws.
-SETTINGS = {"all": ("all", None, None), "left": ("left", None, None), "short": ("all", None, 20),
-            "long": ("all", 21, None)}
-TRAIN_SEED, TEST_SEED = 2001, 2002
+CONFIG = "studies/arrangement/configs/arrangement.yaml"  # the study's (studies/arrangement/__main__.py)
+FIT_SEED = 2001  # the data module's seed of the fresh draws the baselines are fit on (not a study seed)
+PICK_SEED = 2003  # the coin that picks one disc per image for ``disc_random``
+SPAN_OOD_BINS = ((21, 24), (25, 28), (29, 32))  # arrangement.md's span_ood table (report.span_ood_table)
+LONG = 25  # the shortest span of the subset "spans >= 25"
 LIMIT = 0.55  # the highest accuracy a shortcut may reach
 NOT_SHORTCUTS = ("grid4", "positions_sorted", "pixels_mlp")
 
 
-def _centres(ds: ArrangementDataset) -> np.ndarray:
-    """Centre pixel ``(N, 2, 2)`` (sample, disc, (row, col)) of each disc."""
-    return ds.positions.numpy() + DISC_SIZE // 2
+@dataclass(frozen=True)
+class Images:
+    """What the audit reads of a set of arrangement images, one row per image."""
+
+    labels: np.ndarray  # (N,) 0 clockwise, 1 counter-clockwise
+    centres: np.ndarray  # (N, 2, 2) centre pixel of each disc (sample, disc, (row, col))
+    span: np.ndarray  # (N,)
+    pixels: np.ndarray  # (N, H * W) float32, the first channel
+    blobs: np.ndarray  # (N,) 4-connected blobs above half the ink level
+    pick: np.ndarray  # (N,) the disc that ``disc_random`` reads (0 or 1)
+
+    @classmethod
+    def of(cls, datasets: list[ArrangementDataset]) -> Images:
+        """The images of ``datasets``, in order."""
+        pixels = np.concatenate([ds.images[:, 0].numpy() for ds in datasets])  # (N, H, W)
+        labels = np.concatenate([ds.labels.numpy() for ds in datasets])
+        return cls(labels=labels, centres=np.concatenate([ds.positions.numpy() for ds in datasets]) + DISC_SIZE // 2,
+                   span=np.concatenate([ds.span.numpy() for ds in datasets]), pixels=pixels.reshape(len(pixels), -1),
+                   blobs=np.array([ndimage.label(im > 0.5)[1] for im in pixels]),
+                   pick=np.random.default_rng(PICK_SEED).integers(2, size=len(labels)))
+
+    def within(self, lo: int, hi: int) -> Images:
+        """The images whose span is in ``[lo, hi]``."""
+        keep = (self.span >= lo) & (self.span <= hi)
+        return Images(**{k: getattr(self, k)[keep] for k in self.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One split as the study draws it, the fresh draw of the same law that the baselines fit on, and the span
+    subsets ``{(lo, hi): which tables score it}`` its tables score."""
+
+    name: str
+    scored: Images
+    fit: Images
+    subsets: dict[tuple[int, int], str]
+
+
+def span_subsets(cfg: dict, experiment: str, lo: int, hi: int) -> dict[tuple[int, int], str]:
+    """``{(lo, hi): which tables score it}``: the spans of the test images that the study's tables score for
+    ``experiment`` (see the module doc), whose test spans run from ``lo`` to ``hi``."""
+    subsets: dict[tuple[int, int], list[str]] = {}
+
+    def add(a: int, b: int, why: str) -> None:
+        subsets.setdefault((a, b), []).append(why)
+
+    add(lo, hi, "every image")
+    edges = distance_edges([lo, hi])
+    for a, b in zip(edges[:-1], edges[1:]):
+        add(int(a), int(b) - 1, "by_distance.md bin")
+    exp = next(e for e in experiments(cfg) if e["name"] == experiment)
+    for rf in sorted({rf for m in exp["models"] if (rf := model_rf(cfg, m)) is not None and lo <= rf < hi}):
+        add(lo, rf, f"<= RF {rf} (by_distance.md)")
+        add(rf + 1, hi, f"> RF {rf} (by_distance.md)")
+    if experiment == "span_ood":
+        for a, b in SPAN_OOD_BINS:
+            add(a, b, "arrangement.md span_ood bin")
+    if lo < LONG <= hi:
+        add(LONG, hi, f"spans >= {LONG}")
+    return {k: "; ".join(v) for k, v in subsets.items()}
+
+
+def _split(init_args: dict, split: str, num_samples: int | None = None) -> ArrangementDataset:
+    """The ``split`` (``test`` or ``val``) of the data module a run makes from ``init_args``, as the run makes it;
+    ``num_samples`` images (default: the run's)."""
+    dm = ArrangementDataModule(**init_args)
+    hp = dm.hparams
+    region = hp.test_region if split == "test" else hp.train_region
+    return dm.make_split(split, num_samples or hp[f"num_{split}"], region)
+
+
+def study_settings(cfg: dict, num_fit: int) -> list[Setting]:
+    """Every setting of the study's config ``cfg`` (see the module doc), with fresh draws of ``num_fit`` images."""
+    data: dict[str, dict[int, dict]] = {}  # experiment -> seed -> the data module's init_args
+    for run in plan(cfg):
+        if run.task == "arrangement":
+            data.setdefault(run.experiment, {})[run.seed] = run.overrides["data"]["init_args"]
+    settings = []
+    for experiment, by_seed in data.items():
+        first = next(iter(by_seed.values()))
+        for split in ("test", "val") if first.get("train_max_span") is not None else ("test",):
+            scored = Images.of([_split(args, split) for args in by_seed.values()])
+            fit = Images.of([_split({**first, "seed": FIT_SEED}, split, num_fit)])
+            lo, hi = int(scored.span.min()), int(scored.span.max())
+            if split == "test":
+                settings.append(Setting(experiment, scored, fit, span_subsets(cfg, experiment, lo, hi)))
+            else:
+                settings.append(Setting(f"{experiment}/val", scored, fit, {(lo, hi): "every image"}))
+    return settings
 
 
 def _cells(c: np.ndarray, cell: int, side: int) -> np.ndarray:
@@ -66,11 +170,6 @@ def _cells(c: np.ndarray, cell: int, side: int) -> np.ndarray:
     per_row = side // cell
     k = np.sort((c[..., 0] // cell) * per_row + c[..., 1] // cell, axis=1)  # (N, 2)
     return k[:, 0] * per_row**2 + k[:, 1]
-
-
-def _blobs(images: np.ndarray) -> np.ndarray:
-    """Number of 4-connected blobs above 0.5 in each image ``(N, H, W)``."""
-    return np.array([ndimage.label(im > 0.5)[1] for im in images])
 
 
 def _mlp_accuracy(xtr, ytr, xte, yte) -> float:
@@ -86,42 +185,44 @@ def _trees_accuracy(xtr, ytr, xte, yte) -> float:
     return float(HistGradientBoostingClassifier(max_iter=300, random_state=0).fit(xtr, ytr).score(xte, yte))
 
 
-def audit(region: str, *, num_train: int = 20_000, num_test: int = 10_000, img_size: int = 32,
-          mlp: bool = True) -> list[dict]:
-    """Rows ``{region, baseline, accuracy, low, high, shortcut, what}`` of every baseline (see the module doc)."""
-    place, min_span, max_span = SETTINGS[region]
-    train = ArrangementDataset(num_samples=num_train, img_size=img_size, region=place, min_span=min_span,
-                               max_span=max_span, seed=TRAIN_SEED)
-    test = ArrangementDataset(num_samples=num_test, img_size=img_size, region=place, min_span=min_span,
-                              max_span=max_span, seed=TEST_SEED)
-    ytr, yte = train.labels.numpy(), test.labels.numpy()
-    ctr, cte = _centres(train), _centres(test)
-    xtr, xte = train.images[:, 0].reshape(num_train, -1).numpy(), test.images[:, 0].reshape(num_test, -1).numpy()
+def subset_label(setting: str, lo: int, hi: int) -> str:
+    """The name of a subset in the results: ``relation 11-13``, ``relation 11`` for one span."""
+    return f"{setting} {lo}" if lo == hi else f"{setting} {lo}-{hi}"
+
+
+def audit_subset(fit: Images, test: Images, label: str, *, img_size: int = 32, relation: bool = False,
+                 mlp: bool = True) -> list[dict]:
+    """Rows ``{region, n, baseline, accuracy, low, high, shortcut, what}`` of every shortcut fit on ``fit`` and scored
+    on ``test`` (``region``: the subset's ``label``); with ``relation``, the baselines that read the relation too."""
+    ytr, yte, ctr, cte = fit.labels, test.labels, fit.centres, test.centres
     rows = []
 
     def add(name: str, acc: float, what: str) -> None:
-        low, high = clopper_pearson(round(acc * num_test), num_test)
-        rows.append({"region": region, "baseline": name, "accuracy": round(acc, 4), "low": round(low, 4),
+        low, high = clopper_pearson(round(acc * len(yte)), len(yte))
+        rows.append({"region": label, "n": len(yte), "baseline": name, "accuracy": round(acc, 4), "low": round(low, 4),
                      "high": round(high, 4), "shortcut": name not in NOT_SHORTCUTS, "what": what})
 
     def bayes(name: str, key, what: str) -> None:
-        add(name, bayes_accuracy(key(train, ctr), ytr, key(test, cte), yte), what)
+        add(name, bayes_accuracy(key(fit), ytr, key(test), yte), what)
+
+    def pixel(c: np.ndarray) -> np.ndarray:
+        return c[..., 0] * img_size + c[..., 1]  # (N, ...) flat pixel of (N, ..., 2) (row, col)
 
     for k, name in enumerate(("disc_a", "disc_b")):
-        bayes(name, lambda ds, c, k=k: c[:, k, 0] * img_size + c[:, k, 1],
-              f"Bayes on the centre pixel of disc {name[-1]} alone")
-    bayes("midpoint", lambda ds, c: c[..., 0].sum(1) * 2 * img_size + c[..., 1].sum(1),
+        bayes(name, lambda im, k=k: pixel(im.centres[:, k]), f"Bayes on the centre pixel of disc {name[-1]} alone")
+    bayes("disc_random", lambda im: pixel(im.centres[np.arange(len(im.pick)), im.pick]),
+          "Bayes on the centre pixel of one disc chosen at random")
+    bayes("midpoint", lambda im: im.centres[..., 0].sum(1) * 2 * img_size + im.centres[..., 1].sum(1),
           "Bayes on the midpoint (half pixels)")
-    bayes("span", lambda ds, c: ds.span.numpy(), "Bayes on the span")
-    bayes("distance", lambda ds, c: np.rint(np.hypot(*(c[:, 1] - c[:, 0]).T)).astype(np.int64),
+    bayes("span", lambda im: im.span, "Bayes on the span")
+    bayes("distance", lambda im: np.rint(np.hypot(*(im.centres[:, 1] - im.centres[:, 0]).T)).astype(np.int64),
           "Bayes on the rounded centre distance")
-    add("ink", logreg_accuracy(xtr.sum(1, keepdims=True), ytr, xte.sum(1, keepdims=True), yte),
+    add("ink", logreg_accuracy(fit.pixels.sum(1, keepdims=True), ytr, test.pixels.sum(1, keepdims=True), yte),
         "logistic regression on the total ink")
-    add("parts", bayes_accuracy(_blobs(train.images[:, 0].numpy()), ytr, _blobs(test.images[:, 0].numpy()), yte),
-        "Bayes on the number of blobs in the pixels")
-    bayes("quadrants", lambda ds, c: _cells(c, img_size // 2, img_size),
+    bayes("parts", lambda im: im.blobs, "Bayes on the number of blobs in the pixels")
+    bayes("quadrants", lambda im: _cells(im.centres, img_size // 2, img_size),
           "Bayes on the quadrants of both discs (unordered)")
-    add("pixels_logreg", logreg_accuracy(xtr, ytr, xte, yte), "logistic regression on the raw pixels")
+    add("pixels_logreg", logreg_accuracy(fit.pixels, ytr, test.pixels, yte), "logistic regression on the raw pixels")
 
     def two_hot(c):
         out = np.zeros((len(c), img_size * img_size), dtype=np.float32)
@@ -130,52 +231,80 @@ def audit(region: str, *, num_train: int = 20_000, num_test: int = 10_000, img_s
 
     add("centres_logreg", logreg_accuracy(two_hot(ctr), ytr, two_hot(cte), yte),
         "logistic regression on the two-hot map of the centres")
-    bayes("grid4", lambda ds, c: _cells(c, img_size // 4, img_size),
+    if not relation:
+        return rows
+    bayes("grid4", lambda im: _cells(im.centres, img_size // 4, img_size),
           "Bayes on the cells of a 4x4 grid of both discs (unordered): the relation at 8 px")
 
     def sorted_centres(c):
-        flat = c[..., 0] * img_size + c[..., 1]
-        order = np.argsort(flat, axis=1)
+        order = np.argsort(pixel(c), axis=1)  # (N, 2)
         return np.take_along_axis(c, order[..., None], axis=1).reshape(len(c), 4)
 
     add("positions_sorted", _trees_accuracy(sorted_centres(ctr), ytr, sorted_centres(cte), yte),
         "gradient-boosted trees on both centres, sorted: the relation itself")
     if mlp:
-        add("pixels_mlp", _mlp_accuracy(xtr, ytr, xte, yte), "2-layer MLP (256 hidden) on the raw pixels: a model")
+        add("pixels_mlp", _mlp_accuracy(fit.pixels, ytr, test.pixels, yte),
+            "2-layer MLP (256 hidden) on the raw pixels: a model")
     return rows
 
 
-def write(rows: list[dict], out_dir: Path, seconds: float, command: str, sizes: tuple[int, int]) -> None:
-    """``shortcuts.csv`` and ``shortcuts.md`` in ``out_dir``."""
+def audit(setting: Setting, *, img_size: int = 32, mlp: bool = True) -> list[dict]:
+    """Rows of every baseline on every subset of ``setting`` (the relation's baselines on every image only)."""
+    lo, hi = int(setting.scored.span.min()), int(setting.scored.span.max())
+    rows = []
+    for (a, b), _ in setting.subsets.items():
+        rows += audit_subset(setting.fit.within(a, b), setting.scored.within(a, b), subset_label(setting.name, a, b),
+                             img_size=img_size, relation=(a, b) == (lo, hi), mlp=mlp)
+    return rows
+
+
+def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: float, command: str) -> None:
+    """``shortcuts.csv`` (every row) and ``shortcuts.md`` (a table per setting) in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    fields = ["region", "baseline", "accuracy", "low", "high", "shortcut", "what"]
+    fields = ["region", "n", "baseline", "accuracy", "low", "high", "shortcut", "what"]
     with (out_dir / "shortcuts.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
-    regions = list(dict.fromkeys(r["region"] for r in rows))
-    baselines = list(dict.fromkeys(r["baseline"] for r in rows))
+    shortcuts = list(dict.fromkeys(r["baseline"] for r in rows if r["shortcut"]))
     table = {(r["region"], r["baseline"]): r for r in rows}
-    lines = ["# Arrangement: shortcut audit, test accuracy (%) with exact 95% intervals", "",
-             (f"Generated by `{command}` in {seconds:.0f} s (one process, "
-              f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`); balanced classes (chance 50%), "
-              f"fresh draws of {sizes[0]:,} train and {sizes[1]:,} test images per setting (`all`, `left`: the region; "
-              "`short`, `long`: the whole image, spans <= 20 and >= 21 px). A shortcut passes at most "
-              f"{100 * LIMIT:.0f}%; the rows below the line read the relation and are not shortcuts."), "",
-             "| baseline | " + " | ".join(f"`{g}`" for g in regions) + " |", "|---" * (len(regions) + 1) + "|"]
 
-    def cell(r):
+    def interval(r: dict) -> str:
         return f"{100 * r['accuracy']:.1f} [{100 * r['low']:.1f}, {100 * r['high']:.1f}]"
 
-    first_model = next((b for b in baselines if b in NOT_SHORTCUTS), None)
-    for b in baselines:
-        if b == first_model:
-            lines.append("| *not shortcuts* |" + " |" * len(regions))
-        lines.append(f"| {b} | " + " | ".join(cell(table[(g, b)]) if (g, b) in table else "–" for g in regions) + " |")
-    failed = [f"{r['baseline']} ({r['region']})" for r in rows if r["shortcut"] and r["accuracy"] > LIMIT]
+    lines = ["# Arrangement: shortcut audit per span subset, test accuracy (%) with exact 95% intervals", "",
+             (f"Generated by `{command}` in {seconds:.0f} s (one process, "
+              f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`); balanced classes (chance 50%). "
+              "Scored on the study's own images (each setting: one split of every seed, as the study's runs draw "
+              "it, pooled), on every subset of spans that a table scores; each baseline fit on the same spans of a "
+              f"fresh draw of the same law. A shortcut passes at most {100 * LIMIT:.0f}%. Cells: accuracy; the "
+              "last column the subset's highest shortcut with its interval (every interval: `shortcuts.csv`)."), ""]
+    for s in settings:
+        lines += [f"## `{s.name}`: {len(s.scored.labels):,} images scored, fit on {len(s.fit.labels):,}", "",
+                  "| spans | n | scored by | " + " | ".join(shortcuts) + " | highest |",
+                  "|---" * (len(shortcuts) + 4) + "|"]
+        for (a, b), why in s.subsets.items():
+            label = subset_label(s.name, a, b)
+            cells = [table[(label, name)] for name in shortcuts]
+            top = max(cells, key=lambda r: r["accuracy"])
+            lines.append(f"| {label.split(' ')[-1]} | {cells[0]['n']} | {why} | " +
+                         " | ".join(f"{100 * r['accuracy']:.1f}" for r in cells) +
+                         f" | {top['baseline']} {interval(top)} |")
+        lines.append("")
+    relation = [r for r in rows if not r["shortcut"]]
+    models = list(dict.fromkeys(r["baseline"] for r in relation))
+    lines += ["## Not shortcuts: the relation read, on every image of each setting", "",
+              "| setting | " + " | ".join(models) + " |", "|---" * (len(models) + 1) + "|"]
+    for region in dict.fromkeys(r["region"] for r in relation):
+        lines.append(f"| {region} | " + " | ".join(interval(table[(region, m)]) if (region, m) in table else "–"
+                                                    for m in models) + " |")
+    failed = [f"{r['baseline']} ({r['region']}: {100 * r['accuracy']:.1f}%)" for r in rows
+              if r["shortcut"] and r["accuracy"] > LIMIT]
+    worst = max((r for r in rows if r["shortcut"]), key=lambda r: r["accuracy"])
     what = {r["baseline"]: r["what"] for r in rows}
-    lines += ["", f"Shortcuts above {100 * LIMIT:.0f}%: " + (", ".join(failed) if failed else "none") + ".", "",
-              *[f"- `{b}`: {what[b]}" for b in baselines], ""]
+    lines += ["", f"Shortcuts above {100 * LIMIT:.0f}%: " + (", ".join(failed) if failed else "none") +
+              f". Highest: {worst['baseline']} on `{worst['region']}`, {interval(worst)}.", "",
+              *[f"- `{b}`: {what[b]}" for b in what], ""]
     (out_dir / "shortcuts.md").write_text("\n".join(lines))
 
 
@@ -184,16 +313,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m studies.arrangement.shortcuts",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for shortcuts.csv and shortcuts.md")
-    parser.add_argument("--regions", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
-                        help="settings: the regions all and left, and the spans of the study's out-of-distribution "
-                             "experiment (short: <= 20 px, long: >= 21 px)")
-    parser.add_argument("--num-train", type=int, default=20_000)
-    parser.add_argument("--num-test", type=int, default=10_000)
+    parser.add_argument("--config", default=CONFIG, help="the study's config, whose images are scored")
+    parser.add_argument("--num-fit", type=int, default=40_000, help="images of each fresh draw the baselines fit on")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    rows = [r for g in args.regions for r in audit(g, num_train=args.num_train, num_test=args.num_test)]
-    command = "python -m studies.arrangement.shortcuts --out " + args.out
-    write(rows, Path(args.out), time.perf_counter() - start, command, (args.num_train, args.num_test))
+    settings = study_settings(load_config(args.config), args.num_fit)
+    rows = [r for s in settings for r in audit(s)]
+    command = shlex.join(["python", "-m", "studies.arrangement.shortcuts", *(sys.argv[1:] if argv is None else argv)])
+    write(rows, settings, Path(args.out), time.perf_counter() - start, command)
     print((Path(args.out) / "shortcuts.md").read_text())
 
 

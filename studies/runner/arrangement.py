@@ -20,23 +20,33 @@ holds mostly horizontal and mostly vertical pairs alike, and the classes are mir
 
 Sampling, per sample (the label first, then the geometry given the label):
 
-1. ``major`` uniform in ``[span_lo - DISC_SIZE, span_hi - DISC_SIZE]``, ``minor`` uniform in
-   ``[MARGIN, major - MARGIN]``; the nearest axis (rows or columns) by a fair coin; the major
-   component's sign by a fair coin, the minor's then set by the label;
-2. the pair's bounding box placed uniformly where it fits in the region;
-3. the pair kept with probability ``w[a] w[b] / max(w)^2`` (``placement_weights``), else drawn again.
+1. the span uniform over the allowed spans (``major = span - DISC_SIZE``);
+2. given the span, a counter-clockwise pair from the law ``q`` of: ``minor`` uniform in
+   ``[MARGIN, major - MARGIN]``, the nearest axis (rows or columns) by a fair coin, the major
+   component's sign by a fair coin (the minor's then set by the label), the pair's bounding box
+   uniform where it fits in the region; reweighted to ``q(a, b) w[a] w[b]`` by the span's
+   ``placement_weights`` and drawn exactly from the list of the span's pairs (``pair_law``);
+3. for label 0, the mirror image of that pair (columns reversed within the region).
 
-Without step 3 one disc's pixel gives the label away near the borders (53-54% in the audit, and
-55% for a linear readout of both discs' pixels): a disc on the left border has its partner to its
-right, and the two tilts use the room along the border differently. The weights make the
-disc marginal of each class the same mirror-symmetric map, to 1e-6, so one disc's position carries
-nothing, by construction. What else holds by construction: a left-right mirror maps one class onto
-the other (the clockwise class is drawn with the mirrored weights), so every statistic that a
-mirror does not change has the same law in both classes: the span and the centre distance, the
-ink (two discs of ``DISC_PIXELS``), the number of parts. In a square region each class is also
-unchanged by a quarter turn, so which quadrants the two discs occupy is label-free too (an
-unordered pair of quadrants and its mirror image are quarter turns of each other). The midpoint
-is not fixed by construction; the shortcut audit (``studies/arrangement``) measures it with the rest.
+Why the weights, and why per span. Under ``q`` alone one disc's position gives the label away near
+the borders: a disc on the left border has its partner to its right, and the two tilts use the room
+along the border differently; the longer the span, the more the discs hug the borders and corners.
+The weights make the disc marginal of the counter-clockwise pairs of each span mirror-symmetric, to
+1e-9, so the clockwise pairs (their mirror images) have the same marginal: one disc's position, and
+every additive score of the two discs (a linear readout of the pixels), carries nothing within any
+span, hence within any set of spans the tables score. Balanced over all spans pooled only, the
+position would still tell the tilt within a bin of long spans. At the longest spans some positions
+fit pairs of one tilt only (at span 32 in a 32-px image, a disc one row below the top-left corner
+is always the upper disc of a pair falling to the right, a clockwise one): those positions get
+weight 0 in both classes.
+
+What else holds by construction: a left-right mirror maps one class onto the other, so every
+statistic that a mirror does not change has the same law in both classes: the span (uniform) and
+the centre distance, the ink (two discs of ``DISC_PIXELS``), the number of parts. In a square
+region each class is also unchanged by a quarter turn (``q`` is, and so are the weights, which the
+tests check), so which quadrants the two discs occupy is label-free too (an unordered pair of
+quadrants and its mirror image are quarter turns of each other). The midpoint is not fixed by
+construction; the shortcut audit (``studies/arrangement``) measures it with the rest, per span bin.
 
 ``span`` is the side of the smallest square that holds both boxes, ``max(|d_row|, |d_col|) +
 DISC_SIZE`` (as for ``same_different``): what a convolutional unit must see to hold both discs.
@@ -98,53 +108,81 @@ def span_limits(img_size: int | tuple[int, int], region: str) -> tuple[int, int]
     return 2 * DISC_SIZE + GAP, min(height, c_hi - c_lo + DISC_SIZE)
 
 
-def _displacements(lo: int, hi: int) -> list[tuple[tuple[int, int], float]]:
-    """Every counter-clockwise displacement ``(d_row, d_col)`` with spans in ``[lo, hi]`` and its probability
-    (step 1)."""
-    majors = range(lo - DISC_SIZE, hi - DISC_SIZE + 1)
-    out = []
-    for major in majors:
-        for minor in range(MARGIN, major - MARGIN + 1):
-            p = 1 / (len(majors) * (major - 2 * MARGIN + 1) * 4)
-            for sign in (-1, 1):  # the major component's; the minor's follows from the label
-                # along the columns, the rows
-                out += [((-sign * minor, sign * major), p), ((sign * major, sign * minor), p)]
+@functools.lru_cache(maxsize=64)
+def counterclockwise_pairs(rows: int, cols: int, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every counter-clockwise pair of ``span`` whose top-left corners fit ``rows`` x ``cols`` (region coordinates):
+    first disc ``(K, 2)``, displacement ``(K, 2)`` (row, col), and its probability ``(K,)`` under ``q`` (step 2)."""
+    major = span - DISC_SIZE
+    firsts, displacements, probs = [], [], []
+    for minor in range(MARGIN, major - MARGIN + 1):
+        for sign in (-1, 1):  # the major component's; the minor's follows from the label
+            # along the columns (rising to the right), along the rows (leaning right going down)
+            for dr, dc in ((-sign * minor, sign * major), (sign * major, sign * minor)):
+                r, c = np.arange(max(0, -dr), rows - max(0, dr)), np.arange(max(0, -dc), cols - max(0, dc))
+                first = np.stack(np.meshgrid(r, c, indexing="ij"), -1).reshape(-1, 2)  # every placement
+                firsts.append(first)
+                displacements.append(np.broadcast_to([dr, dc], first.shape))
+                probs.append(np.full(len(first), 1 / ((major - 2 * MARGIN + 1) * 4 * len(first))))
+    out = np.concatenate(firsts), np.concatenate(displacements), np.concatenate(probs)
+    for a in out:
+        a.flags.writeable = False  # cached: shared by every caller
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def placement_weights(rows: int, cols: int, lo: int, hi: int) -> np.ndarray:
-    """``(rows, cols)`` weights of a disc's top-left corner (region coordinates) for counter-clockwise pairs (step 3).
+def _disc_marginal(index: np.ndarray, mass: np.ndarray, size: int) -> np.ndarray:
+    """``(size,)`` mass of the discs at the flat positions ``index`` ``(K, 2)`` of pairs of mass ``(K,)``."""
+    return np.bincount(index[:, 0], mass, size) + np.bincount(index[:, 1], mass, size)
 
-    A pair at ``a``, ``b`` is kept with probability ``w[a] w[b] / max(w)^2``: iterative proportional fitting
-    (each step multiplies ``w`` by the square root of target over marginal) makes the disc marginal of the kept
-    pairs the mean of the uniform placement's marginal and its mirror image, to ``1e-6``; the clockwise class uses
-    the mirrored weights, so both classes end with that same marginal.
+
+@functools.lru_cache(maxsize=64)
+def placement_weights(rows: int, cols: int, span: int) -> np.ndarray:
+    """``(rows, cols)`` weights of a disc's top-left corner (region coordinates) for the counter-clockwise pairs of
+    ``span``: the pairs drawn with probability ``q(a, b) w[a] w[b]`` (normalised) have a mirror-symmetric disc
+    marginal, so the clockwise pairs (their mirror images) have the same one.
+
+    Of every such reweighting, the closest to ``q`` (least Kullback-Leibler divergence). Its weights have
+    ``w[r, c] w[r, cols - 1 - c] = 1`` on their support, and iterative scaling finds them: each step adds half the
+    log ratio of the mirrored marginal to the marginal to ``log w``, until they agree to ``1e-9``. The support is the
+    positions that pairs of both tilts reach: a position that one tilt cannot reach at this span gets weight 0, and
+    so does any that then loses all its pairs.
     """
-    pairs = [(d, p / ((rows - abs(d[0])) * (cols - abs(d[1])))) for d, p in _displacements(lo, hi)]
-
-    def marginal(w: np.ndarray) -> np.ndarray:
-        m, total = np.zeros_like(w), 0.0
-        for (dr, dc), q in pairs:
-            ra, ca = slice(max(0, -dr), rows - max(0, dr)), slice(max(0, -dc), cols - max(0, dc))  # the first disc
-            rb, cb = slice(max(0, dr), rows - max(0, -dr)), slice(max(0, dc), cols - max(0, -dc))  # the second
-            mass = q * w[ra, ca] * w[rb, cb]
-            m[ra, ca] += mass
-            m[rb, cb] += mass
-            total += mass.sum()
-        return m / total
-
-    w = np.ones((rows, cols))
-    uniform = marginal(w)
-    target = (uniform + uniform[:, ::-1]) / 2
-    support = target > 0  # long spans leave the middle of the image to neither disc: no weight to fit there
+    first, d, q = counterclockwise_pairs(rows, cols, span)
+    index = np.stack([first, first + d], 1) @ [cols, 1]  # (K, 2) flat positions of both discs
+    support = np.ones(rows * cols, dtype=bool)
+    while True:
+        kept = support[index].all(1)
+        reached = _disc_marginal(index[kept], np.ones(kept.sum()), rows * cols).reshape(rows, cols) > 0
+        reached &= reached[:, ::-1]
+        if (reached.ravel() == support).all():
+            break
+        support = reached.ravel()
+    if not support.any():
+        raise ValueError(f"no counter-clockwise pair of span {span} fits a {rows}x{cols} region of top-left corners")
+    log_w = np.where(support, 0.0, -np.inf).reshape(rows, cols)
     for _ in range(1000):
-        ratio = np.ones_like(w)
-        ratio[support] = target[support] / marginal(w)[support]
-        if np.abs(ratio - 1).max() < 1e-6:
-            return w / w.max()
-        w *= np.sqrt(ratio)
-    raise RuntimeError(f"placement weights did not converge for rows={rows}, cols={cols}, spans [{lo}, {hi}]")
+        w = np.exp(log_w).ravel()
+        m = _disc_marginal(index, q * w[index[:, 0]] * w[index[:, 1]], rows * cols).reshape(rows, cols)
+        gap = np.zeros((rows, cols))
+        inside = support.reshape(rows, cols)
+        gap[inside] = np.log(m[:, ::-1][inside] / m[inside])
+        if np.abs(gap).max() < 1e-9:
+            w = np.exp(log_w)
+            w.flags.writeable = False  # cached: shared by every caller
+            return w
+        log_w += gap / 2
+    raise RuntimeError(f"placement weights did not converge for rows={rows}, cols={cols}, span={span}")
+
+
+@functools.lru_cache(maxsize=64)
+def pair_law(rows: int, cols: int, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The counter-clockwise pairs of ``span`` as drawn (steps 1-2): first disc ``(K, 2)``, displacement ``(K, 2)``,
+    and the cumulative probability ``(K,)`` of ``q(a, b) w[a] w[b]``, normalised."""
+    first, d, q = counterclockwise_pairs(rows, cols, span)
+    w = placement_weights(rows, cols, span)
+    p = q * w[first[:, 0], first[:, 1]] * w[first[:, 0] + d[:, 0], first[:, 1] + d[:, 1]]
+    cdf = np.cumsum(p) / p.sum()
+    cdf.flags.writeable = False  # cached, as the pairs are
+    return first, d, cdf
 
 
 def sample_pairs(rng: np.random.Generator, labels: np.ndarray, img_size: int | tuple[int, int], region: str = "all",
@@ -160,33 +198,18 @@ def sample_pairs(rng: np.random.Generator, labels: np.ndarray, img_size: int | t
                          f"expected spans within [{span_limits(img_size, region)[0]}, "
                          f"{span_limits(img_size, region)[1]}]")
     rows, cols = height - DISC_SIZE + 1, c_hi - c_lo + 1
-    weights = placement_weights(rows, cols, lo, hi)
-    weights = np.stack([weights[:, ::-1], weights])  # (2, rows, cols): clockwise pairs are the mirror images
+    span = rng.integers(lo, hi + 1, size=len(labels))  # step 1
+    u = rng.random(len(labels))
     out = np.empty((len(labels), 2, 2), dtype=np.int64)
-    todo = np.arange(len(labels))
-    for _ in range(1000):
-        y, n = labels[todo], len(todo)
-        major = rng.integers(lo - DISC_SIZE, hi - DISC_SIZE + 1, size=n)
-        minor = rng.integers(MARGIN, major - MARGIN + 1)
-        # the nearest axis: the columns' (mostly horizontal) or the rows'
-        along_cols = rng.integers(2, size=n).astype(bool)
-        major_sign = rng.choice([-1, 1], size=n)
-        # d_row * d_col < 0 for a counter-clockwise horizontal pair, > 0 for a counter-clockwise vertical one.
-        minor_sign = major_sign * np.where(along_cols == (y == 1), -1, 1)
-        big, small = major * major_sign, minor * minor_sign
-        d = np.where(along_cols[:, None], np.stack([small, big], 1), np.stack([big, small], 1))  # (n, 2)
-        # The pair's bounding box uniform where it fits (region coordinates); the first disc is the corner d points
-        # away from.
-        row0 = rng.integers(0, rows - np.abs(d[:, 0]))
-        col0 = rng.integers(0, cols - np.abs(d[:, 1]))
-        first = np.stack([row0 + np.maximum(-d[:, 0], 0), col0 + np.maximum(-d[:, 1], 0)], 1)
-        second = first + d
-        keep = rng.random(n) < weights[y, first[:, 0], first[:, 1]] * weights[y, second[:, 0], second[:, 1]]
-        out[todo[keep]] = np.stack([first[keep], second[keep]], 1) + [0, c_lo]
-        todo = todo[~keep]
-        if len(todo) == 0:
-            return out
-    raise RuntimeError("rejection sampling did not finish")  # acceptance is at least 1 / max(w)^2 ~ 1/6
+    for s in np.unique(span):
+        at = np.flatnonzero(span == s)
+        first, d, cdf = pair_law(rows, cols, int(s))
+        k = np.minimum(np.searchsorted(cdf, u[at], side="right"), len(cdf) - 1)  # step 2: the pair whose mass holds u
+        pair = np.stack([first[k], first[k] + d[k]], 1)  # (n_s, 2, 2)
+        clockwise = labels[at] == 0
+        pair[clockwise, :, 1] = cols - 1 - pair[clockwise, :, 1]  # step 3: the mirror image
+        out[at] = pair + [0, c_lo]
+    return out
 
 
 def render(positions: np.ndarray, img_size: int | tuple[int, int]) -> np.ndarray:
@@ -272,7 +295,7 @@ class ArrangementDataModule(SyntheticDataModule):
 
     @property
     def class_names(self) -> list[str]:
-        """Label 0: side by side (horizontal); label 1: one above the other (vertical)."""
+        """Label 0: clockwise; label 1: counter-clockwise (the tilt of the line through the two discs)."""
         return list(CLASS_NAMES)
 
     def make_split(self, split: str, num_samples: int, region: str) -> ArrangementDataset:

@@ -3,6 +3,8 @@ generated two-class tasks share: the seed, the balanced labels and the pixel noi
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import numpy as np
 import torch
@@ -69,9 +71,10 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         return {split: int(child.generate_state(1)[0]) for split, child in zip(("train", "val", "test"), children)}
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        """A loader over ``dataset`` with the ``batch_size`` and ``num_workers`` hyperparameters; the
-        training loader takes its order from ``train_sampler`` (restored on resume)."""
-        workers, batch_size = self.hparams.num_workers, self.hparams.batch_size
+        """A loader over ``dataset`` with the ``batch_size`` hyperparameter and ``num_workers`` capped at this
+        machine's cores (`usable_workers`); the training loader takes its order from ``train_sampler`` (restored
+        on resume)."""
+        workers, batch_size = usable_workers(self.hparams.num_workers), self.hparams.batch_size
         sampler = self.train_sampler(dataset, batch_size) if train else None
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
                           num_workers=workers, persistent_workers=workers > 0)
@@ -101,6 +104,13 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self._split("test_set"), train=False)
+
+
+def usable_workers(num_workers: int) -> int:
+    """`num_workers` capped at the cores this process may run on (its CPU affinity where the OS has one, else
+    `os.cpu_count()`): torch warns about more, and they would only compete for the same cores. 0 stays 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(num_workers, cores)
 
 
 class SyntheticDataModule(SplitDataModule):

@@ -15,7 +15,7 @@ from torchvision.datasets.utils import check_integrity
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_int, check_size
-from vit.data.base import DataNotFoundError, SplitDataModule
+from vit.data.base import DataNotFoundError, SplitDataModule, usable_workers
 from vit.data.transforms import (
     CIFAR_MEAN_STD,
     MEAN_STD,
@@ -249,10 +249,10 @@ class CIFARDataModule(SplitDataModule):
             sampler=self.train_sampler(dataset, self.batch_size, self.hparams.repeated_augmentation) if train else None,
             generator=self.loader_generator(),
             drop_last=train,  # also keeps every training batch even-sized for Mixup/CutMix
-            num_workers=self.num_workers,
+            num_workers=usable_workers(self.num_workers),
             # Pinned host memory lets the copy to the GPU run asynchronously; it means nothing without one.
             pin_memory=self.pin_memory and torch.cuda.is_available(),
-            persistent_workers=self.persistent_workers and self.num_workers > 0,
+            persistent_workers=self.persistent_workers and usable_workers(self.num_workers) > 0,
         )
 
     def _check_files(self) -> None:

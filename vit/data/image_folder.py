@@ -31,7 +31,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int, check_size
-from vit.data.base import DataNotFoundError, SplitDataModule
+from vit.data.base import DataNotFoundError, SplitDataModule, usable_workers
 from vit.data.files import (
     first_skipped,
     list_files,
@@ -262,7 +262,7 @@ class ImageFolderDataModule(SplitDataModule):
         path.write_text(json.dumps({"root": text_name(str(self.root)), **self.split_files}, indent=1))
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        batch_size, workers = self.hparams.batch_size, self.hparams.num_workers
+        batch_size, workers = self.hparams.batch_size, usable_workers(self.hparams.num_workers)
         drop_last = train and self.mixup is not None  # timm mixes a batch with its flip: every batch even-sized
         if drop_last and len(dataset) < batch_size:  # else no batch at all, and training would silently do nothing
             raise ValueError(f"batch_size={batch_size} is larger than the {len(dataset)} training images, and with "

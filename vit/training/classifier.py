@@ -8,6 +8,7 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.utils import ModelEmaV3
@@ -223,6 +224,22 @@ class ImageClassifier(L.LightningModule):
         # train/loss is logged already averaged over processes: Lightning's sync_dist advice does not apply.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
                                 category=PossibleUserWarning)
+        self._check_ema_horizon()
+
+    def _check_ema_horizon(self) -> None:
+        """Warn when the moving average's horizon, ~1 / (1 - ema_decay) optimizer steps, is longer than the run.
+
+        After t steps the average still holds the starting weights with weight `ema_decay ** t` (e^-1 at the
+        horizon): in a shorter run, what is evaluated and saved has barely trained. `fast_dev_run` is not warned.
+        """
+        decay, steps = self.hparams.get("ema_decay"), self.trainer.estimated_stepping_batches
+        if decay is None or self.trainer.fast_dev_run or steps == float("inf"):
+            return
+        horizon = 1 / (1 - decay)
+        if horizon > steps:
+            rank_zero_warn(f"ema_decay={decay} averages over ~{round(horizon)} optimizer steps, but this run makes "
+                           f"{int(steps)}: validation, test and the checkpoint use the average, which stays near the "
+                           "initial weights; lower ema_decay or train longer")
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import signal
@@ -49,6 +50,35 @@ from vit.training.preflight import (
 from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
 
 
+class ViTArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose refusal of an unknown option is one line naming the closest valid option."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        prefix = "unrecognized arguments: "
+        # jsonargparse's message lists every unknown token, values included: the options are those starting with -.
+        unknown = [token.split("=", 1)[0] for token in message.removeprefix(prefix).split()
+                   if token.startswith("-") and token.lstrip("-")[:1].isalpha()]
+        if not (self.exit_on_error and message.startswith(prefix) and unknown):
+            super().error(message, ex)  # every other message, and a parser nested in another, as jsonargparse does
+        self._logger.error(message)
+        self.exit(2, f"error: {unknown_options_message(unknown, list(self._option_string_actions), self.prog)}\n")
+
+
+def unknown_options_message(unknown: list[str], options: list[str], prog: str) -> str:
+    """`unknown option --model.layer_decy; did you mean --model.layer_decay?`, a sentence per unknown option.
+
+    The suggestion is `difflib`'s closest option string at a ratio of 0.8 or more: the options of one
+    group share their prefix (`--model.`), so a lower bar would offer one of them for any name.
+    """
+    sentences = []
+    for option in unknown:
+        close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
+        sentences.append(f"unknown option {option}" + (f"; did you mean {close[0]}?" if close else "."))
+    if len(sentences) > 1 or not sentences[0].endswith("?"):
+        sentences.append(f"`{prog.replace(' [options]', '')} --help` lists the options.")
+    return " ".join(sentences)
+
+
 class ViTCLI(LightningCLI):
     """LightningCLI that links the data's shape into the backbone and tests the best checkpoint after `fit`.
 
@@ -56,6 +86,11 @@ class ViTCLI(LightningCLI):
     own folder, a checkpoint is checked against the config before Lightning loads it, and bad values
     stop the run with a one-paragraph error.
     """
+
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        # The root parser and each subcommand's: an unknown option is refused in one line (`ViTArgumentParser`).
+        self.parser_class = ViTArgumentParser
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data module knows the image size, channels and classes; the backbone must match them.

@@ -46,11 +46,12 @@ _NO_HEADERS = "the server's status line and headers did not all arrive within"
 def fetch(ckpt_path: str | os.PathLike) -> str:
     """A local file for `ckpt_path`: a path as it is (`~` expanded), `file://` as its path, any other URL downloaded.
 
-    Every checkpoint then goes through the same reading and schema (`vit.training.checkpoint.read`). A URL (`http(s)://`, or any fsspec
-    scheme such as `s3://`) is downloaded afresh on every call into the cache (see the module): a `last.ckpt` that
-    changed since the last resume is not read stale, and two URLs ending in the same file name but with different
-    paths never share a file (torch hub's cache keys by the name alone). An http(s) URL's `user:password@` is sent
-    as HTTP Basic authorization, to that host only (not to a host it redirects to).
+    Every checkpoint then goes through the same reading and schema (`vit.training.checkpoint.read`). A URL
+    (`http(s)://`, or any fsspec scheme such as `s3://`) is downloaded afresh on every call into the cache (see
+    the module): a `last.ckpt` that changed since the last resume is not read stale, and two URLs ending in the
+    same file name but with different paths never share a file (torch hub's cache keys by the name alone). An
+    http(s) URL's `user:password@` is sent as HTTP Basic authorization, to that host only (not to a host it
+    redirects to).
 
     The download goes to a temporary file that replaces the cached one only when it is complete and is the zip
     archive `torch.save` writes; anything else (an HTML login page, a file over the size limit, a download that timed

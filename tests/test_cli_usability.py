@@ -1,0 +1,158 @@
+"""What a user sees when a run is set up wrongly without an error: a misspelt option, an EMA longer than the run,
+more loader workers than cores."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from robust_helpers import BASE_CONFIG, cli, error_line
+from torch.utils.data import DataLoader, TensorDataset
+
+from vit.data import ImageFolderDataModule, TwoCirclesDataModule
+from vit.data.base import usable_workers
+from vit.models import VisionTransformer
+from vit.training.classifier import ImageClassifier
+from vit.training.cli import unknown_options_message
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+# --- A misspelt option: one line with the closest valid option -------------------------------------
+
+
+@pytest.mark.parametrize(("typed", "expected"), [
+    (["--model.layer_decy", "0.7"],
+     "error: unknown option --model.layer_decy; did you mean --model.layer_decay?"),
+    (["--model.lrr=3"], "error: unknown option --model.lrr; did you mean --model.lr?"),
+    (["--trainer.fast_dev_runn", "1"], "error: unknown option --trainer.fast_dev_runn; did you mean "
+                                       "--trainer.fast_dev_run?"),
+    (["--model.banana", "1"], "error: unknown option --model.banana. `train.py fit --help` lists the options."),
+])
+def test_an_unknown_option_is_one_line_naming_the_closest_option(typed, expected, monkeypatch, capsys):
+    code, stderr = cli(["fit", "--config", str(BASE_CONFIG), *typed], monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == expected
+    assert "usage:" not in stderr  # not jsonargparse's 60-line usage
+
+
+def test_several_unknown_options_are_named_in_the_one_line(monkeypatch, capsys):
+    code, stderr = cli(["fit", "--config", str(BASE_CONFIG), "--model.ema_decy", "0.9", "--model.zzz", "2"],
+                       monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == ("error: unknown option --model.ema_decy; did you mean --model.ema_decay? "
+                                  "unknown option --model.zzz. `train.py fit --help` lists the options.")
+
+
+def test_a_suggestion_needs_a_close_option_not_just_the_shared_prefix():
+    options = ["--model.lr", "--model.betas", "--model.layer_decay"]
+    assert unknown_options_message(["--model.foo"], options, "train.py [options] fit") == (
+        "unknown option --model.foo. `train.py fit --help` lists the options.")
+    assert unknown_options_message(["--model.lx"], options, "train.py") == (
+        "unknown option --model.lx; did you mean --model.lr?")
+
+
+def test_other_refusals_keep_jsonargparse_message(monkeypatch, capsys):
+    # A stray positional word is no option to suggest for: jsonargparse's own message (with its usage).
+    code, stderr = cli(["fit", "--config", str(BASE_CONFIG), "extra"], monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == "error: unrecognized arguments: extra"
+    assert "usage:" in stderr
+
+
+# --- EMA horizon longer than the run ------------------------------------------------------------------
+
+
+def _fit(ema_decay: float | None, *, steps: int, **trainer) -> list[str]:
+    """`fit` for `steps` optimizer steps on random images; the messages of the warnings it raised."""
+    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=1,
+                                 num_heads=2)
+    model = ImageClassifier(backbone, ema_decay=ema_decay)
+    x, y = torch.rand(4 * steps, 1, 32, 32), torch.tensor([0, 1] * 2 * steps)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader)
+    return [str(w.message) for w in caught if "ema_decay" in str(w.message)]
+
+
+def test_an_ema_longer_than_the_run_is_warned_naming_both_numbers():
+    assert _fit(0.99, steps=6) == [
+        "ema_decay=0.99 averages over ~100 optimizer steps, but this run makes 6: validation, test and the "
+        "checkpoint use the average, which stays near the initial weights; lower ema_decay or train longer"]
+
+
+def test_an_ema_shorter_than_the_run_or_none_is_not_warned():
+    assert _fit(0.5, steps=6) == []  # horizon 2 steps
+    assert _fit(None, steps=3) == []
+    assert _fit(0.99, steps=3, fast_dev_run=True) == []  # a smoke test runs one step by design
+
+
+def test_the_ema_warning_counts_optimizer_steps_not_batches():
+    # 12 batches with gradients accumulated over 4: 3 optimizer steps, under the horizon of 0.8 (5 steps).
+    [message] = _fit(0.8, steps=12, accumulate_grad_batches=4)
+    assert "averages over ~5 optimizer steps, but this run makes 3:" in message
+
+
+# --- Loader workers capped at the machine's cores ------------------------------------------------------
+
+
+def test_usable_workers_caps_at_the_cores_and_keeps_zero():
+    assert usable_workers(0) == 0
+    assert usable_workers(1) == 1
+    assert usable_workers(64) == min(64, CORES)
+
+
+def test_a_data_module_asked_for_64_workers_builds_loaders_with_at_most_the_cores():
+    data = TwoCirclesDataModule(num_train=8, num_val=8, num_test=8, batch_size=4, num_workers=64)
+    data.setup()
+    for loader in (data.train_dataloader(), data.val_dataloader(), data.test_dataloader(),
+                   data.predict_dataloader()):
+        assert 1 <= loader.num_workers <= CORES
+        assert loader.num_workers == min(64, CORES)
+    assert data.hparams.num_workers == 64  # the config's value is what is recorded
+
+
+def _image_folder(root) -> str:
+    from PIL import Image
+
+    for label in ("cats", "dogs"):
+        (root / label).mkdir()
+        for i in range(4):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / label / f"{i}.png")
+    return str(root)
+
+
+@pytest.fixture
+def one_core(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+
+
+def test_a_data_module_with_its_own_loader_is_capped_too_without_torch_warning(tmp_path, one_core):
+    data = ImageFolderDataModule(root=_image_folder(tmp_path), img_size=8, val_fraction=0.25, test_fraction=0.25,
+                                 num_workers=64)
+    data.setup("fit")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaders = data.train_dataloader(), data.val_dataloader()
+    assert [loader.num_workers for loader in loaders] == [1, 1]
+    assert not [w for w in caught if "worker" in str(w.message)]
+
+
+def test_the_cap_survives_lightning_rebuilding_the_loader(tmp_path, one_core):
+    # `predict` rebuilds the loader from its constructor's arguments (to track indices); the cap must hold there.
+    class Mean(L.LightningModule):
+        def predict_step(self, batch, batch_idx):
+            return batch[0].mean()
+
+    data = ImageFolderDataModule(root=_image_folder(tmp_path), img_size=8, val_fraction=0.25, test_fraction=0.5,
+                                 num_workers=64, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path / "run")  # where the image folder writes split.json
+    assert len(trainer.predict(Mean(), datamodule=data)) == 2
+    assert trainer.predict_dataloaders.num_workers == 1
