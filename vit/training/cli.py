@@ -60,7 +60,6 @@ class ViTArgumentParser(LightningArgumentParser):
                    if token.startswith("-") and token.lstrip("-")[:1].isalpha()]
         if not (self.exit_on_error and message.startswith(prefix) and unknown):
             super().error(message, ex)  # every other message, and a parser nested in another, as jsonargparse does
-        self._logger.error(message)
         self.exit(2, f"error: {unknown_options_message(unknown, list(self._option_string_actions), self.prog)}\n")
 
 
