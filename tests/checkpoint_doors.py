@@ -7,13 +7,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
-from robust_helpers import main_in_process
+from robust_helpers import main_in_process, tiny_config
 
 from studies.runner.attention_blocking import main as blocking_main
 from vit.explain.__main__ import main as explain_main
 from vit.export import main as export_main
 from vit.predict import main as predict_main
+
+
+def train_tiny(root: Path) -> tuple[Path, Path]:
+    """`(last.ckpt, config)` of one epoch of the tiny two-circles ViT trained by `train.py` under `root`."""
+    config = tiny_config(root, max_epochs=1)
+    with pytest.MonkeyPatch.context() as mp:
+        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], mp)
+    return root / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", config
 
 
 def popen(marker: Path) -> dict:

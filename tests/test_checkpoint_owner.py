@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_doors import doors
+from checkpoint_doors import doors, train_tiny
 from robust_helpers import REPO, cli, error_line, main_in_process, subprocess_env, tiny_config
 
 import vit
@@ -31,11 +31,8 @@ pytestmark = pytest.mark.slow  # every test opens a checkpoint that train.py wro
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[dict, Path]:
     """A real `train.py` checkpoint of the tiny two-circles ViT (one epoch) as a dict, and its config."""
-    root = tmp_path_factory.mktemp("trained")
-    config = tiny_config(root, max_epochs=1)
-    with pytest.MonkeyPatch.context() as mp:
-        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], mp)
-    return torch.load(root / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True), config
+    path, config = train_tiny(tmp_path_factory.mktemp("trained"))
+    return torch.load(path, weights_only=True), config
 
 
 def nested(depth: int) -> list:

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import timm
 import torch
-from checkpoint_doors import NAMED, SHAPES, hostile
+from checkpoint_doors import NAMED, SHAPES, hostile, train_tiny
 from checkpoint_doors import doors as commands
 from notebook_helpers import execute
 from PIL import Image
-from robust_helpers import main_in_process, tiny_config
+from robust_helpers import main_in_process
 from safetensors.torch import load_file, save_file
 
 from vit.explain.__main__ import main as explain_main
@@ -44,11 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
     """A real `train.py` checkpoint of the tiny two-circles ViT (one epoch) and its config."""
-    root = tmp_path_factory.mktemp("trained")
-    config = tiny_config(root, max_epochs=1)
-    with pytest.MonkeyPatch.context() as mp:
-        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], mp)
-    return root / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", config
+    return train_tiny(tmp_path_factory.mktemp("trained"))
 
 
 
