@@ -6,13 +6,15 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from studies.arrangement import __main__ as command
 from studies.arrangement import report, shortcuts
 from studies.runner.grid import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "studies/arrangement/results/arrangement"
+RESULTS = ROOT / "studies/arrangement/results/arrangement"  # the first grid's
+FIRST_CONFIG = ROOT / "studies/arrangement/configs/arrangement.yaml"
 INPUTS = ("runs.csv", "blocking.csv", "predictions")  # what the runs and the blocking wrote; the rest is report
 
 
@@ -43,7 +45,7 @@ def test_audit_shortcuts_stay_at_chance_on_every_subset_and_the_relation_does_no
 
 
 def test_the_audit_scores_the_span_bins_the_tables_score():
-    cfg = load_config(ROOT / command.CONFIG)
+    cfg = load_config(FIRST_CONFIG)
     relation = shortcuts.span_subsets(cfg, "relation", 11, 32)
     # every image; by_distance.md's bins; within and beyond 11 px (cnn-rf11*) and 21 px (cnn-rf21); spans >= 25
     assert list(relation) == [(11, 32), (11, 13), (14, 16), (17, 19), (20, 22), (23, 25), (26, 28), (29, 32),
@@ -60,7 +62,7 @@ def test_the_audit_scores_the_span_bins_the_tables_score():
 def test_the_audit_scores_the_images_the_study_draws():
     from studies.runner.arrangement import ArrangementDataModule
 
-    settings = shortcuts.study_settings(load_config(ROOT / command.CONFIG), num_fit=200)
+    settings = shortcuts.study_settings(load_config(FIRST_CONFIG), num_fit=200)
     assert [s.name for s in settings] == ["relation", "span_ood", "span_ood/val"]
     relation, ood, val = settings
     assert len(relation.scored.labels) == len(ood.scored.labels) == 5 * 4000 and len(val.scored.labels) == 5 * 1000
@@ -107,7 +109,9 @@ def _study_in(tmp_path: Path, monkeypatch) -> Path:
     for name in INPUTS:
         copy = shutil.copytree if (RESULTS / name).is_dir() else shutil.copyfile
         copy(RESULTS / name, out_dir / name)
-    text = (ROOT / command.CONFIG).read_text()
+    (out_dir / "audit").mkdir()
+    shutil.copyfile(ROOT / report.FIRST_AUDIT, out_dir / "audit" / "shortcuts.csv")  # its audit, where a grid's goes
+    text = FIRST_CONFIG.read_text()
     config = tmp_path / "arrangement.yaml"
     config.write_text(text.replace("out_dir: studies/arrangement/results/arrangement", f"out_dir: {out_dir}")
                       .replace("log_dir: runs/study/arrangement", f"log_dir: {tmp_path / 'runs'}"))
@@ -130,7 +134,13 @@ def test_the_command_gives_the_runner_the_audit_before_the_grid_and_blocks_after
     monkeypatch.setattr(report, "write", lambda rows, results: steps.append(("tables", len(rows), results)))
     command.main(["--config", str(config)])
     assert steps == [("grid", True, False, "python -m studies.arrangement"), ("blocking", tmp_path / "runs"),
-                     ("tables", 85, out_dir)]  # the committed audit is there: not measured again
+                     ("tables", 85, out_dir)]  # the audit is there: not measured again
+    (out_dir / "audit" / "shortcuts.csv").unlink()
+    steps.clear()
+    with pytest.raises(FileNotFoundError):  # the audit (stubbed here) writes nothing, so the runner's copy fails
+        command.main(["--config", str(config)])
+    assert steps == [("audit", ["--out", str(out_dir / "audit"), "--config", str(config)])]  # of this config
+    shutil.copyfile(ROOT / report.FIRST_AUDIT, out_dir / "audit" / "shortcuts.csv")
     steps.clear()
     command.main(["--config", str(config), "--report-only"])
     assert steps == [("grid", True, True, "python -m studies.arrangement"), ("tables", 85, out_dir)]
@@ -142,10 +152,39 @@ def test_report_only_rewrites_the_committed_tables_from_the_committed_results(tm
     config = _study_in(tmp_path, monkeypatch)
     out_dir = tmp_path / "arrangement"
     command.main(["--config", str(config), "--report-only"])
-    written = sorted(p.name for p in out_dir.iterdir() if p.name not in INPUTS)
+    written = sorted(p.name for p in out_dir.iterdir() if p.name not in (*INPUTS, "audit"))
     assert written == sorted(p.name for p in RESULTS.iterdir() if p.name not in INPUTS)
     for name in written:
         if name.endswith(".png"):
             assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         else:
             assert (out_dir / name).read_text() == (RESULTS / name).read_text(), name
+
+
+def test_the_matched_grid_audits_the_moved_test_too_and_its_own_folder():
+    cfg = load_config(ROOT / command.CONFIG)
+    assert command.CONFIG == "studies/arrangement/configs/matched.yaml"
+    settings = shortcuts.study_settings(cfg, num_fit=200)
+    names = [s.name for s in settings]
+    assert names == ["relation", "local", "translation", "translation/shift", "efficiency"]
+    moved, shifted = settings[2], settings[3]
+    columns = moved.scored.centres[:, :, 1]  # the right region's columns start 12 px right of the left one's
+    assert columns.max() < 20 <= shifted.scored.centres[:, :, 1].max() and shifted.scored.centres[:, :, 1].min() >= 12
+    assert report.audit_path(Path(cfg["out_dir"])) == Path("studies/arrangement/results/matched/audit/shortcuts.csv")
+    assert report.audit_path(report.FIRST_GRID) == report.FIRST_AUDIT
+
+
+def test_the_success_threshold_comes_from_every_image_not_from_a_small_span_bin(tmp_path):
+    audit = tmp_path / "audit.csv"
+    audit.write_text("region,n,baseline,accuracy,low,high,shortcut,what\n"
+                     "relation 11-32,20000,span,0.504,0.497,0.511,True,x\n"
+                     "relation 11,880,centres_logreg,0.547,0.513,0.58,True,x\n"
+                     "relation 11-32,20000,positions_sorted,0.99,0.98,1.0,False,x\n"
+                     "translation/shift 11-20,20000,disc_a,0.51,0.5,0.52,True,x\n"
+                     "translation/shift 11-13,3000,disc_a,0.56,0.54,0.58,True,x\n")
+    relation = tmp_path / "relation.csv"
+    relation.write_text("task,baseline,accuracy,what\nsame_different,ink,0.5,y\n")
+    report.runner_shortcuts(tmp_path, audit, relation)
+    lines = (tmp_path / "shortcuts.csv").read_text().splitlines()
+    assert lines == ["task,baseline,accuracy,what", "arrangement,span@relation 11-32,0.504,x",
+                     "arrangement,disc_a@translation/shift 11-20,0.51,x", "same_different,ink,0.5,y"]

@@ -56,6 +56,32 @@ def test_pos_scale_is_for_the_fixed_tables_and_positive(kwargs, message):
         StudyViT(**CIFAR_CFG, **kwargs)
 
 
+@pytest.mark.parametrize("std", [0.1, 0.7])
+def test_pos_init_std_sizes_the_learned_table_and_nothing_else(std):
+    torch.manual_seed(0)
+    model = StudyViT(**CIFAR_CFG, pos_embed="learned", pos_init_std=std)
+    table = model.pos_embed.detach()
+    assert table.numel() == 65 * 48
+    assert abs(table.std().item() - std) < 0.05 * std  # 3,120 normal draws: the sample std within 5%
+    assert table.abs().max() > 2 * std  # not truncated at 2 std, as the library's initialisation is
+    torch.manual_seed(0)
+    library = VisionTransformer(**CIFAR_CFG, pos_embed="learned")
+    assert library.pos_embed.std().item() < 0.021
+    for (name, a), (_, b) in zip(model.named_parameters(), library.named_parameters(), strict=True):
+        if name != "pos_embed":
+            torch.testing.assert_close(a, b, msg=name)  # the same seed draws every other weight alike
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pos_embed="sincos2d", pos_init_std=0.7), "pos_init_std=0.7 is not allowed with pos_embed='sincos2d': it "
+                                                   "sizes the learned table only"),
+    (dict(pos_embed="learned", pos_init_std=0.0), "pos_init_std=0.0 is not allowed"),
+])
+def test_pos_init_std_is_for_the_learned_table_and_positive(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StudyViT(**CIFAR_CFG, **kwargs)
+
+
 def test_the_checkpoint_schema_knows_the_study_model_and_all_its_arguments_once_it_is_imported():
     assert BACKBONES["studies.runner.models.StudyViT"] is StudyViT
     parameters, hints = _signature(StudyViT)  # its own and, through **kwargs, VisionTransformer's

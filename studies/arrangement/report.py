@@ -21,18 +21,35 @@ import numpy as np
 
 from studies.runner.rows import append_rows
 
-BLOCKED_MODELS = ("vit-sincos2d", "vit-sincos2d-cls")  # the relation experiment's global-attention ViTs
-AUDIT = Path("studies/arrangement/results/shortcuts.csv")
+# The relation experiment's global-attention ViTs (of the first grid, then of the matched grid) that attention
+# blocking tests.
+BLOCKED_MODELS = ("vit-sincos2d", "vit-sincos2d-cls", "vit-sincos", "vit-learned-0.7")
+# The first grid's audit (configs/arrangement.yaml: made before its placement was balanced per span); every other
+# grid's audit is made for its own config, into ``<out_dir>/audit`` (``audit_path``).
+FIRST_GRID = Path("studies/arrangement/results/arrangement")
+FIRST_AUDIT = Path("studies/arrangement/results/shortcuts.csv")
 RELATION_SHORTCUTS = Path("studies/relation/results/relation/shortcuts.csv")
 BLOCKING_IMAGES = 1000  # the first test images of each checkpoint's own test split
 
 
-def runner_shortcuts(results: Path, audit: Path = AUDIT, relation: Path = RELATION_SHORTCUTS) -> None:
+def audit_path(results: Path) -> Path:
+    """The ``shortcuts.csv`` of the audit made for the grid whose ``out_dir`` is ``results``."""
+    return FIRST_AUDIT if Path(results) == FIRST_GRID else Path(results) / "audit" / "shortcuts.csv"
+
+
+def runner_shortcuts(results: Path, audit: Path | None = None, relation: Path = RELATION_SHORTCUTS) -> None:
     """``<results>/shortcuts.csv`` in the shared runner's format (task, baseline, accuracy, what), which its
     report reads for the success threshold (the task's best shortcut + 5 points): the arrangement audit's
-    shortcut rows of every setting (``<baseline>@<setting>``), and the relation study's ``same_different`` rows."""
+    shortcut rows on every image of each setting (``<baseline>@<setting>``; the subsets of a span bin, a few
+    hundred images, are for the tables that score them, not for counting a run over every image a success),
+    and the relation study's ``same_different`` rows."""
+    audited = [r for r in _rows(audit or audit_path(results)) if r["shortcut"] == "True"]
+    largest: dict[str, int] = {}  # setting -> its number of images (the subset of every image)
+    for r in audited:
+        setting = r["region"].split(" ")[0]
+        largest[setting] = max(largest.get(setting, 0), int(r.get("n") or 0))  # the first audit: no n
     rows = [{"task": "arrangement", "baseline": f"{r['baseline']}@{r['region']}", "accuracy": r["accuracy"],
-             "what": r["what"]} for r in _rows(audit) if r["shortcut"] == "True"]
+             "what": r["what"]} for r in audited if int(r.get("n") or 0) == largest[r["region"].split(" ")[0]]]
     rows += [r for r in _rows(relation) if r["task"] == "same_different"]
     with (results / "shortcuts.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["task", "baseline", "accuracy", "what"], lineterminator="\n")
@@ -129,15 +146,16 @@ def blocking_table(results: Path) -> list[str]:
     if not path.exists():
         return []
     rows = _rows(path)
+    blocked = [m for m in BLOCKED_MODELS if any(r["model"] == m for r in rows)]
     lines = ["## Attention blocking (experiment `relation`, at test time, every layer)", "",
              f"The first {BLOCKING_IMAGES} test images of each run, less those where one token's window holds "
              "ink of both discs (`images` kept). `studies/runner/attention_blocking.py` defines the conditions.", "",
-             "| condition | " + " | ".join(f"{m} (n={sum(r['model'] == m for r in rows)})" for m in BLOCKED_MODELS)
+             "| condition | " + " | ".join(f"{m} (n={sum(r['model'] == m for r in rows)})" for m in blocked)
              + " |",
-             "|---" * (len(BLOCKED_MODELS) + 1) + "|"]
+             "|---" * (len(blocked) + 1) + "|"]
     for condition in ("images", *CONDITIONS, *CLS_CONDITIONS):
         cells = []
-        for m in BLOCKED_MODELS:
+        for m in blocked:
             values = [r[condition] for r in rows if r["model"] == m and r[condition] != ""]
             if condition == "images":
                 cells.append(f"{statistics.median(int(v) for v in values):.0f}" if values else "–")
@@ -149,9 +167,17 @@ def blocking_table(results: Path) -> list[str]:
 
 def write(rows: list[dict], results: Path) -> None:
     """``arrangement.md``: the held-out, span and blocking tables (printed too)."""
-    lines = ["# Arrangement study: the held-out stroke, the unseen spans, attention blocking", "",
+    names, tables = [], []
+    for name, experiment, table in (("the held-out stroke", "held_out", held_out_table),
+                                    ("the unseen spans", "span_ood", span_ood_table)):
+        if _by_model(rows, experiment):
+            names.append(name)
+            tables += table(rows, results)
+    if (results / "blocking.csv").exists():
+        names.append("attention blocking")
+        tables += blocking_table(results)
+    lines = [f"# Arrangement study: {', '.join(names)}", "",
              "Generated by `python -m studies.arrangement` from `runs.csv`, the per-image predictions and "
-             "`blocking.csv`. Test accuracy (%), median [min-max] over the seeds.", "",
-             *held_out_table(rows, results), *span_ood_table(rows, results), *blocking_table(results)]
+             "`blocking.csv`. Test accuracy (%), median [min-max] over the seeds.", "", *tables]
     (results / "arrangement.md").write_text("\n".join(lines))
     print("\n".join(lines))

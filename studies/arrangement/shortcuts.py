@@ -6,7 +6,8 @@ every subset of images that the study's tables score.
 Measured before any model, on the study's own images (``--config``: the study's config). A setting is one split as
 the study draws it: for each experiment of the task ``arrangement``, the test split of every seed, made by the data
 module of its runs (``studies.runner.grid.plan``) and pooled over the seeds; and the validation split of an
-experiment that bounds the trained spans (``span_ood/val``: the ``val`` column of ``arrangement.md``). Each baseline
+experiment that bounds the trained spans (``span_ood/val``: the ``val`` column of ``arrangement.md``); and the test
+split placed in an experiment's ``shift_region`` (``translation/shift``: the translation test). Each baseline
 is scored on the subsets of a setting's images that the tables score (``span_subsets``):
 
 * every image (``summary.md``, ``comparisons.md``);
@@ -136,29 +137,40 @@ def span_subsets(cfg: dict, experiment: str, lo: int, hi: int) -> dict[tuple[int
     return {k: "; ".join(v) for k, v in subsets.items()}
 
 
-def _split(init_args: dict, split: str, num_samples: int | None = None) -> ArrangementDataset:
+def _split(init_args: dict, split: str, num_samples: int | None = None,
+           region: str | None = None) -> ArrangementDataset:
     """The ``split`` (``test`` or ``val``) of the data module a run makes from ``init_args``, as the run makes it;
-    ``num_samples`` images (default: the run's)."""
+    ``num_samples`` images (default: the run's), in ``region`` (default: the run's region of that split; the
+    translation test scores the test split placed in its ``shift_region``)."""
     dm = ArrangementDataModule(**init_args)
     hp = dm.hparams
-    region = hp.test_region if split == "test" else hp.train_region
+    region = region or (hp.test_region if split == "test" else hp.train_region)
     return dm.make_split(split, num_samples or hp[f"num_{split}"], region)
 
 
 def study_settings(cfg: dict, num_fit: int) -> list[Setting]:
     """Every setting of the study's config ``cfg`` (see the module doc), with fresh draws of ``num_fit`` images."""
     data: dict[str, dict[int, dict]] = {}  # experiment -> seed -> the data module's init_args
-    for run in plan(cfg):
+    shift: dict[str, str] = {}  # experiment -> its shift_region
+    lrs = {family: 1e-3 for family in cfg.get("families", {})} if "calibration" in cfg else None  # no effect on data
+    for run in plan(cfg, lrs):
         if run.task == "arrangement":
             data.setdefault(run.experiment, {})[run.seed] = run.overrides["data"]["init_args"]
+            if run.shift_region:
+                shift[run.experiment] = run.shift_region
     settings = []
     for experiment, by_seed in data.items():
         first = next(iter(by_seed.values()))
-        for split in ("test", "val") if first.get("train_max_span") is not None else ("test",):
-            scored = Images.of([_split(args, split) for args in by_seed.values()])
-            fit = Images.of([_split({**first, "seed": FIT_SEED}, split, num_fit)])
+        splits = [("test", None)] + [("val", None)] * (first.get("train_max_span") is not None)
+        if experiment in shift:
+            splits.append(("test", shift[experiment]))
+        for split, region in splits:
+            scored = Images.of([_split(args, split, region=region) for args in by_seed.values()])
+            fit = Images.of([_split({**first, "seed": FIT_SEED}, split, num_fit, region)])
             lo, hi = int(scored.span.min()), int(scored.span.max())
-            if split == "test":
+            if region is not None:
+                settings.append(Setting(f"{experiment}/shift", scored, fit, span_subsets(cfg, experiment, lo, hi)))
+            elif split == "test":
                 settings.append(Setting(experiment, scored, fit, span_subsets(cfg, experiment, lo, hi)))
             else:
                 settings.append(Setting(f"{experiment}/val", scored, fit, {(lo, hi): "every image"}))

@@ -1,7 +1,8 @@
 """The ViT options only the studies use, as a subclass of the library's `VisionTransformer`.
 
-`StudyViT` adds local attention (`attn_radius`, the arrangement study's `local1` cell) and the size of
-a fixed position table (`pos_scale`, the recipe screen's sin/cos candidate). Configs name it as
+`StudyViT` adds local attention (`attn_radius`, the arrangement study's `local1` cells), the size of
+a fixed position table (`pos_scale`, the recipe screen's sin/cos candidate) and the initial size of a
+learned one (`pos_init_std`, the arrangement study's learned-table cells). Configs name it as
 `class_path: studies.runner.models.StudyViT`; importing this module lets checkpoints name it too
 (`vit.training.checkpoint.schema.allow_backbone`), so `vit.load`, attention blocking and `train.py`
 open a study's checkpoints once the study's code is imported.
@@ -18,7 +19,7 @@ from vit.training.checkpoint.schema import allow_backbone
 
 
 class StudyViT(VisionTransformer):
-    """`VisionTransformer(**kwargs)` with two options of the studies.
+    """`VisionTransformer(**kwargs)` with three options of the studies.
 
     Args:
         attn_radius: local attention, in training and at test time: a patch attends only to the patches
@@ -26,11 +27,21 @@ class StudyViT(VisionTransformer):
             token and registers still see and are seen by all. None: global, the library's model.
         pos_scale: a factor on a fixed position table (`sincos1d`, `sincos2d`): 1 is the table as
             published, entries of RMS 0.71, while the patch embedding's output starts near 0.1.
+        pos_init_std: the standard deviation of a learned table's initial entries (normal, not truncated);
+            None: the library's 0.02 (truncated normal). 0.7 starts it at the size of the sin/cos table.
     """
 
-    def __init__(self, *, attn_radius: int | None = None, pos_scale: float = 1.0, **kwargs) -> None:
+    def __init__(self, *, attn_radius: int | None = None, pos_scale: float = 1.0, pos_init_std: float | None = None,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         check_float("pos_scale", pos_scale, 0.0, 100.0, low_open=True)
+        if pos_init_std is not None:
+            check_float("pos_init_std", pos_init_std, 0.0, 100.0, low_open=True)
+            if self.pos_embed_type != "learned":
+                raise ValueError(f"pos_init_std={pos_init_std!r} is not allowed with "
+                                 f"pos_embed={self.pos_embed_type!r}: it sizes the learned table only")
+            with torch.no_grad():
+                self.pos_embed.normal_(0.0, pos_init_std)
         if pos_scale != 1.0:
             if not self.pos_embed_type.startswith("sincos"):
                 raise ValueError(f"pos_scale={pos_scale!r} is not allowed with pos_embed={self.pos_embed_type!r}: it "
