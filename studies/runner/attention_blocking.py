@@ -45,6 +45,7 @@ import yaml
 
 from studies.runner import arrangement
 from studies.runner.arrangement import ArrangementDataModule
+from studies.runner.models import StudyViT
 from studies.runner.rows import append_rows
 from vit.checks import check_size
 from vit.data import SameDifferentDataModule
@@ -53,6 +54,9 @@ from vit.models import VisionTransformer
 from vit.models.masks import mask_attention
 from vit.training.checkpoint import CheckpointError
 from vit.training.checkpoint.build import build_datamodule, open_model
+from vit.training.checkpoint.schema import allow_backbone
+
+allow_backbone(StudyViT)  # the studies' ViT checkpoints (local attention, a sized learned table) open here
 
 CONDITIONS = ("none", "cross", "random", "within", "isolate", "isolate_random", "self_only")
 CLS_CONDITIONS = ("cls_a", "cls_b", "cls_parts", "cls_random", "cls_self")
