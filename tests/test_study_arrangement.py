@@ -100,21 +100,30 @@ def test_the_report_splits_the_held_out_test_by_class_and_the_unseen_spans_by_bi
     assert ood[5] == "0.0 [0.0-0.0]" and ood[6] == "0.0 [0.0-0.0]"
 
 
-def _study_in(tmp_path: Path, monkeypatch) -> Path:
-    """The study's config with its out_dir and log_dir in ``tmp_path``, the committed inputs copied there; the
-    working directory the repository root, whose relative paths the config and the report use."""
+GRIDS = {  # grid -> (its config, its committed results, its committed audit)
+    "first": (FIRST_CONFIG, RESULTS, ROOT / report.FIRST_AUDIT),
+    "matched": (ROOT / command.CONFIG, ROOT / "studies/arrangement/results/matched",
+                ROOT / "studies/arrangement/results/matched/audit/shortcuts.csv"),
+}
+
+
+def _study_in(tmp_path: Path, monkeypatch, grid: str = "first") -> Path:
+    """A grid's config with its out_dir and log_dir in ``tmp_path``, the committed inputs and audit copied there;
+    the working directory the repository root, whose relative paths the config and the report use."""
+    config_path, results, audit = GRIDS[grid]
     monkeypatch.chdir(ROOT)
     out_dir = tmp_path / "arrangement"
     out_dir.mkdir()
     for name in INPUTS:
-        copy = shutil.copytree if (RESULTS / name).is_dir() else shutil.copyfile
-        copy(RESULTS / name, out_dir / name)
+        copy = shutil.copytree if (results / name).is_dir() else shutil.copyfile
+        copy(results / name, out_dir / name)
     (out_dir / "audit").mkdir()
-    shutil.copyfile(ROOT / report.FIRST_AUDIT, out_dir / "audit" / "shortcuts.csv")  # its audit, where a grid's goes
-    text = FIRST_CONFIG.read_text()
+    shutil.copyfile(audit, out_dir / "audit" / "shortcuts.csv")  # the grid's audit, where a grid's goes
+    cfg = load_config(config_path)
+    text = config_path.read_text()
     config = tmp_path / "arrangement.yaml"
-    config.write_text(text.replace("out_dir: studies/arrangement/results/arrangement", f"out_dir: {out_dir}")
-                      .replace("log_dir: runs/study/arrangement", f"log_dir: {tmp_path / 'runs'}"))
+    config.write_text(text.replace(f"out_dir: {cfg['out_dir']}", f"out_dir: {out_dir}")
+                      .replace(f"log_dir: {cfg['log_dir']}", f"log_dir: {tmp_path / 'runs'}"))
     assert config.read_text().count(str(tmp_path)) == 2
     return config
 
@@ -146,19 +155,21 @@ def test_the_command_gives_the_runner_the_audit_before_the_grid_and_blocks_after
     assert steps == [("grid", True, True, "python -m studies.arrangement"), ("tables", 85, out_dir)]
 
 
-def test_report_only_rewrites_the_committed_tables_from_the_committed_results(tmp_path, monkeypatch):
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_report_only_rewrites_the_committed_tables_from_the_committed_results(tmp_path, monkeypatch, grid):
     # Every table the study commits is what its command writes from its runs, blocking rows and predictions
     # (the figures are checked for existence only: their bytes depend on the matplotlib version).
-    config = _study_in(tmp_path, monkeypatch)
+    config = _study_in(tmp_path, monkeypatch, grid)
+    results = GRIDS[grid][1]
     out_dir = tmp_path / "arrangement"
     command.main(["--config", str(config), "--report-only"])
     written = sorted(p.name for p in out_dir.iterdir() if p.name not in (*INPUTS, "audit"))
-    assert written == sorted(p.name for p in RESULTS.iterdir() if p.name not in INPUTS)
+    assert written == sorted(p.name for p in results.iterdir() if p.name not in (*INPUTS, "audit"))
     for name in written:
         if name.endswith(".png"):
             assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         else:
-            assert (out_dir / name).read_text() == (RESULTS / name).read_text(), name
+            assert (out_dir / name).read_text() == (results / name).read_text(), name
 
 
 def test_the_matched_grid_audits_the_moved_test_too_and_its_own_folder():

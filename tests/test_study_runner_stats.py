@@ -86,6 +86,21 @@ def test_summary_cells_count_successes_above_the_best_shortcut(tmp_path):
     assert (tmp_path / "rf_same_different_by_distance.png").exists()
 
 
+def test_an_experiment_of_several_training_sizes_names_each_rows_size(tmp_path):
+    cfg = {"models": {"cnn-rf7": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8, 8, 8]}}},
+           "experiments": [{"name": "eff", "tasks": ["same_different"], "models": ["cnn-rf7"], "num_train": [800, 100],
+                            "train_region": "all", "test_region": "all"}]}
+    rows = [{"experiment": "eff", "task": "same_different", "model": "cnn-rf7", "num_train": str(n), "seed": str(s),
+             "train_region": "all", "test_region": "all", "test_acc": str(acc), "train_time_s": "1.0",
+             "test_by_distance": '{"11": [3, 4]}'}
+            for n, acc in ((800, 0.9), (100, 0.6)) for s in range(2)]
+    report.write_reports(rows, tmp_path, cfg)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| model | train images | RF (px) | n | median |" in summary
+    small, large = summary.index("| cnn-rf7 | 100 | 7 | 2 | 60.0 |"), summary.index("| cnn-rf7 | 800 | 7 | 2 | 90.0 |")
+    assert small < large  # by size within a model
+
+
 def test_every_model_is_split_at_each_receptive_field_inside_the_distances(tmp_path):
     cfg = {"models": {"cnn-rf15": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8] * 7}},
                       "vit": {"class_path": "vit.models.VisionTransformer", "init_args": {}}},

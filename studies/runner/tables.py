@@ -72,11 +72,16 @@ def summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
                 continue
             thr = success_threshold(shortcuts, task)
             moved = exp.get("shift_region")
+            sizes = len(exp["num_train"]) > 1  # then each row names its training-set size
             lines += [f"## {exp['name']}: task `{task}`, train region `{exp['train_region']}`, test region "
                       f"`{exp['test_region']}`" + (f" (success > {thr * PERCENT:.1f}%)" if thr and thr < 1 else ""), "",
-                      "| model | RF (px) | n | median | runs | success k/n [95% CI] | "
-                      + (f"median moved to `{moved}` | " if moved else "") + "lr | params | MFLOPs/image | s/run |",
-                      "|---" * (10 + bool(moved)) + "|"]
+                      "| model | " + ("train images | " if sizes else "") + "RF (px) | n | median | runs | "
+                      "success k/n [95% CI] | " + (f"median moved to `{moved}` | " if moved else "")
+                      + "lr | params | MFLOPs/image | s/run |",
+                      "|---" * (10 + bool(moved) + sizes) + "|"]
+            if sizes:
+                sel.sort(key=lambda t: (exp["models"].index(t["model"]) if t["model"] in exp["models"]
+                                        else len(exp["models"]), int(t["num_train"])))
             for t in sel:
                 runs = " ".join(f"{float(a) * PERCENT:.1f}" for a in t["test_acc_runs"].split())
                 succ = "–" if t["successes"] == "" else (
@@ -85,7 +90,8 @@ def summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
                 flops = f"{int(t['flops_per_image']) / 1e6:.1f}" if t["flops_per_image"] else ""
                 shift = (f"{float(t['shift_acc_median']) * PERCENT:.1f} | " if t["shift_acc_median"] else "– | ") \
                     if moved else ""
-                lines.append(f"| {t['model']} | {t['receptive_field'] or '–'} | {t['n_seeds']} | "
+                lines.append(f"| {t['model']} | " + (f"{int(t['num_train']):,} | " if sizes else "")
+                             + f"{t['receptive_field'] or '–'} | {t['n_seeds']} | "
                              f"{float(t['test_acc_median']) * PERCENT:.1f} | {runs} | {succ} | {shift}{t['lr']} | "
                              f"{t['params']} | {flops} | {t['train_time_median_s']} |")
             lines.append("")
