@@ -19,7 +19,7 @@ import fsspec
 import pytest
 import torch
 
-from vit.training.checkpoint.errors import CheckpointError
+from vit.training.checkpoint import CheckpointError
 from vit.training.checkpoint.fetch import fetch, max_bytes, redact_url
 
 HEADERS_LATE = "timed out: the server's status line and headers did not all arrive within 1 s (set " \

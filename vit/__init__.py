@@ -1,7 +1,6 @@
 """A readable Vision Transformer: the model (`vit.models`), its data, training and explanations.
 
-`vit.load(checkpoint)` gives a trained model ready for inference (`vit.api.Predictor`); torch is
-imported when it is called, so `import vit` stays light.
+`vit.load(checkpoint)` gives a trained model ready for inference; torch is imported when it is called.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@
     predictor.predict(["cat.jpg", "dog.png"], topk=2)   # [[Prediction('cat', 0.93), Prediction('dog', 0.05)], ...]
     predictor.explain("cat.jpg", method="chefer", target="dog")   # (gh, gw) relevance, summing to 1
 
-The checkpoint is opened as the commands open it (`load`): no code from it runs, nothing is fetched but its
-URL, and pretrained weights are not read again. Images are read as `vit.predict` reads them
-(`vit.data.images.decode_image`), then resized and normalised as the checkpoint records (`Predictor.transform`).
+The checkpoint is opened as the commands open it (no code from it runs), and images are read as `vit.predict`
+reads them, then resized and normalised as the checkpoint records (`Predictor.transform`).
 """
 
 from __future__ import annotations
@@ -45,9 +44,8 @@ class Prediction(NamedTuple):
 
 
 class Predictor:
-    """A checkpoint's model for inference: `model` (an `ImageClassifier`, eval mode, CPU), `class_names`,
-    `inputs` (what the checkpoint records of its input: `img_size`, `in_chans`, `mean`, `std`,
-    `interpolation`) and `transform` (PIL image -> the model's input `(C, H, W)`)."""
+    """A checkpoint's model for inference: `model` (eval mode, CPU), `class_names`, `inputs` (what the checkpoint
+    records of its input) and `transform` (PIL image -> the model's input `(C, H, W)`)."""
 
     def __init__(self, model: ImageClassifier, inputs: dict) -> None:
         self.model = model.eval()
@@ -56,10 +54,7 @@ class Predictor:
         self.transform: v2.Compose = inference_transform(inputs)
 
     def images(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
-        """The model's input `(B, C, H, W)`: files and PIL images read and transformed, a batch tensor as it is.
-
-        A file that cannot be read raises `vit.data.images.UnreadableImageError` (`file: why`).
-        """
+        """The model's input `(B, C, H, W)`: files and PIL images read and transformed, a batch tensor as it is."""
         if isinstance(images, Tensor):
             if images.ndim != 4:
                 raise ValueError(f"images: a tensor must be a batch (B, C, H, W), got shape {tuple(images.shape)}")
@@ -72,25 +67,19 @@ class Predictor:
                             for image in images])
 
     def probabilities(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
-        """Class probabilities `(B, num_classes)` (softmax of the logits) of the images, run in batches on the
-        model's device as `vit.predict` runs them (`vit.training.predictions.class_probabilities`)."""
+        """Class probabilities `(B, num_classes)` of the images, computed as `vit.predict` computes them."""
         return class_probabilities(self.model, self.images(images))
 
     def predict(self, images: ImageLike | Sequence[ImageLike] | Tensor, topk: int = 1) -> list[list[Prediction]]:
-        """Per image (a file, a PIL image, a list of those, or a batch of model inputs), its `topk` most probable
-        classes, best first: one list per image, also for a single image (what `vit.predict` writes)."""
+        """Per image (a file, a PIL image, a list of them, or a batch), its `topk` most probable classes, best first."""
         check_topk(topk, len(self.class_names), option="topk=")
         confidence, classes = self.probabilities(images).topk(topk, dim=-1)  # (B, K) each, best first
         return [[Prediction(self.class_names[k], p) for k, p in zip(ks, ps)]
                 for ks, ps in zip(classes.tolist(), confidence.tolist())]
 
     def explain(self, image: ImageLike | Tensor, method: str = "rollout", target: str | int | None = None) -> Tensor:
-        """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`) on the
-        model's patch grid, summing to 1 (`vit.explain.relevance.relevance`: what `python -m vit.explain` draws).
-
-        `target`, a class name or index, is the class the class-specific methods (`CLASS_METHODS`) explain;
-        by default the prediction. `vit.explain.relevance.to_pixels` spreads the map over the image's pixels.
-        """
+        """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`), summing to 1;
+        `target` (a class name or index, default: the prediction) is the class the class-specific methods explain."""
         check_choice("method", method, Method)
         usable_methods(self.model.backbone, [method])
         if target is not None and method in CLASS_METHODS:  # for the others, relevance refuses the target as given
@@ -102,11 +91,6 @@ class Predictor:
 
 
 def load(path_or_url: str | os.PathLike) -> Predictor:
-    """The trained model of a `train.py` checkpoint (a path or an http(s) URL), ready for inference.
-
-    The checkpoint is read once and validated whole (`open_model`): one that names a class outside this project,
-    holds anything but plain values, or whose weights do not fit its model raises `CheckpointError` (a
-    `ValueError`) before anything is built.
-    """
+    """The trained model of a `train.py` checkpoint (a path or an http(s) URL), ready for inference."""
     model, checkpoint = open_model(path_or_url)
     return Predictor(model, checkpoint.inputs)

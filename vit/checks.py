@@ -1,11 +1,7 @@
 """One way to check an argument: every error names the argument, the value given and what is allowed.
 
-Allowed string options are declared once, as a `Literal`, and read back with `get_args`:
-
-    Pool = Literal["cls", "mean", "map"]
+    Pool = Literal["cls", "mean", "map"]   # allowed options, declared once
     check_choice("pool", pool, Pool)   # pool='avg' is not allowed: expected one of ['cls', 'mean', 'map']
-
-Constructors check even what jsonargparse checks on the command line: called from Python, nothing else does.
 """
 
 from __future__ import annotations
@@ -20,14 +16,9 @@ import typing
 from typing import Any, Literal, Union, get_args
 
 
-def choices(allowed: Any) -> tuple:
-    """The allowed values of a `Literal[...]` type, or of a tuple/list given as it is."""
-    return get_args(allowed) or tuple(allowed)
-
-
 def check_choice(name: str, value: object, allowed: Any) -> None:
     """Raise `ValueError` unless `value` is one of `allowed` (a `Literal` type or a sequence)."""
-    options = choices(allowed)
+    options = get_args(allowed) or tuple(allowed)
     if value not in options:
         raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(options)}")
 
@@ -35,31 +26,19 @@ def check_choice(name: str, value: object, allowed: Any) -> None:
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:
     """Raise `ValueError` unless `value` is an int (not a bool) in `[minimum, maximum]`."""
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if ok and ((minimum is not None and value < minimum) or (maximum is not None and value > maximum)):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: expected an int {_interval(minimum, maximum)}".rstrip())
+    if not ok or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = (f"in [{minimum}, {maximum}]" if minimum is not None and maximum is not None
+                  else f">= {minimum}" if minimum is not None else f"<= {maximum}" if maximum is not None else "")
+        raise ValueError(f"{name}={value!r} is not allowed: expected an int {bounds}".rstrip())
 
 
-def check_float(
-    name: str,
-    value: object,
-    low: float | None = None,
-    high: float | None = None,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> None:
-    """Raise `ValueError` unless `value` is a finite real number in the interval from `low` to `high`.
-
-    `low_open` / `high_open` exclude the end points: `check_float("p", p, 0, 1, high_open=True)` is `[0, 1)`.
-    """
+def check_float(name: str, value: object, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False) -> None:
+    """Raise `ValueError` unless `value` is a finite real number from `low` to `high`, each end excluded when
+    `low_open` / `high_open`: `check_float("p", p, 0, 1, high_open=True)` is `[0, 1)`."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None and (value <= low if low_open else value < low):
-        ok = False
-    if ok and high is not None and (value >= high if high_open else value > high):
-        ok = False
-    if not ok:
+    if not (ok and (low is None or (value > low if low_open else value >= low))
+            and (high is None or (value < high if high_open else value <= high))):
         lo = "-inf" if low is None else f"{low:g}"
         hi = "inf" if high is None else f"{high:g}"
         interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
@@ -73,22 +52,11 @@ def first_line(err: BaseException) -> str:
 
 
 def file_kind(mode: int) -> str:
-    """What a file is, from its `st_mode` (`os.lstat` to see a link itself): "a file", "a symbolic link",
-    "a folder", ..."""
+    """What a file is, from its `st_mode` (`os.lstat` to see a link itself): "a file", "a symbolic link", ..."""
     kinds = ((stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
              (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
     return next((name for test, name in kinds if test(mode)), "a special file")
-
-
-def _interval(minimum: int | None, maximum: int | None) -> str:
-    if minimum is not None and maximum is not None:
-        return f"in [{minimum}, {maximum}]"
-    if minimum is not None:
-        return f">= {minimum}"
-    if maximum is not None:
-        return f"<= {maximum}"
-    return ""
 
 
 def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
@@ -104,11 +72,8 @@ def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
 
 
 def constructor_message(text: str) -> str:
-    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`).
-
-    jsonargparse tries each type of the union and lists every failure, the constructor's ValueError
-    among them; "Expected a <class 'NoneType'>" only says the value was not None.
-    """
+    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`):
+    each union member's failure but "Expected a <class 'NoneType'>" (which only says the value was not None)."""
     if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:\n" not in text:
         return text
     block = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
@@ -128,14 +93,12 @@ def matches(value: Any, annotation: Any) -> bool:
         return isinstance(value, PLAIN)
     if annotation is type(None) or annotation is None:
         return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
+    if annotation is bool or annotation is str:
+        return isinstance(value, annotation)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if annotation is str:
-        return isinstance(value, str)
     if origin is Literal:
         return any(value == a and type(value) is type(a) for a in args)
     if origin in (Union, types.UnionType):
@@ -170,14 +133,10 @@ def describe(annotation: Any) -> str:
 
 
 def check_arguments(cls: type, arguments: dict[str, Any], bounds: dict[str, tuple]) -> None:
-    """Raise `ValueError` naming the first of `cls`'s constructor arguments that is not of its annotated type or is
-    outside its `bounds`: `{name: (low, high)}` for an int (`check_int`), `{name: (low, high, low_open, high_open)}`
-    for a float (`check_float`)."""
+    """Raise `ValueError` naming the first of `cls`'s constructor arguments not of its annotated type or outside its
+    `bounds`: `{name: (low, high)}` for an int, `{name: (low, high, low_open, high_open)}` for a float."""
     hints = typing.get_type_hints(cls.__init__)
-    for name in inspect.signature(cls).parameters:
-        if name not in arguments:
-            continue
-        value = arguments[name]
+    for name, value in ((n, arguments[n]) for n in inspect.signature(cls).parameters if n in arguments):
         if name in hints and not matches(value, hints[name]):
             raise ValueError(f"{name}={value!r} is not allowed: expected {describe(hints[name])}")
         if name in bounds and value is not None:

@@ -1,9 +1,7 @@
 """What the commands that open a checkpoint share: `python -m vit.predict`, `vit.explain` and `vit.export`.
 
-Each checks its arguments, its outputs (`check_output`) and the checkpoint before any work (`prepare`), then works
-(`work`). A refusal is one `error: ...` line on stderr and exit status 2, with nothing read or written yet; a write
-that fails at the end is one line and exit status 1 (`write_failed`). This module and each command's `main` import
-neither torch nor Lightning before the arguments are parsed, so `--help` and a mistyped option answer at once.
+Each checks everything before any work (`prepare`: a refusal is one `error: ...` line, exit status 2), then works
+(`work`: a write that fails is one line, exit status 1). Nothing here imports torch, so `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
-    """The parser of the command `python -m module`: named as it was run (`vit-predict` when run by that name),
-    described by the first paragraph of its `doc`, with the second (the example) under its options."""
+    """The parser of `python -m module`: `doc`'s first paragraph above the options, the second (the example) under."""
     name = Path(sys.argv[0]).name
     prog = name if name.startswith("vit-") else f"python -m {module}"
     description, example = doc.split("\n\n")[:2]
@@ -59,12 +56,7 @@ def fail(message: object, status: int = USAGE) -> int:
 
 
 def check_output(option: str, path: Path, overwrite: bool) -> None:
-    """Raise `ValueError`, before any work, unless `path` can be written: new in an existing folder, or a regular
-    file and `overwrite`.
-
-    Anything else at `path` is refused even with `overwrite`: replacing a link or a device would replace
-    `/dev/stdout` or, as root, `/dev/null`, and a dangling link would be written through to wherever it points.
-    """
+    """Raise `ValueError` unless `path` can be written: new in an existing folder, or a regular file and `overwrite`."""
     try:
         mode = os.lstat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -80,11 +72,7 @@ def check_output(option: str, path: Path, overwrite: bool) -> None:
 
 
 def write_failed(option: str, path: str | os.PathLike, err: Exception) -> int:
-    """`fail` for an output that could not be written at the end (a full disk, a folder made read-only): exit status 1.
-
-    The reason is the system's (`No space left on device`), also out of a safetensors error, which quotes Rust's
-    `io::Error` (`... No space left on device (os error 28) at path ...`).
-    """
+    """`fail` (exit status 1) for an output that could not be written, with the system's reason (also safetensors')."""
     reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
     quoted = re.search(r"(?:^|: )([^:]+?) \(os error \d+\)", reason)
     return fail(f"{option} {path} could not be written: {quoted[1] if quoted else reason}", status=1)

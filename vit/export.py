@@ -3,21 +3,8 @@
 
     python -m vit.export --ckpt_path runs/folder/vit/version_0/checkpoints/last.ckpt --out exported/
 
-The backbone's weights go under timm's names into a timm `VisionTransformer` of the same configuration, and
-timm's own `save_for_hf` writes the folder, in the layout timm's Hub loader reads. `config.json` holds the
-`architecture` (timm's name for a plain ViT of this width, depth, heads and patch size, else timm's `test_vit`,
-which names no size), `model_args` (every argument, the image size included),
-`label_names` (the checkpoint's class names, else "0", "1", ...) and a `pretrained_cfg` of the checkpoint's
-input size, normalisation and interpolation, resized without crop (`crop_pct: 1.0`, `crop_mode: squash`) as
-`vit.predict` does; `README.md` is the model card (`model_card`). Then `timm.create_model("local-dir:exported/",
-pretrained=True)`, or the Hub after `hf upload org/name exported/`, gives the checkpoint's logits, and
-`vit.models.pretrained.create_vit("exported/model.safetensors", ...)` (or the folder) reads it back.
-
-Refused, in one line naming the option, are models timm cannot compute: a `patch_kernel` other than the patch
-size, an `attn_score` other than `scaled_dot`. Fixed sin/cos encodings are exported as a timm position table of
-the same values (in timm a parameter, which fine-tuning may change). A non-empty `--out` is refused without
-`--overwrite`, and even then only regular files are replaced in it; the files are written to a temporary folder
-beside it first, so a full disk leaves it untouched.
+The backbone's weights go into a timm `VisionTransformer` of the same configuration, written by timm's `save_for_hf`
+(docs/finetune.md, "Export"); what timm cannot compute is refused in one line naming the option.
 """
 
 from __future__ import annotations
@@ -46,18 +33,13 @@ _FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base",
 # What a plain timm ViT has besides its sizes: a model that differs here is not the one the name describes.
 _PLAIN = dict(mlp_ratio=4.0, qkv_bias=True, qk_norm=False, class_token=True, reg_tokens=0, no_embed_class=False,
               pos_embed="learn")
-# timm registers no ViT without sizes in its name, and `create_model("local-dir:...")` builds only a registered
-# `architecture`. `test_vit` is the one whose name states no size: every argument it sets is in `model_args`
-# (`dynamic_img_size` too, which `timm_args` always gives), so it builds exactly what they say.
+# timm's one registered ViT whose name states no size (`create_model` builds only registered names): every
+# argument it sets is in `model_args`, so it builds exactly what they say.
 GENERIC_ARCHITECTURE = "test_vit"
 _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
-# What config.json's pretrained_cfg says of these weights; the rest of the architecture's default cfg
-# (its tag, license, paper) describes timm's own weights, not these.
+# What config.json's pretrained_cfg keeps of the architecture's default cfg (the rest describes timm's weights).
 _PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "interpolation", "crop_pct", "crop_mode",
                         "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
-# The Hub's dataset ids of the public datasets a data module names: (its class path, its `dataset`) -> id.
-_HUB_DATASETS = {("vit.data.cifar.CIFARDataModule", "cifar10"): "cifar10",
-                 ("vit.data.cifar.CIFARDataModule", "cifar100"): "cifar100"}
 _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: apache-2.0, mit, cc-by-4.0, other, ...
 FILES = ("model.safetensors", "config.json", "README.md")  # what `export` writes into --out
 
@@ -67,41 +49,32 @@ class ExportError(ValueError):
 
 
 def timm_args(model: VisionTransformer) -> dict:
-    """The arguments of timm's `VisionTransformer` that compute what `model` computes, or `ExportError` naming
-    the option timm has no counterpart for."""
+    """The arguments of timm's `VisionTransformer` that compute what `model` computes; `ExportError` if none do."""
     from torch import nn
 
     from vit.models import VisionTransformer
 
     if not isinstance(model, VisionTransformer):
         raise ExportError(f"the backbone is a {type(model).__name__}; only a VisionTransformer exports to timm")
-    embed = model.patch_embed
+    embed, attn = model.patch_embed, model.blocks[0].attn
     kernel = embed.proj.kernel_size[0]
     if kernel != embed.patch_size:
         raise ExportError(f"patch_kernel={kernel} cannot be exported: timm's patch embedding has a kernel equal "
                           f"to the patch size ({embed.patch_size})")
-    score = model.blocks[0].attn.attn_score
-    if score != "scaled_dot":
-        raise ExportError(f"attn_score={score!r} cannot be exported: timm's attention is 'scaled_dot' only")
-    attn = model.blocks[0].attn
-    return dict(
-        img_size=list(embed.img_size), patch_size=embed.patch_size, in_chans=embed.in_chans,
-        num_classes=model.num_classes, embed_dim=model.embed_dim, depth=len(model.blocks),
-        num_heads=attn.num_heads, mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
-        qkv_bias=attn.qkv.bias is not None, qk_norm=not isinstance(attn.q_norm, nn.Identity),
-        class_token=model.cls_token is not None, global_pool=_TIMM_POOL[model.pool], fc_norm=model.use_fc_norm,
-        reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
-        pos_embed="none" if model.pos_embed is None else "learn", dynamic_img_size=False,
-    )
+    if attn.attn_score != "scaled_dot":
+        raise ExportError(f"attn_score={attn.attn_score!r} cannot be exported: timm's attention is 'scaled_dot' only")
+    return dict(img_size=list(embed.img_size), patch_size=embed.patch_size, in_chans=embed.in_chans,
+                num_classes=model.num_classes, embed_dim=model.embed_dim, depth=len(model.blocks),
+                num_heads=attn.num_heads, mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
+                qkv_bias=attn.qkv.bias is not None, qk_norm=not isinstance(attn.q_norm, nn.Identity),
+                class_token=model.cls_token is not None, global_pool=_TIMM_POOL[model.pool],
+                fc_norm=model.use_fc_norm, reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
+                pos_embed="none" if model.pos_embed is None else "learn", dynamic_img_size=False)
 
 
 def architecture(args: dict) -> str:
-    """timm's name for a plain ViT of this width, depth, heads and patch size (`vit_tiny_patch16_224`), else
-    `GENERIC_ARCHITECTURE`; the image size, classes and pooling are `model_args`' (`create_model(name, img_size=...)`).
-
-    Of the names of the right size, the one at the model's image size where timm has it (`vit_base_patch16_384`),
-    else the 224-pixel one.
-    """
+    """timm's name for a plain ViT of this width, depth, heads and patch size, at the model's image size where timm
+    has it (`vit_base_patch16_384`), else at 224 (`vit_tiny_patch16_224`); else `GENERIC_ARCHITECTURE`."""
     import timm
 
     family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
@@ -113,9 +86,8 @@ def architecture(args: dict) -> str:
     return next((name for name in names if timm.is_model(name)), GENERIC_ARCHITECTURE)
 
 
-def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Module:
-    """A timm `VisionTransformer` holding `model`'s weights (loaded strictly), in eval mode; its `pretrained_cfg`
-    says `data_config` (timm's keys: `input_size`, `mean`, `std`, ...) instead of timm's own weights' preprocessing."""
+def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
+    """A timm `VisionTransformer` with `model`'s weights (loaded strictly), in eval mode, `data_config` in its cfg."""
     import timm
 
     args = timm_args(model)
@@ -125,16 +97,13 @@ def to_timm(model: VisionTransformer, data_config: dict | None = None) -> nn.Mod
         state["pos_embed"] = model.pos_embed.detach().clone()
     exported.load_state_dict(state)
     cfg = {k: v for k, v in exported.pretrained_cfg.items() if k in _PRETRAINED_CFG_KEYS}
-    exported.pretrained_cfg = {**cfg, **(data_config or {})}
+    exported.pretrained_cfg = {**cfg, **data_config}
     return exported.eval()
 
 
 def training_record(checkpoint: dict) -> dict:
-    """What the checkpoint says of its training, for the model card: `data_module` (its class path), `seed`,
-    `epoch`, `global_step`, `dataset` (the Hub id of the public dataset the data module reads, `hub_dataset`),
-    `base_model` (the Hub id of the weights it was fine-tuned from, `hub_base_model`), `model` (the classifier's
-    plain settings: lr, weight decay, ...) and `metrics` (each ModelCheckpoint's monitored metric: its best and its
-    value when this checkpoint was written)."""
+    """What the checkpoint says of its training, for the model card: `data_module`, `seed`, `epoch`, `global_step`,
+    `dataset`, `base_model`, `model` (plain settings) and `metrics` (each ModelCheckpoint's, best and current)."""
     data = checkpoint.get("datamodule_hyper_parameters") or {}
     hparams = checkpoint.get("hyper_parameters") or {}
     record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
@@ -146,30 +115,25 @@ def training_record(checkpoint: dict) -> dict:
                 if not key.startswith("_") and key != "backbone" and isinstance(value, (str, int, float, bool, list))}
     if settings:
         record["model"] = settings
-    metrics = {}
-    for state in (checkpoint.get("callbacks") or {}).values():
-        monitor = state.get("monitor") if isinstance(state, dict) else None
-        if isinstance(monitor, str):
-            for key, label in (("best_model_score", "best"), ("current_score", "at this checkpoint")):
-                value = state.get(key)
-                if value is not None:
-                    metrics[f"{monitor} ({label})"] = float(value)
+    metrics = {f"{state['monitor']} ({label})": float(state[key])
+               for state in (checkpoint.get("callbacks") or {}).values()
+               if isinstance(state, dict) and isinstance(state.get("monitor"), str)
+               for key, label in (("best_model_score", "best"), ("current_score", "at this checkpoint"))
+               if state.get(key) is not None}
     if metrics:
         record["metrics"] = metrics
     return record
 
 
 def hub_dataset(data: dict) -> str | None:
-    """The Hub id of the public dataset a data module's hyperparameters name (CIFAR-10: `cifar10`); None for the
-    rest (an image folder, the synthetic sets)."""
-    path, name = data.get("_class_path"), data.get("dataset")
-    return _HUB_DATASETS.get((path, name)) if isinstance(path, str) and isinstance(name, str) else None
+    """The Hub id of the public dataset a data module's hyperparameters name (CIFAR-10: `cifar10`), else None."""
+    cifar = data.get("_class_path") == "vit.data.cifar.CIFARDataModule"
+    return data["dataset"] if cifar and data.get("dataset") in ("cifar10", "cifar100") else None
 
 
 def hub_base_model(pretrained: object) -> str | None:
-    """The Hub id of the weights `ImageClassifier(pretrained=...)` started from: a hub id as given (without
-    `hf-hub:` and `@revision`), a timm name as the repo timm downloads it from (`timm/<name>.<tag>`, the default tag
-    where none is given); None for a local file or a name timm does not know."""
+    """The Hub id of the weights `ImageClassifier(pretrained=...)` started from: a hub id without `hf-hub:` and
+    `@revision`, a timm name as its repo (`timm/<name>.<tag>`); None for a local file or a name timm does not know."""
     from timm.models import get_pretrained_cfg
 
     from vit.models.weights import source_kind
@@ -179,28 +143,24 @@ def hub_base_model(pretrained: object) -> str | None:
     kind = source_kind(pretrained)
     if kind == "hub":
         return re.sub(r"^hf[-_]hub:", "", pretrained, flags=re.IGNORECASE).split("@", 1)[0]
-    if kind == "name":
-        try:
-            cfg = get_pretrained_cfg(pretrained)
-        except RuntimeError:  # a tag timm does not have
-            return None
-        return cfg.hf_hub_id if cfg is not None and cfg.hf_hub_id else None
-    return None
+    try:
+        cfg = get_pretrained_cfg(pretrained) if kind == "name" else None
+    except RuntimeError:  # a tag timm does not have
+        return None
+    return cfg.hf_hub_id if cfg is not None and cfg.hf_hub_id else None
 
 
 def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None,
                license: str | None = None) -> str:
-    """The export's `README.md`: Hub front matter (`library_name: timm`, `pipeline_tag`, `license` when given,
-    `base_model`, `datasets`, `metrics`), then what a person needs to use the model.
-
-    `args` are `timm_args`, `training` is `training_record`'s; every value from the checkpoint goes through
-    `markdown_text`.
-    """
+    """The export's `README.md` from `timm_args` and `training_record`; checkpoint text goes through `markdown_text`."""
+    import timm
+    import torch
     import yaml
 
     name = architecture(args)
     channels, height, width = data_config["input_size"]
-    params = _parameter_count(args)
+    with torch.device("meta"):  # the exported model's parameter count, without memory
+        params = sum(p.numel() for p in timm.create_model(name, pretrained=False, **args).parameters())
     shown = (", ".join(markdown_text(n) for n in names[:20])
              + (f", ... ({len(names)} in all)" if len(names) > 20 else ""))
     training = training or {}
@@ -224,22 +184,16 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
          f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
         (f"- pooling `{args['global_pool']}`, {args['reg_tokens']} register token(s), "
          f"position table `{args['pos_embed']}`"),
-        f"- {params / 1e6:.2f} M parameters",
-        "",
+        f"- {params / 1e6:.2f} M parameters", "",
         "## Classes", "",
         f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "",
         "## Input", "",
         (f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
          f"({markdown_text(data_config['interpolation'])} interpolation; the aspect ratio is not kept)"),
         (f"- pixels scaled to [0, 1], then normalised with mean {markdown_text(list(data_config['mean']))} and std "
-         f"{markdown_text(list(data_config['std']))}"),
-        "",
+         f"{markdown_text(list(data_config['std']))}"), "",
         "## Use with timm", "",
-        "```python",
-        "import timm",
-        "import torch",
-        "from PIL import Image, ImageOps",
-        "",
+        "```python", "import timm", "import torch", "from PIL import Image, ImageOps", "",
         'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
         "config = timm.data.resolve_data_config(model=model)",
         "transform = timm.data.create_transform(**config)",
@@ -247,8 +201,7 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         f'x = transform(image.convert("{"RGB" if channels == 3 else "L"}"))[None]',
         "with torch.no_grad():",
         "    probabilities = model(x).softmax(-1)  # (1, num_classes), in the order of the classes above",
-        "```",
-        "",
+        "```", "",
         "## Training", "",
     ]
     if training:
@@ -274,11 +227,7 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
 
 
 def markdown_text(value: object) -> str:
-    """`value` as Markdown that shows as written: no HTML, heading, list, code, link or table cell comes of it.
-
-    Class names, settings and metric names are whatever text the checkpoint holds, and the Hub renders the card:
-    `<script>` or `# Heading` in a class name would otherwise be markup.
-    """
+    """`value` as Markdown that shows as written: no HTML, heading, list, code, link or table cell comes of it."""
     text = " ".join(str(value).splitlines())  # a line break would end the list item and start a block of its own
     text = html.escape(text, quote=False)  # <, >, &: no tag, no entity
     text = re.sub(r"([\\`|])", r"\\\1", text)  # no code span or table cell
@@ -286,24 +235,12 @@ def markdown_text(value: object) -> str:
     return re.sub(r"^(\s*)([#*+_-])", r"\1\\\2", text)  # no heading, list or rule where it starts a list item
 
 
-def _parameter_count(args: dict) -> int:
-    """The exported timm model's parameter count, built on the meta device (no memory)."""
-    import timm
-    import torch
-
-    with torch.device("meta"):
-        model = timm.create_model(architecture(args), pretrained=False, **args)
-    return sum(p.numel() for p in model.parameters())
-
-
 def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str], dict]:
-    """`(backbone, data_config, class names, training_record)` of a train.py checkpoint;
-    `data_config` in timm's keys."""
+    """`(backbone, data_config in timm's keys, class names, training_record)` of a train.py checkpoint."""
     from vit.training.checkpoint.build import open_model
 
     model, checkpoint = open_model(ckpt_path)
-    inputs = checkpoint.inputs
-    backbone = model.backbone
+    inputs, backbone = checkpoint.inputs, model.backbone
     timm_args(backbone)  # refuse what timm cannot compute before anything else is done
     channels = inputs["in_chans"]
     mean, std = (inputs["mean"], inputs["std"]) if inputs["mean"] is not None else ([0.0] * channels, [1.0] * channels)
@@ -314,29 +251,24 @@ def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[st
 
 def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str],
            training: dict | None = None, license: str | None = None) -> None:
-    """Write `model.safetensors`, `config.json` and `README.md` (`model_card`, `license` in its front matter) into
-    `out` (created), through a temporary folder beside it."""
+    """Write `FILES` into `out` (created), through a temporary folder beside it."""
     from timm.models import save_for_hf
 
-    exported = to_timm(backbone, data_config)
+    exported, args = to_timm(backbone, data_config), timm_args(backbone)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        (Path(tmp) / "README.md").write_text(model_card(args, data_config, names, training, license))
         # model_args given explicitly: timm versions that do not record a model's arguments write them too.
-        save_for_hf(exported, tmp, model_config={"label_names": names, "model_args": timm_args(backbone)},
-                    safe_serialization=True)
-        # safetensors creates its file with mode 0600, config.json has the umask's mode: the weights get the
-        # same permissions, so whoever may read one reads both.
+        save_for_hf(exported, tmp, model_config={"label_names": names, "model_args": args}, safe_serialization=True)
+        # safetensors writes mode 0600, config.json the umask's: whoever may read one reads both.
         os.chmod(Path(tmp) / "model.safetensors", stat.S_IMODE(os.stat(Path(tmp) / "config.json").st_mode))
-        card = model_card(timm_args(backbone), data_config, names, training, license)
-        (Path(tmp) / "README.md").write_text(card)
         out.mkdir(exist_ok=True)
         for name in FILES:
             os.replace(Path(tmp) / name, out / name)  # each file replaced whole, never half-written
 
 
 def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse, before any work, an `--out` that is not a folder, a non-empty folder without `--overwrite`, and a
-    folder whose `FILES` cannot be replaced (`check_output`: only regular files are)."""
+    """Refuse an `--out` that is no folder, is not empty without `--overwrite`, or whose `FILES` cannot be replaced."""
     if not out.is_dir():  # a link to a folder counts as the folder: the files are written into it
         if os.path.lexists(out):
             raise ExportError(f"--out {out} is {file_kind(os.lstat(out).st_mode)}; give a folder (it is created)")
@@ -362,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def hub_license(text: str) -> str:
-    """`--license` as the Hub spells its license ids (lowercase: `apache-2.0`), else an error naming the form."""
+    """`--license` as the Hub spells its license ids (`apache-2.0`), else an error naming the form."""
     if not _LICENSE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a Hub license id: lowercase letters, digits, '.', '+' "
                                          "and '-', like apache-2.0, mit, cc-by-4.0 or other")

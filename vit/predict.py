@@ -3,21 +3,8 @@
     python -m vit.predict --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt \\
         --input_dir my_images/ --output predictions.csv
 
-Everything comes from the checkpoint alone (`vit.training.checkpoint`): the model, its class names and the `inputs`
-it was trained with (image size, channels, normalisation, interpolation); no training data or pretrained file is
-needed. Each image is decoded upright by its EXIF orientation, a large JPEG at a reduced scale, 16-bit and float
-images by their real range (`vit.data.images.decode_image`); converted to RGB or to grayscale (ITU-R 601 luma) per
-`in_chans`, alpha dropped; resized to the recorded `[H, W]` with the recorded interpolation, antialiased and
-without cropping (the aspect ratio is not kept); and normalised with the recorded `(mean, std)`, if any.
-
-Files that cannot be read as images, broken links, named pipes and devices are reported by name and skipped;
-hidden files (`.DS_Store`) and sub-folders are ignored. The CSV has one row per image: `file` (relative to the
-input folder), `class_name`, `class_index` and `probability` (softmax); `--topk K` adds `class_name_2`,
-`class_index_2`, `probability_2`, ... (`vit.training.predictions`). A name that is not valid UTF-8 is written
-with backslash escapes (`caf\\xff.png`), and one starting with `=`, `+`, `-`, `@`, a tab or a carriage return
-gets a leading single quote (`'=cmd.png`), so that a spreadsheet shows it instead of running it as a formula.
-Nothing in the input folder is written. An existing output is replaced only with `--overwrite` and only when it
-is a regular file, through a temporary file renamed at the end, so a full disk leaves it untouched.
+Everything comes from the checkpoint alone; unreadable images are reported by name and skipped. The CSV has one
+row per image: `file`, `class_name`, `class_index`, `probability`, and `class_name_2`, ... with `--topk`.
 """
 
 from __future__ import annotations
@@ -28,14 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.commands import (
-    check_output,
-    fail,
-    parser,
-    print_skipped,
-    run,
-    write_failed,
-)
+from vit.commands import check_output, fail, parser, print_skipped, run, write_failed
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     from torchvision.transforms import v2
@@ -48,8 +28,7 @@ class PredictError(ValueError):
 
 
 def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
-    """Refuse bad paths before any work: a missing input folder, an output inside it, or one that cannot be
-    written (`check_output`: one that exists, without `overwrite` or not a regular file)."""
+    """Refuse bad paths before any work: a missing input folder, an output inside it, or one that cannot be written."""
     if not input_dir.is_dir():
         raise PredictError(f"--input_dir {input_dir} is not a folder"
                            + ("" if input_dir.exists() else " (it does not exist)"))
@@ -66,8 +45,7 @@ def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
 
 
 def check_options(batch_size: int, device: str) -> str:
-    """The device to use (`auto`: cuda when there is a GPU, else cpu); refuse a batch size or device that cannot
-    work, before any image is decoded."""
+    """The device to use (`auto`: cuda when there is a GPU, else cpu); refuse a batch size or device that can't work."""
     import torch
 
     if batch_size < 1:
@@ -101,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict]:
-    """The arguments checked (`--device auto` resolved), then the checkpoint opened: its model, input transform and
-    the checkpoint itself."""
+    """The arguments checked (`--device auto` resolved), then the checkpoint's model, input transform and itself."""
     from vit.training.checkpoint.build import open_model
     from vit.training.predictions import check_topk, inference_transform
 

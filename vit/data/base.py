@@ -20,20 +20,15 @@ class DataNotFoundError(FileNotFoundError):
 
 
 class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
-    """A data module with `train_set`, `val_set` and `test_set` (built by `setup`), served by `_loader`.
-
-    `predict` serves the test split. Subclasses write `setup` (and `_loader(dataset, train)` when the default
-    one does not fit); the training loader takes its sampler from `train_sampler` so that its order survives a
-    resume. A subclass that sets `mixup` (`vit.data.transforms.batch_mixup`) gets its training batches mixed on
-    the device: `(x, y)` becomes `(x_mixed, y, y_soft)`, `y` the hard labels (train accuracy is measured against
-    them) and `y_soft` the `(B, num_classes)` mixed targets, whose rows sum to 1.
-    """
+    """A data module with `train_set`, `val_set` and `test_set` (built by `setup`; `predict` serves the test split).
+    With `mixup` set, training batches `(x, y)` become `(x_mixed, y, y_soft)` on device (`y_soft`: mixed targets)."""
 
     mixup: Mixup | None = None
-
     train_set: Dataset | None = None
     val_set: Dataset | None = None
     test_set: Dataset | None = None
+    #: How an image of another size is resized to `img_size` for the model (torchvision's `InterpolationMode` value).
+    interpolation: str = "bilinear"
 
     @property
     def img_size(self) -> int | tuple[int, int]:
@@ -45,18 +40,13 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         """The images' channels, linked into the backbone's `in_chans` by the CLI."""
         return self.hparams.in_chans
 
-    #: How an image of another size is resized to `img_size` for the model (torchvision's `InterpolationMode` value).
-    interpolation: str = "bilinear"
-
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """Per-channel ``(mean, std)`` applied after scaling pixels to [0, 1]; ``None``: the pixels as they are."""
         return None
 
     def inputs(self) -> dict:
-        """What turns an image into the model's input, as plain values: `img_size` `[H, W]`, `in_chans`, `mean` and
-        `std` (None without normalisation) and `interpolation`. Every checkpoint records it, so that inference
-        needs neither this data module nor its files (`vit.training.checkpoint`)."""
+        """How an image becomes the model's input, as plain values a checkpoint records for inference."""
         height, width = check_size("img_size", self.img_size)
         norm = self.normalization
         return {"img_size": [height, width], "in_chans": int(self.in_chans),
@@ -65,19 +55,19 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
                 "interpolation": self.interpolation}
 
     def split_seeds(self) -> dict[str, int]:
-        """The seed of each split, spawned from the ``seed`` hyperparameter by ``numpy.random.SeedSequence``:
-        independent draws, so the splits of a synthetic data set never share an image."""
+        """The seed of each split, spawned from the ``seed`` hyperparameter (``numpy.random.SeedSequence``)."""
         children = np.random.SeedSequence(self.hparams.seed).spawn(3)
         return {split: int(child.generate_state(1)[0]) for split, child in zip(("train", "val", "test"), children)}
 
-    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        """A loader over ``dataset`` with the ``batch_size`` hyperparameter and ``num_workers`` capped at this
-        machine's cores (`usable_workers`); the training loader takes its order from ``train_sampler`` (restored
-        on resume)."""
+    def _loader(self, dataset: Dataset, train: bool, *, drop_last: bool = False, pin_memory: bool = False,
+                persistent_workers: bool = True, repeats: int = 1) -> DataLoader:
+        """A loader over ``dataset`` with the ``batch_size`` and ``num_workers`` hyperparameters; training order from
+        ``train_sampler``."""
         workers, batch_size = usable_workers(self.hparams.num_workers), self.hparams.batch_size
-        sampler = self.train_sampler(dataset, batch_size) if train else None
+        sampler = self.train_sampler(dataset, batch_size, repeats) if train else None
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
-                          num_workers=workers, persistent_workers=workers > 0)
+                          drop_last=drop_last, num_workers=workers, pin_memory=pin_memory and torch.cuda.is_available(),
+                          persistent_workers=persistent_workers and workers > 0)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Mix training batches on the device (when `mixup` is set): `(x, y)` -> `(x_mixed, y, y_soft)`."""
@@ -88,10 +78,9 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         return x_mixed, y, y_soft
 
     def _split(self, name: str) -> Dataset:
-        dataset = getattr(self, name)
-        if dataset is None:
+        if getattr(self, name) is None:
             raise RuntimeError(f"{name} is not set up: call setup() with the matching stage before asking for a loader")
-        return dataset
+        return getattr(self, name)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self._split("train_set"), train=True)
@@ -107,19 +96,16 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
 
 def usable_workers(num_workers: int) -> int:
-    """`num_workers` capped at the cores this process may run on (its CPU affinity where the OS has one, else
-    `os.cpu_count()`): torch warns about more, and they would only compete for the same cores. 0 stays 0."""
+    """`num_workers` capped at the cores this process may run on (torch warns about more)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(num_workers, cores)
 
 
 class SyntheticDataModule(SplitDataModule):
-    """A generated two-class task: each split drawn by ``make_split(split, num_samples, region)`` from its
-    own seed (``split_seeds``); train and val placed in ``train_region``, test in ``test_region``.
+    """A generated two-class task: ``make_split`` draws each split from its own seed, train and val in ``train_region``,
+    test in ``test_region``."""
 
-    Subclasses save ``num_train``, ``num_val``, ``num_test``, ``train_region``, ``test_region`` and
-    ``seed`` as hyperparameters and write ``make_split``. Pixels are raw values: no normalisation.
-    """
+    num_classes = 2
 
     @staticmethod
     def check_sizes(*, num_train: int, num_val: int, num_test: int, seed: int, batch_size: int,
@@ -130,13 +116,8 @@ class SyntheticDataModule(SplitDataModule):
             check_int(name, value, minimum)
 
     @property
-    def num_classes(self) -> int:
-        return 2
-
-    @property
     def class_names(self) -> list[str]:
-        """The name of each label, index by index (what predictions and reports print)."""
-        raise NotImplementedError
+        raise NotImplementedError  # the name of each label, index by index
 
     def make_split(self, split: str, num_samples: int, region: str) -> Dataset:
         raise NotImplementedError
@@ -159,8 +140,7 @@ def check_pixel_options(*, in_chans: int, noise: float) -> None:
 
 
 def seeded_rng(num_samples: int, seed: int) -> np.random.Generator:
-    """The generator a synthetic data set draws everything from, once `num_samples` (>= 1) and `seed` (>= 0) are
-    checked: the same seed gives the same images and labels."""
+    """The generator a synthetic data set draws everything from, once `num_samples` (>= 1) and `seed` (>= 0) pass."""
     check_int("num_samples", num_samples, 1)
     check_int("seed", seed, 0)
     return np.random.default_rng(seed)
@@ -172,11 +152,8 @@ def balanced_labels(rng: np.random.Generator, num_samples: int) -> np.ndarray:
 
 
 def noisy_images(images: torch.Tensor, *, noise: float, in_chans: int, rng: np.random.Generator) -> torch.Tensor:
-    """Noiseless float images `(N, H, W)` -> `(N, C, H, W)`: plus Gaussian noise of std `noise` (in place, not
-    clipped), then repeated on the `in_chans` channels (a stride-0 view, so it costs no memory).
-
-    The noise comes from a torch generator seeded by one more draw of `rng`: call it after every other draw.
-    """
+    """Noiseless float images `(N, H, W)` plus Gaussian noise of std `noise` (in place; seeded by one more draw of
+    `rng`, so called after every other draw), repeated on `in_chans` channels: `(N, C, H, W)`, a stride-0 view."""
     if noise > 0:
         generator = torch.Generator().manual_seed(int(rng.integers(2**63)))
         images += noise * torch.randn(images.shape, generator=generator)

@@ -1,8 +1,5 @@
-"""CIFAR-10 / CIFAR-100 as a LightningDataModule, with the augmentations ViTs need on small data.
-
-Pixels are decoded by torchvision's own CIFAR datasets and augmented per image by torchvision v2 transforms in the
-DataLoader workers; Mixup/CutMix (timm) mixes whole batches after they reach the device.
-"""
+"""CIFAR-10 / CIFAR-100 as a LightningDataModule, with the augmentations ViTs need on small data: decoded by
+torchvision's CIFAR datasets, augmented per image in the DataLoader workers, mixed per batch (timm) on the device."""
 
 import pickle
 from pathlib import Path
@@ -15,14 +12,14 @@ from torchvision.datasets.utils import check_integrity
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_int, check_size
-from vit.data.base import DataNotFoundError, SplitDataModule, usable_workers
+from vit.data.base import DataNotFoundError, SplitDataModule
 from vit.data.transforms import (
     CIFAR_MEAN_STD,
     MEAN_STD,
     AutoAugmentName,
     DatasetName,
     batch_mixup,
-    to_normalised_tensor,
+    build_eval_transform,
     train_transform,
 )
 
@@ -31,13 +28,8 @@ NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 DISPLAY_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
 
 # What torchvision reads from data_dir/<folder>/; used to say what is missing.
-EXPECTED_FILES = {
-    "cifar10": (
-        "cifar-10-batches-py",
-        ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch", "batches.meta"],
-    ),
-    "cifar100": ("cifar-100-python", ["train", "test", "meta"]),
-}
+EXPECTED_FILES = {name: (cls.base_folder, [file for file, _ in (*cls.train_list, *cls.test_list)]
+                         + [cls.meta["filename"]]) for name, cls in DATASETS.items()}
 
 
 class CIFARNotFoundError(DataNotFoundError):
@@ -45,65 +37,32 @@ class CIFARNotFoundError(DataNotFoundError):
 
 
 class CIFARCorruptedError(CIFARNotFoundError):
-    """Some CIFAR files are in `data_dir` but unusable: unreadable, or not the official content.
-
-    A `CIFARNotFoundError`, so whatever reports a missing dataset reports this too.
-    """
+    """Some CIFAR files are in `data_dir` but unusable: unreadable, or not the official content."""
 
 
 class CIFARDataModule(SplitDataModule):
-    """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set, and its test set.
+    """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set (`val_size` images held out,
+    never augmented), and its test set for `test` and `predict`.
 
-    `val_size` of the official 50,000 training images are held out for validation by a permutation seeded
-    with `seed`; the official 10,000 test images serve `test` and `predict` only. Validation images come from
-    a second dataset object over the same files, with the eval transforms, so they are never augmented.
+    Training augmentations: `random_crop` (32x32 out of the image zero-padded by 4), then `train_transform`'s; the
+    training loader drops its last incomplete batch. `repeated_augmentation=k` shows each image k times in a row.
+    Missing files raise `CIFARNotFoundError`, unreadable or unofficial ones `CIFARCorruptedError`, before training.
 
-    Per-image augmentations (training only, in the DataLoader workers): `random_crop` (32x32 out of the image
-    zero-padded by 4), then `vit.data.transforms.train_transform`'s (torchvision's CIFAR10 policy for
-    "autoaugment"). Mixup / CutMix (`vit.data.transforms.batch_mixup`) mixes whole training batches on the
-    device (`SplitDataModule`); `batch_size` must then be even, and the training loader drops its last
-    incomplete batch. `repeated_augmentation=k` shows each image k times in a row within an epoch of the same
-    length (Lee et al. 2021 train with k=3).
-
-    `prepare_data` downloads the files (rank 0 only) when `download` is true. Missing files that cannot be
-    downloaded raise `CIFARNotFoundError` before training starts, naming the folder, the files expected and
-    how to get them; files that are unreadable or not the official ones (MD5) raise `CIFARCorruptedError`,
-    naming each file and its problem.
-    The training order is shuffled by the run's seed and restored mid-epoch on resume (`vit.data.resumable`);
-    the random augmentations after a resume are drawn afresh.
-
-    For a pretrained model: `img_size` upsamples the images (bicubic, after the 32x32 augmentations) to its
-    resolution (a side, or `[H, W]`, stretched), and `normalization` uses the statistics it was trained with
-    ("imagenet" or "inception") instead of CIFAR's ("cifar").
+    For a pretrained model: `img_size` upsamples the images (bicubic, after the augmentations) to its resolution (a
+    side, or `[H, W]`), and `normalization` uses its statistics ("imagenet" or "inception") instead of "cifar".
     """
 
     interpolation = "bicubic"  # the upsampling of `img_size` (`vit.data.transforms`)
+    in_chans = 3
 
     def __init__(
-        self,
-        *,
-        dataset: DatasetName = "cifar10",
-        data_dir: str = "data",
-        download: bool = True,
-        val_size: int = 5000,
-        seed: int = 0,
-        batch_size: int = 128,
-        num_workers: int = 4,
-        pin_memory: bool = True,
-        persistent_workers: bool = True,
-        random_crop: bool = True,
-        horizontal_flip: bool = True,
-        auto_augment: AutoAugmentName = "none",
-        randaugment_num_ops: int = 2,
-        randaugment_magnitude: int = 9,
-        random_erasing: float = 0.0,
-        mixup_alpha: float = 0.0,
-        cutmix_alpha: float = 0.0,
-        mixup_prob: float = 1.0,
-        mixup_switch_prob: float = 0.5,
-        img_size: int | tuple[int, int] = 32,
-        normalization: Literal["cifar", "imagenet", "inception"] = "cifar",
-        repeated_augmentation: int = 1,
+        self, *, dataset: DatasetName = "cifar10", data_dir: str = "data", download: bool = True,
+        val_size: int = 5000, seed: int = 0, batch_size: int = 128, num_workers: int = 4, pin_memory: bool = True,
+        persistent_workers: bool = True, random_crop: bool = True, horizontal_flip: bool = True,
+        auto_augment: AutoAugmentName = "none", randaugment_num_ops: int = 2, randaugment_magnitude: int = 9,
+        random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, mixup_prob: float = 1.0,
+        mixup_switch_prob: float = 0.5, img_size: int | tuple[int, int] = 32,
+        normalization: Literal["cifar", "imagenet", "inception"] = "cifar", repeated_augmentation: int = 1,
     ) -> None:
         super().__init__()
         check_choice("dataset", dataset, DatasetName)
@@ -113,50 +72,24 @@ class CIFARDataModule(SplitDataModule):
         self.mixup = batch_mixup(NUM_CLASSES[dataset], batch_size=batch_size, mixup_alpha=mixup_alpha,
                                  cutmix_alpha=cutmix_alpha, mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob)
         self.save_hyperparameters()
-
-        self.dataset = dataset
-        self.data_dir = data_dir
-        self.download = download
-        self.val_size = val_size
-        self.seed = seed
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.persistent_workers = persistent_workers
-
+        self.dataset, self.data_dir, self.download, self.val_size = dataset, data_dir, download, val_size
+        self.seed, self.batch_size, self.num_workers = seed, batch_size, num_workers
+        self.pin_memory, self.persistent_workers = pin_memory, persistent_workers
+        self.num_classes = NUM_CLASSES[dataset]
         size = check_size("img_size", img_size, 32)  # (H, W) from a side or [H, W]: the 32x32 images are only upsampled
         check_choice("normalization", normalization, ("cifar", "imagenet", "inception"))
         check_int("repeated_augmentation", repeated_augmentation, 1)
-        to_tensor = to_normalised_tensor(dataset, size, self.normalization)
+        self.eval_transform = build_eval_transform(dataset, size, self.normalization)
         self.train_transform = train_transform(
-            [v2.RandomCrop(32, padding=4)] if random_crop else [],
-            to_tensor,
-            policy=v2.AutoAugmentPolicy.CIFAR10,
-            horizontal_flip=horizontal_flip,
-            auto_augment=auto_augment,
-            randaugment_num_ops=randaugment_num_ops,
-            randaugment_magnitude=randaugment_magnitude,
-            random_erasing=random_erasing,
-        )
-        self.eval_transform = v2.Compose(to_tensor)
-
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
-        self.test_set: Dataset | None = None
+            [v2.RandomCrop(32, padding=4)] if random_crop else [], self.eval_transform.transforms,
+            policy=v2.AutoAugmentPolicy.CIFAR10, horizontal_flip=horizontal_flip, auto_augment=auto_augment,
+            randaugment_num_ops=randaugment_num_ops, randaugment_magnitude=randaugment_magnitude,
+            random_erasing=random_erasing)
         self._class_names: list[str] | None = None
 
     @property
-    def num_classes(self) -> int:
-        return NUM_CLASSES[self.dataset]
-
-    @property
-    def in_chans(self) -> int:
-        return 3
-
-    @property
     def class_names(self) -> list[str]:
-        """The label names in the dataset's meta file (`batches.meta` or `meta`), read as torchvision reads them once
-        the files are checked (so the pickle unpickled is the official one)."""
+        """The label names in the dataset's meta file, read as torchvision reads them once the files are checked."""
         if self._class_names is None:
             self._check_files()
             meta = DATASETS[self.dataset].meta  # {"filename", "key", "md5"}
@@ -183,28 +116,24 @@ class CIFARDataModule(SplitDataModule):
     def unusable_files(self) -> dict[str, str]:
         """Expected files that are present but cannot be used, each with the reason."""
         dataset_cls = DATASETS[self.dataset]
-        expected = [*dataset_cls.train_list, *dataset_cls.test_list,
-                    (dataset_cls.meta["filename"], dataset_cls.meta["md5"])]
         problems = {}
-        for name, md5 in expected:
+        for name, md5 in [*dataset_cls.train_list, *dataset_cls.test_list,
+                          (dataset_cls.meta["filename"], dataset_cls.meta["md5"])]:
             path = self.folder / name
             if not path.is_file():
                 continue  # reported by missing_files
             try:
-                intact = check_integrity(str(path), md5)
+                if not check_integrity(str(path), md5):
+                    problems[name] = ("is not the official file (its MD5 differs): truncated, corrupted "
+                                      "or from another dataset")
             except OSError as err:
                 problems[name] = f"cannot be read ({err.strerror or err})"
-                continue
-            if not intact:
-                problems[name] = ("is not the official file (its MD5 differs): truncated, corrupted "
-                                  "or from another dataset")
         return problems
 
     def prepare_data(self) -> None:
         """Download the archive if `download` is true and it is not there yet; fail early if it is missing."""
         if self.download:
-            try:
-                # torchvision checks the MD5 of the files first and fetches only when they do not match.
+            try:  # torchvision checks the MD5 of the files first and fetches only when they do not match
                 DATASETS[self.dataset](self.data_dir, train=True, download=True)
             except OSError as err:  # URLError, HTTPError, timeouts and DNS failures are all OSErrors
                 if not self.missing_files() and self.unusable_files():
@@ -222,9 +151,8 @@ class CIFARDataModule(SplitDataModule):
             eval_full = dataset_cls(self.data_dir, train=True, transform=self.eval_transform)
             n = len(train_full)
             if self.val_size >= n:
-                raise ValueError(
-                    f"val_size={self.val_size} must be smaller than the {n} training images in {self.folder}"
-                )
+                raise ValueError(f"val_size={self.val_size} must be smaller than the {n} training images in "
+                                 f"{self.folder}")
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist()
             self.val_set = Subset(eval_full, order[: self.val_size])
             self.train_set = Subset(train_full, order[self.val_size :])
@@ -232,28 +160,14 @@ class CIFARDataModule(SplitDataModule):
             self.test_set = dataset_cls(self.data_dir, train=False, transform=self.eval_transform)
 
     def train_dataloader(self) -> DataLoader:
-        if len(self.train_set) < self.batch_size:
-            # drop_last would leave no batch at all, and training would silently do nothing.
-            raise ValueError(
-                f"batch_size={self.batch_size} is larger than the {len(self.train_set)} training images"
-            )
+        if len(self.train_set) < self.batch_size:  # drop_last would leave no batch, and training would do nothing
+            raise ValueError(f"batch_size={self.batch_size} is larger than the {len(self.train_set)} training images")
         return super().train_dataloader()
 
-
-
-
-    def _loader(self, dataset: Dataset, *, train: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=self.train_sampler(dataset, self.batch_size, self.hparams.repeated_augmentation) if train else None,
-            generator=self.loader_generator(),
-            drop_last=train,  # also keeps every training batch even-sized for Mixup/CutMix
-            num_workers=usable_workers(self.num_workers),
-            # Pinned host memory lets the copy to the GPU run asynchronously; it means nothing without one.
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            persistent_workers=self.persistent_workers and usable_workers(self.num_workers) > 0,
-        )
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        # drop_last also keeps every training batch even-sized for Mixup/CutMix.
+        return super()._loader(dataset, train, drop_last=train, pin_memory=self.pin_memory,
+                               persistent_workers=self.persistent_workers, repeats=self.hparams.repeated_augmentation)
 
     def _check_files(self) -> None:
         if self.missing_files():
@@ -266,8 +180,7 @@ class CIFARDataModule(SplitDataModule):
         data_dir = Path(self.data_dir).absolute()
         lines = [f"{DISPLAY_NAMES[self.dataset]} files in {self.folder} cannot be used:"]
         lines += [f"  {name} {problem}" for name, problem in self.unusable_files().items()]
-        if reason:
-            lines.append(reason)
+        lines += [reason] if reason else []
         lines += [
             "To fix it, either:",
             f"  - download {DATASETS[self.dataset].url} and extract it into {data_dir} (replacing those files), or",
@@ -282,11 +195,10 @@ class CIFARDataModule(SplitDataModule):
         lines = [
             f"{DISPLAY_NAMES[self.dataset]} is not in {self.folder}"
             + (f" (missing: {', '.join(missing)})." if missing else "."),
+            *([reason] if reason else []),
             f"Expected {folder_name}/ in data_dir={data_dir} holding: {', '.join(files)}.",
             "To get it, either:",
             f"  - download {DATASETS[self.dataset].url} and extract it into {data_dir}, or",
             "  - set `data.download: true` (command line: --data.download true) on a machine with network access.",
         ]
-        if reason:
-            lines.insert(1, reason)
         return "\n".join(lines)

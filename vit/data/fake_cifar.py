@@ -11,25 +11,12 @@ from vit.checks import check_choice
 from vit.data.cifar import EXPECTED_FILES, NUM_CLASSES, DatasetName
 
 
-def write_fake_cifar(
-    root: str | os.PathLike,
-    dataset: DatasetName = "cifar10",
-    num_train: int = 500,
-    num_test: int = 100,
-    seed: int = 0,
-) -> dict[str, str]:
-    """Write a small generated CIFAR folder in the official on-disk format, for tests and demos.
-
-    Creates `root/cifar-10-batches-py/` (`data_batch_1..5`, `test_batch`, `batches.meta`) or
-    `root/cifar-100-python/` (`train`, `test`, `meta`): pickled dicts with `data`, uint8 (N, 3072) as
-    R, G, B planes of 32x32, and `labels` (CIFAR-10) or `fine_labels` / `coarse_labels` (CIFAR-100).
-    Each class has its own colour and stripe pattern plus noise, so a model can learn something.
-    The images are not CIFAR. Returns the MD5 of every file written, by file name: torchvision checks
-    files against the official MD5s, so a test or demo must substitute these to load the folder.
-    """
+def write_fake_cifar(root: str | os.PathLike, dataset: DatasetName = "cifar10", num_train: int = 500,
+                     num_test: int = 100, seed: int = 0) -> dict[str, str]:
+    """Write a small CIFAR folder in the official format under `root`, each class its own colour and stripes plus
+    noise; returns the MD5 of every file written, by name (to substitute for the official ones)."""
     check_choice("dataset", dataset, DatasetName)
-    folder_name, _ = EXPECTED_FILES[dataset]
-    folder = Path(root) / folder_name
+    folder = Path(root) / EXPECTED_FILES[dataset][0]
     folder.mkdir(parents=True, exist_ok=True)
     num_classes = NUM_CLASSES[dataset]
     rng = np.random.default_rng(seed)
@@ -45,33 +32,22 @@ def write_fake_cifar(
         return data, labels.tolist()
 
     class_names = [f"fake_class_{i:02d}" for i in range(num_classes)]
+    files = {}
     if dataset == "cifar10":
         train_chunks = np.array_split(np.arange(num_train), 5)
-        files = {}
         for i, chunk in enumerate(train_chunks, start=1):
             data, labels = images(len(chunk))
             files[f"data_batch_{i}"] = {"batch_label": f"training batch {i} of 5", "data": data, "labels": labels}
         data, labels = images(num_test)
         files["test_batch"] = {"batch_label": "testing batch 1 of 1", "data": data, "labels": labels}
-        files["batches.meta"] = {
-            "label_names": class_names,
-            "num_cases_per_batch": len(train_chunks[0]),
-            "num_vis": 3072,
-        }
+        files["batches.meta"] = {"label_names": class_names, "num_cases_per_batch": len(train_chunks[0]),
+                                 "num_vis": 3072}
     else:
-        files = {}
         for name, n in [("train", num_train), ("test", num_test)]:
-            data, labels = images(n)
-            # 20 superclasses of 5 classes each, as in CIFAR-100.
+            data, labels = images(n)  # and 20 superclasses of 5 classes each, as in CIFAR-100
             files[name] = {"data": data, "fine_labels": labels, "coarse_labels": [c // 5 for c in labels]}
-        files["meta"] = {
-            "fine_label_names": class_names,
-            "coarse_label_names": [f"fake_superclass_{i:02d}" for i in range(20)],
-        }
-
-    checksums = {}
+        files["meta"] = {"fine_label_names": class_names,
+                         "coarse_label_names": [f"fake_superclass_{i:02d}" for i in range(20)]}
     for name, content in files.items():
-        payload = pickle.dumps(content)
-        (folder / name).write_bytes(payload)
-        checksums[name] = hashlib.md5(payload).hexdigest()
-    return checksums
+        (folder / name).write_bytes(pickle.dumps(content))
+    return {name: hashlib.md5((folder / name).read_bytes()).hexdigest() for name in files}

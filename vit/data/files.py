@@ -1,19 +1,8 @@
 """Which files under a folder are images to read: each regular file once, links followed but never in circles.
 
-Class folders are walked with their links followed, as torchvision's `ImageFolder` walks them, in
-the same order (folders sorted by path, files by name), with three differences, so that no image is
-counted twice (landing in both train and val) and no read blocks forever:
-
-- a folder already visited is not entered again: a link back up (`ln -s . current`) or a second link
-  to one folder is listed once, as skipped;
-- a file whose resolved path (`os.path.realpath`) was listed already, through a link or under another
-  class, is kept at its first path and skipped at the others;
-- only regular files are samples, after following a file link: a named pipe (FIFO) would block the
-  first `open()` forever and a device (a link to `/dev/zero`) never ends, so both are skipped.
-
-Hidden entries (a name starting with '.') are ignored, not reported. A name that is not valid UTF-8
-(a byte such as 0xFF, written by another system's encoding) is read from its real path; `text_name`
-is the text to show or store for it.
+Class folders are walked as torchvision's `ImageFolder` walks them, except that a folder or file already visited is
+skipped, and only regular files are samples (a named pipe or a device would block a read forever). Hidden entries
+are ignored.
 """
 
 from __future__ import annotations
@@ -29,11 +18,7 @@ SHOWN_SKIPPED = 20  # a folder of 20,000 unreadable files is summed up in one li
 
 
 def text_name(name: str) -> str:
-    """`name` as valid text: bytes that are not UTF-8 become backslash escapes (`caf\\xff.png`), the rest is kept.
-
-    Python holds such bytes in a `str` as lone surrogates (PEP 383), which no UTF-8 writer (CSV,
-    JSON, TensorBoard) accepts. The escape is readable, and the same name always gives the same text.
-    """
+    """`name` as valid text: bytes that are not UTF-8 (lone surrogates, PEP 383) become escapes (`caf\\xff.png`)."""
     return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
@@ -54,14 +39,9 @@ def not_a_file(path: str | os.PathLike) -> str | None:
 
 
 def list_files(folders: list[str]) -> tuple[list[list[str]], dict[str, str]]:
-    """The regular files under each of `folders` (see the module doc), and `{path: why}` of what was left out.
-
-    Folders and files are shared across `folders`: a link from one class folder into another lists nothing twice.
-    """
-    skipped: dict[str, str] = {}
-    seen_folders: set[str] = set()
+    """The regular files under each of `folders` (see the module doc), and `{path: why}` of what was left out."""
+    skipped, seen_folders, listed = {}, set(), []
     seen_files: dict[str, str] = {}  # resolved path -> the path it is listed at
-    listed = []
     for folder in folders:
         files = []
         for top, names in _walk(folder, seen_folders, skipped):
@@ -100,8 +80,7 @@ def _walk(folder: str, seen_folders: set[str], skipped: dict[str, str]) -> list[
 
 
 def first_skipped(skipped: dict[str, str], template: str, limit: int = SHOWN_SKIPPED) -> list[str]:
-    """`template` (`{name}`, `{why}`) filled in for the first `limit` of `skipped` (`{name: why}`), then one
-    `... and N more skipped file(s)` for the rest."""
+    """`template` (`{name}`, `{why}`) for the first `limit` of `skipped`, then `... and N more skipped file(s)`."""
     shown = [template.format(name=name, why=why) for name, why in list(skipped.items())[:limit]]
     rest = len(skipped) - len(shown)
     return shown + ([f"... and {rest} more skipped file(s)"] if rest > 0 else [])

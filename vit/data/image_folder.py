@@ -3,16 +3,8 @@
     my_images/cats/001.jpg, my_images/dogs/002.png, ...            a seeded train/val/test split
     my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
 
-A split without a folder of its own is drawn from the training images (`val_fraction`, `test_fraction`), so
-the images that choose the checkpoint never score it; which file went where is `split_files`, and `split.json`
-in the run folder. A root that fits neither layout (`val/` or `test/` without `train/`, or `train/` beside other
-folders) is an error.
-
-Hidden entries (any name starting with '.') are ignored at every level. Links are followed, but each folder is
-entered and each file counted once, and only regular files are read (`vit.data.files`). Class names are the
-folders' names as text (`text_name`). Images are decoded upright, in RGB or grayscale (`in_chans`) whatever
-their mode (`decode_image`), each file once at `setup`, so a truncated or corrupt one is skipped and listed then,
-not met mid-epoch; an empty folder, a class folder without a readable image, or a single class is an error.
+A split without a folder of its own is drawn from the training images; which file went where is `split_files`
+and `split.json` in the run folder. Each file is decoded once at `setup`, so a corrupt one is skipped then.
 """
 
 from __future__ import annotations
@@ -31,13 +23,8 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int, check_size
-from vit.data.base import DataNotFoundError, SplitDataModule, usable_workers
-from vit.data.files import (
-    first_skipped,
-    list_files,
-    text_name,
-    visible_folders,
-)
+from vit.data.base import DataNotFoundError, SplitDataModule
+from vit.data.files import first_skipped, list_files, text_name, visible_folders
 from vit.data.images import UnreadableImageError, build_transform, decode_image
 from vit.data.transforms import MEAN_STD, AutoAugmentName, batch_mixup, train_transform
 
@@ -57,42 +44,20 @@ class ImageFolderDataModule(SplitDataModule):
     Args:
         root: with `train/` inside, `train/`, `val/` and `test/` are used as given (each missing one split off
             `train/`); otherwise `root`'s class folders are split three ways.
-        val_fraction: share of the images held out for validation (choosing the checkpoint) when there is no
-            `val/`, by a permutation seeded with `seed` (not stratified).
-        test_fraction: share held out for the test when there is no `test/`, from the same permutation after
-            the validation images. 0 makes the validation split the test split too (a score biased upward).
-        normalization: the mean/std the pretrained weights expect: "imagenet" (timm's default), "inception"
-            (0.5/0.5, the augreg ViTs) or "none" (pixels in [0, 1]); timm's `resolve_data_config(model=...)`
-            tells which a timm model wants.
-        random_resized_crop: `RandomResizedCrop` for training (else a resize), then
-            `vit.data.transforms.train_transform`'s augmentations (ImageNet's policy for "autoaugment").
-        mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: Mixup / CutMix of training batches, as for
-            CIFAR (`vit.data.transforms.batch_mixup`); off by default.
+        val_fraction: share of the images held out for validation when there is no `val/` (seeded by `seed`).
+        test_fraction: share held out for the test when there is no `test/`, after the validation images. 0 makes
+            the validation split the test split too (a score biased upward).
+        normalization: the mean/std the pretrained weights expect: "imagenet", "inception" (0.5/0.5) or "none".
+        random_resized_crop: `RandomResizedCrop` for training (else a resize), then `train_transform`'s
+            augmentations (ImageNet's policy for "autoaugment").
     """
 
-    def __init__(
-        self,
-        *,
-        root: str,
-        img_size: int | tuple[int, int] = 224,
-        in_chans: int = 3,
-        val_fraction: float = 0.1,
-        test_fraction: float = 0.1,
-        seed: int = 0,
-        batch_size: int = 64,
-        num_workers: int = 4,
-        normalization: Normalization = "imagenet",
-        random_resized_crop: bool = True,
-        horizontal_flip: bool = True,
-        auto_augment: AutoAugmentName = "none",
-        randaugment_num_ops: int = 2,
-        randaugment_magnitude: int = 9,
-        random_erasing: float = 0.0,
-        mixup_alpha: float = 0.0,
-        cutmix_alpha: float = 0.0,
-        mixup_prob: float = 1.0,
-        mixup_switch_prob: float = 0.5,
-    ) -> None:
+    def __init__(self, *, root: str, img_size: int | tuple[int, int] = 224, in_chans: int = 3,
+                 val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0, batch_size: int = 64,
+                 num_workers: int = 4, normalization: Normalization = "imagenet", random_resized_crop: bool = True,
+                 horizontal_flip: bool = True, auto_augment: AutoAugmentName = "none", randaugment_num_ops: int = 2,
+                 randaugment_magnitude: int = 9, random_erasing: float = 0.0, mixup_alpha: float = 0.0,
+                 cutmix_alpha: float = 0.0, mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5) -> None:
         super().__init__()
         size = check_size("img_size", img_size, 8)  # (H, W)
         check_choice("in_chans", in_chans, (1, 3))
@@ -101,34 +66,22 @@ class ImageFolderDataModule(SplitDataModule):
         if val_fraction + test_fraction >= 1:
             raise ValueError(f"val_fraction + test_fraction = {val_fraction + test_fraction:g} leaves no image to "
                              "train on: their sum must be below 1")
-        check_int("seed", seed, 0)
-        check_int("batch_size", batch_size, 1)
-        check_int("num_workers", num_workers, 0)
+        for name, value, low in (("seed", seed, 0), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+            check_int(name, value, low)
         check_choice("normalization", normalization, Normalization)
         self.save_hyperparameters()
         self.root = Path(root)
-        self.num_classes: int | None = None
-        self.classes: list[str] = []  # the class folders' names as text; _folders: as they are on disk
-        self._folders: list[str] = []
         self.skipped: dict[str, str] = {}
         self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
-        self.train_set = self.val_set = self.test_set = None
         self.split_files: dict[str, list[str]] = {}  # split -> its files, relative to root (set up by `setup`)
         self._split_written: Path | None = None
-        to_tensor = [v2.Grayscale(1) if in_chans == 1 else v2.RGB(), v2.ToImage(),
-                     v2.ToDtype(torch.float32, scale=True)]
-        norm = [v2.Normalize(*map(list, self.normalization))] if self.normalization else []
-        self.train_transform = train_transform(
-            [v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)],
-            [*to_tensor, *norm],
-            policy=v2.AutoAugmentPolicy.IMAGENET,
-            horizontal_flip=horizontal_flip,
-            auto_augment=auto_augment,
-            randaugment_num_ops=randaugment_num_ops,
-            randaugment_magnitude=randaugment_magnitude,
-            random_erasing=random_erasing,
-        )
         self.eval_transform = build_transform(size, in_chans, self.normalization)  # what vit.predict uses
+        to_tensor = [step for step in self.eval_transform.transforms if not isinstance(step, v2.Resize)]
+        crop = v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)
+        self.train_transform = train_transform(
+            [crop], to_tensor, policy=v2.AutoAugmentPolicy.IMAGENET, horizontal_flip=horizontal_flip,
+            auto_augment=auto_augment, randaugment_num_ops=randaugment_num_ops,
+            randaugment_magnitude=randaugment_magnitude, random_erasing=random_erasing)
         self._decode = partial(decode_image, size=size)
         self._scan_classes()  # fail now, before any training: num_classes is linked into the model
         self.mixup = batch_mixup(self.num_classes, batch_size=batch_size, mixup_alpha=mixup_alpha,
@@ -141,8 +94,7 @@ class ImageFolderDataModule(SplitDataModule):
 
     @property
     def class_names(self) -> list[str]:
-        """The class folders' names as text (`text_name`), in the folders' sorted order: label i is the i-th
-        (torchvision's `ImageFolder` order)."""
+        """The class folders' names as text (`text_name`), in sorted order: label i is the i-th."""
         return list(self.classes)
 
     def _folder(self, split: str) -> Path | None:
@@ -153,8 +105,7 @@ class ImageFolderDataModule(SplitDataModule):
         if not self.root.is_dir():
             raise FileNotFoundError(f"root={str(self.root)!r} is not a folder")
         folders = visible_folders(self.root)
-        # A class named val/ or test/ beside the others, or a validation split named valid/, would
-        # otherwise train silently on the wrong labels: refuse what fits neither layout.
+        # A class named val/ beside the others, or a split named valid/, would train on the wrong labels.
         splits = [name for name in SPLITS if name in folders]
         if splits and "train" not in splits:
             raise ValueError(f"{self.root} has {' and '.join(s + '/' for s in splits)} but no train/, so it fits "
@@ -182,8 +133,7 @@ class ImageFolderDataModule(SplitDataModule):
             raise ValueError(text_name(f"{folder} has the classes {found}, but the training folder has {self.classes}"))
         listed, left_out = list_files([os.path.join(folder, name) for name in self._folders])
         self.skipped.update(left_out)
-        # Decode every file once, now (threads: Pillow's decoders release the GIL), so that a broken
-        # file is listed before training instead of stopping it mid-epoch; the splits share the results.
+        # Decode every file once, now (threads: Pillow's decoders release the GIL); the splits share the results.
         todo = [path for files in listed for path in files if path not in self._unreadable]
         with ThreadPoolExecutor(max(1, self.hparams.num_workers)) as pool:
             self._unreadable.update(zip(todo, pool.map(self._why_unreadable, todo)))
@@ -202,7 +152,7 @@ class ImageFolderDataModule(SplitDataModule):
         return _ListedImageFolder(str(folder), self._folders, samples, transform=transform, loader=self._decode)
 
     def _why_unreadable(self, path: str) -> str | None:
-        """Why `decode_image` cannot read `path` (as the loader will, so at the same reduced scale), or None."""
+        """Why `decode_image` cannot read `path` (at the loader's reduced scale), or None."""
         try:
             self._decode(path)
             return None
@@ -231,10 +181,8 @@ class ImageFolderDataModule(SplitDataModule):
         val_idx, test_idx, train_idx = order[:n_val], order[n_val:n_val + n_test], order[n_val + n_test:]
         self.train_set = Subset(train_full, train_idx) if n_val or n_test else train_full
         self.val_set = self._images(val_dir, self.eval_transform) if val_dir is not None else Subset(eval_full, val_idx)
-        if test_dir is not None:
-            self.test_set = self._images(test_dir, self.eval_transform)
-        else:
-            self.test_set = Subset(eval_full, test_idx) if n_test else self.val_set
+        self.test_set = (self._images(test_dir, self.eval_transform) if test_dir is not None
+                         else Subset(eval_full, test_idx) if n_test else self.val_set)
         splits = (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))
         self.split_files = {name: self._relative(dataset) for name, dataset in splits}
         if self.skipped:
@@ -249,8 +197,7 @@ class ImageFolderDataModule(SplitDataModule):
         return [text_name(os.path.relpath(folder.samples[i][0], self.root)) for i in indices]
 
     def _write_split(self) -> None:
-        """`split.json` (`{"train": [...], "val": [...], "test": [...]}`, paths under `root`) in the run folder,
-        when there is a trainer with one: the record of which image scored the model."""
+        """`split.json` (`{"root", "train", "val", "test"}`, paths under `root`) in the trainer's run folder, if any."""
         trainer = self.trainer
         if trainer is None or trainer.log_dir is None or not trainer.is_global_zero:
             return
@@ -262,15 +209,12 @@ class ImageFolderDataModule(SplitDataModule):
         path.write_text(json.dumps({"root": text_name(str(self.root)), **self.split_files}, indent=1))
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        batch_size, workers = self.hparams.batch_size, usable_workers(self.hparams.num_workers)
+        batch_size = self.hparams.batch_size
         drop_last = train and self.mixup is not None  # timm mixes a batch with its flip: every batch even-sized
         if drop_last and len(dataset) < batch_size:  # else no batch at all, and training would silently do nothing
             raise ValueError(f"batch_size={batch_size} is larger than the {len(dataset)} training images, and with "
                              "Mixup/CutMix the last incomplete batch is dropped")
-        return DataLoader(dataset, batch_size=batch_size,
-                          sampler=self.train_sampler(dataset, batch_size) if train else None,
-                          generator=self.loader_generator(), num_workers=workers, persistent_workers=workers > 0,
-                          pin_memory=torch.cuda.is_available(), drop_last=drop_last)
+        return super()._loader(dataset, train, drop_last=drop_last, pin_memory=True)
 
 
 class _ListedImageFolder(datasets.ImageFolder):

@@ -1,7 +1,5 @@
-"""One image file as the model's input: decoded upright at a useful scale (`decode_image`), its high-bit
-modes read by their real range (`to_input`), resized and normalised as in training (`build_transform`);
-the readable images of a folder or a list of files, with why each other one was skipped (`read_images`).
-"""
+"""One image file as the model's input: decoded upright at a useful scale (`decode_image`, `to_input`), resized and
+normalised as in training (`build_transform`); the readable images of a folder or a list of files (`read_images`)."""
 
 from __future__ import annotations
 
@@ -16,8 +14,8 @@ from torchvision.transforms import v2
 from vit.checks import check_choice, check_size, first_line
 from vit.data.files import not_a_file, text_name
 
-# A JPEG is decoded at 1/2, 1/4 or 1/8 scale while it stays this many times the input's longest side:
-# even RandomResizedCrop's smallest crop (8% of the area, 0.28 of a side) keeps the input's resolution.
+# A JPEG is decoded at 1/2, 1/4 or 1/8 scale while it stays this many times the input's longest side, so that
+# even RandomResizedCrop's smallest crop (0.28 of a side) keeps the input's resolution.
 DRAFT_MARGIN = 4
 
 
@@ -35,14 +33,8 @@ class UnreadableImageError(ValueError):
 
 
 def decode_image(path: str | os.PathLike, size: tuple[int, int] | None = None) -> Image.Image | torch.Tensor:
-    """The image at `path`, upright, as `to_input` gives it; `UnreadableImageError` (file: why) when it cannot be read.
-
-    Only a regular file is opened (a named pipe would block forever), and its EXIF orientation is applied (a
-    phone photo stored sideways comes out as it was taken). With `size`, the model's input `(H, W)`, a JPEG is
-    decoded at 1/2, 1/4 or 1/8 scale (`Image.draft`, in the decoder, so a 144-megapixel photo never takes its
-    full 1.7 GB) as long as both sides stay at least `DRAFT_MARGIN` times the input's longest side. Pillow's
-    decompression-bomb guard (`Image.MAX_IMAGE_PIXELS`) is kept, with the file named.
-    """
+    """The image at `path`, upright by its EXIF orientation, as `to_input` gives it, else `UnreadableImageError`. With
+    `size` (the model's input `(H, W)`), a JPEG is decoded at a reduced scale (`Image.draft`)."""
     if (why := not_a_file(path)) is not None:
         raise UnreadableImageError.for_file(path, why)
     try:
@@ -64,13 +56,8 @@ def decode_image(path: str | os.PathLike, size: tuple[int, int] | None = None) -
 
 
 def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
-    """8-bit images as they are; 16-bit and 32-bit ones as a `(1, H, W)` float tensor in [0, 1], by their real range.
-
-    Pillow's high-bit modes: `I;16*` (16-bit unsigned) are divided by 65535; `I` (32-bit signed,
-    which is how Pillow opens 16-bit PNGs) by 65535 when every value fits in 16 bits, else by
-    2**31 - 1; `F` (32-bit float) is kept when it lies in [0, 1], else min-max scaled over the image.
-    Converting them to 8 bits the usual way would clip them (a 16-bit image reads as nearly white).
-    """
+    """8-bit images as they are; 16-bit and 32-bit ones as a `(1, H, W)` float tensor in [0, 1], by their real range
+    (16-bit values / 65535, other `I` / (2**31 - 1), `F` as it is when in [0, 1], else min-max scaled)."""
     if not image.mode.startswith(("I", "F")):
         return image
     pixels = np.asarray(image, dtype=np.float64)
@@ -86,42 +73,28 @@ def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
 
 def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization,
                     interpolation: str = "bilinear") -> v2.Compose:
-    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training; `img_size` is a side or `(H, W)`,
-    `interpolation` one of torchvision's `InterpolationMode` values ("bilinear", "bicubic", "nearest")."""
+    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training, resized to `img_size`."""
     check_choice("interpolation", interpolation, ("bilinear", "bicubic", "nearest"))
-    steps = [
-        v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),  # on PIL images and (C, H, W) tensors
-        v2.ToImage(),
-        v2.Resize(check_size("img_size", img_size), interpolation=v2.InterpolationMode(interpolation),
-                  antialias=True),  # to (H, W): the aspect ratio is not kept
-        v2.ToDtype(torch.float32, scale=True),
-    ]
+    steps = [v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(), v2.ToImage(),
+             v2.Resize(check_size("img_size", img_size), interpolation=v2.InterpolationMode(interpolation),
+                       antialias=True),  # to (H, W): the aspect ratio is not kept
+             v2.ToDtype(torch.float32, scale=True)]
     if normalization is not None:
-        mean, std = normalization
-        steps.append(v2.Normalize(list(mean), list(std)))
+        steps.append(v2.Normalize(*map(list, normalization)))
     return v2.Compose(steps)
 
 
 def read_images(input_dir: Path, transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
     """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
-
-    Sub-folders (and links to them) are not searched and hidden files (`.DS_Store`, `._photo.jpg`) are ignored;
-    every other entry is read as `read_image_files` reads it, so a pipe or a device is listed as skipped.
-    """
+    Sub-folders and hidden files are ignored; every other entry is read by `read_image_files`."""
     paths = [path for path in sorted(input_dir.iterdir()) if not path.name.startswith(".")]
     return read_image_files([p for p in paths if not p.is_dir()], transform)
 
 
 def read_image_files(paths: list[Path], transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors (`transform` of `decode_image` of each file) of the readable images among `paths`, and
-    `{name: reason}` of the others: broken or looping links, pipes, devices, files Pillow cannot decode or that
-    are over its decompression-bomb limit.
-
-    The names are the files' names as text (`text_name`). A JPEG is decoded at a reduced scale for the size of
-    `transform`'s resize.
-    """
-    resize = [step for step in getattr(transform, "transforms", ()) if isinstance(step, v2.Resize)]
-    size = tuple(resize[0].size) if resize else None
+    """Names (as text, `text_name`) and tensors (`transform` of `decode_image`) of the readable images among
+    `paths`, and `{name: reason}` of the others. A JPEG is decoded at a reduced scale for `transform`'s resize."""
+    size = next((tuple(t.size) for t in getattr(transform, "transforms", ()) if isinstance(t, v2.Resize)), None)
     names, images, skipped = [], [], {}
     for path in paths:
         try:

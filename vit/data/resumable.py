@@ -1,20 +1,7 @@
 """A shuffled training order that a checkpoint can restore in the middle of an epoch.
 
-Lightning 2.6 restores the model, optimizer and loop counters from a checkpoint, but not where the training
-DataLoader was in its epoch: a plain `DataLoader(shuffle=True)` starts a fresh permutation, so a run resumed
-mid-epoch sees other batches than an uninterrupted one. (Its hook for "stateful" loaders does not help: the first
-iterator is created before the loader state is loaded whenever `configure_optimizers` reads
-`trainer.estimated_stepping_batches`, as `ImageClassifier` does, and the prefetched batch counts as consumed.)
-Two pieces restore the position:
-
-* `ResumableSampler`: the permutation of an epoch is a pure function of `(seed, epoch)` (a `DistributedSampler`,
-  so under DDP each process takes its own stride of it and Lightning leaves it in place), and it can start
-  `k` samples into an epoch.
-* `ResumableTrainingData`: a data-module mixin whose `state_dict` records the position from the trainer's
-  counters when a checkpoint is written; `load_state_dict` runs before the training DataLoader is built,
-  which then starts there.
-
-Exactness needs the same batch size, number of processes and seed as the interrupted run.
+`ResumableSampler`'s permutation is a pure function of `(seed, epoch)` and can start `k` samples into an epoch;
+`ResumableTrainingData`'s `state_dict` records the position (the same batch size, processes and seed resume exactly).
 """
 
 from __future__ import annotations
@@ -30,15 +17,8 @@ from vit.checks import check_int
 
 
 class ResumableSampler(DistributedSampler):
-    """`DistributedSampler` with shuffling that can start mid-epoch after `resume_at`.
-
-    The order of epoch `e` is `randperm(len(dataset))` from a generator seeded with `seed + e`; process `rank`
-    of `num_replicas` takes every `num_replicas`-th index of it (Lightning calls `set_epoch` every epoch).
-    `repeats > 1` is repeated augmentation (Hoffer et al. 2020; DeiT's `RASampler`, which Lee et al. 2021 train
-    with): each index appears `repeats` times in a row, so its copies go to consecutive processes (or batches)
-    and are augmented differently, and the epoch keeps the dataset's length, covering the first `1 / repeats`
-    of the permutation.
-    """
+    """`DistributedSampler` with shuffling (seeded with `seed + epoch`) that can start mid-epoch after `resume_at`.
+    `repeats > 1` is repeated augmentation (DeiT's `RASampler`): each index `repeats` times in a row, same length."""
 
     def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
                  repeats: int = 1) -> None:
@@ -66,20 +46,12 @@ class ResumableSampler(DistributedSampler):
 
 
 def shuffle_seed() -> int:
-    """The run's seed (`seed_everything`, read back from `PL_GLOBAL_SEED`), 0 when none was set.
-
-    Lightning seeds the samplers it inserts for DDP the same way, so the order does not depend on how many
-    random numbers model initialisation happened to draw.
-    """
+    """The run's seed (`seed_everything` sets `PL_GLOBAL_SEED`), 0 when none was set."""
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 def training_position(trainer) -> dict[str, int]:
-    """`{"epoch", "batches_done"}` of the next training batch, from the trainer's loop counters.
-
-    Called while a checkpoint is written: after a training step (`on_train_batch_end`) the step's batch counts as
-    done; after the last batch of an epoch the position is the next epoch's start.
-    """
+    """`{"epoch", "batches_done"}` of the next training batch, from the trainer's loop counters."""
     epoch = trainer.current_epoch
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     if done >= trainer.num_training_batches:
@@ -88,17 +60,13 @@ def training_position(trainer) -> dict[str, int]:
 
 
 class ResumableTrainingData:
-    """Mixin for a LightningDataModule (put it first in the bases) whose training order survives a resume.
-
-    The data module builds its training DataLoader with `sampler=self.train_sampler(dataset, batch_size)` and
-    `generator=self.loader_generator()`; Lightning saves the mixin's `state_dict` in checkpoints and restores it.
-    """
+    """Mixin for a LightningDataModule (first in the bases) whose training order survives a resume: its training
+    DataLoader takes `sampler=self.train_sampler(dataset, batch_size)` and `generator=self.loader_generator()`."""
 
     _resume_position: dict[str, int] | None = None
 
     def train_sampler(self, dataset: Sized, batch_size: int, repeats: int = 1) -> ResumableSampler:
         """The training sampler: this process's share of the epoch's permutation, from a restored position if any."""
-        # Outside a Trainer (a notebook, a test) the data module is one process of one.
         trainer = getattr(self, "trainer", None)
         world_size, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
         sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=shuffle_seed(), repeats=repeats)
@@ -109,19 +77,14 @@ class ResumableTrainingData:
 
     @staticmethod
     def loader_generator() -> torch.Generator:
-        """A generator of its own for the DataLoader, which draws its worker seed from it.
-
-        From the global torch RNG instead, whether an iterator is created before or after a checkpoint is restored
-        would shift the random numbers (dropout, drop-path) of every later step.
-        """
+        """The DataLoader's own generator, so that the global torch RNG does not depend on when an iterator starts."""
         return torch.Generator().manual_seed(shuffle_seed())
 
     def state_dict(self) -> dict:
         trainer = getattr(self, "trainer", None)
         if trainer is None or trainer.state.fn != "fit":
             return {}
-        # The number of processes is recorded so that a resume with another one is refused up front
-        # (vit.training.cli): each process's share of an epoch, and so the position, depends on it.
+        # The position depends on the number of processes: vit.training.cli refuses a resume with another one.
         return {"train_position": training_position(trainer), "world_size": int(trainer.world_size)}
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -1,30 +1,12 @@
 """Same-different pairs: are the two shapes the same? A relation with no position shortcut.
 
-Each image holds two small shapes from a fixed set of ``NUM_SHAPES`` patterns, placed independently anywhere.
-Label 1: the same pattern twice; label 0: two different patterns. The same-different problem of Kim, Ricci &
-Serre (2018), built so that no cheap cue gives the label away:
+Each image holds two of ``NUM_SHAPES`` strokes (``make_shapes``), placed independently anywhere, boxes never
+touching. Label 1: the same pattern twice; label 0: two different ones (Kim, Ricci & Serre 2018). Each shape alone is
+uniform in both classes, so a score ``h(a) + h(b)`` of the two shapes seen separately (a CNN with global average
+pooling) is bounded by ``bag_of_shapes_ceiling`` (66.7% for 4 shapes).
 
-* **Position carries nothing.** Both positions are drawn before and independently of the label (uniform over
-  the allowed placements, boxes never touching), so every position-only classifier, corners and borders
-  included, is at chance by construction (``studies.runner.shortcuts`` measures it).
-* **Ink carries nothing.** Every pattern has exactly ``SHAPE_PIXELS`` pixels on.
-* **One shape alone carries nothing.** Each shape's pattern is uniform over the set in both classes. A score that
-  adds up the two shapes seen *separately*, ``h(a) + h(b)`` (a CNN whose units see one shape at most, read out by
-  global average pooling and a linear head, with features that do not depend on where a shape is), is bounded by
-  ``bag_of_shapes_ceiling`` (66.7% for 4 shapes); trained with cross-entropy its optimum is the constant score
-  (loss ln 2, 50%): the loss is convex in ``h`` and symmetric under relabelling the shapes. The bound is about that
-  readout: global max pooling and position-dependent features (zero padding) escape it (``vit.models.cnn``).
-
-The patterns (``make_shapes``) are four straight strokes 5 pixels long (horizontal, vertical, both diagonals)
-in a ``SHAPE_SIZE`` x ``SHAPE_SIZE`` box, so the label is "same orientation". No pattern is a shifted copy of
-another, so a shape's pixels tell its pattern wherever it is. (Eight patterns, the strokes and four corners,
-would lower the ceiling to 64.3%, but the best CNN then reaches 84% in the study's 1000 steps, against 92%
-with the four strokes: studies/relation/README.md.)
-
-``span``, the side of the smallest square that holds both boxes, is ``max(|d_row|, |d_col|) + SHAPE_SIZE``: a
-convolutional unit can see both shapes whole only if its receptive field is at least ``span`` (what the
-study's receptive-field figure bins by). ``region``, for the translation test: ``"all"`` places boxes
-anywhere, ``"left"`` / ``"right"`` keep both boxes in the left / right ``5/8`` of the columns.
+``span``, the side of the smallest square that holds both boxes, is ``max(|d_row|, |d_col|) + SHAPE_SIZE``.
+``region``: ``"all"`` places boxes anywhere, ``"left"`` / ``"right"`` in the left / right ``5/8`` of the columns.
 """
 
 from __future__ import annotations
@@ -58,13 +40,8 @@ def make_shapes() -> np.ndarray:
 
 
 def bag_of_shapes_ceiling(num_shapes: int = NUM_SHAPES) -> float:
-    """Best accuracy of any rule ``h(shape_a) + h(shape_b) > t`` on balanced same/different pairs.
-
-    For a fixed threshold the best ``h`` marks a subset ``S`` of the shapes and calls a pair "same" iff both are
-    in ``S`` (or iff neither is, the mirror rule); only the subset's size ``m`` matters, so the maximum is over
-    ``m``: ``m / (2K) + (1 - m (m - 1) / (K (K - 1))) / 2``. ``tests/test_same_different.py`` checks it against
-    a brute force over every score table with values in ``{-1, 0, 1}``.
-    """
+    """Best accuracy of any rule ``h(shape_a) + h(shape_b) > t`` on balanced same/different pairs: the best ``h`` marks
+    ``m`` shapes, a pair "same" iff both are in them: ``max_m m / (2K) + (1 - m (m - 1) / (K (K - 1))) / 2``."""
     k = num_shapes
     return max(0.5, *(m / (2 * k) + (1 - m * (m - 1) / (k * (k - 1))) / 2 for m in range(1, k + 1)))
 
@@ -77,21 +54,16 @@ def column_range(region: str, width: int, size: int) -> tuple[int, int]:
 
 def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int, int], region: str = "all",
                      size: int = SHAPE_SIZE) -> np.ndarray:
-    """Top-left corners ``(n, 2, 2)`` (sample, shape, (row, col)) of two boxes that do not touch.
-
-    Uniform over the allowed placements; independent of any label (drawn before it). ``img_size`` is a
-    side or ``(H, W)``.
-    """
+    """Top-left corners ``(n, 2, 2)`` (sample, shape, (row, col)) of two boxes that do not touch, uniform over the
+    allowed placements in an image of ``img_size`` (a side or ``(H, W)``)."""
     height, width = check_size("img_size", img_size)
     c_lo, c_hi = column_range(region, width, size)
     out = np.empty((n, 2, 2), dtype=np.int64)
     todo = np.arange(n)
     for _ in range(1000):
-        m = len(todo)
-        rows = rng.integers(0, height - size + 1, size=(m, 2))
-        cols = rng.integers(c_lo, c_hi + 1, size=(m, 2))
-        d = np.stack([np.abs(rows[:, 1] - rows[:, 0]), np.abs(cols[:, 1] - cols[:, 0])], axis=1)
-        ok = d.max(axis=1) >= size + GAP
+        rows = rng.integers(0, height - size + 1, size=(len(todo), 2))
+        cols = rng.integers(c_lo, c_hi + 1, size=(len(todo), 2))
+        ok = np.maximum(np.abs(rows[:, 1] - rows[:, 0]), np.abs(cols[:, 1] - cols[:, 0])) >= size + GAP
         out[todo[ok]] = np.stack([rows[ok], cols[ok]], axis=-1)
         todo = todo[~ok]
         if len(todo) == 0:
@@ -101,12 +73,10 @@ def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int
 
 def render(positions: np.ndarray, shape_ids: np.ndarray, shapes: np.ndarray,
            img_size: int | tuple[int, int]) -> np.ndarray:
-    """Noiseless images ``(n, H, W)`` float32: 1 where a shape is on, 0 elsewhere;
-    ``img_size`` is a side or ``(H, W)``."""
+    """Noiseless images ``(n, H, W)`` float32: 1 where a shape is on, 0 elsewhere."""
     n, size = len(positions), shapes.shape[-1]
     images = np.zeros((n, *check_size("img_size", img_size)), dtype=np.float32)
-    idx = np.arange(n)[:, None, None]
-    offs = np.arange(size)
+    idx, offs = np.arange(n)[:, None, None], np.arange(size)
     for k in range(2):
         rows = positions[:, k, 0, None, None] + offs[None, :, None]  # (n, S, 1)
         cols = positions[:, k, 1, None, None] + offs[None, None, :]  # (n, 1, S)
@@ -115,12 +85,8 @@ def render(positions: np.ndarray, shape_ids: np.ndarray, shapes: np.ndarray,
 
 
 class SameDifferentDataset(Dataset):
-    """In-memory same-different images, deterministic in ``seed``; see the module doc.
-
-    Images are float32 ``(C, H, W)``: background 0, ink 1, plus Gaussian noise of std ``noise``.
-    Labels are int64 (1: same), exactly balanced. Metadata: ``positions`` ``(N, 2, 2)`` top-left
-    corners, ``shape_ids`` ``(N, 2)``, ``span`` ``(N,)`` (see the module doc).
-    """
+    """In-memory same-different images, deterministic in ``seed``: float32 ``(C, H, W)``, ink 1 on 0 plus Gaussian noise
+    of std ``noise``; int64 labels (1: same), exactly balanced; ``positions`` (top-left), ``shape_ids``, ``span``."""
 
     def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
                  noise: float = 0.05, region: Region = "all", held_out_shape: int | None = None,
@@ -132,8 +98,7 @@ class SameDifferentDataset(Dataset):
         elif with_held_out:
             raise ValueError("with_held_out=True needs a held_out_shape (0-3): the pattern every pair then holds")
         self.img_size, self.in_chans, self.noise = img_size, in_chans, float(noise)
-        self.region, self.seed = region, seed
-        self.shapes = make_shapes()
+        self.region, self.seed, self.shapes = region, seed, make_shapes()
         positions = sample_positions(rng, num_samples, img_size, region)
         labels = balanced_labels(rng, num_samples)
         if held_out_shape is None:
@@ -155,18 +120,15 @@ class SameDifferentDataset(Dataset):
         self.labels = torch.from_numpy(labels).long()
         self.positions = torch.from_numpy(positions)
         self.shape_ids = torch.from_numpy(shape_ids)
-        d = (self.positions[:, 1] - self.positions[:, 0]).abs()
-        self.span = d.amax(dim=1) + SHAPE_SIZE  # (N,)
+        self.span = (self.positions[:, 1] - self.positions[:, 0]).abs().amax(dim=1) + SHAPE_SIZE  # (N,)
         self.images = noisy_images(images, noise=noise, in_chans=in_chans, rng=rng)  # (N, C, H, W)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def token_labels(self, patch_size: int) -> torch.Tensor:
-        """`(N, num_patches)` int64: each stroke's pattern id at the patch that holds its centre pixel, -1 elsewhere.
-
-        Patches are row-major `patch_size` cells (a ViT's tokens); what a probe of the tokens reads.
-        """
+        """`(N, num_patches)` int64: each stroke's pattern id at the (row-major) patch that holds its centre pixel,
+        -1 elsewhere: what a probe of a ViT's tokens reads."""
         height, width = check_size("img_size", self.img_size)
         rows, cols = height // patch_size, width // patch_size
         labels = torch.full((len(self), rows * cols), -1, dtype=torch.long)
@@ -187,17 +149,11 @@ def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: floa
 
 
 class SameDifferentDataModule(SyntheticDataModule):
-    """Train, val and test splits of ``SameDifferentDataset``, each from its own seed derived from ``seed``.
-
-    Train and val are placed in ``train_region``, test in ``test_region``. With ``held_out_shape`` (a pattern
-    index, 0-3), train and val never show that pattern and every test pair holds it: twice ("same") or beside
-    a trained one ("different"). A model that compares the two strokes still tells them apart; one that learned
-    to detect the three trained patterns has nothing to detect in a "same" pair.
-    """
+    """Train, val and test splits of ``SameDifferentDataset``. With ``held_out_shape`` (0-3), train and val never show
+    that pattern and every test pair holds it, so only a model that compares the strokes passes."""
 
     def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 1, noise: float = 0.05,
-                 num_train: int = 10_000,
-                 num_val: int = 1_000, num_test: int = 2_000, train_region: Region = "all",
+                 num_train: int = 10_000, num_val: int = 1_000, num_test: int = 2_000, train_region: Region = "all",
                  test_region: Region = "all", held_out_shape: int | None = None, seed: int = 0,
                  batch_size: int = 128, num_workers: int = 0) -> None:
         super().__init__()

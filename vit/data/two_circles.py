@@ -1,34 +1,18 @@
-"""Two-circles images whose class is a spatial relation between two distant circles.
+"""Two-circles images whose class is a spatial relation between two distant circles: no local patch tells the class.
 
-The "new object" of this project is *one circle in the top-left quadrant and one in the bottom-right
-quadrant*. Both circles look the same, so no local patch tells the class: a model has to relate two distant
-parts of the image, which is where a CNN (local view) and a ViT (global self-attention) are expected to differ.
+A centre is ``(row, col)`` in pixel units (pixel ``(i, j)`` is centred at ``(i + 0.5, j + 0.5)``); a circle of
+radius ``r`` covers the pixels closer than ``r + 0.5`` to its centre (``circle_masks``).
 
-Coordinates. A centre is ``(row, col)`` in continuous pixel units: the image spans ``[0, img_size]`` on both
-axes and pixel ``(i, j)`` has its centre at ``(i + 0.5, j + 0.5)``. A circle of radius ``r`` covers the pixels
-whose centre is closer than ``r + 0.5`` to its centre (``circle_masks``): a filled disc inks all of them
-(anti-aliased edge one pixel wide), a ring only its outer band.
-
-Tasks (``task``):
-
-* ``"diagonal"``: two identical filled discs, each fully inside one quadrant (no ink crosses the midlines).
-  Label 1: quadrants {top-left, bottom-right}; label 0: any of the other five pairs of distinct quadrants
-  (TL-TR, TL-BL, TR-BL, TR-BR, BL-BR), drawn uniformly.
-* ``"relative"``: circle A is a filled disc, circle B a ring ``RING_WIDTH`` px wide, anywhere in the image.
-  Label 1 iff A is above and to the left of B; label 0 takes the other three sign combinations, uniformly.
-  Centres differ by at least ``r`` on each axis, so the sign of each offset is never ambiguous, and by at
-  least ``2 r + 2`` in distance, so the circles never touch.
+* ``task="diagonal"``: two identical filled discs, each inside one quadrant. Label 1: quadrants {top-left,
+  bottom-right}; label 0: any of the other five pairs of distinct quadrants, drawn uniformly.
+* ``task="relative"``: a filled disc A and a ring B ``RING_WIDTH`` px wide, anywhere. Label 1 iff A is above and
+  to the left of B; label 0 the other three sign combinations. Centres differ by at least ``r`` on each axis.
 
 Placement region (``region``), for generalisation to unseen positions. A circle's *area* is its quadrant
 (``"diagonal"``) or the whole image (``"relative"``); ``e`` is the distance from its centre to the nearest side
-of its area, and ``t = (radius[1] + img_size / 4) / 2`` (``region_threshold``) is halfway between the closest a
-circle may come to a side and the middle of a quadrant (``t = 6.5`` for 32x32 images and radius (3, 5)):
-
-* ``"all"``: every centre that keeps the circle inside its area (``e >= r``);
-* ``"inner"``: ``e >= t``, the middle square of the area;
-* ``"border"``: ``e < t``, the band along the sides of the area.
-
-``t`` does not depend on a sample's radius, so "inner" and "border" are disjoint and their union is "all".
+of its area, and ``t = (radius[1] + img_size / 4) / 2`` (``region_threshold``; 6.5 for 32x32 and radius (3, 5)).
+``"all"``: every centre that keeps the circle inside its area (``e >= r``); ``"inner"``: ``e >= t``, the middle
+square of the area; ``"border"``: ``e < t``, the band along its sides. "inner" and "border" partition "all".
 """
 
 from typing import Literal, get_args
@@ -53,29 +37,22 @@ NEGATIVE_PAIRS = ((0, 1), (0, 2), (1, 2), (1, 3), (2, 3))
 POSITIVE_SIGNS = (1, 1)
 NEGATIVE_SIGNS = ((1, -1), (-1, 1), (-1, -1))
 
-# The name of label 0 and label 1 of each task.
 CLASS_NAMES = {"diagonal": ["not_diagonal", "diagonal"], "relative": ["not_above_left", "above_left"]}
 
-_MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is declared infeasible
+_MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is infeasible
 
 
-def square_side(img_size: int | tuple[int, int]) -> int:
-    """The side of a square image given as an int or `[H, H]`; a non-square `[H, W]` is refused (ValueError)."""
+def check_options(*, task: str, img_size: int | tuple[int, int], in_chans: int, radius: tuple[int, int],
+                  noise: float, region: str) -> int:
+    """Validate the image options shared by the dataset and the datamodule (ValueError if bad); the image's side."""
+    check_choice("task", task, Task)
+    check_choice("region", region, Region)
     height, width = check_size("img_size", img_size, 8)
     if height != width:
         raise ValueError(f"img_size={img_size!r} is not allowed for two-circles: expected a square (one int), because "
                          "its quadrants and inner/border regions are defined on a square image; same_different and "
                          "image folders take [H, W]")
-    return height
-
-
-def check_options(
-    *, task: str, img_size: int | tuple[int, int], in_chans: int, radius: tuple[int, int], noise: float, region: str
-) -> int:
-    """Validate the image options shared by the dataset and the datamodule (ValueError if bad); the image's side."""
-    check_choice("task", task, Task)
-    check_choice("region", region, Region)
-    img_size = square_side(img_size)
+    img_size = height
     if img_size % 2:
         raise ValueError(f"img_size={img_size!r} is not allowed: expected an even int, so that "
                          "the midlines fall between pixels and each quadrant is unambiguous")
@@ -83,11 +60,10 @@ def check_options(
     try:
         r_min, r_max = radius
     except (TypeError, ValueError):
-        raise ValueError(f"radius={radius!r} is not allowed: expected two ints (min, max)") from None
+        r_min = r_max = None  # not two values: refused below
+    if any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in (r_min, r_max)):
+        raise ValueError(f"radius={radius!r} is not allowed: expected two ints (min, max)")
     min_radius = 3 if task == "relative" else 1  # a ring needs r >= 3 for a dark centre pixel
-    for r in (r_min, r_max):
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
-            raise ValueError(f"radius={radius!r} is not allowed: expected two ints (min, max)")
     if not min_radius <= r_min <= r_max:
         raise ValueError(f"radius={radius!r} is not allowed for task={task!r}: expected "
                          f"{min_radius} <= radius[0] <= radius[1]")
@@ -95,9 +71,8 @@ def check_options(
     # A circle must fit in a quadrant; moving it around (inner vs border) needs strict room.
     limit = half // 2 if region == "all" else (half - 1) // 2
     if r_max > limit:
-        raise ValueError(f"radius={radius!r} is too large for img_size={img_size} and "
-                         f"region={region!r}: a circle must fit inside a {half}x{half} quadrant"
-                         f"{'' if region == 'all' else ' with room to move'}, "
+        raise ValueError(f"radius={radius!r} is too large for img_size={img_size} and region={region!r}: a circle "
+                         f"must fit inside a {half}x{half} quadrant{'' if region == 'all' else ' with room to move'}, "
                          f"so radius[1] <= {limit}")
     return img_size
 
@@ -115,9 +90,7 @@ def distance_to_area_side(centers: torch.Tensor, img_size: int, task: str) -> to
     return torch.minimum(u, area - u).amin(dim=-1)  # (...)
 
 
-def _sample_in_area(
-    rng: np.random.Generator, radii: np.ndarray, area: int, region: str, t: float
-) -> np.ndarray:
+def _sample_in_area(rng: np.random.Generator, radii: np.ndarray, area: int, region: str, t: float) -> np.ndarray:
     """Centres ``(n, 2)`` uniform over the allowed, region-restricted square of side ``area``."""
     n = len(radii)
     r = radii[:, None].astype(np.float64)  # (n, 1)
@@ -132,13 +105,11 @@ def _sample_in_area(
         todo = todo[~ok]
         if len(todo) == 0:
             return centers
-    raise ValueError(f"could not place circles of radius {radii.max()} in region={region!r} "
-                     f"of a {area}x{area} area")
+    raise ValueError(f"could not place circles of radius {radii.max()} in region={region!r} of a {area}x{area} area")
 
 
-def _sample_diagonal(
-    rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str, t: float
-) -> np.ndarray:
+def _sample_diagonal(rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str,
+                     t: float) -> np.ndarray:
     """Centres ``(n, 2, 2)`` of two circles in the quadrant pair that ``labels`` asks for."""
     half = img_size // 2
     negatives = np.asarray(NEGATIVE_PAIRS)[rng.integers(len(NEGATIVE_PAIRS), size=len(labels))]
@@ -148,9 +119,8 @@ def _sample_diagonal(
     return origins + local  # (n, 2, 2)
 
 
-def _sample_relative(
-    rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str, t: float
-) -> np.ndarray:
+def _sample_relative(rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str,
+                     t: float) -> np.ndarray:
     """Centres ``(n, 2, 2)`` of disc A and ring B, with A above-left of B iff the label is 1."""
     n = len(labels)
     centers = np.empty((n, 2, 2))
@@ -168,8 +138,7 @@ def _sample_relative(
     else:
         raise ValueError(f"could not place two separated circles of radius {radii.max()} in "
                          f"region={region!r} of a {img_size}x{img_size} image")
-    # Mirroring both circles about a midline flips the sign of one offset and keeps every
-    # constraint (the regions are mirror-symmetric), so each sign pattern stays uniform.
+    # Mirroring both circles about a midline flips the sign of one offset and keeps every constraint.
     negatives = np.asarray(NEGATIVE_SIGNS)[rng.integers(len(NEGATIVE_SIGNS), size=n)]
     signs = np.where(labels[:, None] == 1, np.asarray(POSITIVE_SIGNS), negatives)  # (n, 2)
     flip = np.sign(centers[:, 1] - centers[:, 0]) != signs  # (n, 2) per axis
@@ -177,32 +146,23 @@ def _sample_relative(
 
 
 def circle_masks(centers: torch.Tensor, radii: torch.Tensor, img_size: int) -> torch.Tensor:
-    """Pixels ``(N, H, W)`` a circle may ink: pixel centre closer than ``r + 0.5`` to a circle centre.
-
-    ``centers`` is ``(N, K, 2)`` as ``(row, col)``, ``radii`` is ``(N,)``. Rings count their hole:
-    the mask covers the object, not only its ink.
-    """
+    """Pixels ``(N, H, W)`` a circle may ink: pixel centre closer than ``r + 0.5`` to a circle centre (ring holes
+    included). ``centers`` is ``(N, K, 2)`` as ``(row, col)``, ``radii`` is ``(N,)``."""
     grid = torch.arange(img_size, dtype=torch.float32) + 0.5  # (H,) pixel centres
     dy = grid[None, None, :] - centers[..., 0, None].float()  # (N, K, H)
     dx = grid[None, None, :] - centers[..., 1, None].float()  # (N, K, W)
     dist2 = dy[..., :, None] ** 2 + dx[..., None, :] ** 2  # (N, K, H, W)
-    reach = radii.float()[:, None, None, None] + 0.5
-    return (dist2 < reach**2).any(dim=1)  # (N, H, W)
+    return (dist2 < (radii.float()[:, None, None, None] + 0.5) ** 2).any(dim=1)  # (N, H, W)
 
 
 def render_circles(centers: torch.Tensor, radii: torch.Tensor, img_size: int, task: str) -> torch.Tensor:
-    """Noiseless anti-aliased images ``(N, H, W)`` in [0, 1] of the two circles of each sample.
-
-    ``centers`` is ``(N, 2, 2)``; both circles are filled discs for ``"diagonal"``, and the
-    second is a ring ``RING_WIDTH`` px wide for ``"relative"``. The circles must not overlap.
-    """
+    """Noiseless anti-aliased images ``(N, H, W)`` in [0, 1] of the two circles ``(N, 2, 2)`` of each sample: filled
+    discs for ``"diagonal"``; the second a ring ``RING_WIDTH`` px wide for ``"relative"``. Circles must not overlap."""
     check_choice("task", task, TASKS)
     n = len(centers)
     out = torch.zeros(n * img_size * img_size)
     if n == 0:
         return out.view(0, img_size, img_size)
-    # Draw each circle in a small square patch around it, then add the patches into the images:
-    # about 7x less work than measuring every pixel's distance to every circle at 32x32.
     side = min(2 * int(radii.max()) + 3, img_size)  # P: covers every pixel within r + 0.5
     offsets = torch.arange(side)
     r = radii.float()[:, None, None]  # (N, 1, 1)
@@ -210,13 +170,10 @@ def render_circles(centers: torch.Tensor, radii: torch.Tensor, img_size: int, ta
     for k in range(2):
         c = centers[:, k].float()  # (N, 2)
         corner = (c.floor().long() - side // 2).clamp(0, img_size - side)  # (N, 2) patch top-left
-        rows = corner[:, 0, None] + offsets  # (N, P)
-        cols = corner[:, 1, None] + offsets  # (N, P)
-        dy = rows + 0.5 - c[:, 0, None]  # (N, P)
-        dx = cols + 0.5 - c[:, 1, None]  # (N, P)
+        rows, cols = corner[:, 0, None] + offsets, corner[:, 1, None] + offsets  # (N, P) each
+        dy, dx = rows + 0.5 - c[:, 0, None], cols + 0.5 - c[:, 1, None]  # (N, P) each
         dist = torch.sqrt(dy[:, :, None] ** 2 + dx[:, None, :] ** 2)  # (N, P, P)
-        if task == "relative" and k == 1:
-            # Coverage of a band of width RING_WIDTH whose outer edge is the radius.
+        if task == "relative" and k == 1:  # a band of width RING_WIDTH whose outer edge is the radius
             ink = (RING_WIDTH / 2 + 0.5 - (dist - (r - RING_WIDTH / 2)).abs()).clamp(0, 1)
         else:
             ink = (r + 0.5 - dist).clamp(0, 1)  # (N, P, P)
@@ -226,46 +183,23 @@ def render_circles(centers: torch.Tensor, radii: torch.Tensor, img_size: int, ta
 
 
 class TwoCirclesDataset(Dataset):
-    """In-memory two-circles images generated deterministically from ``seed``; see the module doc.
+    """In-memory two-circles images, deterministic in ``seed``: float32 ``(C, H, W)``, ink 1 on 0 plus Gaussian noise
+    of std ``noise``; int64 labels, exactly balanced. ``centers`` ``(N, 2, 2)`` ``(row, col)`` (circle 0: the disc A,
+    or in the lower-numbered quadrant); ``radii`` ``(N,)``, uniform in the inclusive ``radius``, shared by both."""
 
-    Images are float32 ``(C, H, W)``: background 0, ink 1, plus Gaussian noise of std ``noise`` (not clipped,
-    not normalised), the grey image repeated on the ``in_chans`` channels. Labels are int64, exactly balanced.
-    Metadata: ``centers`` ``(N, 2, 2)`` float32 ``(row, col)`` in pixel units (``"diagonal"``: circle 0 in the
-    lower-numbered quadrant, TL < TR < BL < BR; ``"relative"``: circle 0 the disc A, circle 1 the ring B),
-    ``radii`` ``(N,)`` int64 (shared by both circles), and ``circle_mask(i)``.
-
-    Args:
-        img_size: the side of the square images (an int, or `[H, H]`).
-        radius: inclusive range of integer radii, drawn uniformly per sample.
-        region: where circle centres may be drawn: "all", "inner" or "border".
-    """
-
-    def __init__(
-        self,
-        *,
-        num_samples: int,
-        img_size: int | tuple[int, int] = 32,
-        in_chans: int = 1,
-        radius: tuple[int, int] = (3, 5),
-        noise: float = 0.05,
-        task: Task = "diagonal",
-        region: Region = "all",
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
+                 radius: tuple[int, int] = (3, 5), noise: float = 0.05, task: Task = "diagonal", region: Region = "all",
+                 seed: int = 0) -> None:
         rng = seeded_rng(num_samples, seed)
         img_size = check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
                                  region=region)  # [32, 32] -> 32
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
         self.radius, self.noise, self.seed = tuple(radius), float(noise), seed
-
         labels = balanced_labels(rng, num_samples)
         radii = rng.integers(radius[0], radius[1] + 1, size=num_samples)
-        t = region_threshold(img_size, radius)
         sample = _sample_diagonal if task == "diagonal" else _sample_relative
-        centers = sample(rng, labels, radii, img_size, region, t)  # (N, 2, 2)
-
-        self.labels = torch.from_numpy(labels).long()  # (N,)
-        self.radii = torch.from_numpy(radii).long()  # (N,)
+        centers = sample(rng, labels, radii, img_size, region, region_threshold(img_size, radius))  # (N, 2, 2)
+        self.labels, self.radii = torch.from_numpy(labels).long(), torch.from_numpy(radii).long()  # (N,) each
         self.centers = torch.from_numpy(centers).float()  # (N, 2, 2)
         images = render_circles(self.centers, self.radii, img_size, task)  # (N, H, W)
         self.images = noisy_images(images, noise=noise, in_chans=in_chans, rng=rng)  # (N, C, H, W)
@@ -282,38 +216,19 @@ class TwoCirclesDataset(Dataset):
 
 
 class TwoCirclesDataModule(SyntheticDataModule):
-    """Train, val and test splits of ``TwoCirclesDataset``, each from its own seed (``split_seeds``): train and
-    val draw centres from ``train_region``, test from ``test_region``."""
+    """Train, val and test splits of ``TwoCirclesDataset`` (``SyntheticDataModule``)."""
 
-    def __init__(
-        self,
-        *,
-        task: Task = "diagonal",
-        img_size: int | tuple[int, int] = 32,
-        in_chans: int = 1,
-        radius: tuple[int, int] = (3, 5),
-        noise: float = 0.05,
-        num_train: int = 10_000,
-        num_val: int = 1_000,
-        num_test: int = 2_000,
-        train_region: Region = "all",
-        test_region: Region = "all",
-        seed: int = 0,
-        batch_size: int = 128,
-        num_workers: int = 0,
-    ) -> None:
+    def __init__(self, *, task: Task = "diagonal", img_size: int | tuple[int, int] = 32, in_chans: int = 1,
+                 radius: tuple[int, int] = (3, 5), noise: float = 0.05, num_train: int = 10_000, num_val: int = 1_000,
+                 num_test: int = 2_000, train_region: Region = "all", test_region: Region = "all", seed: int = 0,
+                 batch_size: int = 128, num_workers: int = 0) -> None:
         super().__init__()
-        # Fail at construction, so a bad CLI/YAML option is reported before any training starts.
         for region_name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(region_name, region, Region)
-            check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius,
-                          noise=noise, region=region)
+            check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise, region=region)
         self.check_sizes(num_train=num_train, num_val=num_val, num_test=num_test, seed=seed, batch_size=batch_size,
                          num_workers=num_workers)
         self.save_hyperparameters()
-        self.train_set: TwoCirclesDataset | None = None
-        self.val_set: TwoCirclesDataset | None = None
-        self.test_set: TwoCirclesDataset | None = None
 
     @property
     def class_names(self) -> list[str]:
@@ -322,6 +237,6 @@ class TwoCirclesDataModule(SyntheticDataModule):
 
     def make_split(self, split: str, num_samples: int, region: str) -> TwoCirclesDataset:
         hp = self.hparams
-        return TwoCirclesDataset(num_samples=num_samples, img_size=hp.img_size,
-                                 in_chans=hp.in_chans, radius=tuple(hp.radius), noise=hp.noise,
-                                 task=hp.task, region=region, seed=self.split_seeds()[split])
+        return TwoCirclesDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans,
+                                 radius=tuple(hp.radius), noise=hp.noise, task=hp.task, region=region,
+                                 seed=self.split_seeds()[split])

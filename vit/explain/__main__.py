@@ -4,10 +4,8 @@
         --input_dir new_photos/ --method all --out maps.png
     python -m vit.explain --ckpt_path CKPT --image cat.jpg --target dog --out why_not_dog.png
 
-Works for any checkpoint written by `train.py`, the CNN included (it gets `gradcam` and `random`).
-The images are read as `vit.predict` reads them (unreadable files skipped with the reason), else
-taken from the checkpoint's test split. The class-specific methods (`CLASS_METHODS`) explain the
-prediction or `--target`; the others show what the model looks at whatever the class.
+Works for any checkpoint written by `train.py` (the CNN gets `gradcam` and `random`); without images, the
+checkpoint's test split. The class-specific methods (`CLASS_METHODS`) explain the prediction or `--target`.
 """
 
 from __future__ import annotations
@@ -15,20 +13,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vit.commands import check_output, fail, parser, print_skipped, run
 from vit.explain.methods import CLASS_METHODS, METHODS
 
 SCALES = ("panel", "row", "figure")  # `vit.explain.plot.SCALES`, named here so `--help` loads no torch
-
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     import lightning as L
     import torch
     from torchvision.transforms import v2
 
-    from vit.training.checkpoint import Checkpoint
     from vit.training.classifier import ImageClassifier
+
+    Prepared = tuple[ImageClassifier, v2.Compose, list[str], int | None, L.LightningDataModule | None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
     options.add_argument("--scale", choices=SCALES, default="row",
                          help="which maps share one colour scale, from 0 to their largest value: each image's row "
-                              "(default: the maps of one image are shares of the same relevance, so a flat map looks "
-                              "flat beside a peaked one, as an untrained model's should, while each image keeps its "
-                              "own range), the whole figure (rows comparable too), or each panel alone, stretched "
-                              "from its own min to max (every map looks sharp, however flat)")
+                              "(a flat map looks flat beside a peaked one), the whole figure (rows comparable too), "
+                              "or each panel alone, from its own min to max (every map looks sharp, however flat)")
     options.add_argument("--save-maps", dest="save_maps", type=Path,
                          help="also write the raw maps to this .npz: one (B, gh, gw) array per method, and files, "
                               "predicted, probability, class_names, methods, target (-1: each prediction)")
@@ -57,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
-    """Check the arguments and open the checkpoint: its model, usable methods, target and (without images) data."""
+    """Check the arguments, open the checkpoint: model, input transform, methods, target, data module (no images)."""
     from vit.explain.relevance import usable_methods
     from vit.training.checkpoint import CheckpointError
     from vit.training.checkpoint.build import build_datamodule, open_model
@@ -72,13 +68,11 @@ def prepare(args: argparse.Namespace) -> Prepared:
     transform = inference_transform(checkpoint.inputs)
     methods = usable_methods(model.backbone, methods, option="--method ")
     target = None if args.target is None else class_index(args.target, model.class_names, option="--target ")
-    data = None
-    if args.input_dir is None and not args.image:  # the checkpoint's own test images
-        try:
-            data = build_datamodule(checkpoint)
-        except CheckpointError as err:
-            raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
-    return Prepared(model, transform, checkpoint, methods, target, data)
+    try:  # without images, the checkpoint's own test images
+        data = build_datamodule(checkpoint) if args.input_dir is None and not args.image else None
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
+    return model, transform, methods, target, data
 
 
 def explain(args: argparse.Namespace, prepared: Prepared) -> int:
@@ -89,7 +83,7 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     from vit.explain.plot import rollout_grid
     from vit.explain.relevance import relevance
 
-    model, transform, checkpoint, methods, target, data = prepared
+    model, transform, methods, target, data = prepared
     if data is None:
         files, images, skipped = (read_images(args.input_dir, transform) if args.input_dir is not None
                                   else read_image_files(args.image, transform))
@@ -135,17 +129,6 @@ def save_maps(path: Path, maps: dict[str, torch.Tensor], files: list[str], probs
              target=np.array(-1 if target is None else target))
 
 
-class Prepared(NamedTuple):
-    """What `prepare` hands `explain`."""
-
-    model: ImageClassifier
-    transform: v2.Compose
-    checkpoint: Checkpoint
-    methods: list[str]
-    target: int | None
-    data: L.LightningDataModule | None  # the checkpoint's data module when no image is given
-
-
 def parse_methods(text: str) -> list[str]:
     """The methods of `--method` (comma-separated, or `all`); `ValueError` naming what is not a method."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
@@ -174,7 +157,12 @@ def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], la
 
 def check_paths(args: argparse.Namespace) -> None:
     """Raise `ValueError`, before any work, for outputs that cannot be written or images that are not there."""
-    check_image_format(args.out)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if args.out.suffix.lower().lstrip(".") not in formats:
+        raise ValueError(f"--out {args.out}: {args.out.suffix or 'no extension'} is not an image format matplotlib "
+                         f"writes: expected a name ending in one of {', '.join('.' + f for f in formats)}")
     check_output("--out", args.out, args.overwrite)
     if args.save_maps is not None:
         if args.save_maps.suffix != ".npz":
@@ -186,17 +174,6 @@ def check_paths(args: argparse.Namespace) -> None:
     for image in args.image or []:
         if not image.is_file():
             raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))
-
-
-def check_image_format(out: Path) -> None:
-    """Raise `ValueError` unless matplotlib can write `out` in the format its extension names (without one,
-    matplotlib would append one and write another file)."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = sorted(FigureCanvasBase.get_supported_filetypes())
-    if out.suffix.lower().lstrip(".") not in formats:
-        raise ValueError(f"--out {out}: {out.suffix or 'no extension'} is not an image format matplotlib writes: "
-                         f"expected a name ending in one of {', '.join('.' + f for f in formats)}")
 
 
 if __name__ == "__main__":

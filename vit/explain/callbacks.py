@@ -19,57 +19,26 @@ from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
 from vit.training.classifier import index_names
-from vit.training.dashboard import (
-    RankedPredictions,
-    epoch_title,
-    figure_to_array,
-    log_image,
-)
+from vit.training.dashboard import RankedPredictions, epoch_title, figure_to_array, log_image
 
 METHOD_TITLES = {"grad_rollout": "grad rollout"}  # a column's title; the others are titled by their name
 
 
 class RolloutImages(L.Callback):
-    """Every `every_n_epochs` epochs (and after the last one), log rollout overlays of fixed images.
+    """Every `every_n_epochs` epochs (and after the last one), log the backbone's relevance overlays (`rollout_grid`) of
+    the first validation images, round-robin over their labels, one column per method; methods it cannot run are left
+    out with one warning. `class_names` title the rows (default: the model's, else indices)."""
 
-    The images are the first validation images, round-robin over their labels so every class shows
-    up, and stay the same for the whole run, so the dashboard shows how one set of maps changes with
-    training. The grid is drawn as `python -m vit.explain` draws it (`rollout_grid`): one row per
-    image, one column per method, on the backbone (`pl_module.backbone`, else the module). Methods
-    the backbone cannot run (attention methods on the CNN) are left out with one warning.
-
-    Args:
-        every_n_epochs: log after epochs n, 2n, ... and after the last epoch (`max_epochs`).
-        num_images: rows of the grid.
-        methods: methods of `vit.explain.relevance`; the class-specific ones explain the prediction.
-        head_fusion, discard_ratio: options of "rollout"; see `vit.explain.rollout.attention_rollout`.
-        class_names: names for the titles; by default the model's `class_names`, else the class indices.
-        scale: which maps share one colour scale: each image's `"row"`, the whole `"figure"`, or each
-            `"panel"` alone (see `rollout_grid`); one scale per row keeps an untrained model's flat maps flat.
-        dpi: resolution of the rendered grid (each cell is `vit.explain.plot.PANEL_INCHES` square).
-    """
-
-    def __init__(
-        self,
-        *,
-        every_n_epochs: int = 1,
-        num_images: int = 8,
-        methods: Sequence[Method] = ("rollout", "grad_rollout"),
-        head_fusion: HeadFusion = "mean",
-        discard_ratio: float = 0.0,
-        class_names: Sequence[str] | None = None,
-        scale: Scale = "row",
-        tag: str = "val/rollout",
-        dpi: int = 64,
-    ) -> None:
+    def __init__(self, *, every_n_epochs: int = 1, num_images: int = 8,
+                 methods: Sequence[Method] = ("rollout", "grad_rollout"), head_fusion: HeadFusion = "mean",
+                 discard_ratio: float = 0.0, class_names: Sequence[str] | None = None, scale: Scale = "row",
+                 tag: str = "val/rollout", dpi: int = 64) -> None:
         super().__init__()
-        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"every_n_epochs={every_n_epochs!r} must be an int >= 1")
-        if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 1:
-            raise ValueError(f"num_images={num_images!r} must be an int >= 1")
+        for name, value in (("every_n_epochs", every_n_epochs), ("num_images", num_images)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         methods = tuple(methods)
-        bad = [m for m in methods if m not in METHODS]
-        if bad or not methods:
+        if not methods or any(m not in METHODS for m in methods):
             raise ValueError(f"methods={list(methods)!r} must be a non-empty list of {list(METHODS)}")
         if head_fusion not in HEAD_FUSIONS:
             raise ValueError(f"head_fusion={head_fusion!r} must be one of {list(HEAD_FUSIONS)}")
@@ -79,52 +48,34 @@ class RolloutImages(L.Callback):
             raise ValueError(f"scale={scale!r} must be one of {list(SCALES)}")
         if dpi < 1:
             raise ValueError(f"dpi={dpi} must be >= 1")
-        self.every_n_epochs = every_n_epochs
-        self.num_images = num_images
-        self.methods = methods
-        self.head_fusion = head_fusion
-        self.discard_ratio = discard_ratio
+        self.every_n_epochs, self.num_images, self.methods = every_n_epochs, num_images, methods
+        self.head_fusion, self.discard_ratio = head_fusion, discard_ratio
         self.class_names = list(class_names) if class_names is not None else None
         self._model_names: list[str] | None = None  # the LightningModule's, used when class_names is None
-        self.scale = scale
-        self.tag = tag
-        self.dpi = dpi
+        self.scale, self.tag, self.dpi = scale, tag, dpi
         self.images: Tensor | None = None  # (num_images, C, H, W) on the CPU, once chosen
         self.labels: Tensor | None = None  # (num_images,)
         self.logged_epochs: list[int] = []
         self._candidates: list[tuple[Tensor, Tensor]] = []
         self._warned = False
 
-    # --- choosing the images ------------------------------------------------------------------
-
-    def on_validation_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        # Collect candidates from the batches validation loads anyway: no extra pass over the data.
-        if self.images is not None or dataloader_idx != 0:
-            return
-        if sum(len(y) for _, y in self._candidates) < 4 * self.num_images:
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        collected = sum(len(y) for _, y in self._candidates)
+        if self.images is None and dataloader_idx == 0 and collected < 4 * self.num_images:
             self._candidates.append((batch[0].detach().cpu(), batch[1].detach().cpu()))
 
     def _choose_images(self) -> None:
-        x = torch.cat([x for x, _ in self._candidates])  # (M, C, H, W)
-        y = torch.cat([y for _, y in self._candidates])  # (M,)
+        x, y = (torch.cat(parts) for parts in zip(*self._candidates))  # (M, C, H, W), (M,)
         self._candidates = []
         # Round-robin over the classes in order of first appearance, so every class gets a row.
-        classes = list(dict.fromkeys(y.tolist()))
-        per_class = [(y == c).nonzero().flatten().tolist() for c in classes]
+        per_class = [(y == c).nonzero().flatten().tolist() for c in dict.fromkeys(y.tolist())]
         order = [idx[k] for k in range(len(y)) for idx in per_class if k < len(idx)]
         chosen = torch.tensor(order[: self.num_images])
         self.images, self.labels = x[chosen].clone(), y[chosen].clone()
 
-    # --- logging ------------------------------------------------------------------------------
-
-    def _due(self, trainer: L.Trainer) -> bool:
-        epoch = trainer.current_epoch + 1  # epochs done, counting this one
-        return epoch % self.every_n_epochs == 0 or epoch == trainer.max_epochs
-
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or not self._due(trainer):
+        if trainer.sanity_checking or not _due(trainer, self.every_n_epochs):
             return
         if self.images is None:
             if not self._candidates:
@@ -137,10 +88,8 @@ class RolloutImages(L.Callback):
         usable = usable_methods(model, self.methods, skip=True)
         if len(usable) < len(self.methods) and not self._warned:
             left_out = [m for m in self.methods if m not in usable]
-            rank_zero_warn(
-                f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, so "
-                + (f"{left_out} are left out." if usable else "no rollout images are logged for it.")
-            )
+            rank_zero_warn(f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, so "
+                           + (f"{left_out} are left out." if usable else "no rollout images are logged for it."))
             self._warned = True
         if not usable:
             return
@@ -156,31 +105,21 @@ class RolloutImages(L.Callback):
             raise RuntimeError("no images chosen yet: they are taken from the first validation batches")
         x = (self.images if images is None else images).to(next(model.parameters()).device)
         rollout_options = {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio}
-        maps = {
-            METHOD_TITLES.get(method, method): relevance(
-                model, x, method, **(rollout_options if method == "rollout" else {})
-            ).cpu()
-            for method in usable_methods(model, self.methods, skip=True)
-        }
+        maps = {METHOD_TITLES.get(method, method):
+                relevance(model, x, method, **(rollout_options if method == "rollout" else {})).cpu()
+                for method in usable_methods(model, self.methods, skip=True)}
         with torch.no_grad():
             probs = model(x).float().softmax(-1).cpu()  # (B, num_classes)
         confidence, predicted = probs.max(-1)
         names = self.class_names or self._model_names or index_names(probs.shape[-1])
-        titles = [
-            f"label {names[int(label)]}\npredicted {names[int(pred)]} ({p:.2f})"
-            for label, pred, p in zip(self.labels, predicted, confidence)
-        ]
+        titles = [f"label {names[int(label)]}\npredicted {names[int(pred)]} ({p:.2f})"
+                  for label, pred, p in zip(self.labels, predicted, confidence)]
         return rollout_grid(self.images, maps, titles=titles, scale=self.scale)
 
 
 class RelevanceScores(L.Callback):
-    """Score relevance maps against ground truth on the dashboard: `val/pointing_game/<method>`,
-    `val/relevance_mass/<method>`.
-
-    Every `every_n_epochs` epochs (and after the last), the first `num_images` validation images
-    are scored against the masks the validation set provides (`circle_mask(i)`, as two-circles
-    does). Data without masks, and methods the backbone cannot run, are skipped with one warning.
-    """
+    """Every `every_n_epochs` epochs (and after the last), log `val/pointing_game/<method>` and `relevance_mass` of the
+    first validation images against their `circle_mask(i)`; what cannot be scored is skipped with one warning."""
 
     def __init__(self, *, methods: Sequence[str] = ("rollout", "chefer", "gradcam"), num_images: int = 64,
                  every_n_epochs: int = 1) -> None:
@@ -198,8 +137,7 @@ class RelevanceScores(L.Callback):
             rank_zero_warn(message)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        epoch = trainer.current_epoch + 1
-        if trainer.sanity_checking or (epoch % self.every_n_epochs and epoch != trainer.max_epochs):
+        if trainer.sanity_checking or not _due(trainer, self.every_n_epochs):
             return
         val = getattr(trainer.datamodule, "val_set", None) if trainer.datamodule is not None else None
         if val is None or not hasattr(val, "circle_mask"):
@@ -221,83 +159,74 @@ class RelevanceScores(L.Callback):
             pl_module.log(f"val/relevance_mass/{method}", relevance_mass(maps, masks).mean(), sync_dist=False)
 
 
-class TestPredictionsTable(L.Callback):
-    """After `test`, log a W&B table of test images, the mistakes first: `test/predictions`.
+class _TestPredictions(L.Callback):
+    """`kept`: rank 0's test predictions (`RankedPredictions` of `test_step`'s logits) when `_loggers` can show them."""
 
-    Columns: `image`, `true` and `predicted` (class names), `probability` (of the predicted class)
-    and, for a backbone with attention, the `rollout` overlay. Rows: chosen by `RankedPredictions`
-    from the logits `test_step` returns; with several processes, rank 0's share of the test set.
-    Without a W&B logger nothing is computed.
+    kept: RankedPredictions
+    class_names: list[str] | None
 
-    Args:
-        num_rows: the most rows the table has.
-        class_names: names for the class columns; by default the model's `class_names`, else indices.
-    """
-
-    def __init__(self, *, num_rows: int = 64, class_names: Sequence[str] | None = None,
-                 tag: str = "test/predictions") -> None:
-        super().__init__()
-        check_int("num_rows", num_rows, 1)
-        self.num_rows = num_rows
-        self.class_names = list(class_names) if class_names is not None else None
-        self.tag = tag
-        self.columns: list[str] = []  # of the last table logged
-        self.kept = RankedPredictions(num_rows)
-
-    @staticmethod
-    def _wandb_loggers(trainer: L.Trainer) -> list[WandbLogger]:
-        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+    def _loggers(self, trainer: L.Trainer) -> list:
+        raise NotImplementedError
 
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.kept.reset()
 
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
                           dataloader_idx: int = 0) -> None:
-        if dataloader_idx != 0 or not trainer.is_global_zero or not self._wandb_loggers(trainer):
+        if dataloader_idx != 0 or not trainer.is_global_zero or not self._loggers(trainer):
             return
-        self.kept.update(batch[0], batch[1], _logits(self, pl_module, outputs))
+        if not isinstance(outputs, Tensor):
+            raise TypeError(f"{type(self).__name__} needs test_step to return the logits (B, num_classes); "
+                            f"{type(pl_module).__name__}.test_step returned {type(outputs).__name__}")
+        self.kept.update(batch[0], batch[1], outputs)
+
+    def _class_names(self, pl_module: L.LightningModule) -> list[str]:
+        """The names of the classes drawn: the callback's own `class_names`, else the model's, else the indices."""
+        return self.class_names or getattr(pl_module, "class_names", None) or index_names(self.kept.num_classes)
+
+
+class TestPredictionsTable(_TestPredictions):
+    """After `test`, log a W&B table of at most `num_rows` test images, the mistakes first: `image`, `true`,
+    `predicted`, `probability` and, for a backbone with attention, the `rollout` overlay. Needs a W&B logger."""
+
+    def __init__(self, *, num_rows: int = 64, class_names: Sequence[str] | None = None,
+                 tag: str = "test/predictions") -> None:
+        super().__init__()
+        check_int("num_rows", num_rows, 1)
+        self.num_rows, self.tag = num_rows, tag
+        self.class_names = list(class_names) if class_names is not None else None
+        self.columns: list[str] = []  # of the last table logged
+        self.kept = RankedPredictions(num_rows)
+
+    def _loggers(self, trainer: L.Trainer) -> list[WandbLogger]:
+        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        loggers = self._wandb_loggers(trainer)
-        if self.kept.images is None or not loggers or not trainer.is_global_zero:
+        loggers, kept = self._loggers(trainer), self.kept
+        if kept.images is None or not loggers or not trainer.is_global_zero:
             return
         import wandb
 
         model = getattr(pl_module, "evaluated", getattr(pl_module, "backbone", pl_module))
         maps = None
         if usable_methods(model, ("rollout",), skip=True):
-            x = self.kept.images.to(next(model.parameters()).device)
+            x = kept.images.to(next(model.parameters()).device)
             with trainer.precision_plugin.forward_context():
-                x = trainer.precision_plugin.convert_input(x)
-                maps = relevance(model, x, "rollout").float().cpu()  # (n, gh, gw)
-        kept = self.kept
-        names = _class_names(self, pl_module, kept.num_classes)
+                maps = relevance(model, trainer.precision_plugin.convert_input(x), "rollout").float().cpu()
+        names = self._class_names(pl_module)
         self.columns = ["image", "true", "predicted", "probability"] + (["rollout"] if maps is not None else [])
-        rows = []
-        for i, image in enumerate(kept.images):
-            row = [wandb.Image(_to_uint8(display_image(image))), names[int(kept.labels[i])],
-                   names[int(kept.predicted[i])], float(kept.probability[i])]
-            if maps is not None:
-                row.append(wandb.Image(_to_uint8(overlay(image, maps[i]))))
-            rows.append(row)
+        rows = [[wandb.Image(_to_uint8(display_image(image))), names[int(kept.labels[i])],
+                 names[int(kept.predicted[i])], float(kept.probability[i]),
+                 *([] if maps is None else [wandb.Image(_to_uint8(overlay(image, maps[i])))])]
+                for i, image in enumerate(kept.images)]
         for logger in loggers:
             logger.log_table(key=self.tag, columns=self.columns, data=rows, step=trainer.global_step)
         kept.reset()
 
 
-class TestMistakesGrid(L.Callback):
-    """After `test`, log a grid of the most confident test mistakes, each titled with its true and predicted class.
-
-    For loggers other than W&B (`TestPredictionsTable` shows it the same mistakes and more). The
-    mistakes come from `RankedPredictions` over the logits `test_step` returns (rank 0's share of the
-    test set); a test without mistakes logs no grid. After the test, `kept` holds what was drawn.
-
-    Args:
-        num_images: the most mistakes shown.
-        columns: images in a row of the grid.
-        class_names: names for the titles; by default the model's `class_names`, else the class indices.
-        dpi: resolution of the rendered grid (each cell is 1.6 inches square).
-    """
+class TestMistakesGrid(_TestPredictions):
+    """After `test`, log a grid of the `num_images` most confident test mistakes, `columns` to a row, to the loggers
+    other than W&B (`TestPredictionsTable` shows it the same mistakes and more)."""
 
     def __init__(self, *, num_images: int = 16, columns: int = 8, class_names: Sequence[str] | None = None,
                  tag: str = "test/mistakes", dpi: int = 100) -> None:
@@ -309,21 +238,12 @@ class TestMistakesGrid(L.Callback):
         self.class_names = list(class_names) if class_names is not None else None
         self.kept = RankedPredictions(num_images, mistakes_only=True)
 
-    @staticmethod
-    def _loggers(trainer: L.Trainer) -> list:
+    def _loggers(self, trainer: L.Trainer) -> list:
         return [logger for logger in trainer.loggers if not isinstance(logger, WandbLogger)]
-
-    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.kept.reset()
-
-    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
-        if dataloader_idx == 0 and trainer.is_global_zero and self._loggers(trainer):
-            self.kept.update(batch[0], batch[1], _logits(self, pl_module, outputs))
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if len(self.kept) and trainer.is_global_zero:
-            names = _class_names(self, pl_module, self.kept.num_classes)
+            names = self._class_names(pl_module)
             figure = self.render(lambda index: names[int(index)])
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi), loggers=self._loggers(trainer))
 
@@ -346,17 +266,10 @@ class TestMistakesGrid(L.Callback):
         return figure
 
 
-def _logits(callback: L.Callback, pl_module: L.LightningModule, outputs) -> Tensor:
-    """The logits `(B, num_classes)` that `test_step` returned, or a TypeError that says what it returned."""
-    if not isinstance(outputs, Tensor):
-        raise TypeError(f"{type(callback).__name__} needs test_step to return the logits (B, num_classes); "
-                        f"{type(pl_module).__name__}.test_step returned {type(outputs).__name__}")
-    return outputs
-
-
-def _class_names(callback: L.Callback, pl_module: L.LightningModule, num_classes: int) -> list[str]:
-    """The names of the classes a callback draws: its own `class_names`, else the model's, else the indices."""
-    return callback.class_names or getattr(pl_module, "class_names", None) or index_names(num_classes)
+def _due(trainer: L.Trainer, every_n_epochs: int) -> bool:
+    """Whether a callback that runs every `every_n_epochs` epochs and after the last one runs at this epoch's end."""
+    epoch = trainer.current_epoch + 1  # epochs done, counting this one
+    return epoch % every_n_epochs == 0 or epoch == trainer.max_epochs
 
 
 def _to_uint8(image: np.ndarray) -> np.ndarray:

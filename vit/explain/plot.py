@@ -1,6 +1,4 @@
-"""Relevance maps drawn over their images in grey: one overlay, and a grid of images x methods with colour bars.
-
-Matplotlib is imported inside the functions, so importing `vit.explain` stays light."""
+"""Relevance maps drawn over their images in grey: one overlay, and a grid of images x methods with colour bars."""
 
 from __future__ import annotations
 
@@ -11,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vit.checks import check_choice
+
 if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
-
 
 Scale = Literal["panel", "row", "figure"]
 SCALES: tuple[Scale, ...] = ("panel", "row", "figure")
@@ -24,16 +23,9 @@ CMAP = "inferno"  # perceptually uniform and readable in grey print, unlike jet
 ALPHA = 0.6  # of the colour map over the grey image
 
 
-def overlay(
-    image: Tensor, patch_map: Tensor, alpha: float = ALPHA, cmap: str = CMAP,
-    vmin: float | None = None, vmax: float | None = None,
-) -> np.ndarray:
-    """Blend a patch map `(gh, gw)` over an image `(C, H, W)` shown in grey; returns `(H, W, 3)` floats in [0, 1].
-
-    The map is upsampled bilinearly and coloured from `vmin` to `vmax` (default: the map's min and max),
-    so `relevance`'s maps (which sum to 1) pass as they are. The image is grey so its colours do not
-    mix with the colour map's.
-    """
+def overlay(image: Tensor, patch_map: Tensor, alpha: float = ALPHA) -> np.ndarray:
+    """Blend a patch map `(gh, gw)`, upsampled bilinearly and coloured from its min to its max, over an image
+    `(C, H, W)` in grey (so its colours do not mix with the map's); returns `(H, W, 3)` floats in [0, 1]."""
     import matplotlib
     from matplotlib.colors import Normalize
 
@@ -41,28 +33,16 @@ def overlay(
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     grey = display_image(image).mean(-1, keepdims=True)  # (H, W, 1)
     heat = _upsample(patch_map, grey.shape[:2]).numpy()  # (H, W)
-    lo, hi = _limits([torch.as_tensor(patch_map)])
-    norm = Normalize(lo if vmin is None else vmin, hi if vmax is None else vmax, clip=True)
-    colours = matplotlib.colormaps[cmap](norm(heat))[..., :3]  # (H, W, 3), drop alpha
+    norm = Normalize(*_limits([torch.as_tensor(patch_map)]), clip=True)
+    colours = matplotlib.colormaps[CMAP](norm(heat))[..., :3]  # (H, W, 3), drop alpha
     return ((1.0 - alpha) * grey + alpha * colours).astype("float32")
 
 
-def rollout_grid(
-    images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None, scale: Scale = "row",
-) -> Figure:
-    """A figure with one row per image: the image, then each map in `maps` over it in grey, and colour bars.
-
-    Args:
-        images: `(B, C, H, W)`.
-        maps: column name -> patch maps `(B, gh, gw)`.
-        titles: one title per row, above its image.
-        scale: which maps share one colour scale, from 0 (or the lowest value, if negative) to their
-            largest value: a `"row"`'s (one colour bar per row) or the whole `"figure"`'s. `"panel"`
-            stretches each map from its own min to its max, so a near-uniform map looks as sharp as a
-            peaked one.
-
-    A `matplotlib.figure.Figure`, not pyplot's: no display needed, no global state left (safe in a callback).
-    """
+def rollout_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None,
+                 scale: Scale = "row") -> Figure:
+    """A `matplotlib.figure.Figure` (not pyplot's: safe in a callback), one row per image `(B, C, H, W)`: the image,
+    titled by `titles`, then each of `maps` (column name -> `(B, gh, gw)`) over it in grey, and colour bars. `scale`:
+    the maps of a `"row"` or the whole `"figure"` share one colour scale; `"panel"` stretches each map alone."""
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
@@ -74,13 +54,10 @@ def rollout_grid(
         raise ValueError("maps must hold at least one (B, gh, gw) map")
     for name, patch_maps in maps.items():
         if patch_maps.ndim != 3 or patch_maps.shape[0] != B:
-            raise ValueError(
-                f"maps[{name!r}] must have shape (B={B}, gh, gw), got {tuple(patch_maps.shape)}"
-            )
+            raise ValueError(f"maps[{name!r}] must have shape (B={B}, gh, gw), got {tuple(patch_maps.shape)}")
     if titles is not None and len(titles) != B:
         raise ValueError(f"titles must hold one title per image ({B}), got {len(titles)}")
-    if scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not allowed: expected one of {list(SCALES)}")
+    check_choice("scale", scale, SCALES)
 
     # The limits are the patch maps' own: bilinear upsampling stays within them.
     rows = [[m[row].detach().cpu().float() for m in maps.values()] for row in range(B)]
@@ -97,10 +74,8 @@ def rollout_grid(
     for row in range(B):
         rgb = display_image(images[row])  # (H, W, 3)
         axes[row, 0].imshow(rgb)
-        if titles is not None:
-            axes[row, 0].set_title(titles[row], fontsize="small")
-        elif row == 0:
-            axes[row, 0].set_title("image", fontsize="small")
+        if titles is not None or row == 0:
+            axes[row, 0].set_title("image" if titles is None else titles[row], fontsize="small")
         for col, (name, patch_map, norm) in enumerate(zip(maps, rows[row], norms[row]), start=1):
             axes[row, col].imshow(rgb.mean(-1), cmap="gray", vmin=0.0, vmax=1.0)
             axes[row, col].imshow(_upsample(patch_map, (H, W)).numpy(), cmap=CMAP, norm=norm, alpha=ALPHA)
@@ -137,11 +112,11 @@ def _limits(maps: Sequence[Tensor], from_zero: bool = False) -> tuple[float, flo
 
 
 def display_image(image: Tensor) -> np.ndarray:
-    """`(C, H, W)` with C in {1, 3} -> `(H, W, 3)` floats in [0, 1], min-max over the image."""
+    """`(C, H, W)` with C in {1, 3} -> `(H, W, 3)` floats in [0, 1], min-max over the image (one range for all
+    channels keeps the colour balance of normalised inputs roughly intact)."""
     if image.ndim != 3 or image.shape[0] not in (1, 3):
         raise ValueError(f"image must have shape (C, H, W) with C 1 or 3, got {tuple(image.shape)}")
     image = image.detach().cpu().float()
-    # One range for all channels keeps the colour balance of normalised inputs roughly intact.
     lo, span = image.min(), image.max() - image.min()
     image = (image - lo) / span if span > 0 else torch.zeros_like(image)
     return image.expand(3, -1, -1).permute(1, 2, 0).numpy()  # (H, W, 3)

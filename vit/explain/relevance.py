@@ -3,23 +3,10 @@
     maps = relevance(model, images, method="chefer")   # (B, gh, gw), each map summing to 1
     pixels = to_pixels(maps, images.shape[-2:])         # (B, H, W), the same mass spread over pixels
 
-Methods (`Method`), each a published rule:
-- "attention": the last block's attention of the pooled token over the patches, heads averaged.
-- "rollout": Abnar & Zuidema 2020, attention rollout (`vit.explain.rollout.attention_rollout`).
-- "grad_rollout": rollout of the gradient-weighted maps `mean_h((dy/dA * A)^+)` (Chefer et al.'s
-  weighting in rollout's chain); class-specific.
-- "flow": Abnar & Zuidema 2020, attention flow: the maximum flow from each input patch to the
-  pooled output through the layers, with capacities `0.5 A + 0.5 I`, heads averaged.
-- "chefer": Chefer, Gur & Wolf 2021, "Generic Attention-model Explainability": `R = I`, then for
-  each block `R <- R + mean_h((dy/dA * A)^+) R`, read at the pooled token; class-specific.
-- "gradcam": Selvaraju et al. 2017, Grad-CAM: `ReLU(sum_k alpha_k A^k)`, `alpha_k` the mean gradient
-  of the target logit over feature map `k`; on the ViT's tokens at `blocks[-1].norm1` (CLS dropped, as
-  pytorch-grad-cam does, which the tests compare with) and on the ResNet's last stage.
-- "random": a seeded uniform map, the baseline every table needs.
-
-Every map sums to 1 over its grid (all zeros stays zeros), so shares of relevance compare across
-methods. This module runs the model (in eval mode, each module's train/eval flag restored after,
-parameters' `.grad` untouched); the formulas are functions of tensors in `vit.explain.rollout`.
+Methods (`Method`; docs/explain.md has their formulas and papers): "attention" (the last block's), "rollout",
+"flow", "grad_rollout", "chefer", "gradcam" (on the ViT's tokens at `blocks[-1].norm1` without CLS, as pytorch-grad-cam,
+or on the ResNet's last stage) and "random" (a seeded baseline). The model runs in eval mode, each module's
+train/eval flag restored after, parameters' `.grad` untouched.
 """
 
 from __future__ import annotations
@@ -55,28 +42,26 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
               seed: int = 0) -> Tensor:
     """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1.
 
-    `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and
-    "grad_rollout", `target` to the class-specific methods (`CLASS_METHODS`), `seed` to "random";
-    an option given to a method it does not apply to is refused (except `seed`).
+    `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and "grad_rollout", `target`
+    to `CLASS_METHODS`, `seed` to "random"; given to another method (but `seed`), they are refused.
     """
     _check_method(model, method, target=target, head_fusion=head_fusion, discard_ratio=discard_ratio,
                   start_layer=start_layer)
-    if method == "random":
-        generator = torch.Generator().manual_seed(seed)
-        return normalise(torch.rand(images.shape[0], *_grid(model, images), generator=generator))
+    if method == "random":  # on the patch grid, else (a CNN) on Grad-CAM's
+        grid = model.patch_embed.grid_size if hasattr(model, "patch_embed") else grad_cam(model, images[:1]).shape[1:]
+        return normalise(torch.rand(images.shape[0], *grid, generator=torch.Generator().manual_seed(seed)))
     if method == "gradcam":
         return normalise(grad_cam(model, images, target))
-    pool = _model_pool(model)
+    pool = getattr(model, "pool", "cls")  # a model without the attribute pools its CLS token (the classic ViT)
+    check_choice("model.pool", pool, Pool)
     grid = tuple(model.patch_embed.grid_size)
     regs = getattr(model, "num_reg_tokens", 0)  # tokens between the CLS token and the patches (timm's name)
     if method in CLASS_METHODS:  # grad_rollout, chefer
         maps, grads = attention_gradients(model, images, target)
         (blocks, pool_query), (block_grads, pool_grad) = _split_pool(maps, pool), _split_pool(grads, pool)
         pool_attn = None if pool_query is None else gradient_weighted(pool_query, pool_grad)  # (B, 1, P)
-        if method == "grad_rollout":
-            tokens = gradient_rollout(blocks, block_grads, start_layer)  # (B, N, N)
-        else:
-            tokens = chefer_rollout(blocks, block_grads)
+        tokens = (gradient_rollout(blocks, block_grads, start_layer) if method == "grad_rollout"
+                  else chefer_rollout(blocks, block_grads))  # (B, N, N)
     else:
         with torch.no_grad(), _eval_mode(model), record_attention(model) as maps:
             model(images)
@@ -85,28 +70,18 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
         pool_attn = None if pool_query is None else fuse_heads(pool_query, head_fusion)  # (B, 1, P)
         if method == "flow":
             return normalise(attention_flow(blocks, pool, pool_attn, grid, regs))
-        if method == "attention":
-            tokens = fuse_heads(blocks[-1])  # (B, N, N)
-        else:
-            tokens = attention_rollout(blocks, head_fusion, discard_ratio, start_layer, keep_cls_self=pool == "cls")
+        tokens = (fuse_heads(blocks[-1]) if method == "attention"  # (B, N, N)
+                  else attention_rollout(blocks, head_fusion, discard_ratio, start_layer, keep_cls_self=pool == "cls"))
     return rollout_to_patch_map(tokens, grid, pool, pool_attn, scale="sum", reg_tokens=regs)
-
-
-def has_attention(model: nn.Module) -> bool:
-    """Whether `model` has what the attention methods read: layers `record_attention` records, and `patch_embed`."""
-    return hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())
 
 
 def usable_methods(model: nn.Module, requested: Sequence[str], *, skip: bool = False,
                    option: str = "method=") -> list[str]:
-    """The methods of `requested` that `model` can run, in order; `["all"]`: every method it can run.
-
-    An attention method (`ATTENTION_METHODS`) on a model without attention layers (the CNN) is left
-    out with `skip`, else a `ValueError` naming it after `option` ("--method " on the command line).
-    """
+    """The methods of `requested` (`["all"]`: all) that `model` can run, in order: an attention method on a model
+    without attention layers (the CNN) is left out with `skip`, else a `ValueError` naming it after `option`."""
     if list(requested) == ["all"]:
         requested, skip = METHODS, True
-    attention = has_attention(model)
+    attention = hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())
     usable = [m for m in requested if m not in ATTENTION_METHODS or attention]
     unusable = [m for m in requested if m not in usable]
     if unusable and not skip:
@@ -117,14 +92,9 @@ def usable_methods(model: nn.Module, requested: Sequence[str], *, skip: bool = F
 
 def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int | None = None
                         ) -> tuple[list[Tensor], list[Tensor]]:
-    """The attention maps of one forward pass of `images` and the gradient of the target logit w.r.t. each.
-
-    Both lists are detached, one entry per recorded map (`(B, H, N, N)` per block, then for
-    `pool="map"` the query's `(B, H, 1, P)`); a map that does not reach the logit gets a zero
-    gradient. `target`: a class index or a `(B,)` tensor of them; default: the prediction. Only the
-    maps get gradients (`torch.autograd.grad`), so parameters' `.grad` are untouched. Works under
-    `torch.no_grad()` / `torch.inference_mode()` (a Lightning validation loop) and with frozen parameters.
-    """
+    """The attention maps of one forward pass (`(B, H, N, N)` per block, then for `pool="map"` the query's
+    `(B, H, 1, P)`) and the gradient of the `target` logit (default: the prediction) w.r.t. each (zero if unused),
+    detached; parameters' `.grad` untouched, also under `torch.no_grad()` and with frozen parameters."""
     # A non-inference copy of the input that requires grad: a graph exists even with every parameter frozen.
     with torch.inference_mode(False), torch.enable_grad(), _eval_mode(model):
         x = images.detach().clone().requires_grad_(True)
@@ -132,10 +102,8 @@ def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int |
             logits = model(x)  # (B, num_classes); maps [(B, H, N, N), ...]
         _check_recorded(model, maps)
         if not all(attn.requires_grad for attn in maps):
-            raise ValueError(
-                "the model's attention maps are not in the autograd graph; "
-                "its attention layers must record the softmax maps that multiply the values"
-            )
+            raise ValueError("the model's attention maps are not in the autograd graph; "
+                             "its attention layers must record the softmax maps that multiply the values")
         grads = torch.autograd.grad(_target_score(logits, target), maps, allow_unused=True)
     grads = [torch.zeros_like(a) if g is None else g for a, g in zip(maps, grads)]
     return [a.detach() for a in maps], grads
@@ -143,14 +111,9 @@ def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int |
 
 def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, grid: tuple[int, int],
                    reg_tokens: int = 0) -> Tensor:
-    """Attention flow `(B, gh, gw)` of per-block maps `(B, H, N, N)`: for each input patch, the max flow
-    from it to the pooled output.
-
-    Nodes: every token at every layer (layer 0 the input). An edge from token j at layer l to token i
-    at layer l + 1 has the capacity `0.5 A_l[i, j] + 0.5 [i == j]` (rows re-normalised), as for
-    rollout. The top tokens feed a super-sink with the weight the pooling gives them
-    (`readout_weights`). Sources are the patch tokens only, not the CLS token or registers.
-    """
+    """Attention flow `(B, gh, gw)` of per-block maps `(B, H, N, N)`: for each input patch, the max flow from it to
+    the pooled output through every token of every layer, with capacities `residual(A)` as for rollout, into a
+    super-sink fed by the top tokens with the weight the pooling gives them (`readout_weights`)."""
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import maximum_flow
 
@@ -186,8 +149,7 @@ def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = Non
     layer, to_map = gradcam_layer(model)
     store = {}
 
-    def keep(module, inputs, output) -> None:
-        # The forward pass's activation; a checkpointed layer runs again in the backward pass.
+    def keep(module, inputs, output) -> None:  # the forward pass's; a checkpointed layer runs again in backward
         store.setdefault("activation", output)
 
     handle = layer.register_forward_hook(keep)
@@ -206,13 +168,9 @@ def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = Non
 def gradcam_layer(model: nn.Module):
     """The layer Grad-CAM reads, and the function turning its output into `(B, K, gh, gw)` maps."""
     if hasattr(model, "blocks") and hasattr(model, "patch_embed"):
-        gh, gw = model.patch_embed.grid_size
-        prefix = model.num_prefix_tokens
-
-        def tokens_to_map(t: Tensor) -> Tensor:  # (B, N, D) -> (B, D, gh, gw), prefix tokens dropped
-            return t[:, prefix:].transpose(1, 2).reshape(t.shape[0], -1, gh, gw)
-
-        return model.blocks[-1].norm1, tokens_to_map
+        (gh, gw), prefix = model.patch_embed.grid_size, model.num_prefix_tokens
+        # (B, N, D) -> (B, D, gh, gw), prefix tokens dropped
+        return model.blocks[-1].norm1, lambda t: t[:, prefix:].transpose(1, 2).reshape(t.shape[0], -1, gh, gw)
     stages = getattr(model, "stages", None) or getattr(getattr(model, "resnet", None), "stages", None)
     if stages is None:
         raise ValueError(f"method='gradcam' needs a ViT's blocks or a ResNet's stages; "
@@ -226,9 +184,6 @@ def to_pixels(maps: Tensor, size: tuple[int, int]) -> Tensor:
     gh, gw = maps.shape[-2:]
     pixels = F.interpolate(maps[:, None].float(), size=(H, W), mode="nearest")[:, 0]
     return pixels * (gh * gw) / (H * W)
-
-
-# --- Helpers ---------------------------------------------------------------------------------
 
 
 def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None, head_fusion: str,
@@ -252,11 +207,10 @@ def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None,
 
 
 def _target_score(logits: Tensor, target: Tensor | int | None) -> Tensor:
-    """The sum over the batch of each sample's target logit (default: its prediction); samples are independent,
-    so the sum's gradient gives each its own."""
-    B = logits.shape[0]
+    """The sum over the batch of each sample's target logit (default: its prediction): the sum's gradient gives
+    each (independent) sample its own."""
     target = logits.argmax(dim=-1) if target is None else target
-    target = torch.as_tensor(target, device=logits.device).long().expand(B)  # (B,)
+    target = torch.as_tensor(target, device=logits.device).long().expand(logits.shape[0])  # (B,)
     return logits.gather(1, target[:, None]).sum()
 
 
@@ -272,17 +226,8 @@ def _split_pool(maps: list[Tensor], pool: str) -> tuple[list[Tensor], Tensor | N
 
 def _check_recorded(model: nn.Module, attentions: list[Tensor]) -> None:
     if not attentions:
-        raise ValueError(
-            f"{type(model).__name__} recorded no attention maps: rollout needs a model with attention layers "
-            "(a ViT); for a CNN use a gradient method such as Grad-CAM"
-        )
-
-
-def _model_pool(model: nn.Module) -> str:
-    """`model.pool`, checked; a model without the attribute pools its CLS token (the classic ViT)."""
-    pool = getattr(model, "pool", "cls")
-    check_choice("model.pool", pool, Pool)
-    return pool
+        raise ValueError(f"{type(model).__name__} recorded no attention maps: rollout needs a model with attention "
+                         "layers (a ViT); for a CNN use a gradient method such as Grad-CAM")
 
 
 @contextlib.contextmanager
@@ -295,21 +240,3 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
-
-
-def _grid(model: nn.Module, images: Tensor) -> tuple[int, int]:
-    if hasattr(model, "patch_embed"):
-        return tuple(model.patch_embed.grid_size)
-    layer, to_map = gradcam_layer(model)
-    shape = {}
-
-    def note(module, inputs, output) -> None:  # a hook that returns something replaces the output
-        shape["s"] = to_map(output).shape[-2:]
-
-    handle = layer.register_forward_hook(note)
-    try:
-        with torch.no_grad():
-            model(images[:1])
-    finally:
-        handle.remove()
-    return tuple(shape["s"])

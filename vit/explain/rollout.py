@@ -1,14 +1,8 @@
 """Attention rollout and its relatives, as functions of tensors: which input tokens an output reads.
 
-Nothing here runs a model: `vit.explain.relevance` records one softmax map `(B, H, N, N)` per block
-(and for the gradient methods the explained logit's gradient w.r.t. each). The chains turn them into
-one token-to-token map `R` `(B, N, N)` (row i: how much output token i draws on each input token),
-and `rollout_to_patch_map` reads the row(s) the pooling uses over the patches.
-
-References:
-    Abnar & Zuidema, "Quantifying Attention Flow in Transformers", ACL 2020 (attention rollout).
-    Chefer, Gur & Wolf, "Generic Attention-model Explainability for Interpreting Bi-Modal and
-    Encoder-Decoder Transformers", ICCV 2021 (gradient-weighted maps and their relevance rule).
+Nothing here runs a model: from one softmax map `(B, H, N, N)` per block (and the gradients w.r.t. each), the
+chains make one token-to-token map `R` `(B, N, N)`, and `rollout_to_patch_map` reads the row(s) the pooling uses.
+References: Abnar & Zuidema, ACL 2020 (rollout); Chefer, Gur & Wolf, ICCV 2021 (gradient-weighted maps).
 """
 
 from __future__ import annotations
@@ -25,23 +19,14 @@ from vit.models.vision_transformer import Pool
 
 HeadFusion = Literal["mean", "max", "min"]
 Scale = Literal["minmax", "sum"]
-
 HEAD_FUSIONS = get_args(HeadFusion)
 
 
-# --- One block's map -------------------------------------------------------------------------
-
-
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
-    """Collapse the head dimension of `(B, H, ...)` attention into `(B, ...)`."""
+    """Collapse the head dimension of `(B, H, ...)` attention into `(B, ...)`, in at least float32."""
     check_choice("head_fusion", head_fusion, HeadFusion)
-    # Half precision loses too much in a product of many near-identity matrices.
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))
-    if head_fusion == "mean":
-        return attn.mean(dim=1)
-    if head_fusion == "max":
-        return attn.amax(dim=1)
-    return attn.amin(dim=1)
+    return {"mean": attn.mean, "max": attn.amax, "min": attn.amin}[head_fusion](dim=1)
 
 
 def gradient_weighted(attn: Tensor, grad: Tensor) -> Tensor:
@@ -50,11 +35,7 @@ def gradient_weighted(attn: Tensor, grad: Tensor) -> Tensor:
 
 
 def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = True) -> Tensor:
-    """Zero the lowest `int(discard_ratio * N * N)` entries of each sample's `(B, N, N)` map.
-
-    With `keep_cls_self`, entry [0, 0] (the CLS token attending to itself) is kept: aggressive
-    discarding could cut the CLS token off from its own path through the network.
-    """
+    """Zero the lowest `int(discard_ratio * N * N)` entries of each `(B, N, N)` map, but [0, 0] with `keep_cls_self`."""
     _check_discard_ratio(discard_ratio)
     B, N, _ = fused.shape
     num_discard = int(discard_ratio * N * N)
@@ -63,21 +44,16 @@ def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = Tr
     flat = fused.flatten(1)  # (B, N*N)
     ranking = flat.detach().clone()
     if keep_cls_self:
-        ranking[:, 0] = float("inf")  # flat index 0 is [0, 0]
-    # discard_ratio < 1 keeps num_discard <= N*N - 1, so the protected entry is never reached.
+        ranking[:, 0] = float("inf")  # flat index 0 is [0, 0]; discard_ratio < 1 never reaches it
     lowest = ranking.topk(num_discard, dim=1, largest=False).indices  # (B, num_discard)
     return flat.scatter(1, lowest, 0.0).view(B, N, N)
 
 
 def residual(fused: Tensor) -> Tensor:
-    """`0.5 * A + 0.5 * I` with every row re-normalised to sum to 1, for `(B, N, N)` maps: the
-    residual connection passes each token on as much as the attention mixes it."""
+    """`0.5 * A + 0.5 * I` with every row re-normalised to sum to 1, for `(B, N, N)` maps."""
     eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
     with_residual = 0.5 * fused + 0.5 * eye  # (B, N, N); every row sums to at least 0.5
     return with_residual / with_residual.sum(dim=-1, keepdim=True)
-
-
-# --- Chains over the blocks: (B, N, N) token-to-token maps -----------------------------------
 
 
 def chain(steps: Sequence[Tensor]) -> Tensor:
@@ -89,40 +65,20 @@ def chain(steps: Sequence[Tensor]) -> Tensor:
     return product
 
 
-def attention_rollout(
-    attentions: Sequence[Tensor],
-    head_fusion: HeadFusion = "mean",
-    discard_ratio: float = 0.0,
-    start_layer: int = 0,
-    keep_cls_self: bool = True,
-) -> Tensor:
-    """Attention rollout (Abnar & Zuidema 2020) of per-block maps `(B, H, N, N)` -> `(B, N, N)`.
-
-    Per block: fuse heads, optionally discard the weakest entries, account for the residual
-    connection as `0.5 * A + 0.5 * I`, and re-normalise every row to sum to 1. Blocks are then
-    chained with the first block rightmost, `R = Â_L ... Â_2 Â_1`.
-
-    Args:
-        attentions: one softmax map `(B, H, N, N)` per block, first block first.
-        discard_ratio: fraction in [0, 1) of each sample's fused entries set to zero per block.
-        start_layer: index of the first block to include.
-        keep_cls_self: never discard entry [0, 0]; False for models without a CLS token.
-    """
+def attention_rollout(attentions: Sequence[Tensor], head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0,
+                      start_layer: int = 0, keep_cls_self: bool = True) -> Tensor:
+    """Attention rollout (Abnar & Zuidema 2020) of per-block maps `(B, H, N, N)` from block `start_layer` on ->
+    `(B, N, N)`: per block fuse heads, `discard_lowest`, add the `residual`; then `R = Â_L ... Â_2 Â_1`."""
     _check_attentions(attentions)
     _check_discard_ratio(discard_ratio)
     _check_start_layer(start_layer, len(attentions))
-    return chain([
-        residual(discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self))  # (B, N, N)
-        for attn in attentions[start_layer:]
-    ])
+    return chain([residual(discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self))
+                  for attn in attentions[start_layer:]])
 
 
 def gradient_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor], start_layer: int = 0) -> Tensor:
-    """Gradient-weighted rollout (Chefer et al. 2021 style) of per-block maps `(B, H, N, N)` -> `(B, N, N)`.
-
-    Each block's `mean_heads((dy/dA * A).clamp(min=0))`, with `grads` = dy/dA, chained as in
-    `attention_rollout`; a block whose attention gets no gradient contributes the identity.
-    """
+    """Gradient-weighted rollout (Chefer et al. 2021 style) of per-block maps `(B, H, N, N)` -> `(B, N, N)`: each
+    block's `mean_heads((dy/dA * A).clamp(min=0))`, with `grads` = dy/dA, chained as in `attention_rollout`."""
     _check_attentions(attentions)
     _check_start_layer(start_layer, len(attentions))
     return chain([residual(gradient_weighted(a, g)) for a, g in zip(attentions[start_layer:], grads[start_layer:])])
@@ -137,42 +93,21 @@ def chefer_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor]) -> Ten
     return chain([eye + w for w in weighted])
 
 
-# --- Read-out: the pooled output's relevance over the patches --------------------------------
-
-
 def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None, reg_tokens: int = 0) -> Tensor:
-    """How much the pooled vector takes from each output token `[CLS] [registers] [patches]`: `(1, N)` or `(B, N)`.
-
-    "cls": all from the CLS token (the only pool with one); "mean": 1/P from each of the P patches;
-    "map": the query's head-fused attention `pool_attn` `(B, 1, P)` over the patches (no residual: the
-    query is a learned vector, not a token). Registers get 0.
-    """
+    """How much the pooled vector takes from each output token `[CLS] [registers] [patches]`, `(1, N)` or `(B, N)`:
+    "cls" all from CLS, "mean" 1/P from each patch, "map" the query's head-fused `pool_attn` `(B, 1, P)`."""
     if pool == "cls":
         return torch.eye(1, num_tokens)
     num_patches = num_tokens - reg_tokens
     per_patch = (torch.full((1, num_patches), 1.0 / num_patches) if pool == "mean"
                  else pool_attn.flatten(1))  # (1 or B, P)
-    return F.pad(per_patch, (reg_tokens, 0))  # (1 or B, N): the registers get 0
+    return F.pad(per_patch, (reg_tokens, 0))  # (1 or B, N)
 
 
-def rollout_to_patch_map(
-    rollout: Tensor,
-    grid_size: tuple[int, int],
-    pool: Pool = "cls",
-    pool_attn: Tensor | None = None,
-    scale: Scale = "minmax",
-    reg_tokens: int = 0,
-) -> Tensor:
-    """Turn a token-to-token map `(B, N, N)` (a rollout, Chefer's R, one block's attention) into
-    one relevance value per patch, `(B, gh, gw)`.
-
-    The pooled output's row is `readout_weights @ R`: the CLS row for "cls", the mean of the patch
-    rows for "mean", `pool_attn @ R` for "map" (`pool_attn` `(B, 1, P)` or `(B, P)`). The prefix
-    columns (CLS, registers) are dropped: what flows through a register is not a patch's.
-    `scale`: "minmax" to [0, 1] for display (`minmax`), or "sum" a distribution over the patches
-    (`normalise`: any set's sum is its share of the relevance; no relevance stays all zeros).
-    Patches are laid out row-major, as a conv patch embedding's `flatten(2)` orders them.
-    """
+def rollout_to_patch_map(rollout: Tensor, grid_size: tuple[int, int], pool: Pool = "cls",
+                         pool_attn: Tensor | None = None, scale: Scale = "minmax", reg_tokens: int = 0) -> Tensor:
+    """A token-to-token map `R` `(B, N, N)` as one relevance value per patch, `(B, gh, gw)`: the pooled output's
+    row `readout_weights @ R` without the prefix columns, scaled by `minmax` (for display) or `normalise` ("sum")."""
     check_choice("pool", pool, Pool)
     check_choice("scale", scale, Scale)
     if rollout.ndim != 3 or rollout.shape[1] != rollout.shape[2]:
@@ -183,10 +118,8 @@ def rollout_to_patch_map(
     B, N, _ = rollout.shape
     num_prefix = (1 if pool == "cls" else 0) + reg_tokens
     if N != num_prefix + gh * gw:
-        raise ValueError(
-            f"rollout has N={N} tokens but pool={pool!r} with reg_tokens={reg_tokens} and grid_size="
-            f"{tuple(grid_size)} needs {num_prefix + gh * gw}"
-        )
+        raise ValueError(f"rollout has N={N} tokens but pool={pool!r} with reg_tokens={reg_tokens} and grid_size="
+                         f"{tuple(grid_size)} needs {num_prefix + gh * gw}")
     if pool == "map" and pool_attn.flatten(1).shape != (B, gh * gw):
         raise ValueError(f"pool_attn must have shape (B, 1, P) = ({B}, 1, {gh * gw}) (the patches) after fusing "
                          f"heads, got {tuple(pool_attn.shape)}")
@@ -194,9 +127,6 @@ def rollout_to_patch_map(
     relevance = (weights.unsqueeze(1) @ rollout).squeeze(1)[:, num_prefix:]  # (B, gh*gw)
     relevance = normalise(relevance) if scale == "sum" else minmax(relevance)
     return relevance.reshape(B, gh, gw)
-
-
-# --- Scaling: one for shares, one for display ------------------------------------------------
 
 
 def normalise(maps: Tensor) -> Tensor:
@@ -208,16 +138,12 @@ def normalise(maps: Tensor) -> Tensor:
 
 
 def minmax(maps: Tensor) -> Tensor:
-    """Each map `(B, ...)` scaled to [0, 1] by its own min and max, for display: where the relevance is
-    relative to the rest of that image (a constant map becomes all zeros)."""
+    """Each map `(B, ...)` scaled to [0, 1] by its own min and max, for display (a constant map becomes zeros)."""
     flat = maps.flatten(1)
     shape = (-1, *([1] * (maps.ndim - 1)))
     lo = flat.amin(1).view(shape)
     span = flat.amax(1).view(shape) - lo
     return (maps - lo) / torch.where(span > 0, span, torch.ones_like(span))
-
-
-# --- Checks ----------------------------------------------------------------------------------
 
 
 def _check_discard_ratio(discard_ratio: float) -> None:
@@ -227,9 +153,7 @@ def _check_discard_ratio(discard_ratio: float) -> None:
 
 def _check_start_layer(start_layer: int, num_layers: int) -> None:
     if not 0 <= start_layer < num_layers:
-        raise ValueError(
-            f"start_layer must be in [0, {num_layers}) for {num_layers} layers, got {start_layer}"
-        )
+        raise ValueError(f"start_layer must be in [0, {num_layers}) for {num_layers} layers, got {start_layer}")
 
 
 def _check_attentions(attentions: Sequence[Tensor]) -> None:

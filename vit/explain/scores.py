@@ -1,15 +1,8 @@
 """Scores for relevance maps: do they point at the ground truth, and do they say what the model uses?
 
-The two disagree when a model uses a shortcut:
-- **Localisation** (against ground-truth masks, e.g. two-circles' circles): the pointing game
-  (Zhang et al. 2016: is the most relevant cell on an object), the relevance mass inside the
-  objects, and the average precision of the pixel map against the mask.
-- **Faithfulness** (against the model, on any data): deletion and insertion curves (Petsiuk et al.
-  2018, RISE): in order of relevance, cells are replaced by the background (deletion) or restored
-  into it (insertion), and the area under the target probability's curve summarises it (lower is
-  better for deletion, higher for insertion).
-- **Sanity** (Adebayo et al. 2018): a method whose maps barely change when the model's weights are
-  randomised does not explain the model; `rank_correlation` measures how much they change.
+Localisation, against masks: the pointing game (Zhang et al. 2016), relevance mass, average precision. Faithfulness:
+deletion and insertion curves (Petsiuk et al. 2018). Sanity (Adebayo et al. 2018): `rank_correlation` of maps before
+and after the weights are randomised.
 """
 
 from __future__ import annotations
@@ -22,14 +15,9 @@ from torch import Tensor, nn
 from vit.explain.relevance import to_pixels
 
 
-def cell_masks(masks: Tensor, grid: tuple[int, int]) -> Tensor:
-    """`(B, H, W)` bool pixel masks -> `(B, gh, gw)` bool: does the cell hold any masked pixel."""
-    return F.adaptive_max_pool2d(masks[:, None].float(), grid)[:, 0] > 0
-
-
 def pointing_game(maps: Tensor, masks: Tensor) -> Tensor:
     """`(B,)` 1.0 where the most relevant cell of `maps (B, gh, gw)` overlaps the mask `(B, H, W)`, else 0.0."""
-    hits = cell_masks(masks, maps.shape[-2:]).flatten(1)  # (B, gh * gw)
+    hits = F.adaptive_max_pool2d(masks[:, None].float(), maps.shape[-2:]).flatten(1) > 0  # (B, gh * gw): any pixel
     top = maps.flatten(1).argmax(1)  # (B,)
     return hits.gather(1, top[:, None])[:, 0].float()
 
@@ -54,11 +42,8 @@ def average_precision(maps: Tensor, masks: Tensor) -> Tensor:
 @torch.no_grad()
 def deletion_insertion(model: nn.Module, images: Tensor, maps: Tensor, *, background: float | Tensor = 0.0,
                        target: Tensor | None = None, steps: int | None = None) -> tuple[Tensor, Tensor]:
-    """`(deletion AUC, insertion AUC)`, each `(B,)`: the target's probability as cells go, or come, in relevance order.
-
-    A cell is the map's grid cell in the image; the curves have `steps + 1` points from 0 to all
-    cells (default: one cell at a time) and the AUC is the trapezoid over the fraction of cells.
-    """
+    """`(deletion AUC, insertion AUC)`, each `(B,)`: the target's probability as the map's cells go, or come, in
+    relevance order, at `steps + 1` points (default: one cell at a time); trapezoids over the fraction of cells."""
     B, C, H, W = images.shape
     gh, gw = maps.shape[-2:]
     cells = gh * gw

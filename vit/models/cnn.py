@@ -3,35 +3,17 @@
 ``conv (k x k, stride s) -> BatchNorm -> ReLU`` layers, then global pooling and a head. The readout decides
 what a local view can do with a relation (studies/relation/README.md):
 
-* ``pool="avg"``, ``head="linear"`` (the default): the logit is a sum over units. If each unit sees one part,
-  the score is additive over the parts, ``h(a) + h(b)``, and on same/different pairs no such rule beats
-  ``bag_of_shapes_ceiling`` (66.7% for 4 shapes; under cross-entropy the additive optimum is the constant, 50%).
-* ``pool="max"``: a bag of one-part detectors reports *which* parts are present, not how many, so "one kind
-  present" against "two kinds present" is linearly separable: a same/different relation read with no unit
-  that sees both parts.
-* ``head="mlp"``: ``Linear(F, 2C) -> ReLU -> Linear(2C, num_classes)`` (``head.fc1``, ``head.fc2``) on the
-  ``F`` pooled features, hidden width twice the ``C`` channels as in the ViT's MLP: not additive either.
-* ``pool="flatten"``: no pooling; the head reads the whole last feature map (``C x H' x W'`` features), as the
-  classic LeNet/AlexNet heads do, so it weighs every unit by its place. A linear head is still a sum over
-  units, additive over parts that no unit sees together; an MLP head can relate them.
+* ``pool="avg"``, ``head="linear"`` (the default): the logit is a sum over units, additive over parts no unit
+  sees together, ``h(a) + h(b)``; on same/different pairs no such rule beats ``bag_of_shapes_ceiling``.
+* ``pool="max"``: one-part detectors report *which* parts are present, not how many: "one kind present"
+  against "two kinds present" is linearly separable with no unit that sees both parts.
+* ``head="mlp"``: ``Linear(F, 2C) -> ReLU -> Linear(2C, num_classes)`` (``head.fc1``, ``head.fc2``): not additive.
+* ``pool="flatten"``: the head reads the whole last map (``C x H' x W'`` features), weighing every unit by its place.
 
-The receptive field of the last layer (``receptive_field``) follows from the layers alone:
-
-    r <- r + (k - 1) * j,    j <- j * s        (starting from r = 1, j = 1)
-
-where ``j`` is the distance in input pixels between two neighbouring units (the product of the strides so
-far). Every output unit sees an ``r x r`` input square and nothing outside it (``tests/test_cnn.py`` checks
-this against the support of a gradient). The *effective* receptive field, where most of the gradient mass
-lies, is smaller (Luo et al. 2016).
-
-``padding`` decides what the network can know about absolute position:
-
-* ``"zero"``: units near the border see the padding, so a deep enough network can read absolute position
-  from it (Islam et al. 2020; Kayhan & van Gemert 2020).
-* ``"circular"``: the image wraps around. The network is equivariant to circular shifts: with global average
-  pooling its output depends only on the content's arrangement modulo the image size.
-* ``"valid"``: no padding; each layer shrinks the map by ``k - 1`` (then divides it by the stride). No unit
-  sees past the border, but units near it see fewer shifted copies of the content.
+The last layer's receptive field: ``r <- r + (k - 1) * j``, ``j <- j * s`` from ``r = j = 1`` (``receptive_field``).
+``padding``: ``"zero"`` lets a deep enough network read absolute position from the border (Islam et al. 2020);
+``"circular"`` wraps the image around, so with average pooling the output depends only on the content's
+arrangement modulo the image size; ``"valid"`` pads nothing, each layer shrinking the map by ``k - 1``.
 """
 
 from __future__ import annotations
@@ -60,25 +42,12 @@ def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> 
 
 
 class ConvNet(nn.Module):
-    """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global pooling, a head.
+    """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers (``widths`` and ``strides`` per layer,
+    ``kernel_size`` odd), global pooling, a head; see the module doc."""
 
-    ``widths`` and ``strides`` (default all 1) are per layer, ``kernel_size`` (odd) is every kernel's side;
-    ``padding``, ``pool`` and ``head`` are described in the module doc.
-    """
-
-    def __init__(
-        self,
-        *,
-        img_size: int | tuple[int, int] = 32,
-        in_chans: int = 3,
-        num_classes: int = 10,
-        widths: tuple[int, ...] = (32, 32, 32),
-        strides: tuple[int, ...] | None = None,
-        kernel_size: int = 3,
-        padding: Padding = "zero",
-        pool: Pool = "avg",
-        head: Head = "linear",
-    ) -> None:
+    def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 3, num_classes: int = 10,
+                 widths: tuple[int, ...] = (32, 32, 32), strides: tuple[int, ...] | None = None, kernel_size: int = 3,
+                 padding: Padding = "zero", pool: Pool = "avg", head: Head = "linear") -> None:
         super().__init__()
         check_choice("padding", padding, Padding)
         check_choice("pool", pool, Pool)
@@ -104,13 +73,10 @@ class ConvNet(nn.Module):
         self.feature_size = (h, w)
         layers, in_chs = [], in_chans
         for width, stride in zip(widths, strides):
-            layers += [
-                nn.Conv2d(in_chs, width, kernel_size, stride=stride, bias=False,
-                          padding=0 if padding == "valid" else kernel_size // 2,
-                          padding_mode="circular" if padding == "circular" else "zeros"),
-                nn.BatchNorm2d(width),
-                nn.ReLU(inplace=True),
-            ]
+            layers += [nn.Conv2d(in_chs, width, kernel_size, stride=stride, bias=False,
+                                 padding=0 if padding == "valid" else kernel_size // 2,
+                                 padding_mode="circular" if padding == "circular" else "zeros"),
+                       nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
             in_chs = width
         self.features = nn.Sequential(*layers)
         self.pool = {"avg": nn.AdaptiveAvgPool2d(1), "max": nn.AdaptiveMaxPool2d(1), "flatten": nn.Identity()}[pool]
@@ -128,8 +94,7 @@ class ConvNet(nn.Module):
         return self.features(x)
 
     def forward_head(self, fmap: torch.Tensor) -> torch.Tensor:
-        """Global pooling of the feature map ``(B, C, H', W')`` (or none, for "flatten"), then the head:
-        ``(B, num_classes)``."""
+        """``(B, C, H', W') -> (B, num_classes)``: global pooling (none for "flatten"), then the head."""
         return self.head(self.pool(fmap).flatten(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

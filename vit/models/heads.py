@@ -13,21 +13,11 @@ from vit.models.scores import Score, build_score
 
 
 class MAPHead(AttentionPoolLatent):
-    """Multihead attention pooling (big_vision's "map" head), as timm's `AttentionPoolLatent`.
+    """Multihead attention pooling (big_vision's "map" head) with timm's `AttentionPoolLatent` parameters; the forward
+    pass is ours, so that the learned query's attention uses `attn_score` and is recorded, `(B, H, 1, N)`."""
 
-    A learned query (the latent) cross-attends to the tokens, then a residual MLP refines the result:
-    `p = attn(latent, tokens)`, `p = p + mlp(norm(p))`. The image is summarised by what one learned question
-    finds, instead of by a token reserved for it (CLS) or by an average.
-
-    The parameters are timm's layer's own (`latent`, `q`, `kv`, `proj`, `norm`, `mlp`), so timm's
-    `global_pool="map"` weights load as they are; the forward pass is ours so that the query's attention goes
-    through this project's score functions (`attn_score`) and is recorded by `vit.models.record_attention`,
-    `(B, H, 1, N)`, like every block's.
-    """
-
-    def __init__(
-        self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, attn_score: Score = "scaled_dot", score_dim: int = 16
-    ) -> None:
+    def __init__(self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, attn_score: Score = "scaled_dot",
+                 score_dim: int = 16) -> None:
         super().__init__(dim, num_heads=num_heads, mlp_ratio=mlp_ratio, norm_layer=partial(nn.LayerNorm, eps=1e-6))
         self.attn_score = attn_score
         self.score = build_score(attn_score, num_heads=num_heads, head_dim=self.head_dim, score_dim=score_dim)

@@ -10,16 +10,8 @@ from vit.models.inputs import check_image_batch
 
 
 class PatchEmbed(nn.Module):
-    """`(B, C, H, W) -> (B, N, D)` with a strided convolution, `N = (H / P) * (W / P)`.
-
-    A convolution with kernel = stride = patch size is exactly "flatten each P x P patch and apply one shared
-    linear map", the kernel doing the reshaping. Each side of `img_size` `(H, W)` must be a multiple of
-    `patch_size`.
-
-    `kernel_size` > `patch_size` makes the patches overlap: each token sees a `kernel_size`-wide window centred
-    on its patch (zero padding `(kernel_size - patch_size) / 2` keeps the grid), so a feature smaller than the
-    window but cut by a patch border is still seen whole by one token.
-    """
+    """`(B, C, H, W) -> (B, N, D)` with a strided convolution, `N = (H / P) * (W / P)`. `kernel_size` > `patch_size`
+    makes the patches overlap: each token sees a `kernel_size`-wide window centred on its patch (zero-padded)."""
 
     def __init__(self, *, img_size: tuple[int, int], patch_size: int, in_chans: int, embed_dim: int,
                  kernel_size: int | None = None) -> None:
@@ -28,13 +20,9 @@ class PatchEmbed(nn.Module):
             if patch_size <= 0 or patch_size > side:
                 raise ValueError(f"patch_size={patch_size} must be in [1, img_size={side}]")
             if side % patch_size != 0:
-                raise ValueError(
-                    f"img_size={side} is not divisible by patch_size={patch_size}; "
-                    f"allowed patch sizes for this image: {[p for p in range(1, side + 1) if side % p == 0]}"
-                )
-        self.img_size = img_size  # (H, W), as timm's PatchEmbed keeps it
-        self.patch_size = patch_size
-        self.in_chans = in_chans
+                raise ValueError(f"img_size={side} is not divisible by patch_size={patch_size}; allowed patch sizes "
+                                 f"for this image: {[p for p in range(1, side + 1) if side % p == 0]}")
+        self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans  # img_size: (H, W), as timm's
         self.grid_size = (img_size[0] // patch_size, img_size[1] // patch_size)  # (gh, gw)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         kernel_size = patch_size if kernel_size is None else kernel_size

@@ -1,20 +1,8 @@
 """The builder of a pretrained `VisionTransformer`: `create_vit(source, ...)`, and `load_pretrained(model, source)`.
 
-The weights come from a timm model name, a hub id or a local file (`vit.models.weights`). The
-architecture comes from the config; the weights are fitted to it with timm's own utilities,
-as `timm.create_model(..., pretrained=True)` does for a new image size:
-
-- the learned position table is resampled to this config's patch grid (bicubic, antialiased), the
-  CLS token's position kept apart (`timm.layers.resample_abs_pos_embed`);
-- the patch-embedding kernel is resampled to another patch size (`resample_patch_embed`, FlexiViT);
-- `in_chans` other than 3: the first convolution is adapted (`timm.models.adapt_input_conv`);
-- a classifier head whose `num_classes` differs is dropped and stays freshly initialised;
-- fixed sin/cos encodings are not weights: they are regenerated for the grid. A pretrained
-  *learned* table cannot become a fixed encoding, so loading one into a `sincos*` config is an error;
-- `embed_dim`, `depth` and `num_heads` left unset are read from the source (`resolve_shape`): a timm
-  name's architecture (built on the meta device, nothing downloaded), or a file's tensor shapes;
-- weights whose final LayerNorm sits on the other side of the pooling (`norm` against `fc_norm`)
-  are refused with the option that fits them (`check_layout`).
+The weights (`vit.models.weights`) are fitted to the config with timm's utilities, as `timm.create_model(...,
+pretrained=True)` does: position table, patch kernel and first convolution resampled or adapted; a head with another
+`num_classes` stays fresh. The size left unset is read from the source (`resolve_shape`).
 """
 
 from __future__ import annotations
@@ -39,13 +27,9 @@ log = logging.getLogger(__name__)
 _TIMM_ONLY = ("head_drop.", "norm_pre.")
 
 
-
-
-
 def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None, depth: int | None,
                   num_heads: int | None) -> dict[str, int]:
-    """`embed_dim`, `depth` and `num_heads`: each as given, else the pretrained source's (`pretrained_shape`),
-    else (no `pretrained`) `DEFAULT_SHAPE`'s. What is given wins, so weights that do not fit are still refused."""
+    """`embed_dim`, `depth` and `num_heads`: each as given, else the pretrained source's, else `DEFAULT_SHAPE`'s."""
     given = {"embed_dim": embed_dim, "depth": depth, "num_heads": num_heads}
     missing = [name for name, value in given.items() if value is None]
     if not missing:
@@ -55,14 +39,8 @@ def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None
 
 
 def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(DEFAULT_SHAPE)) -> dict[str, int]:
-    """The `embed_dim`, `depth` and `num_heads` of the ViT that `source` holds, without downloading its weights.
-
-    A timm model name (with or without its tag) or a `timm/<name>` hub id: timm's architecture for the
-    name, built on the meta device. A file (or a `vit.export` folder): `embed_dim` from
-    `patch_embed.proj.weight` `(D, C, P, P)`, `depth` from the `blocks.N` keys; the number of heads
-    is in no tensor's shape, so it comes from a `config.json` beside the file (timm's Hub layout,
-    `model_args.num_heads`) or must be given: `PretrainedError` naming the option.
-    """
+    """The `embed_dim`, `depth` and `num_heads` of the ViT that `source` holds, without downloading its weights: timm's
+    architecture for a timm name, else the tensors' shapes and `num_heads` from a `config.json` beside the file."""
     kind = source_kind(source)
     text = str(source)
     if kind == "hub" and text.split(":", 1)[-1].startswith("timm/"):  # timm's own repos are named after the model
@@ -123,9 +101,7 @@ def _weight_shapes(source: str | os.PathLike, kind: str) -> dict[str, tuple[int,
 
 
 def check_layout(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """`state` itself, or a `PretrainedError` naming the option when its final LayerNorm sits on the other side of
-    the pooling: before it (`norm.*`, on every token) or after it (`fc_norm.*`, on the pooled vector) are not
-    interchangeable, a LayerNorm of the mean not being the mean of LayerNorms."""
+    """`state`, unless its final LayerNorm sits on the other side of the pooling (`norm` against `fc_norm`)."""
     use_fc_norm = getattr(model, "use_fc_norm", None)
     if use_fc_norm is not None:
         has_norm, has_fc_norm = "norm.weight" in state, "fc_norm.weight" in state
@@ -156,11 +132,9 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
         state["patch_embed.proj.weight"] = weight
     if "pos_embed" in state:
         if model.pos_embed_type != "learned":
-            raise PretrainedError(
-                f"the pretrained weights have a learned position table, and this config has pos_embed="
-                f"{model.pos_embed_type!r}: a learned table cannot become a fixed encoding. Use pos_embed='learned' "
-                "to fine-tune these weights"
-            )
+            raise PretrainedError(f"the pretrained weights have a learned position table, and this config has "
+                                  f"pos_embed={model.pos_embed_type!r}: a learned table cannot become a fixed "
+                                  "encoding. Use pos_embed='learned' to fine-tune these weights")
         table = state["pos_embed"]  # (1, prefix + gh * gw, D); no prefix positions with no_embed_class
         prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
         old_patches = table.shape[1] - prefix
@@ -192,9 +166,8 @@ def _prefix_hint(num_positions: int, state: dict[str, torch.Tensor], model: nn.M
 
 def create_vit(pretrained: str | os.PathLike, *, embed_dim: int | None = None, depth: int | None = None,
                num_heads: int | None = None, **kwargs) -> nn.Module:
-    """A `VisionTransformer` with the weights named by `pretrained` (a timm model name, a hub id or a local file), as
-    timm's `create_model(name, pretrained=True, **kwargs)`: the size left unset is the source's (`resolve_shape`),
-    the other options are `kwargs`, and the weights are adapted to them (`load_pretrained`)."""
+    """A `VisionTransformer` with the weights named by `pretrained`, as timm's `create_model(name, pretrained=True,
+    **kwargs)`: the size left unset is the source's (`resolve_shape`), the weights adapted to the config."""
     shape = resolve_shape(pretrained, embed_dim=embed_dim, depth=depth, num_heads=num_heads)
     model = VisionTransformer(**shape, **kwargs)
     load_pretrained(model, pretrained)

@@ -1,4 +1,4 @@
-"""The Vision Transformer (Dosovitskiy et al. 2021): patches -> tokens -> Transformer -> CLS -> class."""
+"""The Vision Transformer (Dosovitskiy et al. 2021): patches -> tokens -> Transformer -> class; its `Block`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from typing import Literal
 
 import torch
 import torch.utils.checkpoint
+from timm.layers import DropPath, Mlp
 from torch import nn
 from torch.nn.init import trunc_normal_
 
 from vit.checks import check_arguments, check_choice, check_int, check_size
-from vit.models.block import Block
+from vit.models.attention import Attention, check_heads
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
@@ -18,92 +19,83 @@ from vit.models.scores import Score
 
 PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
 Pool = Literal["cls", "mean", "map"]
-# Far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo fails here instead of allocating
-# for hours; `img_size` and the patch options are checked where they are used (`check_size`, `PatchEmbed`).
 DEFAULT_SHAPE = {"embed_dim": 192, "depth": 6, "num_heads": 3}  # a ViT-Ti width at half depth, for 32 px images
+# Far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo fails here instead of allocating.
 BOUNDS = {"in_chans": (1, 1024), "num_classes": (1, 10**7), "embed_dim": (1, 65536), "depth": (1, 1024),
           "reg_tokens": (0, 1024), "score_dim": (1, 65536), "mlp_ratio": (0, 64, True, False),
           "drop_path_rate": (0, 1, False, True), "qk_init_std": (0, 10, True, False)}
 
 
+class Block(nn.Module):
+    """`x + attn(norm1(x))`, then `x + mlp(norm2(x))`, each branch with stochastic depth; timm's parameter names."""
+
+    def __init__(self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 qk_norm: bool = False, attn_score: Score = "scaled_dot", score_dim: int = 16,
+                 drop_path: float = 0.0) -> None:
+        super().__init__()
+        # eps=1e-6 as in timm and the original ViT, so timm checkpoints give identical outputs.
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_score=attn_score,
+                              score_dim=score_dim)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))  # fc1, act (GELU), drop1, norm (Identity), fc2, drop2
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`(B, N, D) -> (B, N, D)`; `mask` (bool or additive, `vit.models.masks`) limits the attention."""
+        x = x + self.drop_path1(self.attn(self.norm1(x), mask=mask))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
 class VisionTransformer(nn.Module):
     """A plain ViT whose parameter names match `timm.models.VisionTransformer`; built from numbers alone.
 
-    For the same configuration (`attn_score="scaled_dot"`, `pos_embed="learned"`, timm's `global_pool` "token",
-    "avg" or "map" for `pool` "cls", "mean" or "map", the same `reg_tokens`, `no_embed_class` and `fc_norm`),
-    a timm ViT's state dict loads strictly and gives the same features and logits. Pretrained weights come
-    through a builder (`vit.models.pretrained.create_vit`, or `ImageClassifier(pretrained=...)` in a config), as
-    in timm's `create_model`. Tokens: `[CLS] [registers] [patches]`. timm's model API is there too:
-    `forward_intermediates`, `get_classifier`, `reset_classifier`, `set_grad_checkpointing`, `num_features`.
+    For the same configuration (scaled-dot scores, learned positions, `pool` "cls", "mean" or "map" for timm's
+    `global_pool` "token", "avg" or "map"), a timm ViT's state dict loads strictly and gives the same logits;
+    pretrained weights come through `vit.models.pretrained.create_vit`. Tokens: `[CLS] [registers] [patches]`.
 
     Args:
         img_size: a side, or `(H, W)`; the patch grid is `(H / P, W / P)`, P the `patch_size`.
         embed_dim, depth, num_heads: `DEFAULT_SHAPE`'s when None (`train.py` fills in a pretrained source's).
-        pool: how the tokens become one vector for the head: "cls" (a learned CLS token, read out),
-            "mean" (the patch tokens' average), "map" (a learned query cross-attending to the patches, `MAPHead`).
-        fc_norm: the final LayerNorm after the pooling (`fc_norm`) instead of on every token (`norm`);
-            by default after for "mean" (timm's `global_pool="avg"`), before for "cls" and "map".
+        pool: "cls" (a learned CLS token, read out), "mean" (the patch tokens' average) or "map" (`MAPHead`).
+        fc_norm: the final LayerNorm after the pooling (`fc_norm`) instead of on every token (`norm`); by default
+            after for "mean" (timm's `global_pool="avg"`), before for "cls" and "map".
         reg_tokens: learned register tokens after the CLS token (Darcet et al. 2024), never read out.
         no_embed_class: positions for the patches only (timm's register models), not the prefix tokens.
-        qk_norm: a LayerNorm on each head's queries and keys.
         pos_embed: "learned" (a parameter), "sincos1d" (over the token index), "sincos2d" (over the patch grid,
-            prefix tokens at zero), both non-persistent buffers, or "none" (an ablation: the encoder is then
-            permutation equivariant over patches).
+            prefix tokens at zero), both non-persistent buffers, or "none" (permutation equivariant over patches).
         drop_path_rate: stochastic depth of the last block, rising linearly from 0 in the first.
-        attn_score: the score function `f(q, k)` of every attention layer (`vit.models.scores`);
-            `score_dim` the hidden width of the additive forms.
+        attn_score: every attention layer's score function (`vit.models.scores`); `score_dim`: the additive ones' width.
         qk_init_std: the init std of the query and key projections (`init_weights`).
         patch_kernel: a patch window wider than the patch: overlapping patches (`PatchEmbed`).
 
     `attn_mask`, None here, is a fixed mask every block applies (`vit.models.masks`); a subclass may set it.
     """
 
-    def __init__(
-        self,
-        *,
-        img_size: int | tuple[int, int] = 32,
-        patch_size: int = 4,
-        in_chans: int = 3,
-        num_classes: int = 10,
-        embed_dim: int | None = None,
-        depth: int | None = None,
-        num_heads: int | None = None,
-        mlp_ratio: float = 4.0,
-        pool: Pool = "cls",
-        fc_norm: bool | None = None,
-        reg_tokens: int = 0,
-        no_embed_class: bool = False,
-        qkv_bias: bool = True,
-        qk_norm: bool = False,
-        pos_embed: PosEmbed = "learned",
-        drop_path_rate: float = 0.0,
-        attn_score: Score = "scaled_dot",
-        score_dim: int = 16,
-        qk_init_std: float = 0.02,
-        patch_kernel: int | None = None,
-    ) -> None:
+    def __init__(self, *, img_size: int | tuple[int, int] = 32, patch_size: int = 4, in_chans: int = 3,
+                 num_classes: int = 10, embed_dim: int | None = None, depth: int | None = None,
+                 num_heads: int | None = None, mlp_ratio: float = 4.0, pool: Pool = "cls", fc_norm: bool | None = None,
+                 reg_tokens: int = 0, no_embed_class: bool = False, qkv_bias: bool = True, qk_norm: bool = False,
+                 pos_embed: PosEmbed = "learned", drop_path_rate: float = 0.0, attn_score: Score = "scaled_dot",
+                 score_dim: int = 16, qk_init_std: float = 0.02, patch_kernel: int | None = None) -> None:
         super().__init__()
         embed_dim, depth, num_heads = (DEFAULT_SHAPE[k] if v is None else v for k, v in
                                        (("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads)))
         check_arguments(VisionTransformer, locals(), BOUNDS)
         check_int("num_heads", num_heads, 1, embed_dim)
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; allowed num_heads "
-                             f"for this width: {[h for h in range(1, embed_dim + 1) if embed_dim % h == 0]}")
-        self.num_classes = num_classes
+        check_heads(embed_dim, num_heads)
+        self.num_classes, self.qk_init_std = num_classes, qk_init_std
         self.embed_dim = self.num_features = embed_dim  # timm's name for the width the head reads
-        self.pos_embed_type = pos_embed
-        self.pool = pool
+        self.pos_embed_type, self.pool = pos_embed, pool
         self.use_fc_norm = pool == "mean" if fc_norm is None else fc_norm
         self.num_reg_tokens, self.no_embed_class = reg_tokens, no_embed_class
         self.num_prefix_tokens = (1 if pool == "cls" else 0) + reg_tokens  # the CLS token if any, then the registers
-        self.qk_init_std = qk_init_std
 
         self.patch_embed = PatchEmbed(img_size=check_size("img_size", img_size), patch_size=patch_size,
                                       in_chans=in_chans, embed_dim=embed_dim, kernel_size=patch_kernel)
         num_patches = self.patch_embed.num_patches
-        unplaced = self.num_prefix_tokens if no_embed_class else 0  # prefix tokens without a position
-        num_placed = self.num_prefix_tokens + num_patches - unplaced  # the tokens that have one
+        num_placed = num_patches + (0 if no_embed_class else self.num_prefix_tokens)  # the tokens with a position
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pool == "cls" else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         if pos_embed == "learned":
@@ -111,26 +103,22 @@ class VisionTransformer(nn.Module):
         elif pos_embed == "sincos1d":
             self.register_buffer("pos_embed", sincos_1d(torch.arange(num_placed), embed_dim)[None], persistent=False)
         elif pos_embed == "sincos2d":
-            grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (num_patches, D)
-            prefix_pos = torch.zeros(num_placed - num_patches, embed_dim)
-            self.register_buffer("pos_embed", torch.cat([prefix_pos, grid])[None], persistent=False)
+            grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (num_patches, D); prefix tokens at 0
+            self.register_buffer("pos_embed", torch.cat([torch.zeros(num_placed - num_patches, embed_dim), grid])[None],
+                                 persistent=False)
         else:
             self.pos_embed = None
         self.register_buffer("attn_mask", None, persistent=False)  # None: every token sees every token
 
-        # Stochastic depth grows linearly with depth: early blocks are kept almost always.
         dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # numbers, also under a meta-device build
-        self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                  attn_score=attn_score, score_dim=score_dim, drop_path=dpr[i])
-            for i in range(depth)
-        )
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+                                          qk_norm=qk_norm, attn_score=attn_score, score_dim=score_dim, drop_path=p)
+                                    for p in dpr)
         # As in timm: one final LayerNorm, before the pooling (`norm`) or after it (`fc_norm`).
         self.norm = nn.Identity() if self.use_fc_norm else nn.LayerNorm(embed_dim, eps=1e-6)
         if pool == "map":
-            self.attn_pool = MAPHead(
-                embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score, score_dim=score_dim
-            )
+            self.attn_pool = MAPHead(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score,
+                                     score_dim=score_dim)
         self.fc_norm = nn.LayerNorm(embed_dim, eps=1e-6) if self.use_fc_norm else nn.Identity()
         self.head_drop = nn.Identity()  # timm's name; this model has no dropout before the head
         self.head = nn.Linear(embed_dim, num_classes)
@@ -138,14 +126,8 @@ class VisionTransformer(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """timm's scheme: truncated normal (std 0.02) for linear layers and learned positions.
-
-        The query and key rows of every `qkv` get std `qk_init_std` instead. At timm's 0.02 the attention
-        logits start with a std of about 0.02 at width 64: every row is near uniform, and each token reads the
-        average of all the others. At `1 / sqrt(embed_dim)` a query's entries have unit variance (its input is
-        layer-normalised), so the scaled logits start with a std of about 1: attention depends on content from
-        the first step.
-        """
+        """timm's scheme (truncated normal, std 0.02), but std `qk_init_std` for the query and key rows of every `qkv`:
+        at `1 / sqrt(embed_dim)` the attention logits start with a std of about 1 instead of near 0."""
         if isinstance(self.pos_embed, nn.Parameter):
             trunc_normal_(self.pos_embed, std=0.02)
         for token in (self.cls_token, self.reg_token):
@@ -168,15 +150,12 @@ class VisionTransformer(nn.Module):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, str | list]:
-        """timm's layer groups, read by `timm.optim.param_groups_layer_decay`: the stem (patch embedding, CLS,
-        registers, positions), then `blocks.N` one group each, then `norm`; the rest (`fc_norm`, the MAP head,
-        `head`) is the last group."""
+        """timm's layer groups (`param_groups_layer_decay`): the stem, `blocks.N` one each, `norm`; the rest last."""
         return {"stem": r"^cls_token|reg_token|pos_embed|patch_embed",
                 "blocks": [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))]}
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, C, H, W) -> (B, N, D)`: the tokens after the last block, `[CLS] [registers] [patches]`, normalised
-        by `norm` (with `fc_norm`, an Identity: the pooled vector is normalised instead, as in timm)."""
+        """`(B, C, H, W) -> (B, N, D)`: the tokens after the last block, normalised by `norm`."""
         x = self.embed(x)  # (B, N, D)
         for block in self.blocks:
             x = self._run_block(block, x)  # x + attn(norm1(x)), then x + mlp(norm2(x))
@@ -195,27 +174,14 @@ class VisionTransformer(nn.Module):
 
     def _run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and torch.is_grad_enabled():
-            # Activation checkpointing: the block's activations are recomputed in the backward pass.
             return torch.utils.checkpoint.checkpoint(block, x, self.attn_mask, use_reentrant=False)
         return block(x, self.attn_mask)
 
-    def forward_intermediates(
-        self,
-        x: torch.Tensor,
-        indices: int | list[int] | None = None,
-        *,
-        return_prefix_tokens: bool = False,
-        norm: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-    ):
-        """The token maps after chosen blocks, for dense tasks and probing (timm's signature, in part).
-
-        `indices`: the last n blocks for an int, block numbers for a list (negative from the end), all
-        by default. `output_fmt`: "NCHW" gives `(B, D, gh, gw)` patch maps, "NLC" `(B, num_patches, D)`.
-        Returns the list, or `(final normalised tokens (B, N, D), list)` unless `intermediates_only`;
-        with `return_prefix_tokens`, each entry is `(patch map, prefix tokens (B, num_prefix, D))`.
-        """
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, *,
+                              return_prefix_tokens: bool = False, norm: bool = False, output_fmt: str = "NCHW",
+                              intermediates_only: bool = False):
+        """The patch maps after the chosen blocks (`indices`: the last n, or block numbers), as timm's method: "NCHW"
+        `(B, D, gh, gw)` or "NLC"; the final normalised tokens first unless `intermediates_only`."""
         check_choice("output_fmt", output_fmt, ("NCHW", "NLC"))
         depth = len(self.blocks)
         if indices is None:
@@ -257,8 +223,7 @@ class VisionTransformer(nn.Module):
         self.grad_checkpointing = enable
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """`(B, N, D) -> (B, num_classes)`: pool the tokens as `self.pool` says, `fc_norm`, then the
-        linear head; with `pre_logits`, the pooled features `(B, D)` the head reads."""
+        """`(B, N, D) -> (B, num_classes)`: pool the tokens, `fc_norm`, the head; `pre_logits`: the pooled `(B, D)`."""
         if self.pool == "cls":
             x = x[:, 0]  # (B, D)
         elif self.pool == "mean":

@@ -1,12 +1,11 @@
 """Pretrained weights as a state dict, from a local file, a Hugging Face Hub id or a timm model name: `load_state_dict`.
 
-The one reader of pretrained weight files: a `.safetensors` file, or a `torch.save` file read with
-`weights_only=True`, each checked whole (complete, tensors only, finite) before it is handed on.
-Fitting the weights to a config is `vit.models.pretrained`'s.
+A `.safetensors` file, or a `torch.save` file read with `weights_only=True`, checked whole (complete, tensors, finite).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -27,11 +26,8 @@ class PretrainedError(ValueError):
 
 
 def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The state dict named by `source` (see `source_kind`), checked to hold finite values only.
-
-    A local file is `.safetensors`, or a `.pth`/`.bin` state dict or a checkpoint dict holding one, read with
-    `weights_only=True`; a timm model name or hub id is downloaded by timm into its cache where the network allows.
-    """
+    """The state dict named by `source` (see `source_kind`), checked to hold finite values only; a timm model name or
+    hub id is downloaded by timm into its cache."""
     kind = source_kind(source)
     if kind == "file":
         try:
@@ -54,9 +50,8 @@ def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def source_kind(source: str | os.PathLike) -> Literal["file", "hub", "name"]:
-    """How `source` is read: `"file"` (a path that exists, or one that looks like a path), `"hub"` (a
-    Hugging Face Hub id, `hf-hub:timm/vit_small_patch16_224.augreg_in21k` or `timm/vit_small_...`),
-    or `"name"` (a timm model name with an optional pretrained tag, `vit_small_patch16_224.augreg_in21k`)."""
+    """How `source` is read: `"file"` (a path that exists, or looks like one), `"hub"` (`hf-hub:org/name` or
+    `org/name`), or `"name"` (a timm model name with an optional tag, `vit_small_patch16_224.augreg_in21k`)."""
     text = str(source)
     if not isinstance(source, str) or Path(text).expanduser().exists():
         return "file"
@@ -96,10 +91,10 @@ def _read_file(path: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 def _numpy_archive(name: str) -> PretrainedError:
-    return PretrainedError(
-        f"{name} is a NumPy .npz archive (JAX / big_vision weights), a format not supported here: expected {_FORMATS}. "
-        "timm reads a big_vision ViT's .npz (timm.models.load_checkpoint(model, path)); save that model's "
-        "state_dict() with safetensors.torch.save_file and pass the .safetensors file")
+    return PretrainedError(f"{name} is a NumPy .npz archive (JAX / big_vision weights), a format not supported here: "
+                           f"expected {_FORMATS}. timm reads a big_vision ViT's .npz (timm.models.load_checkpoint("
+                           "model, path)); save that model's state_dict() with safetensors.torch.save_file and pass "
+                           "the .safetensors file")
 
 
 def _truncated(name: str, kind: str, size: int) -> PretrainedError:
@@ -143,11 +138,9 @@ def _read_torch(path: Path, name: str, head: bytes, size: int) -> dict[str, torc
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         if found:
-            raise PretrainedError(
-                f"{name} holds Python objects, not only tensors (it asks for {found[1]}); loading it could run "
-                "arbitrary code, so it is refused. Pass a state dict saved with torch.save(model.state_dict(), path), "
-                "or a .safetensors file"
-            ) from None
+            raise PretrainedError(f"{name} holds Python objects, not only tensors (it asks for {found[1]}); loading it "
+                                  "could run arbitrary code, so it is refused. Pass a state dict saved with "
+                                  "torch.save(model.state_dict(), path), or a .safetensors file") from None
         raise PretrainedError(f"{name} is not a PyTorch weights file, or it is corrupted") from None
     except Exception as err:  # noqa: BLE001  (torch raises RuntimeError, EOFError or OSError for damaged archives)
         raise PretrainedError(f"{name} cannot be loaded: it is corrupted ({_first_line(err)})") from None
@@ -193,15 +186,12 @@ def _download_error(source: str, kind: Literal["hub", "name"], err: Exception) -
     if kind == "hub":
         repo = source.split(":", 1)[-1].split("@", 1)[0]
     else:
-        try:
+        with contextlib.suppress(Exception):  # the hint is a courtesy; the error below is what matters
             import timm
 
             repo = timm.models.get_pretrained_cfg(source).hf_hub_id or repo
-        except Exception:  # noqa: BLE001  (the hint is a courtesy; the error below is what matters)
-            pass
     taken = " (taken for a Hugging Face Hub id: there is no file of that name)" if _REPO_ID.fullmatch(source) else ""
-    return PretrainedError(
-        f"the weights of {source!r}{taken} could not be downloaded ({_first_line(err)}). "
-        f"Without network, download the file on a machine that has it (`hf download {repo} model.safetensors "
-        "--local-dir weights`) and pass the file instead: pretrained=weights/model.safetensors"
-    )
+    return PretrainedError(f"the weights of {source!r}{taken} could not be downloaded ({_first_line(err)}). Without "
+                           f"network, download the file on a machine that has it (`hf download {repo} "
+                           "model.safetensors --local-dir weights`) and pass the file instead: "
+                           "pretrained=weights/model.safetensors")

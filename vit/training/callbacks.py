@@ -25,26 +25,16 @@ class Preempted(Exception):
     def __init__(self, signum: int, step: int, ckpt_path: str | None) -> None:
         self.signum, self.step, self.ckpt_path = signum, step, ckpt_path
         where = f"{ckpt_path} holds step {step}" if ckpt_path else "no checkpoint could be written"
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} after training step {step}: {where}. Resume with the same "
-            "command and --ckpt_path last (or --ckpt_path <that file>)"
-        )
+        super().__init__(f"stopped by {signal.Signals(signum).name} after training step {step}: {where}. Resume with "
+                         "the same command and --ckpt_path last (or --ckpt_path <that file>)")
 
 
 class StopOnSignal(L.Callback):
-    """On SIGTERM or SIGINT (what SLURM, Kubernetes, `timeout` and Ctrl-C send), stop `fit` cleanly.
-
-    The step under way finishes, `last.ckpt` is written at that step through the trainer's (atomic)
-    checkpoint I/O, and `Preempted` is raised; the command line then exits with 128 + the signal's
-    number, so a job script or an `&&` chain does not take the run for a finished one. SIGTERM is
-    Lightning's notice (`trainer.received_sigterm`, shared between DDP processes); SIGINT is caught
-    during `fit`, and a second Ctrl-C interrupts at once. A SIGTERM during validation stops there
-    (`SIGTERMException`), and `on_exception` writes `last.ckpt` at the last finished step.
-    """
+    """On SIGTERM or SIGINT (SLURM, `timeout`, Ctrl-C), finish the step, write `last.ckpt` and raise `Preempted`; a
+    second Ctrl-C interrupts at once, a SIGTERM during validation stops there (`last.ckpt`: the last finished step)."""
 
     def __init__(self) -> None:
-        self._sigint = False
-        self._previous_handler = None
+        self._sigint, self._previous_handler = False, None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sigint = False
@@ -67,15 +57,14 @@ class StopOnSignal(L.Callback):
         self._restore_handler()
 
     def received(self, trainer: L.Trainer) -> int | None:
-        """The signal that asks training to stop, or None."""
+        """The signal that asks training to stop, or None (SIGTERM: Lightning's notice, shared between processes)."""
         if getattr(trainer, "received_sigterm", False):
             return signal.SIGTERM
         return signal.SIGINT if self._sigint else None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
-        signum = self.received(trainer)
-        if signum is not None:
+        if (signum := self.received(trainer)) is not None:
             self._restore_handler()
             raise Preempted(signum, trainer.global_step, save_last_checkpoint(trainer))
 
@@ -89,9 +78,8 @@ def save_last_checkpoint(trainer: L.Trainer) -> str | None:
     """Write `last.ckpt` now, where the run's `ModelCheckpoint` keeps it; return its path."""
     keepers = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "save_last", False) and cb.dirpath]
     if keepers:
-        callback = keepers[0]
-        path = callback.last_model_path or os.path.join(
-            callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+        cb = keepers[0]
+        path = cb.last_model_path or os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
         for cb in keepers:
             cb.last_model_path = path  # part of the saved state, as ModelCheckpoint does before saving
     else:
@@ -101,11 +89,7 @@ def save_last_checkpoint(trainer: L.Trainer) -> str | None:
 
 
 class RestoreRNGState(L.Callback):
-    """Save the random-number states (torch, CUDA, numpy, Python) in every checkpoint; restore them when `fit` resumes.
-
-    Lightning restores weights, optimizer, schedule and loop counters but not the generators; without
-    them a resumed run's dropout and drop-path would draw other numbers than the uninterrupted run.
-    """
+    """Save the random-number states (torch, CUDA, numpy, Python) in every checkpoint; restore them as `fit` resumes."""
 
     def __init__(self) -> None:
         self._to_restore: dict | None = None
@@ -117,21 +101,22 @@ class RestoreRNGState(L.Callback):
         self._to_restore = state_dict or None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.ckpt_path is not None and self._to_restore is not None:
-            set_rng_states(self._to_restore)
+        if trainer.ckpt_path is not None and (states := self._to_restore) is not None:
+            torch.set_rng_state(states["torch"])
+            n = states["numpy"]
+            np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                                 n["cached_gaussian"]))
+            version, internal, gauss = states["python"]
+            random.setstate((version, tuple(internal), gauss))
+            if "cuda" in states and torch.cuda.is_available():
+                torch.cuda.set_rng_state(states["cuda"])
         self._to_restore = None
 
 
 class StopOnNonFinite(L.Callback):
-    """Stop training when `train/loss` becomes NaN or infinite, and never checkpoint what came after it.
-
-    Reading a GPU value on the host stalls the device's queue, so each step's loss stays on the device
-    and they are checked together every `check_every_n_steps` steps, at each epoch's end and before
-    each checkpoint; the error names the first non-finite step. A checkpoint is refused when a loss
-    since the last check or a weight is non-finite, so every checkpoint on disk predates the failure.
-    The loss is `training_step`'s `mean_loss` (all-reduced, so every process stops at the same step),
-    else its `loss`.
-    """
+    """Stop training when `train/loss` becomes NaN or infinite, and never checkpoint what came after it. The losses
+    stay on the device and are checked every `check_every_n_steps` steps, at each epoch's end and before each
+    checkpoint: `training_step`'s `mean_loss` (all-reduced: every process stops at the same step), else `loss`."""
 
     def __init__(self, check_every_n_steps: int = 50) -> None:
         check_int("check_every_n_steps", check_every_n_steps, 1)
@@ -168,19 +153,14 @@ class StopOnNonFinite(L.Callback):
 
 
 def non_finite_loss_message(trainer: L.Trainer, value: float, step: int, epoch: int, batch_idx: int) -> str:
-    saved = []
-    for callback in trainer.checkpoint_callbacks:
-        for path in (getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")):
-            if path and path not in saved:
-                saved.append(path)
+    paths = [getattr(cb, f"{kind}_model_path", "") for cb in trainer.checkpoint_callbacks for kind in ("last", "best")]
+    saved = list(dict.fromkeys(path for path in paths if path))  # in order, without repeats
     kept = (f"The checkpoints written before it are kept: {', '.join(saved)}." if saved
             else "No checkpoint had been written yet.")
     lr = getattr(trainer.lightning_module.hparams, "lr", None)
-    return (
-        f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
-        f"training stopped at step {trainer.global_step}, and nothing from this step on was checkpointed. {kept} "
-        f"Lower the learning rate (model.lr={lr}), add warmup, or look for broken inputs."
-    )
+    return (f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
+            f"training stopped at step {trainer.global_step}, and nothing from this step on was checkpointed. {kept} "
+            f"Lower the learning rate (model.lr={lr}), add warmup, or look for broken inputs.")
 
 
 def check_finite_weights(state_dict: dict[str, torch.Tensor], step: int) -> None:
@@ -188,32 +168,17 @@ def check_finite_weights(state_dict: dict[str, torch.Tensor], step: int) -> None
     tensors = {name: t for name, t in state_dict.items() if t.is_floating_point()}
     if tensors and not torch.stack([t.isfinite().all() for t in tensors.values()]).all():  # one host sync
         bad = next(name for name, t in tensors.items() if not t.isfinite().all())
-        raise NonFiniteError(
-            f"{bad} holds NaN or infinite values at training step {step}; the checkpoint was not "
-            "written, so the last one on disk is still a good one"
-        )
+        raise NonFiniteError(f"{bad} holds NaN or infinite values at training step {step}; the checkpoint was not "
+                             "written, so the last one on disk is still a good one")
 
 
 def rng_states() -> dict:
     """The global random-number states, as tensors and plain values (loadable with `weights_only=True`)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "python": random.getstate(),
-    }
+    states = {"torch": torch.get_rng_state(),
+              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+              "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state()  # the current device's
     return states
-
-
-def set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    n = states["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])

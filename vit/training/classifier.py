@@ -35,9 +35,8 @@ def format_test_results(metrics: dict[str, float], where: str = "") -> str:
     return "\n".join(lines)
 
 
-def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
-) -> LRScheduler:
+def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
+                           min_lr_ratio: float = 0.0) -> LRScheduler:
     """Per-step multiplier of `lr`: `(step + 1) / warmup_steps` during warmup, then a cosine from 1 at
     `warmup_steps` down to `min_lr_ratio` at `total_steps` (torch's LinearLR, CosineAnnealingLR)."""
     lr = optimizer.defaults["lr"]
@@ -105,52 +104,31 @@ class ImageClassifier(L.LightningModule):
     Args:
         backbone: the network, with a `num_classes` attribute; in YAML, `class_path: vit.models.VisionTransformer`
             (or `ResNet`) with its `init_args`.
-        pretrained: weights the `VisionTransformer` backbone starts from: a timm model name, a hub id or a
-            local file, adapted to its config (`vit.models.pretrained.load_pretrained`); `train.py` fills the
-            backbone's unset `embed_dim`, `depth`, `num_heads` from it. Never loaded again from a checkpoint.
+        pretrained: weights the `VisionTransformer` starts from: a timm model name, a hub id or a local file; it fills
+            the backbone's unset `embed_dim`, `depth`, `num_heads`. Never loaded again from a checkpoint.
         lr: peak learning rate, reached after `warmup_epochs`.
-        weight_decay: AdamW decoupled weight decay, applied to weight matrices only.
         warmup_epochs: linear warmup length (may be fractional); stepped per iteration.
+        weight_decay: AdamW decoupled weight decay, applied to weight matrices only.
         min_lr_ratio: the cosine ends at `lr * min_lr_ratio`.
         label_smoothing: applied to hard labels and to the soft (Mixup/CutMix) targets alike.
         compile: `torch.compile` the backbone in place (`nn.Module.compile`), so checkpoint keys stay `backbone.*`.
-        trainable: what fine-tuning trains: "all"; "head" (a linear probe: only `backbone.head`); or an int k,
-            the last k blocks with the final norm (`norm` or `fc_norm`) and the head (k=0: "head" plus the norm).
-            Frozen parameters get no gradient and are not given to the optimizer.
-        layer_decay: layer-wise learning-rate decay d in (0, 1] (BEiT, Bao et al. 2022; MAE), off by default, with
-            timm's `param_groups_layer_decay` and the backbone's `group_matcher`: of L = depth + 2 layers (0: the
-            stem `patch_embed`/`cls_token`/`reg_token`/`pos_embed`; N + 1: block `blocks.N`, the final `norm` in
-            the last block's; L - 1: the head `fc_norm`/MAP head/`head`), layer i trains at `lr * d ** (L - 1 - i)`.
-            Needs `min_lr_ratio=0`: torch's cosine has one floor for all groups.
-        ema_decay: keep an exponential moving average of the backbone, off by default (timm's `ModelEmaV3`:
-            `ema = ema_decay * ema + (1 - ema_decay) * weights` after every optimizer step, from the starting
-            weights). Validation, test and prediction use it; checkpoints hold it as `ema.module.*` beside
-            `backbone.*` (`fit` resumes both; `build_classifier` loads it as `backbone` for other commands).
+        trainable: what fine-tuning trains: "all"; "head" (a linear probe); or an int k, the last k blocks with the
+            final norm (`norm` or `fc_norm`) and the head. Frozen parameters get no gradient and are not optimized.
+        layer_decay: layer-wise learning-rate decay d in (0, 1] (BEiT; MAE), off by default: of L = depth + 2 layers
+            (stem, blocks, head: `group_matcher`), layer i trains at `lr * d ** (L - 1 - i)`; needs `min_lr_ratio=0`.
+        ema_decay: keep an exponential moving average of the backbone (timm's `ModelEmaV3`), off by default.
+            Validation, test and prediction use it; checkpoints hold it as `ema.module.*` beside `backbone.*`.
 
-    `class_names` (`["0", "1", ...]` until known) comes from the data module and travels in every
-    checkpoint under `"class_names"`, beside `"inputs"` (the data module's `inputs()`: image size,
-    channels, normalisation, interpolation): `vit.training.checkpoint` opens checkpoints for inference
-    from these alone. Testing also logs `test/ece` (15 equal-width bins), `test/top5_acc` (more than 5
-    classes) and `test/class_acc/<name>` (classes with test images). A batch is `(x, y)`, or
-    `(x, y, y_soft)` with Mixup/CutMix: the loss then uses the soft targets, the training accuracy `y`.
+    `class_names` (`["0", "1", ...]` until known) comes from the data module and travels in every checkpoint
+    beside `"inputs"` (the data module's `inputs()`), so a checkpoint opens for inference alone. A batch is
+    `(x, y)`, or `(x, y, y_soft)` with Mixup/CutMix: the loss then uses the soft targets, the accuracy `y`.
     """
 
-    def __init__(
-        self,
-        backbone: nn.Module,
-        *,
-        pretrained: str | None = None,
-        lr: float = 1e-3,
-        weight_decay: float = 0.05,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_epochs: float = 1.0,
-        min_lr_ratio: float = 0.0,
-        label_smoothing: float = 0.0,
-        compile: bool = False,
-        trainable: Literal["all", "head"] | int = "all",
-        layer_decay: float | None = None,
-        ema_decay: float | None = None,
-    ) -> None:
+    def __init__(self, backbone: nn.Module, *, pretrained: str | None = None, lr: float = 1e-3,
+                 weight_decay: float = 0.05, betas: tuple[float, float] = (0.9, 0.999), warmup_epochs: float = 1.0,
+                 min_lr_ratio: float = 0.0, label_smoothing: float = 0.0, compile: bool = False,
+                 trainable: Literal["all", "head"] | int = "all", layer_decay: float | None = None,
+                 ema_decay: float | None = None) -> None:
         super().__init__()
         check_float("lr", lr, 0.0, low_open=True)
         check_float("weight_decay", weight_decay, 0.0)
@@ -161,8 +139,7 @@ class ImageClassifier(L.LightningModule):
             check_float("layer_decay", layer_decay, 0.0, 1.0, low_open=True)
             if not callable(getattr(backbone, "group_matcher", None)):
                 raise ValueError(f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its "
-                                 "layers); "
-                                 f"{type(backbone).__name__} has none")
+                                 f"layers); {type(backbone).__name__} has none")
             if min_lr_ratio != 0:
                 raise ValueError(f"layer_decay={layer_decay} needs min_lr_ratio=0, got {min_lr_ratio}: torch's "
                                  "CosineAnnealingLR ends every parameter group at the same floor, not at a scaled one")
@@ -186,17 +163,15 @@ class ImageClassifier(L.LightningModule):
             load_pretrained(backbone, pretrained)
         self.backbone = backbone
         freeze(backbone, trainable)
-        # A submodule: moves with the model and is saved in its state dict (`ema.module.*`); never trained.
+        # A submodule, saved in the state dict (`ema.module.*`) and never trained.
         self.ema = ModelEmaV3(backbone, decay=ema_decay).requires_grad_(False) if ema_decay is not None else None
         if self.ema is not None:  # timm leaves its copy in eval mode; evaluation sets the mode it runs in
-            self.ema.module.train(backbone.training)  # so training does not start with modules left in eval mode
+            self.ema.module.train(backbone.training)
         if compile:
             self.backbone.compile()
-        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.test_top5 = (MulticlassAccuracy(num_classes=num_classes, top_k=5, average="micro") if num_classes > 5
-                          else None)
+        self.train_acc, self.val_acc, self.test_acc = (MulticlassAccuracy(num_classes, average="micro")
+                                                       for _ in range(3))
+        self.test_top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro") if num_classes > 5 else None
         self.test_ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=15, norm="l1")
         self.test_confusion = MulticlassConfusionMatrix(num_classes=num_classes)
         self.class_names = index_names(num_classes)
@@ -224,19 +199,11 @@ class ImageClassifier(L.LightningModule):
         # train/loss is logged already averaged over processes: Lightning's sync_dist advice does not apply.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
                                 category=PossibleUserWarning)
-        self._check_ema_horizon()
-
-    def _check_ema_horizon(self) -> None:
-        """Warn when the moving average's horizon, ~1 / (1 - ema_decay) optimizer steps, is longer than the run.
-
-        After t steps the average still holds the starting weights with weight `ema_decay ** t` (e^-1 at the
-        horizon): in a shorter run, what is evaluated and saved has barely trained. `fast_dev_run` is not warned.
-        """
+        # Warn when the moving average's horizon, ~1 / (1 - ema_decay) optimizer steps, is longer than the run.
         decay, steps = self.hparams.get("ema_decay"), self.trainer.estimated_stepping_batches
         if decay is None or self.trainer.fast_dev_run or steps == float("inf"):
             return
-        horizon = 1 / (1 - decay)
-        if horizon > steps:
+        if (horizon := 1 / (1 - decay)) > steps:
             rank_zero_warn(f"ema_decay={decay} averages over ~{round(horizon)} optimizer steps, but this run makes "
                            f"{int(steps)}: validation, test and the checkpoint use the average, which stays near the "
                            "initial weights; lower ema_decay or train longer")
@@ -252,10 +219,9 @@ class ImageClassifier(L.LightningModule):
         return self.ema.module if self.ema is not None else self.backbone
 
     def _eval_step(self, batch, split: str, metric: MulticlassAccuracy) -> torch.Tensor:
-        x, y = batch[0], batch[1]
-        logits = self.evaluated(x)
-        metric(logits, y)
-        self.log(f"{split}/loss", self._loss(logits, y), on_epoch=True, prog_bar=split == "val", sync_dist=True)
+        logits = self.evaluated(batch[0])
+        metric(logits, batch[1])
+        self.log(f"{split}/loss", self._loss(logits, batch[1]), on_epoch=True, prog_bar=split == "val", sync_dist=True)
         self.log(f"{split}/acc", metric, on_epoch=True, prog_bar=split == "val")
         return logits
 

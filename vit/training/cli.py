@@ -22,13 +22,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from vit.checks import check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
-from vit.training.callbacks import (
-    NonFiniteError,
-    Preempted,
-    RestoreRNGState,
-    StopOnNonFinite,
-    StopOnSignal,
-)
+from vit.training import preflight
+from vit.training.callbacks import NonFiniteError, Preempted, RestoreRNGState, StopOnNonFinite, StopOnSignal
 from vit.training.checkpoint import Checkpoint, CheckpointError, read
 from vit.training.checkpoint.build import build_classifier
 from vit.training.checkpoint.io import AtomicCheckpointIO
@@ -36,17 +31,7 @@ from vit.training.checkpoint.resume import check_resume
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.dashboard import HParamsTable
 from vit.training.predictions import PredictionWriter, check_topk
-from vit.training.preflight import (
-    ConfigError,
-    check_data_fits,
-    check_given_config,
-    check_trainer_options,
-    check_writable,
-    forward_one_image,
-    is_local_file,
-    record_model,
-    resolve_resume,
-)
+from vit.training.preflight import ConfigError, as_config_error, is_local_file
 from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
 
 
@@ -64,13 +49,9 @@ class ViTArgumentParser(LightningArgumentParser):
 
 
 def unknown_options_message(unknown: list[str], options: list[str], prog: str) -> str:
-    """`unknown option --model.layer_decy; did you mean --model.layer_decay?`, a sentence per unknown option.
-
-    The suggestion is `difflib`'s closest option string at a ratio of 0.8 or more: the options of one
-    group share their prefix (`--model.`), so a lower bar would offer one of them for any name.
-    """
+    """`unknown option --model.layer_decy; did you mean --model.layer_decay?`, a sentence per unknown option."""
     sentences = []
-    for option in unknown:
+    for option in unknown:  # a high cutoff: the options of one group share their prefix (`--model.`)
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
         sentences.append(f"unknown option {option}" + (f"; did you mean {close[0]}?" if close else "."))
     if len(sentences) > 1 or not sentences[0].endswith("?"):
@@ -79,39 +60,23 @@ def unknown_options_message(unknown: list[str], options: list[str], prog: str) -
 
 
 class ViTCLI(LightningCLI):
-    """LightningCLI that links the data's shape into the backbone and tests the best checkpoint after `fit`.
-
-    Checkpoints are written atomically, `--ckpt_path last` continues the logger's newest run in its
-    own folder, a checkpoint is checked against the config before Lightning loads it, and bad values
-    stop the run with a one-paragraph error.
-    """
+    """LightningCLI that links the data's shape into the backbone, checks everything it can before a run starts,
+    writes checkpoints atomically, resumes runs in their own folder and tests the best checkpoint after `fit`."""
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
-        # The root parser and each subcommand's: an unknown option is refused in one line (`ViTArgumentParser`).
-        self.parser_class = ViTArgumentParser
+        self.parser_class = ViTArgumentParser  # the root parser's and each subcommand's
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # The data module knows the image size, channels and classes; the backbone must match them.
-        for name in ("num_classes", "in_chans", "img_size"):
+        for name in ("num_classes", "in_chans", "img_size"):  # the data module knows them; the backbone must match
             parser.link_arguments(f"data.{name}", f"model.backbone.init_args.{name}", apply_on="instantiate")
-        parser.add_argument(
-            "--test_after_fit",
-            type=bool,
-            default=True,
-            help="After `fit`, run `test` on the best checkpoint (by the ModelCheckpoint monitor) and print test/acc.",
-        )
-        parser.add_argument(
-            "--float32_matmul_precision",
-            type=Literal["highest", "high", "medium"],
-            default="high",
-            help=(
-                "torch.set_float32_matmul_precision, set before anything is built. 'high' lets float32 "
-                "matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer); 'highest' keeps full "
-                "float32; 'medium' allows bfloat16 internally (on CPUs too). Mixed-precision (bf16) "
-                "matmuls are not affected."
-            ),
-        )
+        parser.add_argument("--test_after_fit", type=bool, default=True, help=(
+            "After `fit`, run `test` on the best checkpoint (by the ModelCheckpoint monitor) and print test/acc."))
+        parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
+                            help=("torch.set_float32_matmul_precision, set before anything is built. 'high' lets "
+                                  "float32 matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer); 'highest' "
+                                  "keeps full float32; 'medium' allows bfloat16 internally (on CPUs too). "
+                                  "Mixed-precision (bf16) matmuls are not affected."))
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -123,9 +88,8 @@ class ViTCLI(LightningCLI):
             config.model.pretrained = None
         elif pretrained and any(backbone_args.get(k, 0) is None for k in DEFAULT_SHAPE):
             # An unset backbone size is the source's, written into the config: checkpoints rebuild without the source.
-            given = {name: backbone_args.get(name) for name in DEFAULT_SHAPE}
             try:
-                shape = resolve_shape(pretrained, **given)
+                shape = resolve_shape(pretrained, **{name: backbone_args.get(name) for name in DEFAULT_SHAPE})
             except PretrainedError as err:
                 raise ConfigError(f"model.{err}") from None
             for name, value in shape.items():
@@ -148,35 +112,29 @@ class ViTCLI(LightningCLI):
         if self.trainer.is_global_zero and results:
             print(format_test_results(results[0], where) if "test/acc" in results[0] else f"test results: {results[0]}")
 
-    # --- Robust runs: resuming, checks before work starts, atomic checkpoints ----------------------
-
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
-        # `test` prints `format_test_results` instead of Lightning's table (--verbose true adds it).
-        parser.set_defaults({"test.verbose": False})
+        parser.set_defaults({"test.verbose": False})  # `test` prints `format_test_results` instead of the table
         super().parse_arguments(parser, args)
         self._checkpoint: Checkpoint | None = None  # the --ckpt_path checkpoint, read and validated once
-        # Before anything is built: resolve `last`, then read the checkpoint (a file or a URL) and validate it whole.
         subcommand = self.config.get("subcommand")
-        if subcommand is not None:
-            config = self.config[subcommand]
-            seed = config.get("seed_everything")
-            if not isinstance(seed, bool) and seed is not None:
-                try:
-                    check_int("seed_everything", seed, 0, 2**32 - 1)  # numpy's range; `true` draws one
-                except ValueError as err:
-                    raise ConfigError(str(err)) from None
-            if is_local_file(config.get("ckpt_path")) and "://" not in str(config.ckpt_path):
-                config.ckpt_path = os.path.expanduser(str(config.ckpt_path))
-            resolve_resume(subcommand, config)
-            if is_local_file(config.get("ckpt_path")):
-                self._checkpoint = read(config.ckpt_path)
-                for line in check_given_config(subcommand, config, self._checkpoint.raw, ImageClassifier,
-                                               self._checkpoint.source):
-                    rank_zero_warn(f"--ckpt_path {self._checkpoint.source}: the checkpoint's value is used for {line}")
+        if subcommand is None:
+            return
+        # Before anything is built: resolve `last`, then read the checkpoint (a file or a URL) and validate it whole.
+        config = self.config[subcommand]
+        seed = config.get("seed_everything")
+        if not isinstance(seed, bool) and seed is not None:  # `true` draws one
+            as_config_error(check_int, "seed_everything", seed, 0, 2**32 - 1)  # numpy's range
+        if is_local_file(config.get("ckpt_path")) and "://" not in str(config.ckpt_path):
+            config.ckpt_path = os.path.expanduser(str(config.ckpt_path))
+        preflight.resolve_resume(subcommand, config)
+        if is_local_file(config.get("ckpt_path")):
+            self._checkpoint = checkpoint = read(config.ckpt_path)
+            for line in preflight.check_given_config(subcommand, config, checkpoint.raw, ImageClassifier,
+                                                     checkpoint.source):
+                rank_zero_warn(f"--ckpt_path {checkpoint.source}: the checkpoint's value is used for {line}")
 
     def _parse_ckpt_path(self) -> None:
-        # No merge of the checkpoint's hyperparameters: its model is built from checked values (`instantiate_classes`).
-        return
+        """No merge of the checkpoint's hyperparameters: its model is built from checked values."""
 
     def instantiate_classes(self) -> None:
         # A constructor's error names a bad value: a usage error (see `main`), unlike the same error in training.
@@ -188,8 +146,8 @@ class ViTCLI(LightningCLI):
             # The checkpoint's model, built from checked values; config.yaml records it as the run's model.
             self.model = build_classifier(self._checkpoint, inference=False)
             self._add_configure_optimizers_method_to_model(self.subcommand)
-            check_data_fits(self._checkpoint, self.datamodule)
-            record_model(self.config[self.subcommand], self._checkpoint)
+            preflight.check_data_fits(self._checkpoint, self.datamodule)
+            preflight.record_model(self.config[self.subcommand], self._checkpoint)
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
@@ -199,45 +157,20 @@ class ViTCLI(LightningCLI):
             raise ConfigError(f"--ckpt_path needs this project's checkpoint reader; the configured checkpoint_io "
                               f"{type(trainer.strategy.checkpoint_io).__name__} would read the file itself")
         if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
-            # `train.py predict` writes its predictions (a CSV in the run folder).
-            trainer.callbacks.append(PredictionWriter())
+            trainer.callbacks.append(PredictionWriter())  # `train.py predict` writes a CSV in the run folder
         if trainer.fast_dev_run:
             # A smoke test has no logger, so checkpoints would land in the current folder: none are kept.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
         return trainer
 
-    def before_fit(self) -> None:
-        for name in ("max_epochs", "max_steps"):
-            if getattr(self.trainer, name) == 0:
-                raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no "
-                                  "limit)")
-        check_trainer_options(self.trainer)
-        self._check_before_running()
-
-    def before_validate(self) -> None:
-        self._check_before_running()
-
-    def before_test(self) -> None:
-        self._check_before_running()
-
-    def before_predict(self) -> None:
-        self._check_before_running()
-
     def _check_before_running(self) -> None:
-        """The pre-flight: everything that can be checked before a run folder exists.
-
-        The checkpoint against the model, the loggers' save directories, the run folder, and for `fit`
-        one training image through the model. Whatever fails here is a usage error (exit 2).
-        """
+        """The pre-flight: everything that can be checked before a run folder exists (a failure is exit 2)."""
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         for writer in [c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)]:
-            try:
-                check_topk(writer.topk, len(self.model.class_names), option="PredictionWriter topk=")
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+            as_config_error(check_topk, writer.topk, len(self.model.class_names), option="PredictionWriter topk=")
         if self.subcommand == "fit" and self.datamodule is not None:
             try:
-                forward_one_image(self.model, self.datamodule)
+                preflight.forward_one_image(self.model, self.datamodule)
             except (ConfigError, CheckpointError, DataNotFoundError):
                 raise
             except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
@@ -250,31 +183,41 @@ class ViTCLI(LightningCLI):
             self.trainer.strategy.checkpoint_io.expect(ckpt_path, validated)
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
-                check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
+                preflight.check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
         # RunConfig checks this too, but inside the run, where Lightning's clean-up after the error would
         # add a TensorBoard file to the other run's folder.
         if self.save_config_callback and self.trainer.log_dir is not None:
             check_run_dir(Path(self.trainer.log_dir), stage=self.subcommand, ckpt_path=ckpt_path)
 
+    before_validate = before_test = before_predict = _check_before_running
+
+    def before_fit(self) -> None:
+        for name in ("max_epochs", "max_steps"):
+            if getattr(self.trainer, name) == 0:
+                raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no "
+                                  "limit)")
+        preflight.check_trainer_options(self.trainer)
+        self._check_before_running()
+
 
 def main(args=None) -> ViTCLI:
-    """Entry point of `train.py`: `python train.py {fit,validate,test,predict} --config FILE`.
-
-    Errors a user can fix (missing data, a bad config value, an unusable checkpoint or run folder, a
-    diverged loss) print one `error: ...` paragraph, no traceback, and exit (`SystemExit`) with 2 (usage) or 1.
-    """
-    _quiet_lightning()
+    """Entry point of `train.py`: `python train.py {fit,validate,test,predict} --config FILE`; an error a user can
+    fix prints one `error: ...` paragraph, no traceback, and exits with 2 (usage) or 1."""
+    # Silence torch's `LeafSpec` deprecation raised inside Lightning, and Lightning's advertisement for litlogger.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        if _no_litlogger_tip not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_no_litlogger_tip)
+    # The command line that run_info.json records: `train.py` and its arguments.
+    command = (list(sys.argv) if args is None
+               else ["train.py", *map(str, args)] if isinstance(args, (list, tuple)) else None)
     try:
-        return ViTCLI(
-            ImageClassifier,
-            L.LightningDataModule,
-            subclass_mode_data=True,
-            save_config_callback=RunConfig,
-            save_config_kwargs={"overwrite": False, "command": _command(args)},
-            # Always present: exact resumes, a stop on a diverged loss or a signal, the HParams table.
-            trainer_defaults={"callbacks": [RestoreRNGState(), StopOnNonFinite(), StopOnSignal(), HParamsTable()]},
-            args=args,
-        )
+        # Always present: exact resumes, a stop on a diverged loss or a signal, the HParams table.
+        callbacks = [RestoreRNGState(), StopOnNonFinite(), StopOnSignal(), HParamsTable()]
+        return ViTCLI(ImageClassifier, L.LightningDataModule, subclass_mode_data=True, save_config_callback=RunConfig,
+                      save_config_kwargs={"overwrite": False, "command": command},
+                      trainer_defaults={"callbacks": callbacks}, args=args)
     except (ConfigError, CheckpointError, RunDirectoryError) as err:
         _exit(f"error: {err}", code=2)
     except (NonFiniteError, DataNotFoundError) as err:
@@ -290,33 +233,14 @@ def main(args=None) -> ViTCLI:
             torch.distributed.destroy_process_group()
 
 
-def _quiet_lightning() -> None:
-    """Silence two lines that say nothing about the run: Lightning's advertisement for its litlogger service, and
-    torch's `LeafSpec` deprecation, raised inside Lightning's own code."""
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning)
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoLitLoggerTip) for f in logger.filters):
-            logger.addFilter(_NoLitLoggerTip())
-
-
-class _NoLitLoggerTip(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "pypi.org/project/litlogger" not in record.getMessage()
+def _no_litlogger_tip(record: logging.LogRecord) -> bool:
+    return "pypi.org/project/litlogger" not in record.getMessage()
 
 
 def script(args: list[str] | None = None) -> int:
     """Entry point of the `vit-train` command of an installed package: `main`, with an exit status (0) for the shell."""
     main(args)
     return 0
-
-
-def _command(args) -> list[str] | None:
-    """The command line to record in run_info.json: `train.py` and its arguments."""
-    if args is None:
-        return list(sys.argv)
-    return ["train.py", *map(str, args)] if isinstance(args, (list, tuple)) else None
 
 
 def _exit(message: str, code: int) -> None:

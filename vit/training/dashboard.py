@@ -15,24 +15,21 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from PIL import Image
 from torch import Tensor
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vit.checks import check_int
+from vit.training.predictions import free_path
 
 
 class ConfusionMatrix(L.Callback):
-    """When training ends, log the confusion matrix of the last validation pass of `fit` (by default the final weights).
-
-    The counts come from the logits `validation_step` returns, during the trainer's own validation
-    (`limit_val_batches` applies, the sanity check does not count); rows are true classes, columns
-    predictions. They stay in `matrix` `(num_classes, num_classes)` after fit.
+    """When training ends, log the confusion matrix (rows true classes) of `fit`'s last validation pass, from the
+    logits `validation_step` returns.
 
     Args:
         class_names: axis labels; by default the model's `class_names`, else the class indices.
-        test_tag: the name of W&B's own confusion matrix of the test set (`wandb.plot.confusion_matrix`),
-            logged at the end of `test` when the trainer has a W&B logger.
-        dpi: resolution of the rendered figure.
+        test_tag: the name of W&B's own confusion matrix of the test set, logged at the end of `test`.
     """
 
     def __init__(self, *, class_names: Sequence[str] | None = None, tag: str = "val/confusion_matrix",
@@ -40,12 +37,9 @@ class ConfusionMatrix(L.Callback):
         super().__init__()
         check_int("dpi", dpi, 1)
         self.class_names = list(class_names) if class_names is not None else None
-        self.tag = tag
-        self.test_tag = test_tag
-        self.dpi = dpi
-        self._test_true: list[int] = []
-        self._test_predicted: list[int] = []
-        self.matrix: Tensor | None = None
+        self.tag, self.test_tag, self.dpi = tag, test_tag, dpi
+        self._test_true, self._test_predicted = [], []
+        self.matrix: Tensor | None = None  # (num_classes, num_classes)
         self._counts: MulticlassConfusionMatrix | None = None
         self._epoch = self._step = 0
 
@@ -80,7 +74,7 @@ class ConfusionMatrix(L.Callback):
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
                           dataloader_idx: int = 0) -> None:
         # W&B's interactive matrix of the test set; the other loggers have the test metrics.
-        if isinstance(outputs, Tensor) and dataloader_idx == 0 and _wandb_loggers(trainer):
+        if isinstance(outputs, Tensor) and dataloader_idx == 0 and _loggers(trainer, WandbLogger):
             self._test_predicted += outputs.argmax(-1).tolist()
             self._test_true += batch[1].tolist()
 
@@ -92,7 +86,7 @@ class ConfusionMatrix(L.Callback):
         names = self.class_names or getattr(pl_module, "class_names", None)
         chart = wandb.plot.confusion_matrix(y_true=self._test_true, preds=self._test_predicted, class_names=names,
                                             title="test confusion matrix (rank 0's share)")
-        for logger in _wandb_loggers(trainer):
+        for logger in _loggers(trainer, WandbLogger):
             logger.experiment.log({self.test_tag: chart})
 
     def _figure(self, title: str, class_names: Sequence[str] | None = None):
@@ -111,12 +105,7 @@ class ConfusionMatrix(L.Callback):
 
 
 class HParamsTable(L.Callback):
-    """Fill TensorBoard's HParams tab: one row per run, its settings beside its final metrics.
-
-    At the start of `fit` (or of a lone `test`) each TensorBoard logger gets the run's row (`settings`,
-    flattened as `backbone/init_args/depth`), with the `hp/*` metrics at NaN. TensorBoard shows a
-    metric's last value, so each validation of `fit` logs `hp/val_*` and the end of `test` `hp/test_*`.
-    Other loggers are left alone: W&B gets the whole config from `RunConfig`, CSV keeps `hparams.yaml`.
+    """Fill TensorBoard's HParams tab: one row per run, its settings (at the start) beside its final metrics.
 
     Args:
         metrics: the logged metrics to copy into the table, each as `hp/<name with / as _>`.
@@ -124,14 +113,23 @@ class HParamsTable(L.Callback):
 
     def __init__(self, *, metrics: Sequence[str] = ("val/acc", "val/loss", "test/acc", "test/loss")) -> None:
         super().__init__()
-        self.metrics = list(metrics)
-        self._started = False
+        self.metrics, self._started = list(metrics), False
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start(trainer, pl_module)
+        if self._started:  # a `test` after `fit` is the same run
+            return
+        self._started = True
+        # The run's settings: model, data (without LightningCLI's `_class_path`...), seed, trainer.
+        datamodule, seed = trainer.datamodule, os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything
+        hparams = {**pl_module.hparams_initial, **(datamodule.hparams_initial if datamodule is not None else {})}
+        settings = {**{name: value for name, value in hparams.items() if not name.startswith("_")},
+                    "seed_everything": int(seed) if seed is not None else None,
+                    "trainer": {"max_epochs": trainer.max_epochs, "precision": str(trainer.precision)}}
+        for logger in _loggers(trainer, TensorBoardLogger):
+            logger.log_metrics({hp_tag(name): math.nan for name in self.metrics}, step=trainer.global_step)
+            write_session_start(logger, settings, step=trainer.global_step)
 
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start(trainer, pl_module)  # a `test` after `fit` is the same run: already started
+    on_test_start = on_fit_start
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
@@ -140,46 +138,18 @@ class HParamsTable(L.Callback):
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._log(trainer, "test/")
 
-    def _start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._started:
-            return
-        self._started = True
-        settings = self.settings(trainer, pl_module)
-        declared = {hp_tag(name): math.nan for name in self.metrics}
-        for logger in _tensorboard_loggers(trainer):
-            logger.log_metrics(declared, step=trainer.global_step)
-            write_session_start(logger, settings, step=trainer.global_step)
-
-    @staticmethod
-    def settings(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        """The run's settings as a nested dict (the logger flattens it): model, data, seed, trainer.
-
-        LightningCLI's bookkeeping (`_class_path`, `_instantiator`) is no setting, and the tab would show it first.
-        """
-        datamodule = trainer.datamodule
-        seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything (LightningCLI's `seed_everything`)
-        hparams = {**pl_module.hparams_initial, **(datamodule.hparams_initial if datamodule is not None else {})}
-        return {
-            **{name: value for name, value in hparams.items() if not name.startswith("_")},
-            "seed_everything": int(seed) if seed is not None else None,
-            "trainer": {"max_epochs": trainer.max_epochs, "precision": str(trainer.precision)},
-        }
-
     def _log(self, trainer: L.Trainer, prefix: str) -> None:
         values = {hp_tag(name): float(trainer.callback_metrics[name]) for name in self.metrics
                   if name.startswith(prefix) and name in trainer.callback_metrics}
         if values:
-            for logger in _tensorboard_loggers(trainer):
+            for logger in _loggers(trainer, TensorBoardLogger):
                 logger.log_metrics(values, step=trainer.global_step)
 
 
 class RankedPredictions:
     """The test predictions a predictions view shows, kept batch by batch: the mistakes, most confident first,
-    then (unless `mistakes_only`) the correct predictions in test order; at most `size` of them.
-
-    Only those `size` are held between batches, so a large test set costs no memory. After the test:
-    `images` `(n, C, H, W)`, `labels`, `predicted` and `probability` (of the predicted class), each
-    `(n,)` on the CPU, in that order; `num_classes`, the width of the logits.
+    then (unless `mistakes_only`) the correct predictions in test order; at most `size` of them, in `images`
+    `(n, C, H, W)`, `labels`, `predicted` and `probability` (of the predicted class), each `(n,)` on the CPU.
     """
 
     def __init__(self, size: int, *, mistakes_only: bool = False) -> None:
@@ -188,7 +158,6 @@ class RankedPredictions:
         self.reset()
 
     def reset(self) -> None:
-        """Forget what was kept (a new test)."""
         self.images: Tensor | None = None  # None until the first batch
         self.num_classes: int | None = None
         self.labels = self.predicted = torch.empty(0, dtype=torch.long)
@@ -222,13 +191,8 @@ class RankedPredictions:
 
 @rank_zero_only  # as Lightning's own log_hyperparams: the other ranks' loggers have no file writer
 def write_session_start(logger: TensorBoardLogger, settings: dict[str, Any], step: int = 0) -> None:
-    """Write a run's row of TensorBoard's HParams table (its settings), and no experiment summary.
-
-    TensorBoard takes the table's columns from the first experiment summary it finds, in name order
-    (`log_hyperparams` with metrics writes one). Without one it builds them from every run's row: the
-    settings that differ between runs first, and every scalar tag as a metric (`epoch` and `hp/`
-    first). Hence `default_hp_metric: false` in the configs: Lightning's `hp_metric` writes a summary.
-    """
+    """Write a run's row of TensorBoard's HParams table (its settings), and no experiment summary, so that the
+    columns come from every run's row (hence `default_hp_metric: false` in the configs: it writes a summary)."""
     from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
     from torch.utils.tensorboard.summary import hparams
 
@@ -242,12 +206,8 @@ def hp_tag(metric: str) -> str:
     return "hp/" + metric.replace("/", "_")
 
 
-def _wandb_loggers(trainer: L.Trainer) -> list[WandbLogger]:
-    return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
-
-
-def _tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
-    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+def _loggers(trainer: L.Trainer, kind: type) -> list:
+    return [logger for logger in trainer.loggers if isinstance(logger, kind)]
 
 
 def epoch_title(epoch: int, step: int) -> str:
@@ -269,11 +229,8 @@ _unsupported_warned: set[str] = set()
 
 
 def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, loggers: Sequence | None = None) -> None:
-    """Log an RGB `(H, W, 3)` uint8 image to every logger of `trainer` (or those in `loggers`) at the current step.
-
-    W&B: `wandb.Image`; TensorBoard: `add_image`; CSV: `<log_dir>/images/<tag with / as _>-step<step>.png`
-    (never overwriting a file). Other loggers get a one-time warning.
-    """
+    """Log an RGB `(H, W, 3)` uint8 image to every W&B, TensorBoard and CSV logger of `trainer` (or of `loggers`)
+    at the current step; CSV: `<log_dir>/images/<tag with / as _>-step<step>.png`, never overwritten."""
     step = trainer.global_step
     for logger in trainer.loggers if loggers is None else loggers:
         if isinstance(logger, DummyLogger):  # fast_dev_run: nothing is logged
@@ -283,18 +240,11 @@ def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, loggers: Sequence
         elif isinstance(logger, TensorBoardLogger):
             logger.experiment.add_image(tag, image, global_step=step, dataformats="HWC")
         elif isinstance(logger, CSVLogger):
-            _save_png(Path(logger.log_dir) / "images", f"{tag.replace('/', '_')}-step{step:06d}", image)
+            folder = Path(logger.log_dir) / "images"
+            folder.mkdir(parents=True, exist_ok=True)
+            # A resumed run can log the same step again: both are kept.
+            Image.fromarray(image).save(free_path(folder / f"{tag.replace('/', '_')}-step{step:06d}.png"))
         elif type(logger).__name__ not in _unsupported_warned:
             _unsupported_warned.add(type(logger).__name__)
             rank_zero_warn(f"{type(logger).__name__} is not supported for images ({tag}); use W&B, TensorBoard or CSV.")
 
-
-def _save_png(folder: Path, stem: str, image: np.ndarray) -> Path:
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path, n = folder / f"{stem}.png", 1
-    while path.exists():  # a resumed run can log the same step again: keep both
-        path, n = folder / f"{stem}-{n}.png", n + 1
-    Image.fromarray(image).save(path)
-    return path

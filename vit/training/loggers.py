@@ -1,7 +1,4 @@
-"""Experiment tracking: a W&B logger that runs offline by itself when it cannot run online.
-
-Chosen by a second config on top of an experiment's: `--config configs/logger/wandb.yaml`.
-"""
+"""A W&B logger that runs offline by itself when it cannot run online (`--config configs/logger/wandb.yaml`)."""
 
 from __future__ import annotations
 
@@ -14,13 +11,12 @@ from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info
 
-# The values WANDB_MODE may take that keep a run on this machine.
-_LOCAL_MODES = ("offline", "dryrun", "disabled")
+_LOCAL_MODES = ("offline", "dryrun", "disabled")  # the values of WANDB_MODE that keep a run on this machine
 
 
 def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
     """Whether a W&B run can go online now, `(online, reason)`: an explicit `WANDB_MODE` wins; else it needs stored
-    credentials (without them the network is never touched) and the server accepting a TCP connection in time."""
+    credentials (without them the network is never touched) and the server accepting a TCP connection."""
     import wandb
 
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
@@ -33,10 +29,9 @@ def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
         return False, "no W&B API key found (set WANDB_API_KEY or run `wandb login`)"
     base_url = os.environ.get("WANDB_BASE_URL") or wandb.setup().settings.base_url
     url = urlparse(base_url)
-    port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        with socket.create_connection((url.hostname, port), timeout=probe_timeout):
-            pass
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=probe_timeout).close()
     except OSError as err:
         return False, f"the W&B server {base_url} cannot be reached ({err})"
     return True, f"credentials found and {base_url} reachable"
@@ -45,39 +40,24 @@ def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
 class WandbLogger(_LightningWandbLogger):
     """Lightning's `WandbLogger`, online when it can be and offline (written to disk) when not.
 
-    With `offline=None` (the default) `wandb_online` decides at construction: without an API key or
-    network the run goes to `save_dir/wandb/offline-run-*`, and the `wandb sync DIR` that uploads it
-    is printed when the run starts. `offline=True` / `False` force the mode.
+    With `offline=None` (the default) `wandb_online` decides at construction: an offline run goes to
+    `save_dir/wandb/offline-run-*`, and the `wandb sync DIR` that uploads it is printed when the run starts.
 
     Args:
         name: the run's display name (W&B picks one when None).
-        save_dir: where W&B writes its `wandb/` folder; checkpoints and the resolved `config.yaml`
-            go to `save_dir/project/run_id/`.
-        entity, group, tags, notes, job_type: passed to `wandb.init`, as are any other keyword
-            arguments (`**kwargs`).
-        log_model: the checkpoints as W&B artifacts: True, those ModelCheckpoint keeps (the best
-            one aliased "best"), when fit ends; "all", each as it is saved; False, none. Offline
-            too: the run records the artifact and W&B's staging folder keeps the file for `wandb sync`.
+        save_dir: where W&B writes its `wandb/` folder; checkpoints and `config.yaml` go to `save_dir/project/run_id/`.
+        entity, group, tags, notes, job_type: passed to `wandb.init`, as are any other keyword arguments.
+        log_model: the checkpoints as W&B artifacts: True, those ModelCheckpoint keeps, when fit ends; "all", each
+            as it is saved; False, none (offline too: `wandb sync` uploads them).
     """
 
-    def __init__(
-        self,
-        *,
-        project: str = "vit",
-        name: str | None = None,
-        save_dir: str = "runs",
-        offline: bool | None = None,
-        entity: str | None = None,
-        group: str | None = None,
-        tags: list[str] | None = None,
-        notes: str | None = None,
-        job_type: str | None = None,
-        log_model: Literal["all"] | bool = False,
-        prefix: str = "",
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, project: str = "vit", name: str | None = None, save_dir: str = "runs",
+                 offline: bool | None = None, entity: str | None = None, group: str | None = None,
+                 tags: list[str] | None = None, notes: str | None = None, job_type: str | None = None,
+                 log_model: Literal["all"] | bool = False, prefix: str = "", **kwargs: Any) -> None:
         # LightningCLI passes every wandb.init argument it knows of, mostly as None: drop those.
-        kwargs = {key: value for key, value in kwargs.items() if value is not None}
+        kwargs = {key: value for key, value in dict(kwargs, entity=entity, group=group, tags=tags, notes=notes,
+                                                     job_type=job_type).items() if value is not None}
         if "mode" in kwargs:  # an explicit wandb.init(mode=...) is obeyed as it is
             offline, self.mode_reason = kwargs["mode"] in _LOCAL_MODES, f"mode={kwargs['mode']!r} was asked for"
         elif offline is None:
@@ -85,15 +65,12 @@ class WandbLogger(_LightningWandbLogger):
             offline = not online
         else:
             self.mode_reason = f"offline={offline} was asked for"
-        for key, value in dict(entity=entity, group=group, tags=tags, notes=notes, job_type=job_type).items():
-            if value is not None:
-                kwargs[key] = value
         if offline and "mode" not in kwargs:
             # To wandb.init directly: Lightning's `offline` would set WANDB_MODE for every later run of the process.
             kwargs["mode"] = "offline"
         # Absolute: W&B's service process resolves a relative folder against its own working directory.
-        save_dir = os.path.abspath(save_dir)
-        super().__init__(name=name, save_dir=save_dir, project=project, log_model=log_model, prefix=prefix, **kwargs)
+        super().__init__(name=name, save_dir=os.path.abspath(save_dir), project=project, log_model=log_model,
+                         prefix=prefix, **kwargs)
         self.is_offline = offline
 
     @property
@@ -104,8 +81,6 @@ class WandbLogger(_LightningWandbLogger):
         run = super().experiment
         if created and self.is_offline:
             run_dir = os.path.dirname(run.dir)  # run.dir is <run_dir>/files
-            rank_zero_info(
-                f"wandb: offline run ({self.mode_reason}), written to {run_dir}\n"
-                f"wandb: upload it later with: wandb sync {run_dir}"
-            )
+            rank_zero_info(f"wandb: offline run ({self.mode_reason}), written to {run_dir}\n"
+                           f"wandb: upload it later with: wandb sync {run_dir}")
         return run

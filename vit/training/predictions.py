@@ -1,12 +1,7 @@
-"""Predictions on new images: a checkpoint's input transform, the model run over them in batches, and the CSV its
-predictions are written to.
+"""Predictions on new images: a checkpoint's input transform, the model run over them in batches, and the CSV.
 
-The CSV has one row per image: `file`, `class_name`, `class_index`, `probability` (the softmax of the
-best class); with `topk=K` the next classes follow as `class_name_2`, `class_index_2`,
-`probability_2`, ... up to K. Its `file` and `class_name` cells are safe to open in a spreadsheet
-(`csv_text`): a name that is not valid UTF-8 gets backslash escapes (`caf\\xff.png`), and one that
-a spreadsheet would run as a formula gets a single quote in front (`'=cmd.png`, OWASP's advice
-against CSV injection).
+The CSV has one row per image: `file`, `class_name`, `class_index`, `probability`; with `topk=K` the next classes
+follow as `class_name_2`, `class_index_2`, `probability_2`, ... Its cells are safe in a spreadsheet (`csv_text`).
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from torchvision.transforms import v2
 from vit.checks import check_int
 from vit.data.files import text_name
 from vit.data.images import build_transform
-from vit.training.checkpoint.errors import CheckpointError
+from vit.training.checkpoint.values import CheckpointError
 from vit.training.classifier import index_names
 
 
@@ -66,16 +61,11 @@ def prediction_table(files: list[str], probs: torch.Tensor, class_names: list[st
                      ) -> tuple[list[str], list[list[str]]]:
     """The header and rows of the predictions CSV for `probs` `(N, num_classes)` of `files` (see the module doc)."""
     check_topk(topk, probs.shape[-1])
-    header = ["file", "class_name", "class_index", "probability"]
-    for rank in range(2, topk + 1):
-        header += [f"class_name_{rank}", f"class_index_{rank}", f"probability_{rank}"]
+    columns = ["class_name", "class_index", "probability"]
+    header = ["file", *columns] + [f"{column}_{rank}" for rank in range(2, topk + 1) for column in columns]
     confidence, classes = probs.topk(topk, dim=-1)  # (N, K) each, best first
-    rows = []
-    for file, ks, ps in zip(files, classes.tolist(), confidence.tolist()):
-        row = [csv_text(file)]
-        for k, p in zip(ks, ps):
-            row += [csv_text(class_names[k]), str(k), f"{p:.6f}"]
-        rows.append(row)
+    rows = [[csv_text(file), *(cell for k, p in zip(ks, ps) for cell in (csv_text(class_names[k]), str(k), f"{p:.6f}"))]
+            for file, ks, ps in zip(files, classes.tolist(), confidence.tolist())]
     return header, rows
 
 
@@ -83,7 +73,8 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what spreadsheets read as t
 
 
 def csv_text(name: str) -> str:
-    """A file or class name as a CSV cell: valid text (`text_name`), after a `'` when it would start a formula."""
+    """A file or class name as a CSV cell: valid text (`text_name`: `caf\\xff.png`), after a `'` when it would start
+    a formula (`'=cmd.png`, OWASP's advice against CSV injection)."""
     name = text_name(name)
     return "'" + name if name.startswith(FORMULA_STARTS) else name
 
@@ -93,9 +84,7 @@ def write_csv(output: Path, header: list[str], rows: list[list[str]]) -> None:
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(rows)
+            csv.writer(f).writerows([header, *rows])
         os.chmod(tmp, 0o644)
         os.replace(tmp, output)
     except BaseException:
@@ -122,13 +111,8 @@ def sample_name(dataset: Dataset, index: int) -> str:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """`train.py predict`: the predictions CSV (see the module doc) of the predict split, in the run folder.
-
-    The file is `filename` in `trainer.log_dir`, or `stem-1.csv`, ... when that is taken; `file` is
-    the image relative to an image folder's root, else the sample's index. With several processes
-    each writes its share to `stem-rank<r>.csv` (a `DistributedSampler` repeats a few samples to
-    even out the shares). `train.py predict` adds one unless the config has one.
-    """
+    """`train.py predict`: the predictions CSV of the predict split, `filename` (or `stem-1.csv`, ... when that is
+    taken) in the run folder; with several processes each writes its share to `stem-rank<r>.csv`."""
 
     def __init__(self, *, filename: str = "predictions.csv", topk: int = 1) -> None:
         super().__init__(write_interval="epoch")
@@ -137,7 +121,6 @@ class PredictionWriter(BasePredictionWriter):
             raise ValueError(f"filename={filename!r} is not allowed: expected a file name ending in .csv, "
                              "without a folder")
         self.filename, self.topk = filename, topk
-        self.written: list[Path] = []
 
     def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions, batch_indices) -> None:
         loaders = trainer.predict_dataloaders
@@ -157,13 +140,11 @@ class PredictionWriter(BasePredictionWriter):
             stem = Path(self.filename).stem + (f"-dataloader{i}" if len(loaders) > 1 else "")
             stem += f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
             files = [sample_name(loader.dataset, j) for batch in indices for j in batch]
-            # indices are known only with Lightning's own sampler wrapper
-            if len(files) != sum(len(b) for b in batches):
+            if len(files) != (n := sum(len(b) for b in batches)):  # known only with Lightning's own sampler wrapper
                 warnings.warn("the predict loader's sample indices are unknown; `file` holds the row number",
                               stacklevel=2)
-                files = [str(j) for j in range(sum(len(b) for b in batches))]
+                files = [str(j) for j in range(n)]
             probs = torch.cat([b.float().cpu() for b in batches])
             output = free_path(folder / f"{stem}.csv")
             write_csv(output, *prediction_table(files, probs, names, self.topk))
-            self.written.append(output)
             print(f"wrote {len(files)} predictions to {output}")

@@ -1,16 +1,8 @@
 """Every check made before a run starts (the pre-flight), and where `--ckpt_path` leads.
 
-Everything here runs before any run folder exists, so a failure costs nothing. With `--ckpt_path`
-the model is the checkpoint's: a value left at its default takes the checkpoint's silently (that is
-how `--ckpt_path` is meant to be used), but one the user set that differs from it is checked:
-
-- the backbone (its class and every `init_args` value) must match, for every subcommand: the
-  weights are that architecture;
-- the optimisation settings (`model.lr`, `weight_decay`, ...) must match for `fit`, which resumes
-  the run's optimizer and schedule; for `validate`, `test` and `predict` one warning lists them;
-- for `fit`, the data module's settings must match too (batch size, dataset size, seed, ...; not
-  `NOT_THE_RUN`): they say where in the data the run is, and a different batch size would skip or
-  repeat part of the epoch. The number of processes must also be the same (`check_resume`).
+With `--ckpt_path` the model is the checkpoint's: a value left at its default takes the checkpoint's, one set that
+differs is checked. The backbone must match for every subcommand; the model's and data module's settings (except
+`NOT_THE_RUN`) must match for `fit`, which resumes the run; for the others one warning lists the model's.
 """
 
 from __future__ import annotations
@@ -28,6 +20,7 @@ from vit.checks import check_float, check_int, check_size
 from vit.training.checkpoint import Checkpoint, CheckpointError
 from vit.training.checkpoint.io import find_last_checkpoint, remove_partial_writes
 from vit.training.checkpoint.schema import BACKBONES
+from vit.training.run_dir import version_dir
 
 # Data settings that say where and how fast the data are read, not which data: free to change on resume.
 NOT_THE_RUN = frozenset({"data_dir", "root", "download", "num_workers", "pin_memory", "persistent_workers"})
@@ -37,7 +30,12 @@ class ConfigError(ValueError):
     """A configuration value or command-line argument that cannot work, found before any work starts."""
 
 
-# --- Where --ckpt_path leads -----------------------------------------------------------------------
+def as_config_error(check, *args, hint: str = "", **kwargs) -> None:
+    """Run a `vit.checks` check; its `ValueError` (followed by `hint`) is raised as a `ConfigError`."""
+    try:
+        check(*args, **kwargs)
+    except ValueError as err:
+        raise ConfigError(f"{err}{hint}") from None
 
 
 def is_local_file(ckpt_path) -> bool:
@@ -46,27 +44,21 @@ def is_local_file(ckpt_path) -> bool:
 
 
 def resolve_resume(subcommand: str, config) -> None:
-    """Turn `--ckpt_path last` into a file, and make `fit` from a checkpoint continue in that run's folder.
-
-    A new run gets a new `version_N` folder, where Lightning's own "last" finds nothing: here "last"
-    is the newest `last.ckpt` under the logger's `save_dir/name/*/checkpoints/` (or the configured
-    version's). `fit` from a run's newest `last.ckpt`, with no version set, continues in that run's
-    folder; from an older checkpoint, in a new folder. Only loggers that lay runs out as
-    `save_dir/name/version` (TensorBoard, CSV) are handled.
-    """
-    ckpt_path = config.get("ckpt_path")
-    if ckpt_path is None:
+    """Turn `--ckpt_path last` into the newest `last.ckpt` under the logger's `save_dir/name/*/checkpoints/` (or the
+    configured version's); `fit` from a run's newest `last.ckpt`, with no version set, continues in that run's folder,
+    from an older checkpoint in a new one. Only a single TensorBoard or CSV logger is handled."""
+    ckpt_path, logger = config.get("ckpt_path"), config.get("trainer", {}).get("logger")
+    class_path = str(getattr(logger, "class_path", "") or "")
+    if (ckpt_path is None or not class_path.endswith(("TensorBoardLogger", "CSVLogger"))
+            or getattr(logger, "init_args", None) is None):
         return
-    logger = _logger_init_args(config)
-    if logger is None:
-        return
+    logger = logger.init_args
     root = Path(logger.save_dir) / (logger.get("name", "lightning_logs") or "")  # both loggers' default name
     version = logger.get("version")
     if ckpt_path == "last":
-        runs = "*" if version is None else _version_dir(version)
-        last = find_last_checkpoint(root, runs=runs)
+        runs = "*" if version is None else version_dir(version)
         search = root / runs / "checkpoints"
-        if last is None:
+        if (last := find_last_checkpoint(root, runs=runs)) is None:
             if subcommand == "fit":
                 rank_zero_warn(f"--ckpt_path last: no last.ckpt under {search}; starting a new run.")
                 config.ckpt_path = None
@@ -88,32 +80,15 @@ def resolve_resume(subcommand: str, config) -> None:
                        "training continues from it in a new run folder")
 
 
-def _logger_init_args(config):
-    """The `init_args` of a single TensorBoardLogger / CSVLogger in the trainer config, else None."""
-    logger = config.get("trainer", {}).get("logger")
-    class_path = str(getattr(logger, "class_path", "") or "")
-    if not class_path.endswith(("TensorBoardLogger", "CSVLogger")) or getattr(logger, "init_args", None) is None:
-        return None
-    return logger.init_args
-
-
-def _version_dir(version) -> str:
-    return version if isinstance(version, str) else f"version_{version}"
-
-
-# --- The checkpoint's settings against the ones given (right after parsing) ------------------------
-
-
 def check_given_config(subcommand: str, config, checkpoint: dict, model_class: type, ckpt_path) -> list[str]:
     """Raise `CheckpointError` for settings that must match (module docstring); return warnings for the rest."""
     errors, warnings = config_differences(subcommand, config, checkpoint, model_class)
     if errors:
         why = ("fit resumes the run as it was trained" if subcommand == "fit"
                else f"{subcommand} evaluates the architecture the checkpoint's weights belong to")
-        raise CheckpointError(
-            f"checkpoint {ckpt_path} was made with other settings than the ones given ({why}): " + "; ".join(errors)
-            + ". Drop these options (or the --config that sets them) to use the checkpoint's values, or start a new run"
-        )
+        raise CheckpointError(f"checkpoint {ckpt_path} was made with other settings than the ones given ({why}): "
+                              f"{'; '.join(errors)}. Drop these options (or the --config that sets them) to use the "
+                              "checkpoint's values, or start a new run")
     return warnings
 
 
@@ -122,51 +97,31 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     errors, warnings = [], []
     given_model = _plain(config.get("model")) or {}
-    theirs = hparams.get("backbone")
-    ours = given_model.get("backbone")
+    theirs, ours = hparams.get("backbone"), given_model.get("backbone")
     if isinstance(theirs, dict) and isinstance(ours, dict) and "class_path" in theirs:
-        if BACKBONES.get(ours.get("class_path"), ours.get("class_path")) is not BACKBONES.get(theirs["class_path"]):
+        cls = BACKBONES.get(theirs["class_path"])  # a checkpoint's class path is only looked up, never imported
+        if BACKBONES.get(ours.get("class_path"), ours.get("class_path")) is not cls:
             errors.append(f"model.backbone.class_path: {theirs['class_path']} in the checkpoint "
                           f"vs {ours.get('class_path')} given")
-        else:
-            defaults = _defaults(theirs["class_path"])
-            given_args = ours.get("init_args") or {}
-            for key, value in (theirs.get("init_args") or {}).items():
-                if key == "pretrained":  # where the weights started from: the checkpoint's replace them
-                    continue
-                if key in given_args and _differs(given_args[key], value, defaults.get(key, inspect.Parameter.empty)):
-                    errors.append(f"model.backbone.init_args.{key}: {value!r} in the checkpoint "
-                                  f"vs {given_args[key]!r} given")
-    defaults = {k: p.default for k, p in inspect.signature(model_class).parameters.items()}
-    for key, value in hparams.items():
-        if key == "backbone" or key.startswith("_") or key not in given_model:
-            continue
-        if _differs(given_model[key], value, defaults.get(key, inspect.Parameter.empty)):
-            line = f"model.{key}: {value!r} in the checkpoint vs {given_model[key]!r} given"
-            (errors if subcommand == "fit" else warnings).append(line)
+        else:  # not `pretrained`: the checkpoint's weights replace it
+            errors += _differences("model.backbone.init_args.", theirs.get("init_args") or {},
+                                   ours.get("init_args") or {}, cls, skip={"pretrained"})
+    model = _differences("model.", hparams, given_model, model_class, skip={"backbone"})
+    (errors if subcommand == "fit" else warnings).extend(model)
     if subcommand == "fit":
-        theirs_data = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items()
-                       if not k.startswith("_")}
         ours_data = _plain(config.get("data")) or {}
         ours_data = ours_data.get("init_args", ours_data) if isinstance(ours_data, dict) else {}
-        for key, value in theirs_data.items():
-            if key in NOT_THE_RUN:
-                continue
-            if key in ours_data and _plain(ours_data[key]) != _plain(value):
-                errors.append(f"data.{key}: {value!r} in the checkpoint vs {ours_data[key]!r} given")
+        errors += _differences("data.", checkpoint.get("datamodule_hyper_parameters") or {}, ours_data,
+                               skip=NOT_THE_RUN)
     return errors, warnings
 
 
-def _differs(given: Any, recorded: Any, default: Any) -> bool:
-    given, recorded = _plain(given), _plain(recorded)
-    if given == recorded:
-        return False
-    return default is inspect.Parameter.empty or given != _plain(default)  # a default leaves it to the checkpoint
-
-
-def _defaults(class_path: str) -> dict[str, Any]:
-    cls = BACKBONES.get(class_path)  # a checkpoint's class path is never imported, only looked up
-    return {} if cls is None else {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+def _differences(prefix: str, recorded: dict, given: dict, cls: type | None = None, skip=()) -> list[str]:
+    """A line per key of `recorded` given another value; a value given that is `cls`'s default does not count."""
+    defaults = {} if cls is None else {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+    return [f"{prefix}{key}: {value!r} in the checkpoint vs {given[key]!r} given" for key, value in recorded.items()
+            if key in given and key not in skip and not key.startswith("_") and _plain(given[key]) != _plain(value)
+            and (key not in defaults or _plain(given[key]) != _plain(defaults[key]))]  # a default: the checkpoint's
 
 
 def _plain(value: Any) -> Any:
@@ -180,14 +135,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# --- The checkpoint's model in this run (once the classes are built) -------------------------------
-
-
 def check_data_fits(checkpoint: Checkpoint, datamodule) -> None:
     """Raise `ConfigError` when the data module's images or classes are not the ones the checkpoint's model takes."""
-    args = checkpoint.backbone_args
     for name in ("num_classes", "in_chans", "img_size"):
-        ours, theirs = getattr(datamodule, name, None), args.get(name)
+        ours, theirs = getattr(datamodule, name, None), checkpoint.backbone_args.get(name)
         if ours is None or theirs is None:
             continue
         if name == "img_size":
@@ -199,34 +150,19 @@ def check_data_fits(checkpoint: Checkpoint, datamodule) -> None:
 
 def record_model(config, checkpoint: Checkpoint) -> None:
     """Write the checkpoint's model settings into the run's config (plain values), so config.yaml says what ran."""
-    model = config.model
-    model.backbone = Namespace(class_path=checkpoint.hyper_parameters["backbone"]["class_path"],
-                               init_args=Namespace(**checkpoint.backbone_args))
+    config.model.backbone = Namespace(class_path=checkpoint.raw["hyper_parameters"]["backbone"]["class_path"],
+                                      init_args=Namespace(**checkpoint.backbone_args))
     for key, value in checkpoint.settings.items():
-        model[key] = value
-
-
-# --- The trainer's optimisation settings ---------------------------------------------------------
+        config.model[key] = value
 
 
 def check_trainer_options(trainer) -> None:
-    """Raise `ConfigError` for the `fit` settings the Trainer takes without a check.
-
-    `accumulate_grad_batches=0` divides by zero once training starts, and a negative
-    `gradient_clip_val` turns clipping off without a word, as 0 does.
-    """
-    try:
-        check_int("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, 1)
-    except ValueError as err:
-        raise ConfigError(f"{err} (1: a step after every batch)") from None
+    """Refuse what the Trainer takes unchecked: `accumulate_grad_batches` < 1, a negative `gradient_clip_val`."""
+    as_config_error(check_int, "trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, 1,
+                    hint=" (1: a step after every batch)")
     if trainer.gradient_clip_val is not None:
-        try:
-            check_float("trainer.gradient_clip_val", trainer.gradient_clip_val, 0)
-        except ValueError as err:
-            raise ConfigError(f"{err} (0 or null: no clipping)") from None
-
-
-# --- The run's surroundings ------------------------------------------------------------------------
+        as_config_error(check_float, "trainer.gradient_clip_val", trainer.gradient_clip_val, 0,
+                        hint=" (0 or null: no clipping)")
 
 
 def check_writable(folder: Path, option: str) -> None:
@@ -237,8 +173,7 @@ def check_writable(folder: Path, option: str) -> None:
     if not existing.is_dir():
         raise ConfigError(f"{option}={str(folder)!r} cannot be created: {existing} is a file, not a folder")
     try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+        tempfile.TemporaryFile(dir=existing).close()
     except OSError as err:
         raise ConfigError(f"{option}={str(folder)!r} cannot be written: {existing}: {err.strerror or err}") from err
 
@@ -251,12 +186,10 @@ def forward_one_image(model, datamodule) -> None:
     dataset = getattr(datamodule, "train_set", None)
     if dataset is None or len(dataset) == 0:
         return
-    x = dataset[0][0][None]  # (1, C, H, W)
-    backbone = model.backbone
-    was_training = backbone.training
+    backbone, was_training = model.backbone, model.backbone.training
     try:
         with torch.no_grad():
             backbone.eval()
-            backbone.forward(x)  # .forward: not the compiled call, which would compile now
+            backbone.forward(dataset[0][0][None])  # .forward: not the compiled call, which would compile now
     finally:
         backbone.train(was_training)

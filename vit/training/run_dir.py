@@ -26,27 +26,24 @@ class RunDirectoryError(ValueError):
 class RunConfig(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback` that also writes `run_info.json`, and never reuses a run's folder.
 
-    TensorBoard and CSV runs have a folder per run (`trainer.log_dir`): the files go there, a folder
-    that already holds a run (a `config.yaml` or checkpoints) is refused, and `fit` resuming inside
-    its own folder adds `config_resume1.yaml` / `run_info_resume1.json` (then 2, 3, ...) instead of
-    overwriting. Other loggers (W&B) have no run folder: the files go beside the run's checkpoints,
-    `save_dir/name/version/`, and the logger gets the whole config (`log_hyperparams`).
+    A run folder that already holds a run is refused; `fit` resuming inside its own folder adds
+    `config_resume1.yaml` / `run_info_resume1.json` (then 2, ...). Loggers without a run folder (W&B) get the
+    whole config, and the files go beside the run's checkpoints. `command`: the CLI's arguments (`sys.argv`).
     """
 
     def __init__(self, *args, command: list[str] | None = None, **kwargs) -> None:
-        """`command`: the arguments the CLI was given (default: `sys.argv`); the rest as for `SaveConfigCallback`."""
         super().__init__(*args, **kwargs)
-        self.command = command
-        self._run_dir: Path | None = None
-        self._suffix = ""
+        self.command, self._run_dir, self._suffix = command, None, ""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.already_saved or not self.save_to_log_dir:
             return
         folder_per_run = not trainer.loggers or isinstance(trainer.loggers[0], (TensorBoardLogger, CSVLogger))
-        # Collectives: every rank calls them; rank 0 decides and claims, every rank gets its answer.
-        run_dir = (Path(trainer.log_dir) if folder_per_run
-                   else Path(trainer.strategy.broadcast(_checkpoint_run_dir(trainer))))
+        # Collectives: every rank calls them; rank 0 decides and claims, every rank gets its answer. Without a run
+        # folder, save_dir/name/version: the folder holding the run's `checkpoints/`.
+        logger = trainer.loggers[0] if trainer.loggers else None
+        run_dir = Path(trainer.log_dir if folder_per_run else trainer.strategy.broadcast(os.path.join(
+            logger.save_dir or trainer.default_root_dir, str(logger.name), version_dir(logger.version))))
         taken, refusal = False, None
         if trainer.is_global_zero:
             taken = holds_a_run(run_dir, self.config_filename)
@@ -97,11 +94,9 @@ class RunConfig(SaveConfigCallback):
         (self._run_dir / f"run_info{self._suffix}.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def _checkpoint_run_dir(trainer) -> str:
-    """`save_dir/name/version`: the folder holding a run's `checkpoints/` for a logger without a run folder."""
-    logger = trainer.loggers[0]
-    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    return os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version)
+def version_dir(version) -> str:
+    """The folder name of a logger's `version`: `version_3` for 3, a string as it is."""
+    return version if isinstance(version, str) else f"version_{version}"
 
 
 def holds_a_run(log_dir: Path, config_filename: str = "config.yaml") -> bool:
@@ -111,19 +106,12 @@ def holds_a_run(log_dir: Path, config_filename: str = "config.yaml") -> bool:
 
 def check_run_dir(log_dir: Path, *, stage: str, ckpt_path=None, config_filename: str = "config.yaml") -> None:
     """Raise `RunDirectoryError` if `log_dir` holds a run, unless this is `fit` resuming from a checkpoint in it."""
-    if not holds_a_run(log_dir, config_filename):
-        return
-    if stage == "fit" and ckpt_path is not None and _is_inside(Path(ckpt_path), log_dir):
-        return
-    raise RunDirectoryError(
-        f"the run directory {log_dir} already holds a run ({config_filename} or checkpoints); "
-        "nothing was written. Leave trainer.logger.init_args.version unset (each run gets the next "
-        "free version_N), choose another name/version, or continue that run with --ckpt_path last."
-    )
-
-
-def _is_inside(path: Path, folder: Path) -> bool:
-    return folder.resolve() in path.resolve().parents
+    resuming = stage == "fit" and ckpt_path is not None and log_dir.resolve() in Path(ckpt_path).resolve().parents
+    if holds_a_run(log_dir, config_filename) and not resuming:
+        raise RunDirectoryError(f"the run directory {log_dir} already holds a run ({config_filename} or checkpoints); "
+                                "nothing was written. Leave trainer.logger.init_args.version unset (each run gets the "
+                                "next free version_N), choose another name/version, or continue that run with "
+                                "--ckpt_path last.")
 
 
 def _free_suffix(log_dir: Path) -> str:
@@ -133,7 +121,7 @@ def _free_suffix(log_dir: Path) -> str:
     return f"_resume{k}"
 
 
-def run_info(trainer=None, *, stage: str | None = None, seed: Any = None, ckpt_path: Any = None,
+def run_info(trainer, *, stage: str | None = None, seed: Any = None, ckpt_path: Any = None,
              command: list[str] | None = None) -> dict[str, Any]:
     """What a rerun needs beyond `config.yaml`: seed, versions, commit, command line and hardware."""
     info: dict[str, Any] = {
@@ -150,17 +138,12 @@ def run_info(trainer=None, *, stage: str | None = None, seed: Any = None, ckpt_p
         "platform": platform.platform(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "devices": {"accelerator": type(trainer.accelerator).__name__, "strategy": type(trainer.strategy).__name__,
+                    "num_nodes": trainer.num_nodes, "world_size": trainer.world_size,
+                    "precision": str(trainer.precision)},
     }
-    if trainer is not None:
-        info["devices"] = {
-            "accelerator": type(trainer.accelerator).__name__,
-            "strategy": type(trainer.strategy).__name__,
-            "num_nodes": trainer.num_nodes,
-            "world_size": trainer.world_size,
-            "precision": str(trainer.precision),
-        }
-        if torch.cuda.is_available() and trainer.root_device.type == "cuda":
-            info["devices"]["gpu"] = torch.cuda.get_device_name(trainer.root_device)
+    if torch.cuda.is_available() and trainer.root_device.type == "cuda":
+        info["devices"]["gpu"] = torch.cuda.get_device_name(trainer.root_device)
     return info
 
 
@@ -168,14 +151,13 @@ def git_state(folder: Path) -> dict[str, Any] | None:
     """`{"commit", "dirty"}` of the git checkout holding `folder`, or None outside one (or without git)."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, check=True, timeout=10).stdout
+        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
 
     try:
-        commit = git("rev-parse", "HEAD").strip()
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return None
-    return {"commit": commit, "dirty": dirty}
 
 
 def _version(name: str) -> str | None:

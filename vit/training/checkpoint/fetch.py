@@ -1,12 +1,6 @@
-"""A checkpoint path or URL made a local file: `fetch`.
-
-Only `vit.training.checkpoint.read` calls this; every door opens a checkpoint through `read`.
-
-Downloads are cached in `<torch hub dir>/checkpoints/readable-vit/<hash>/<file name>`, hashing the URL without its
-query string and user/password part: a presigned URL whose token changes on every call replaces its previous copy.
-After each successful download, every other file in the cache written more than 7 days ago is deleted (a download is
-read right after it is written, so such a file is no longer in use), and so is its folder once empty.
-"""
+"""A checkpoint path or URL made a local file (`fetch`), then read as data (`load_archive`), for `read`. Downloads are
+cached in `<torch hub dir>/checkpoints/readable-vit/<hash of the URL without query and user>/<name>`; after each
+download, the cache's other files older than 7 days are deleted."""
 
 from __future__ import annotations
 
@@ -15,6 +9,7 @@ import contextlib
 import hashlib
 import math
 import os
+import pickle
 import re
 import secrets
 import socket
@@ -23,6 +18,7 @@ import time
 import urllib.request
 import zipfile
 from pathlib import Path, PurePosixPath
+from typing import Any
 from urllib.error import URLError
 from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
@@ -31,42 +27,22 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from vit.checks import first_line
-from vit.training.checkpoint.errors import CheckpointError
+from vit.training.checkpoint.values import CheckpointError
 
 TIMEOUT_VARIABLE = "READABLE_VIT_DOWNLOAD_TIMEOUT"
 MAX_BYTES_VARIABLE = "READABLE_VIT_DOWNLOAD_MAX_BYTES"
 _DEFAULT_TIMEOUT = 60  # seconds in which at least _MIN_PROGRESS bytes must arrive
 _DEFAULT_MAX_BYTES = 4 * 2**30  # a ViT-H checkpoint with its optimizer state is ~7.5 GB: raise it for those
-_MIN_PROGRESS = 2**20
-_CHUNK = 2**20
+_CHUNK = _MIN_PROGRESS = 2**20
 _KEEP_SECONDS = 7 * 24 * 3600  # cached downloads older than this are deleted after each download
 _NO_HEADERS = "the server's status line and headers did not all arrive within"
+MAX_PICKLE_BYTES = 256 * 2**20  # the values beside the tensors: counters, settings, optimizer bookkeeping
 
 
 def fetch(ckpt_path: str | os.PathLike) -> str:
-    """A local file for `ckpt_path`: a path as it is (`~` expanded), `file://` as its path, any other URL downloaded.
-
-    Every checkpoint then goes through the same reading and schema (`vit.training.checkpoint.read`). A URL
-    (`http(s)://`, or any fsspec scheme such as `s3://`) is downloaded afresh on every call into the cache (see
-    the module): a `last.ckpt` that changed since the last resume is not read stale, and two URLs ending in the
-    same file name but with different paths never share a file (torch hub's cache keys by the name alone). An
-    http(s) URL's `user:password@` is sent as HTTP Basic authorization, to that host only (not to a host it
-    redirects to).
-
-    The download goes to a temporary file that replaces the cached one only when it is complete and is the zip
-    archive `torch.save` writes; anything else (an HTML login page, a file over the size limit, a download that timed
-    out) is deleted and raises `CheckpointError`, one line naming the URL without its query string and user/password
-    part (`https://***@host/x.ckpt?...`), which often hold an access token; nor are they in a cached file's name.
-
-    - `READABLE_VIT_DOWNLOAD_TIMEOUT` (seconds, default 60): an http(s) server's status line and headers (redirects
-      included) must all arrive within that time, however they trickle; then the download is abandoned when less
-      than 1 MiB of the body arrives in that time.
-    - `READABLE_VIT_DOWNLOAD_MAX_BYTES` (bytes, default 4 GiB): a larger file is refused, before the download when
-      the server announces its size, else as soon as it is passed.
-
-    For other schemes than http(s) the byte counts are the same, and the backend's own timeouts bound a call that
-    blocks (fsspec's FTP connects when the URL is opened, with a 30 s timeout).
-    """
+    """A local file for `ckpt_path`: a path as it is (`~` expanded), `file://` as its path, any other URL (http(s),
+    fsspec) downloaded afresh into a temporary file that replaces the cached one only when it is a complete zip
+    archive; else `CheckpointError` names the URL redacted. Limits: docs/robust-runs.md."""
     text = str(ckpt_path)
     if "://" not in text:
         return os.path.expanduser(text)
@@ -132,8 +108,7 @@ def _prune(cache: Path, keep: Path) -> None:
 
 def _not_downloaded(err: Exception, url: str, shown: str, timeout: float | None) -> CheckpointError:
     """One line for a failed connection or transfer: the exception's type and first line, the URL redacted."""
-    timed_out = isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError)
-    if timed_out and timeout is not None:
+    if timeout is not None and any(isinstance(e, TimeoutError) for e in (err, getattr(err, "reason", None))):
         return _timed_out(shown, timeout)  # one read waited `timeout` seconds
     reason = err.reason if isinstance(err, URLError) and isinstance(err.reason, Exception) else err
     return CheckpointError(f"checkpoint {shown} could not be downloaded: {type(reason).__name__}: "
@@ -154,13 +129,13 @@ def _scrubbed(err: BaseException, url: str, shown: str) -> str:
     """The first line of `err`'s message, with the URL (and its secret parts) as `shown` says it."""
     text = first_line(err).replace(url, shown)
     parts = urlsplit(url)
-    for secret in (parts.query, parts.password):
-        if secret:
-            text = text.replace(secret, "...")
+    for secret in filter(None, (parts.query, parts.password)):
+        text = text.replace(secret, "...")
     return text
 
 
 def _limit(name: str, default: int, kind: type, unit: str) -> float | int:
+    """The positive number in the environment variable `name`, or `default` when it is unset."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
@@ -241,17 +216,14 @@ class _HeaderDeadline(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
 
 
 def _copy(read, out, shown: str, timeout: float, max_bytes: int) -> int:
-    """Copy `read(n)`'s chunks into `out` until it returns b""; refuse more than `max_bytes`, or less than 1 MiB in
-    any `timeout` seconds. Returns the number of bytes."""
-    received = 0
-    window_start, received_before = time.monotonic(), 0
+    """Copy `read(n)`'s chunks into `out`; return the bytes copied; refuse > `max_bytes`, or < 1 MiB per `timeout` s."""
+    received, received_before, window_start = 0, 0, time.monotonic()
     while True:
         chunk = read(_CHUNK)
         if not chunk:
             return received
         received += len(chunk)
-        if received > max_bytes:
-            raise _too_large(shown, f"more than {max_bytes} bytes", max_bytes)
+        _check_size(received, shown, max_bytes, f"more than {max_bytes} bytes")
         out.write(chunk)
         now = time.monotonic()
         if now - window_start >= timeout:
@@ -260,15 +232,11 @@ def _copy(read, out, shown: str, timeout: float, max_bytes: int) -> int:
             window_start, received_before = now, received
 
 
-def _check_size(size: int | None, shown: str, max_bytes: int) -> None:
-    """Refuse a size the server announced, before anything is downloaded."""
+def _check_size(size: int | None, shown: str, max_bytes: int, what: str = "") -> None:
+    """Refuse `size` bytes (announced, or `what` received so far) above `max_bytes`."""
     if size is not None and size > max_bytes:
-        raise _too_large(shown, f"{size} bytes", max_bytes)
-
-
-def _too_large(shown: str, size: str, max_bytes: int) -> CheckpointError:
-    return CheckpointError(f"checkpoint {shown} is too large: {size}, above the limit of {max_bytes} bytes (set "
-                           f"{MAX_BYTES_VARIABLE} to allow more)")
+        raise CheckpointError(f"checkpoint {shown} is too large: {what or f'{size} bytes'}, above the limit of "
+                              f"{max_bytes} bytes (set {MAX_BYTES_VARIABLE} to allow more)")
 
 
 def _timed_out(shown: str, timeout: float, what: str = "less than 1 MiB arrived in") -> CheckpointError:
@@ -297,3 +265,62 @@ def _check_downloaded(path: Path, shown: str, content_type: str) -> None:
 def max_bytes() -> int:
     """The largest checkpoint read, in bytes (downloaded, and unpacked: `READABLE_VIT_DOWNLOAD_MAX_BYTES`)."""
     return _limit(MAX_BYTES_VARIABLE, _DEFAULT_MAX_BYTES, int, "a whole number of bytes")
+
+
+def load_archive(path: str | os.PathLike, source: str | None = None) -> dict[str, Any]:
+    """The dict in a regular file holding a whole zip archive of uncompressed entries (at most `max_bytes()`), loaded
+    with `weights_only=True` on the CPU; else `CheckpointError` naming `source` (the URL it came from) or the path."""
+    p, source = Path(path), source or str(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {source} does not exist")
+    if p.is_dir():
+        raise CheckpointError(f"checkpoint {source} is a folder, not a checkpoint file")
+    if not p.is_file():
+        raise CheckpointError(f"checkpoint {source} is not a regular file (a pipe or a device?)")
+    size = p.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"checkpoint {source} is empty (0 bytes): its writing was interrupted")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+        entries = zipfile.ZipFile(p).infolist() if head == b"PK\x03\x04" and zipfile.is_zipfile(p) else None
+    except PermissionError as err:
+        raise CheckpointError(f"checkpoint {source} cannot be read: {err.strerror}") from err
+    except (zipfile.BadZipFile, OSError) as err:
+        raise CheckpointError(f"checkpoint {source} cannot be read: it is corrupted ({first_line(err)})") from err
+    if head != b"PK\x03\x04":
+        raise CheckpointError(f"checkpoint {source} is not a PyTorch checkpoint (not the zip archive torch.save "
+                              "writes)")
+    if entries is None:
+        raise CheckpointError(f"checkpoint {source} is truncated: it starts like a checkpoint but its end is missing "
+                              f"({size} bytes; was its writing interrupted?)")
+    _check_entries(entries, source)
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        if "weights only load failed" in str(err).lower():
+            raise CheckpointError(f"checkpoint {source} holds Python objects that are not plain data; it was not "
+                                  "written by this project, and loading it could run arbitrary code, so it is refused"
+                                  ) from err
+        raise CheckpointError(f"checkpoint {source} is not a PyTorch checkpoint, or it is corrupted "
+                              f"({first_line(err)})") from err
+    except RecursionError:
+        raise CheckpointError(f"checkpoint {source} is nested too deeply to be a checkpoint; refused") from None
+    except Exception as err:  # noqa: BLE001  (torch raises RuntimeError, OSError or EOFError for damaged archives)
+        raise CheckpointError(f"checkpoint {source} cannot be loaded: it is corrupted ({first_line(err)})") from err
+
+
+def _check_entries(entries: list[zipfile.ZipInfo], source: str) -> None:
+    """Refuse compressed entries, and more than `max_bytes()` unpacked (a zip bomb is small on disk)."""
+    compressed = next((e for e in entries if e.compress_type != zipfile.ZIP_STORED), None)
+    if compressed is not None:
+        raise CheckpointError(f"checkpoint {source} has a compressed entry ({compressed.filename}); torch.save "
+                              "stores its entries uncompressed, so another program wrote this file; refused")
+    limit, total = max_bytes(), sum(e.file_size for e in entries)
+    if total > limit:
+        raise CheckpointError(f"checkpoint {source} holds {total} bytes, above the limit of {limit} bytes (set "
+                              f"{MAX_BYTES_VARIABLE} to allow more)")
+    pickled = sum(e.file_size for e in entries if e.filename.endswith(".pkl"))
+    if pickled > MAX_PICKLE_BYTES:
+        raise CheckpointError(f"checkpoint {source} has {pickled} bytes of pickled values beside its tensors (a "
+                              f"checkpoint of this project has a few MB at most; limit {MAX_PICKLE_BYTES}); refused")

@@ -1,14 +1,6 @@
-"""Writing checkpoints (atomically) and finding them on disk.
-
-Why `AtomicCheckpointIO`: Lightning 2.6 saves through an fsspec transaction. For a local path
-fsspec writes the bytes to a temporary file made by `tempfile.mkstemp()` in the *system* temp
-folder, then `shutil.move`s it into place. When the temp folder and the run folder are on
-different filesystems (a tmpfs `/tmp`, a network home) the move is a copy into the destination
-followed by a delete, so a kill during the copy leaves a truncated `last.ckpt`; there is no fsync
-either, so a power cut can leave a renamed but empty file. `AtomicCheckpointIO` writes the
-checkpoint into a temporary file *in the destination folder*, fsyncs it, and `os.replace`s it over
-the old one: a reader sees the old checkpoint or the new one, never a part.
-"""
+"""Writing checkpoints atomically, and finding them on disk. Lightning moves a checkpoint from the temp folder into
+place, across filesystems a copy without fsync (a kill leaves a truncated `last.ckpt`); with `AtomicCheckpointIO` a
+reader sees the old checkpoint or the new one."""
 
 from __future__ import annotations
 
@@ -32,18 +24,9 @@ PARTIAL_WRITE = re.compile(r"\..+\.ckpt\.[0-9a-f]{16}\.tmp")  # AtomicCheckpoint
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """`TorchCheckpointIO` that reads through this project's checkpoint owner and writes atomically.
-
-    Loading: a checkpoint that `train.py` validated before the run (`expect`) is handed over as
-    validated, without reading the file again; any other (the best checkpoint tested after `fit`) is
-    read and validated by `vit.training.checkpoint.read`. Lightning never unpickles a file itself.
-
-    Saving: a temp file in the same folder, fsync, `os.replace`. Remote paths (`s3://...`) keep
-    Lightning's behaviour. A temporary file left by a killed process is named `.<name>.<random>.tmp`:
-    it never matches `*.ckpt`, so `--ckpt_path last` ignores it.
-
-    Removing (ModelCheckpoint's top-k): a regular file or a link only, never a folder.
-    """
+    """`TorchCheckpointIO` that reads through `vit.training.checkpoint.read` (or hands over the dict validated before
+    the run, `expect`: Lightning never unpickles a file itself), writes `.<name>.<random>.tmp` (never matched by
+    `*.ckpt`), fsyncs it and `os.replace`s; removing deletes a file or a link, never a folder."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,8 +52,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # os.open with mode 0o666 lets the umask decide the permissions, as for any new file
-        # (tempfile.mkstemp would make it 0600); O_EXCL never reuses someone else's file.
+        # mode 0o666: the umask decides, as for any new file (mkstemp makes 0600); O_EXCL: never someone else's file
         tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
@@ -83,7 +65,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(path.parent)  # make the rename itself durable
+        with contextlib.suppress(OSError):  # the rename made durable; not every filesystem lets a folder be fsynced
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _key(path: str | os.PathLike) -> str | Path:
@@ -92,31 +79,16 @@ def _key(path: str | os.PathLike) -> str | Path:
 
 
 def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files `AtomicCheckpointIO` leaves when a process is killed mid-write; return them.
-
-    Called when a run resumes in its own folder: no process of that run can be writing then.
-    """
+    """Delete the temporary files of writes a killed process left (called as its run resumes); return them."""
     partial = [p for p in Path(folder).glob(".*.ckpt.*.tmp") if PARTIAL_WRITE.fullmatch(p.name)]
     for path in partial:
         path.unlink(missing_ok=True)
     return partial
 
 
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a folder be opened for fsync
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | None:
-    """The most recently written `last.ckpt` (or `last-vN.ckpt`) in `folder/<runs>/checkpoints/`, or None.
-
-    `folder` is a logger's `save_dir/name`, whose subfolders are the runs (`version_0`, ...);
-    `runs` is a glob pattern, or one run's folder name.
-    """
+    """The newest `last.ckpt` (or `last-vN.ckpt`) in `folder/<runs>/checkpoints/`, or None: `folder` is a logger's
+    `save_dir/name`, `runs` a glob pattern of its runs' folders or one run's name."""
     pattern = f"{runs if runs == '*' else glob.escape(runs)}/checkpoints/last*.ckpt"
     candidates = [p for p in Path(folder).glob(pattern) if LAST_CHECKPOINT.fullmatch(p.name)]
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)

@@ -1,26 +1,12 @@
 """What `fit --ckpt_path` may restore of a run: the trainer state, checked against this run before it starts.
 
-`check_resume` runs before any run folder exists, and returns the dict Lightning restores from
-(`AtomicCheckpointIO.load_checkpoint` hands it over; the file is not read again). Each part is
-compared with what this run itself would write, or refused with one `CheckpointError` naming the key:
-
-- `loops`: the same counters as this Lightning's loops hold, each an int >= 0 (or a bool flag);
-- `optimizer_states`: one AdamW state whose parameter groups are this model's (the same
-  parameters, in the same order), whose moments have their parameter's shape and are finite, and
-  whose settings are in range (`lr`, `eps` > 0, `betas` in [0, 1), `weight_decay` >= 0);
-- `lr_schedulers`: the warmup + cosine schedule's state, key for key and type for type;
-- `callbacks`: the random-number states of `RestoreRNGState` at the sizes this machine's generators
-  use; `ModelCheckpoint`'s paths only where they resolve (`..` and links followed) to regular files
-  inside this run's checkpoint folder, never URLs (a path into another folder is dropped when the run
-  continues in a new folder: it tracks its own best checkpoints); `EarlyStopping`'s counters;
-  a callback this run does not have is left out;
-- the data module's position and number of processes (which must be this run's);
-- `MixedPrecision`: the gradient scaler's numbers.
+`check_resume` returns the dict Lightning restores from, each part compared with what this run would write: loop
+counters; one AdamW state of this model's groups; the schedule; `ModelCheckpoint`'s paths only as files inside this
+run's checkpoint folder (dropped in a new folder); the data position; the gradient scaler. Other callbacks are left out.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,10 +16,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from vit.training.checkpoint.errors import CheckpointError
 from vit.training.checkpoint.schema import Checkpoint
-from vit.training.checkpoint.trainer_state import CHECKPOINT_PATHS
-from vit.training.checkpoint.values import same_structure, shown
+from vit.training.checkpoint.trainer_state import CHECKPOINT_PATHS, checkpoint_paths
+from vit.training.checkpoint.values import CheckpointError, is_int, is_number, not_allowed, same_structure, shown
 from vit.training.classifier import warmup_cosine_schedule
 
 SCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
@@ -42,12 +27,14 @@ SCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_
 def check_resume(checkpoint: Checkpoint, trainer: L.Trainer, model: L.LightningModule, datamodule) -> dict:
     """The checkpoint's dict as `fit` may restore it (module doc), or `CheckpointError` naming the first bad key."""
     source = checkpoint.source
-    if not checkpoint.has_trainer_state:
+    if not checkpoint.raw.get("optimizer_states"):
         raise CheckpointError(f"checkpoint {source} holds weights only (no optimizer or loop state), so `fit` cannot "
                               "resume from it; it can still be used by validate, test and predict")
     raw = dict(checkpoint.raw)
     try:
-        same_structure(raw.get("loops"), _loops(trainer), "loops")
+        loops = {name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
+                                                                        "predict_loop")}
+        same_structure(raw.get("loops"), loops, "loops")
         _optimizer(raw["optimizer_states"], model)
         _schedulers(raw.get("lr_schedulers") or [], model)
         raw["callbacks"] = _callbacks(raw.get("callbacks") or {}, trainer)
@@ -56,11 +43,6 @@ def check_resume(checkpoint: Checkpoint, trainer: L.Trainer, model: L.LightningM
     except CheckpointError as err:
         raise CheckpointError(f"checkpoint {source} cannot be resumed: {err}") from None
     return raw
-
-
-def _loops(trainer: L.Trainer) -> dict:
-    return {"fit_loop": trainer.fit_loop.state_dict(), "validate_loop": trainer.validate_loop.state_dict(),
-            "test_loop": trainer.test_loop.state_dict(), "predict_loop": trainer.predict_loop.state_dict()}
 
 
 def _optimizer(states: list, model) -> None:
@@ -83,27 +65,23 @@ def _optimizer(states: list, model) -> None:
             raise CheckpointError(f"{key}.params does not list this model's parameters (another architecture or "
                                   "`trainable`?)")
         for name in ("lr", "initial_lr", "eps", "weight_decay", "lr_scale"):
-            if name in group:
-                value, low_open = group[name], name in ("eps", "lr_scale")
-                if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                        or value < 0 or (low_open and value == 0)):
-                    raise CheckpointError(f"{key}.{name}={shown(value)} is not allowed: expected a finite number "
-                                          + ("> 0" if low_open else ">= 0"))
+            above = name in ("eps", "lr_scale")
+            if name in group and not is_number(group[name], 0, above=above):
+                raise not_allowed(f"{key}.{name}", group[name], "a finite number " + ("> 0" if above else ">= 0"))
         betas = group["betas"]
-        if not (isinstance(betas, (list, tuple)) and len(betas) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
-            raise CheckpointError(f"{key}.betas={shown(betas)} is not allowed: expected two numbers in [0, 1)")
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b, 0) and b < 1 for b in betas)):
+            raise not_allowed(f"{key}.betas", betas, "two numbers in [0, 1)")
         for name in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
             if name in group and not isinstance(group[name], bool):
-                raise CheckpointError(f"{key}.{name}={shown(group[name])} is not allowed: expected true or false")
+                raise not_allowed(f"{key}.{name}", group[name], "true or false")
         for name in ("foreach", "fused"):
             if not isinstance(group.get(name), (bool, type(None))):
-                raise CheckpointError(f"{key}.{name}={shown(group[name])} is not allowed: expected true, false or null")
+                raise not_allowed(f"{key}.{name}", group[name], "true, false or null")
     if not isinstance(state, Mapping):
         raise CheckpointError("optimizer_states[0].state is not a mapping")
     for index, moments in state.items():
         key = f"optimizer_states[0].state.{index}"
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params):
+        if not is_int(index, 0, len(params) - 1):
             raise CheckpointError(f"{key}: {shown(index)} is not the index of one of this model's "
                                   f"{len(params)} trained parameters")
         if not isinstance(moments, Mapping) or not {"step", "exp_avg", "exp_avg_sq"} <= set(moments) <= {
@@ -161,11 +139,9 @@ def _callbacks(states: Mapping, trainer: L.Trainer) -> dict:
 
 def _model_checkpoint(state: Any, callback: ModelCheckpoint, trainer: L.Trainer, key: str) -> dict:
     """The state with every path checked (module doc); paths are dropped when the run continues in a new folder."""
-    best_k = state.get("best_k_models", {})  # types and URLs checked by the schema
-    paths = {name: state.get(name, "") for name in (*CHECKPOINT_PATHS, "dirpath")}
-    paths.update({f"best_k_models[{i}]": p for i, p in enumerate(best_k)})
+    paths = checkpoint_paths(state)  # types and URLs checked by the schema
     folder = _checkpoint_folder(callback, trainer)
-    state = copy.copy(dict(state))
+    state = dict(state)
     if state.get("dirpath") is None or Path(state["dirpath"]).resolve() != folder:
         # Continued in a new folder: ModelCheckpoint keeps only best_model_path of another folder, and the test
         # after fit would read it. The new run tracks its own best checkpoints from here.
@@ -218,5 +194,5 @@ def _scaler(state: Any) -> None:
     if not isinstance(state, Mapping) or not set(state) <= SCALER_KEYS:
         raise CheckpointError(f"MixedPrecision={shown(state)} is not a gradient scaler's state")
     for name, value in state.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise CheckpointError(f"MixedPrecision.{name}={shown(value)} is not allowed: expected a finite number >= 0")
+        if not is_number(value, 0):
+            raise not_allowed(f"MixedPrecision.{name}", value, "a finite number >= 0")

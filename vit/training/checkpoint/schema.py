@@ -1,24 +1,9 @@
 """The checkpoint's schema: what a checkpoint of this project holds, checked whole before anything is built.
 
-`validate(raw, source)` turns the dict `torch.load` gave into a `Checkpoint` or raises one
-`CheckpointError` naming the key. Version 2 of the format, the one `train.py` writes:
-
-| key | what it holds |
-|---|---|
-| `state_dict` | str -> dense CPU tensor; exactly the names and shapes of the recorded architecture, finite |
-| `hyper_parameters` | `ImageClassifier`'s arguments; `backbone`: `{class_path, init_args}` of an allowed class |
-| `datamodule_hyper_parameters` | `_class_path` of a `vit.data` data module and its arguments (optional) |
-| `inputs` | `img_size` [H, W], `in_chans`, `mean`, `std` (both null, or `in_chans` numbers), `interpolation` |
-| `class_names` | `num_classes` distinct strings |
-| `schema_version` | 2 (1: the backbone loaded `pretrained` itself and had 26 options; not read) |
-| `epoch`, `global_step`, `pytorch-lightning_version`, `hparams_name`, ... | Lightning's bookkeeping |
-| `loops`, `callbacks`, `optimizer_states`, `lr_schedulers`, `MixedPrecision`, `<DataModule>` | trainer state |
-
-Every value is plain data of bounded size (`values.walk`); every argument exists in its class's
-signature and has the type of its annotation; sizes are bounded (`LIMITS`); the architecture is
-built on the meta device (no memory) and its state-dict names and shapes compared with the
-file's; `inputs` agree with the backbone. The trainer state is checked for type here and against
-the run in `vit.training.checkpoint.resume`.
+`validate(raw, source)` gives a `Checkpoint` or one `CheckpointError` naming the key. Schema 2 holds `state_dict`
+(finite tensors of exactly the recorded architecture's names and shapes), `hyper_parameters` (an allowed backbone),
+`datamodule_hyper_parameters`, `inputs`, `class_names`, Lightning's bookkeeping and the trainer state: all plain data
+of bounded size, every argument in its class's signature, of its annotation's type, sizes within `LIMITS`.
 """
 
 from __future__ import annotations
@@ -37,10 +22,9 @@ from torch import nn
 
 import vit.data
 import vit.models
-from vit.checks import check_size, constructor_message, first_line
-from vit.training.checkpoint.errors import CheckpointError
+from vit.checks import check_size, describe, matches
 from vit.training.checkpoint.trainer_state import check_trainer_state
-from vit.training.checkpoint.values import MAX_INT, check_annotation, shown, walk
+from vit.training.checkpoint.values import CheckpointError, construct, is_int, is_number, not_allowed, shown, walk
 from vit.training.classifier import SCHEMA_VERSION, ImageClassifier
 
 # What LightningCLI writes beside every argument it instantiated; opening a checkpoint never calls it.
@@ -59,8 +43,7 @@ MAX_BUFFER_BYTES = 2**30  # what the architecture holds beside its weights (fixe
 
 
 def _public_classes(package, base: type) -> dict[str, type]:
-    """`{class path: class}` of the `base` subclasses a package exports, under `package.Name` and their module's
-    path."""
+    """`{class path: class}` of the `base` subclasses a package exports, under `package.Name` and their module."""
     found = {}
     for name in package.__all__:
         cls = getattr(package, name)
@@ -75,11 +58,7 @@ DATA_MODULES = _public_classes(vit.data, L.LightningDataModule)
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint that passed `validate`: every value checked, nothing built from it yet.
-
-    `raw` is the validated dict itself (what Lightning restores a run from), `source` the path or
-    URL as a message shows it.
-    """
+    """A checkpoint that passed `validate`: `raw` the validated dict, `source` the path or URL as messages show it."""
 
     source: str
     raw: dict = field(repr=False)
@@ -91,22 +70,9 @@ class Checkpoint:
     inputs: dict
     class_names: list[str]
 
-    @property
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.raw["state_dict"]
-
-    @property
-    def hyper_parameters(self) -> dict:
-        return self.raw["hyper_parameters"]
-
-    @property
-    def has_trainer_state(self) -> bool:
-        return bool(self.raw.get("optimizer_states"))
-
 
 def validate(raw: Any, source: str) -> Checkpoint:
-    """The `Checkpoint` of `raw` (what `torch.load` read from `source`), or `CheckpointError` naming the first key
-    that does not follow the schema (module doc)."""
+    """The `Checkpoint` of `raw` (what `torch.load` read from `source`), or `CheckpointError` naming the first key."""
     try:
         return _validate(raw, source)
     except CheckpointError as err:
@@ -137,12 +103,11 @@ def _validate(raw: Any, source: str) -> Checkpoint:
     if unknown:
         raise CheckpointError(f"it has a key {shown(unknown[0])} that this project does not write; refused")
     for key in ("epoch", "global_step"):
-        value = raw.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
-            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected an int >= 0")
+        if not is_int(raw.get(key, 0)):
+            raise not_allowed(key, raw[key], "an int >= 0")
     for key in ("hparams_name", "datamodule_hparams_name"):
         if key in raw and not isinstance(raw[key], (str, type(None))):
-            raise CheckpointError(f"{key}={shown(raw[key])} is not allowed: expected a string")
+            raise not_allowed(key, raw[key], "a string")
     _lightning_version(raw["pytorch-lightning_version"])
     num_classes = _architecture(raw["state_dict"], backbone_class, backbone_args, settings)
     inputs = _inputs(raw["inputs"], backbone_args)
@@ -154,20 +119,18 @@ def _validate(raw: Any, source: str) -> Checkpoint:
 
 
 def _lightning_version(value: Any) -> None:
-    """A version Lightning can compare, of 2.0 or later: Lightning migrates older checkpoints on loading, rewriting
-    the validated dict, and fails on a version it cannot parse."""
+    """2.0 or later: Lightning migrates older checkpoints (rewriting the validated dict), and fails on a bad one."""
     try:
         version = Version(value) if isinstance(value, str) else None
     except InvalidVersion:
         version = None
     if version is None or version < Version("2.0"):
-        raise CheckpointError(f"pytorch-lightning_version={shown(value)} is not allowed: expected the version of "
-                              "Lightning (2.0 or later) that wrote the checkpoint")
+        raise not_allowed("pytorch-lightning_version", value, "the version of Lightning (2.0 or later) that wrote "
+                          "the checkpoint")
 
 
 def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
-    """`cls`'s constructor parameters and their annotations; a subclass whose `**kwargs` go to its base's
-    constructor takes the base's too (as jsonargparse reads it)."""
+    """`cls`'s constructor parameters and annotations, with its base's where its `**kwargs` go (as jsonargparse)."""
     parameters, hints = {}, {}
     for klass in cls.__mro__:
         if "__init__" not in vars(klass) or klass in (nn.Module, L.LightningDataModule, object):
@@ -180,24 +143,25 @@ def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]
     return parameters, hints
 
 
+def _allow(allowed: dict[str, type], cls: type, base: type, what: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{cls!r} is not {what} class")
+    allowed[f"{cls.__module__}.{cls.__name__}"] = cls
+
+
 def allow_backbone(cls: type[nn.Module]) -> None:
     """Let checkpoints name `cls` (by its module path) as their backbone: for a class that a study defines and
     imports before it opens its checkpoints. A checkpoint only ever names a registered class: nothing is imported."""
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"{cls!r} is not an nn.Module class")
-    BACKBONES[f"{cls.__module__}.{cls.__name__}"] = cls
+    _allow(BACKBONES, cls, nn.Module, "an nn.Module")
 
 
 def allow_datamodule(cls: type[L.LightningDataModule]) -> None:
     """`allow_backbone` for a data module a study defines."""
-    if not (isinstance(cls, type) and issubclass(cls, L.LightningDataModule)):
-        raise TypeError(f"{cls!r} is not a LightningDataModule class")
-    DATA_MODULES[f"{cls.__module__}.{cls.__name__}"] = cls
+    _allow(DATA_MODULES, cls, L.LightningDataModule, "a LightningDataModule")
 
 
 def _arguments(cls: type, given: Mapping, key: str, skip: tuple[str, ...] = ()) -> dict:
-    """`given` checked against `cls.__init__`'s signature: names that exist, values of their annotated type, sizes
-    within `LIMITS`."""
+    """`given` checked against `cls.__init__`: names that exist, values of the annotated type, sizes within `LIMITS`."""
     parameters, hints = _signature(cls)
     args = {}
     for name, value in given.items():
@@ -206,53 +170,52 @@ def _arguments(cls: type, given: Mapping, key: str, skip: tuple[str, ...] = ()) 
         if name not in parameters or parameters[name].kind in (inspect.Parameter.VAR_KEYWORD,
                                                                 inspect.Parameter.VAR_POSITIONAL):
             raise CheckpointError(f"{key}.{name}: {cls.__name__} has no argument {name!r}; refused")
-        check_annotation(value, hints.get(name, Any), f"{key}.{name}")
+        if not matches(value, hints.get(name, Any)):
+            raise not_allowed(f"{key}.{name}", value, describe(hints.get(name, Any)))
         limit = LIMITS.get(name)
         sizes = value if isinstance(value, (list, tuple)) else [value]
         if limit is not None and any(isinstance(v, int) and not 0 <= v <= limit for v in sizes):
-            raise CheckpointError(f"{key}.{name}={shown(value)} is not allowed: expected at most {limit}")
+            raise not_allowed(f"{key}.{name}", value, f"at most {limit}")
         args[name] = value
     return args
 
 
-def _model(hparams: Any) -> tuple[type[nn.Module], dict, dict]:
+def _section(hparams: Any, key: str) -> Mapping:
+    """`hparams` if it is a mapping whose `_instantiator` (if any) is Lightning's."""
     if not isinstance(hparams, Mapping):
-        raise CheckpointError(f"hyper_parameters is a {type(hparams).__name__}, not a mapping")
-    _instantiator(hparams, "hyper_parameters")
+        raise CheckpointError(f"{key} is a {type(hparams).__name__}, not a mapping")
+    value = hparams.get("_instantiator", LIGHTNING_INSTANTIATOR)
+    if value != LIGHTNING_INSTANTIATOR:
+        raise CheckpointError(f"{key}._instantiator={shown(value)} is not allowed: a checkpoint may only name "
+                              f"{LIGHTNING_INSTANTIATOR!r} (which opening it never calls); refused")
+    return hparams
+
+
+def _model(hparams: Any) -> tuple[type[nn.Module], dict, dict]:
+    hparams = _section(hparams, "hyper_parameters")
     if hparams.get("_class_path", CLASSIFIER_PATHS[0]) not in CLASSIFIER_PATHS:
         raise CheckpointError(f"hyper_parameters._class_path={shown(hparams['_class_path'])} is not allowed: the "
                               f"model of a checkpoint is {CLASSIFIER_PATHS[0]}; refused")
     spec = hparams.get("backbone")
     if not isinstance(spec, Mapping) or set(spec) - {"class_path", "init_args"}:
-        raise CheckpointError(f"hyper_parameters.backbone={shown(spec)} is not allowed: expected a mapping of "
-                              "class_path and init_args")
+        raise not_allowed("hyper_parameters.backbone", spec, "a mapping of class_path and init_args")
     cls = _owned(spec.get("class_path"), BACKBONES, "hyper_parameters.backbone.class_path", "backbones")
     init_args = spec.get("init_args") or {}
     if not isinstance(init_args, Mapping):
-        raise CheckpointError(f"hyper_parameters.backbone.init_args={shown(init_args)} is not allowed: expected "
-                              "a mapping")
+        raise not_allowed("hyper_parameters.backbone.init_args", init_args, "a mapping")
     backbone_args = _arguments(cls, init_args, "hyper_parameters.backbone.init_args")
-    settings = _arguments(ImageClassifier, hparams, "hyper_parameters", skip=("backbone", "_instantiator",
-                                                                              "_class_path"))
+    settings = _arguments(ImageClassifier, hparams, "hyper_parameters",
+                          skip=("backbone", "_instantiator", "_class_path"))
     return cls, backbone_args, settings
 
 
 def _data(hparams: Any) -> tuple[type[L.LightningDataModule] | None, dict]:
     if hparams is None:
         return None, {}
-    if not isinstance(hparams, Mapping):
-        raise CheckpointError(f"datamodule_hyper_parameters is a {type(hparams).__name__}, not a mapping")
-    _instantiator(hparams, "datamodule_hyper_parameters")
+    hparams = _section(hparams, "datamodule_hyper_parameters")
     cls = _owned(hparams.get("_class_path"), DATA_MODULES, "datamodule_hyper_parameters._class_path",
                  "data modules")
     return cls, _arguments(cls, hparams, "datamodule_hyper_parameters", skip=("_class_path", "_instantiator"))
-
-
-def _instantiator(section: Mapping, key: str) -> None:
-    value = section.get("_instantiator", LIGHTNING_INSTANTIATOR)
-    if value != LIGHTNING_INSTANTIATOR:
-        raise CheckpointError(f"{key}._instantiator={shown(value)} is not allowed: a checkpoint may only name "
-                              f"{LIGHTNING_INSTANTIATOR!r} (which opening it never calls); refused")
 
 
 def _owned(class_path: Any, allowed: dict[str, type], key: str, what: str) -> type:
@@ -265,12 +228,8 @@ def _owned(class_path: Any, allowed: dict[str, type], key: str, what: str) -> ty
 
 def meta_backbone(cls: type[nn.Module], args: Mapping) -> nn.Module:
     """The backbone `cls(**args)` built on the meta device: its names and shapes, without memory for its weights."""
-    try:
-        with torch.device("meta"):
-            return cls(**args)
-    except (ValueError, TypeError) as err:
-        raise CheckpointError(f"its backbone {cls.__name__} cannot be built: "
-                              f"{first_line(ValueError(constructor_message(str(err))))}") from None
+    with torch.device("meta"):
+        return construct(cls, args, f"its backbone {cls.__name__} cannot be built")
 
 
 def _architecture(state: Any, cls: type[nn.Module], args: dict, settings: dict) -> int:
@@ -314,17 +273,16 @@ def _architecture(state: Any, cls: type[nn.Module], args: dict, settings: dict) 
 def _inputs(inputs: Any, backbone_args: Mapping) -> dict:
     expected = {"img_size", "in_chans", "mean", "std", "interpolation"}
     if not isinstance(inputs, Mapping) or set(inputs) != expected:
-        raise CheckpointError(f"inputs={shown(inputs, 120)} is not allowed: expected a mapping of {sorted(expected)}")
+        raise not_allowed("inputs", inputs, f"a mapping of {sorted(expected)}", 120)
     try:
         size = list(check_size("inputs.img_size", inputs["img_size"]))
     except ValueError as err:
         raise CheckpointError(str(err)) from None
     chans = inputs["in_chans"]
-    if isinstance(chans, bool) or not isinstance(chans, int) or not 1 <= chans <= LIMITS["in_chans"]:
-        raise CheckpointError(f"inputs.in_chans={shown(chans)} is not allowed: expected an int in "
-                              f"[1, {LIMITS['in_chans']}]")
+    if not is_int(chans, 1, LIMITS["in_chans"]):
+        raise not_allowed("inputs.in_chans", chans, f"an int in [1, {LIMITS['in_chans']}]")
     if max(size) > LIMITS["img_size"]:
-        raise CheckpointError(f"inputs.img_size={size} is not allowed: expected sides of at most {LIMITS['img_size']}")
+        raise not_allowed("inputs.img_size", size, f"sides of at most {LIMITS['img_size']}")
     if "img_size" in backbone_args and list(check_size("img_size", backbone_args["img_size"])) != size:
         raise CheckpointError(f"inputs.img_size={size} disagrees with the backbone's img_size="
                               f"{shown(backbone_args['img_size'])}")
@@ -335,25 +293,19 @@ def _inputs(inputs: Any, backbone_args: Mapping) -> dict:
     if (mean is None) != (std is None):
         raise CheckpointError(f"inputs.mean={shown(mean)} and inputs.std={shown(std)}: expected both null "
                               "(raw pixels) or both numbers")
-    if mean is not None:
-        for key, values, low in (("mean", mean, -math.inf), ("std", std, 0.0)):
-            ok = (isinstance(values, (list, tuple)) and len(values) == chans
-                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > low
-                          for v in values))
-            if not ok:
-                what = "finite numbers" if key == "mean" else "finite numbers > 0"
-                raise CheckpointError(f"inputs.{key}={shown(values)} is not allowed: expected {chans} {what} "
-                                      "(one per channel)")
+    for key, values, low, what in (("mean", mean, -math.inf, "finite numbers"), ("std", std, 0, "finite numbers > 0")):
+        if values is not None and not (isinstance(values, (list, tuple)) and len(values) == chans
+                                       and all(is_number(v, low, above=True) for v in values)):
+            raise not_allowed(f"inputs.{key}", values, f"{chans} {what} (one per channel)")
     if inputs["interpolation"] not in INTERPOLATIONS:
-        raise CheckpointError(f"inputs.interpolation={shown(inputs['interpolation'])} is not allowed: expected one "
-                              f"of {list(INTERPOLATIONS)}")
+        raise not_allowed("inputs.interpolation", inputs["interpolation"], f"one of {list(INTERPOLATIONS)}")
     return {"img_size": size, "in_chans": chans, "mean": None if mean is None else [float(v) for v in mean],
             "std": None if std is None else [float(v) for v in std], "interpolation": inputs["interpolation"]}
 
 
 def _class_names(names: Any, num_classes: int) -> list[str]:
     if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)):
-        raise CheckpointError(f"class_names={shown(names)} is not allowed: expected a list of non-empty strings")
+        raise not_allowed("class_names", names, "a list of non-empty strings")
     if len(names) != num_classes or len(set(names)) != len(names):
         raise CheckpointError(f"class_names holds {len(names)} name(s) ({len(set(names))} distinct); the model has "
                               f"{num_classes} classes")

@@ -1,9 +1,5 @@
-"""The trainer state's part of the schema: what `loops`, `callbacks`, `optimizer_states`, `lr_schedulers`, the
-data module's position and the gradient scaler may hold, checked for type and size by every door.
-
-Whether the state fits the run that resumes it (the optimizer's parameters, the schedule, the
-checkpoint folder, the number of processes) is `vit.training.checkpoint.resume`'s to check.
-"""
+"""The trainer state's part of the schema (loops, callbacks, optimizer, schedule, data position, gradient scaler),
+checked for type and size by every door; `vit.training.checkpoint.resume` checks that it fits the run."""
 
 from __future__ import annotations
 
@@ -13,8 +9,7 @@ from typing import Any
 import torch
 
 from vit.training.callbacks import rng_states
-from vit.training.checkpoint.errors import CheckpointError
-from vit.training.checkpoint.values import MAX_INT, same_structure, shown, walk
+from vit.training.checkpoint.values import CheckpointError, is_int, not_allowed, same_structure, shown, walk
 
 CHECKPOINT_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")  # ModelCheckpoint's state
 
@@ -38,20 +33,18 @@ def check_trainer_state(raw: Mapping, data_class: type | None) -> None:
         check = (_model_checkpoint if key.startswith("ModelCheckpoint{") else _early_stopping
                  if key.startswith("EarlyStopping{") else _rng)
         check(state, f"callbacks.{key}")
-    if data_class is not None and data_class.__qualname__ in raw:
-        key = data_class.__qualname__
+    key = data_class.__qualname__ if data_class is not None else None
+    if key in raw:
         state = raw[key]
         if not isinstance(state, Mapping) or set(state) - {"train_position", "world_size"}:
-            raise CheckpointError(f"{key}={shown(state)} is not allowed: expected train_position and world_size")
+            raise not_allowed(key, state, "train_position and world_size")
         if state:
             position, world = state.get("train_position"), state.get("world_size")
             if not (isinstance(position, Mapping) and set(position) == {"epoch", "batches_done"}
-                    and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
-                            for v in position.values())):
-                raise CheckpointError(f"{key}.train_position={shown(position)} is not allowed: expected epoch and "
-                                      "batches_done, ints >= 0")
-            if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 65_536:
-                raise CheckpointError(f"{key}.world_size={shown(world)} is not allowed: expected an int >= 1")
+                    and all(is_int(v) for v in position.values())):
+                raise not_allowed(f"{key}.train_position", position, "epoch and batches_done, ints >= 0")
+            if not is_int(world, 1, 65_536):
+                raise not_allowed(f"{key}.world_size", world, "an int >= 1")
 
 
 def _counters(value: Any, key: str) -> None:
@@ -73,18 +66,17 @@ def _model_checkpoint(state: Any, key: str) -> None:
     if not isinstance(state, Mapping) or not set(state) <= expected or "best_model_path" not in state:
         raise CheckpointError(f"{key} does not hold ModelCheckpoint's state")
     if not isinstance(state.get("monitor"), (str, type(None))):
-        raise CheckpointError(f"{key}.monitor={shown(state['monitor'])} is not allowed: expected a metric name")
+        raise not_allowed(f"{key}.monitor", state["monitor"], "a metric name")
     for name in ("best_model_score", "current_score", "kth_value"):
         if state.get(name) is not None and not _score(state[name]):
-            raise CheckpointError(f"{key}.{name}={shown(state[name])} is not allowed: expected a score (one number)")
+            raise not_allowed(f"{key}.{name}", state[name], "a score (one number)")
     best_k = state.get("best_k_models", {})
     if not isinstance(best_k, Mapping) or not all(_score(v) for v in best_k.values()):
         raise CheckpointError(f"{key}.best_k_models is not a mapping of checkpoint paths to scores")
-    paths = {name: state.get(name, "") for name in (*CHECKPOINT_PATHS, "dirpath")}
-    paths.update({f"best_k_models[{i}]": p for i, p in enumerate(best_k)})
+    paths = checkpoint_paths(state)
     for name, path in paths.items():
         if path is not None and not isinstance(path, str):
-            raise CheckpointError(f"{key}.{name}={shown(path)} is not allowed: expected a path")
+            raise not_allowed(f"{key}.{name}", path, "a path")
         if path and "://" in path:
             raise CheckpointError(f"{key}.{name}={shown(path, 100)} is not allowed: a checkpoint's paths are local "
                                   "files of its run, never URLs")
@@ -94,14 +86,19 @@ def _model_checkpoint(state: Any, key: str) -> None:
                               "its best_k_models")
 
 
+def checkpoint_paths(state: Mapping) -> dict[str, Any]:
+    """ModelCheckpoint's paths in its `state`, by key: its `*_model_path`s, `dirpath`, `best_k_models[i]`."""
+    paths = {name: state.get(name, "") for name in (*CHECKPOINT_PATHS, "dirpath")}
+    return paths | {f"best_k_models[{i}]": p for i, p in enumerate(state.get("best_k_models", {}))}
+
+
 def _early_stopping(state: Any, key: str) -> None:
-    counters = {"wait_count", "stopped_epoch", "patience"}
+    required = {"wait_count", "stopped_epoch", "patience", "best_score"}
     optional = {"stopping_reason", "stopping_reason_message"}  # written by Lightning 2.6
-    if not isinstance(state, Mapping) or not counters | {"best_score"} <= set(state) <= counters | optional | {
-            "best_score"}:
+    if not isinstance(state, Mapping) or not required <= set(state) <= required | optional:
         raise CheckpointError(f"{key} does not hold EarlyStopping's state")
-    same_structure({k: state[k] for k in counters | ({"stopping_reason"} & set(state))},
-                   dict.fromkeys(counters | ({"stopping_reason"} & set(state)), 0), key)
+    counters = {"wait_count", "stopped_epoch", "patience", "stopping_reason"} & set(state)
+    same_structure({k: state[k] for k in counters}, dict.fromkeys(counters, 0), key)
     if not isinstance(state.get("stopping_reason_message"), (str, type(None))):
         raise CheckpointError(f"{key}.stopping_reason_message is not a message")
     if not _score(state["best_score"]):

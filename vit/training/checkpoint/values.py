@@ -1,10 +1,4 @@
-"""Checks of single values read from a checkpoint: plain data of bounded size, and values of an annotated type.
-
-A checkpoint is data from outside. Before any value is used, `walk` visits it all without recursion
-(a list nested 50,000 deep is refused, not a `RecursionError`), and `check_annotation` compares a
-value with the annotation of the constructor argument it will be passed to (`int | tuple[int, int]`,
-`Literal[...]`, `float | None`, ...). Every failure is a `CheckpointError` naming the key path.
-"""
+"""Checks of single values read from a checkpoint (plain data of bounded size); each failure a `CheckpointError`."""
 
 from __future__ import annotations
 
@@ -14,14 +8,18 @@ from typing import Any
 
 import torch
 
-from vit.checks import describe, matches
-from vit.training.checkpoint.errors import CheckpointError
+from vit.checks import PLAIN, constructor_message, first_line
 
 MAX_DEPTH = 24  # a Lightning checkpoint nests 8 deep; an optimizer state of nested groups a few more
 MAX_STRING = 4096  # PATH_MAX: the longest value a checkpoint has reason to hold is a path
 MAX_ITEMS = 10_000_000  # values in the whole checkpoint: a ViT-H optimizer state holds ~2,000
 MAX_INT = 2**53  # counters and sizes: beyond this a float cannot hold the number, and nothing here needs more
-PLAIN = (bool, int, float, str, type(None))
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.bool)  # what a model, an optimizer and a random generator save
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; its message is one line naming the file (or URL, redacted) and the key."""
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -30,15 +28,26 @@ def shown(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def walk(value: Any, key: str, *, tensors: bool) -> Iterator[tuple[str, Any]]:
-    """Every `(key path, value)` under `value`, depth first, after checking that it is plain data.
+def not_allowed(key: str, value: Any, expected: str, limit: int = 60) -> CheckpointError:
+    """The error for `key=value`: "<key>=<value> is not allowed: expected <expected>"."""
+    return CheckpointError(f"{key}={shown(value, limit)} is not allowed: expected {expected}")
 
-    Allowed: bool, int (|n| <= 2**53), finite float, str (<= 4096 characters), None, lists and tuples
-    of those, mappings with str keys (int keys too: an optimizer's state is keyed by parameter
-    index), and with `tensors`, dense CPU tensors. Anything else raises `CheckpointError`.
-    """
-    stack = [(key, value, 0)]
-    count = 0
+
+def is_int(value: Any, low: int = 0, high: int = MAX_INT) -> bool:
+    """Whether `value` is an int (not a bool) in [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def is_number(value: Any, low: float = -math.inf, *, above: bool = False) -> bool:
+    """Whether `value` is a finite int or float (not a bool) >= `low` (> `low` with `above`)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > low if above else value >= low))
+
+
+def walk(value: Any, key: str, *, tensors: bool) -> Iterator[tuple[str, Any]]:
+    """Every `(key path, value)` under `value`, depth first without recursion, checked to be `check_plain`'s values,
+    lists, tuples and mappings of those with str (or int: an optimizer's) keys, and with `tensors`, tensors."""
+    stack, count = [(key, value, 0)], 0
     while stack:
         path, item, depth = stack.pop()
         count += 1
@@ -63,21 +72,17 @@ def walk(value: Any, key: str, *, tensors: bool) -> Iterator[tuple[str, Any]]:
 
 
 def check_plain(value: Any, key: str) -> None:
-    """Raise `CheckpointError` unless `value` is a bool, a bounded int, a finite float, a short str or None."""
+    """Raise `CheckpointError` unless `value` is a bool, an int <= 2**53, a finite float, a short str, or None."""
     if not isinstance(value, PLAIN):
         raise CheckpointError(f"{key} holds a {type(value).__name__}, not plain data (numbers, strings, booleans, "
                               "lists and mappings of those); refused")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-        raise CheckpointError(f"{key}={shown(value)} is not allowed: expected a number of at most 2**53")
+        raise not_allowed(key, value, "a number of at most 2**53")
     if isinstance(value, float) and not math.isfinite(value):
         raise CheckpointError(f"{key}={value!r} is not allowed: expected a finite number")
     if isinstance(value, str) and (len(value) > MAX_STRING or "\0" in value):
         raise CheckpointError(f"{key} is a string of {len(value)} characters"
                               + (" with a NUL character" if "\0" in value else "") + "; refused")
-
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-          torch.int32, torch.int64, torch.bool)  # what a model, an optimizer and a random generator save
 
 
 def check_tensor(value: torch.Tensor, key: str) -> None:
@@ -91,15 +96,8 @@ def check_tensor(value: torch.Tensor, key: str) -> None:
         raise CheckpointError(f"{key} is a {value.dtype} tensor; refused")
 
 
-def check_annotation(value: Any, annotation: Any, key: str) -> None:
-    """Raise `CheckpointError` unless `value` is of the type `annotation` (a constructor argument's) describes."""
-    if not matches(value, annotation):
-        raise CheckpointError(f"{key}={shown(value)} is not allowed: expected {describe(annotation)}")
-
-
 def same_structure(value: Any, reference: Any, key: str) -> None:
-    """`value` has `reference`'s keys, list lengths and types: its ints in [0, 2**53], its floats finite and >= 0,
-    its strings equal, its tensors of the same shape and dtype."""
+    """`value` has `reference`'s keys, lengths, types (ints in [0, 2**53], floats >= 0), strings, tensor shapes."""
     if isinstance(reference, Mapping):
         if not isinstance(value, Mapping) or set(value) != set(reference):
             extra = sorted(set(value) - set(reference), key=str) if isinstance(value, Mapping) else []
@@ -111,27 +109,35 @@ def same_structure(value: Any, reference: Any, key: str) -> None:
             same_structure(value[k], reference[k], f"{key}.{k}")
     elif isinstance(reference, (list, tuple)):
         if not isinstance(value, (list, tuple)) or len(value) != len(reference):
-            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected a list of {len(reference)}")
+            raise not_allowed(key, value, f"a list of {len(reference)}")
         for i, (v, r) in enumerate(zip(value, reference)):
             same_structure(v, r, f"{key}[{i}]")
     elif isinstance(reference, bool):
         if not isinstance(value, bool):
-            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected true or false")
+            raise not_allowed(key, value, "true or false")
     elif isinstance(reference, int):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
-            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected an int >= 0")
+        if not is_int(value):
+            raise not_allowed(key, value, "an int >= 0")
     elif isinstance(reference, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected a finite number >= 0")
+        if not is_number(value, 0):
+            raise not_allowed(key, value, "a finite number >= 0")
     elif reference is None:
         if value is not None:
-            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected null")
+            raise not_allowed(key, value, "null")
     elif isinstance(reference, str):
         if value != reference:
-            raise CheckpointError(f"{key}={shown(value)} is not allowed: expected {reference!r}")
+            raise not_allowed(key, value, repr(reference))
     elif isinstance(reference, torch.Tensor):
         if not isinstance(value, torch.Tensor) or value.shape != reference.shape or value.dtype != reference.dtype:
             what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                     else shown(value))
             raise CheckpointError(f"{key} is {what}: expected a {reference.dtype} tensor of shape "
                                   f"{tuple(reference.shape)}")
+
+
+def construct(cls: type, kwargs: Mapping, failure: str) -> Any:
+    """`cls(**kwargs)`, a constructor's refusal (`ValueError`, `TypeError`) raised as "<failure>: <its message>"."""
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"{failure}: {first_line(ValueError(constructor_message(str(err))))}") from None
