@@ -48,8 +48,7 @@ class Predictor:
     records of its input) and `transform` (PIL image -> the model's input `(C, H, W)`)."""
 
     def __init__(self, model: ImageClassifier, inputs: dict) -> None:
-        self.model = model.eval()
-        self.inputs = inputs
+        self.model, self.inputs = model.eval(), inputs
         self.class_names: list[str] = list(model.class_names)
         self.transform: v2.Compose = inference_transform(inputs)
 

@@ -39,8 +39,7 @@ def check_float(name: str, value: object, low: float | None = None, high: float 
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not (ok and (low is None or (value > low if low_open else value >= low))
             and (high is None or (value < high if high_open else value <= high))):
-        lo = "-inf" if low is None else f"{low:g}"
-        hi = "inf" if high is None else f"{high:g}"
+        lo, hi = "-inf" if low is None else f"{low:g}", "inf" if high is None else f"{high:g}"
         interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
         raise ValueError(f"{name}={value!r} is not allowed: expected a finite number in {interval}")
 

@@ -104,8 +104,7 @@ def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
 def training_record(checkpoint: dict) -> dict:
     """What the checkpoint says of its training, for the model card: `data_module`, `seed`, `epoch`, `global_step`,
     `dataset`, `base_model`, `model` (plain settings) and `metrics` (each ModelCheckpoint's, best and current)."""
-    data = checkpoint.get("datamodule_hyper_parameters") or {}
-    hparams = checkpoint.get("hyper_parameters") or {}
+    data, hparams = checkpoint.get("datamodule_hyper_parameters") or {}, checkpoint.get("hyper_parameters") or {}
     record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
               "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
               "dataset": hub_dataset(data), "base_model": hub_base_model(hparams.get("pretrained"))}
@@ -157,8 +156,7 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     import torch
     import yaml
 
-    name = architecture(args)
-    channels, height, width = data_config["input_size"]
+    name, (channels, height, width) = architecture(args), data_config["input_size"]
     with torch.device("meta"):  # the exported model's parameter count, without memory
         params = sum(p.numel() for p in timm.create_model(name, pretrained=False, **args).parameters())
     shown = (", ".join(markdown_text(n) for n in names[:20])

@@ -37,8 +37,7 @@ def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
                            "the input folder is left untouched")
     check_output("--output", output, overwrite)
     try:
-        with tempfile.TemporaryFile(dir=output.parent):
-            pass
+        tempfile.TemporaryFile(dir=output.parent).close()
     except OSError as err:
         raise PredictError(f"--output {output}: its folder {output.parent} cannot be written "
                            f"({err.strerror or err})") from None

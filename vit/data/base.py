@@ -47,8 +47,7 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     def inputs(self) -> dict:
         """How an image becomes the model's input, as plain values a checkpoint records for inference."""
-        height, width = check_size("img_size", self.img_size)
-        norm = self.normalization
+        (height, width), norm = check_size("img_size", self.img_size), self.normalization
         return {"img_size": [height, width], "in_chans": int(self.in_chans),
                 "mean": None if norm is None else [float(v) for v in norm[0]],
                 "std": None if norm is None else [float(v) for v in norm[1]],
@@ -73,9 +72,8 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         """Mix training batches on the device (when `mixup` is set): `(x, y)` -> `(x_mixed, y, y_soft)`."""
         if self.mixup is None or self.trainer is None or not self.trainer.training:
             return batch
-        x, y = batch
-        x_mixed, y_soft = self.mixup(x, y)  # mixes x in place; y_soft (B, num_classes), rows sum to 1
-        return x_mixed, y, y_soft
+        x_mixed, y_soft = self.mixup(*batch)  # mixes x in place; y_soft (B, num_classes), rows sum to 1
+        return x_mixed, batch[1], y_soft
 
     def _split(self, name: str) -> Dataset:
         if getattr(self, name) is None:
@@ -91,8 +89,7 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self._split("test_set"), train=False)
 
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self._split("test_set"), train=False)
+    predict_dataloader = test_dataloader
 
 
 def usable_workers(num_workers: int) -> int:

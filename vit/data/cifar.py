@@ -100,9 +100,8 @@ class CIFARDataModule(SplitDataModule):
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per-channel `(mean, std)` after scaling pixels to [0, 1]: the dataset's own, or timm's (`MEAN_STD`)."""
-        if self.hparams.normalization == "cifar":
-            return CIFAR_MEAN_STD[self.dataset]
-        return MEAN_STD[self.hparams.normalization]
+        name = self.hparams.normalization
+        return CIFAR_MEAN_STD[self.dataset] if name == "cifar" else MEAN_STD[name]
 
     @property
     def folder(self) -> Path:
@@ -115,8 +114,7 @@ class CIFARDataModule(SplitDataModule):
 
     def unusable_files(self) -> dict[str, str]:
         """Expected files that are present but cannot be used, each with the reason."""
-        dataset_cls = DATASETS[self.dataset]
-        problems = {}
+        dataset_cls, problems = DATASETS[self.dataset], {}
         for name, md5 in [*dataset_cls.train_list, *dataset_cls.test_list,
                           (dataset_cls.meta["filename"], dataset_cls.meta["md5"])]:
             path = self.folder / name
@@ -190,8 +188,7 @@ class CIFARDataModule(SplitDataModule):
 
     def _not_found_message(self, reason: str) -> str:
         folder_name, files = EXPECTED_FILES[self.dataset]
-        data_dir = Path(self.data_dir).absolute()
-        missing = self.missing_files()
+        data_dir, missing = Path(self.data_dir).absolute(), self.missing_files()
         lines = [
             f"{DISPLAY_NAMES[self.dataset]} is not in {self.folder}"
             + (f" (missing: {', '.join(missing)})." if missing else "."),

@@ -18,10 +18,8 @@ def write_fake_cifar(root: str | os.PathLike, dataset: DatasetName = "cifar10", 
     check_choice("dataset", dataset, DatasetName)
     folder = Path(root) / EXPECTED_FILES[dataset][0]
     folder.mkdir(parents=True, exist_ok=True)
-    num_classes = NUM_CLASSES[dataset]
-    rng = np.random.default_rng(seed)
-    colours = rng.uniform(40, 215, size=(num_classes, 3, 1, 1))
-    periods = rng.integers(3, 12, size=num_classes)
+    num_classes, rng = NUM_CLASSES[dataset], np.random.default_rng(seed)
+    colours, periods = rng.uniform(40, 215, size=(num_classes, 3, 1, 1)), rng.integers(3, 12, size=num_classes)
     rows = np.arange(32).reshape(1, 32, 1)
 
     def images(n: int) -> tuple[np.ndarray, list[int]]:
@@ -31,8 +29,7 @@ def write_fake_cifar(root: str | os.PathLike, dataset: DatasetName = "cifar10", 
         data = np.clip(pixels, 0, 255).astype(np.uint8).reshape(n, 3 * 32 * 32)  # (N, 3072)
         return data, labels.tolist()
 
-    class_names = [f"fake_class_{i:02d}" for i in range(num_classes)]
-    files = {}
+    class_names, files = [f"fake_class_{i:02d}" for i in range(num_classes)], {}
     if dataset == "cifar10":
         train_chunks = np.array_split(np.arange(num_train), 5)
         for i, chunk in enumerate(train_chunks, start=1):

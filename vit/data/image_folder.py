@@ -168,8 +168,7 @@ class ImageFolderDataModule(SplitDataModule):
         train_dir, val_dir, test_dir = self._folder("train"), self._folder("val"), self._folder("test")
         source = train_dir or self.root
         train_full = self._images(source, self.train_transform)
-        eval_full = self._images(source, self.eval_transform)
-        n = len(train_full)
+        eval_full, n = self._images(source, self.eval_transform), len(train_full)
         # One seeded permutation: validation first, then test, then training.
         n_val = 0 if val_dir is not None else max(1, round(self.hparams.val_fraction * n))
         n_test = 0 if test_dir is not None or self.hparams.test_fraction == 0 else max(

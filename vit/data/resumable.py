@@ -24,8 +24,7 @@ class ResumableSampler(DistributedSampler):
                  repeats: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
         check_int("repeats", repeats, 1)
-        self.repeats = repeats
-        self._skip = 0
+        self.repeats, self._skip = repeats, 0
 
     def resume_at(self, epoch: int, num_samples: int) -> None:
         """Start the next iteration (only) in epoch `epoch`, after this process's first `num_samples` samples."""

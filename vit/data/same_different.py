@@ -58,8 +58,7 @@ def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int
     allowed placements in an image of ``img_size`` (a side or ``(H, W)``)."""
     height, width = check_size("img_size", img_size)
     c_lo, c_hi = column_range(region, width, size)
-    out = np.empty((n, 2, 2), dtype=np.int64)
-    todo = np.arange(n)
+    out, todo = np.empty((n, 2, 2), dtype=np.int64), np.arange(n)
     for _ in range(1000):
         rows = rng.integers(0, height - size + 1, size=(len(todo), 2))
         cols = rng.integers(c_lo, c_hi + 1, size=(len(todo), 2))
@@ -99,8 +98,7 @@ class SameDifferentDataset(Dataset):
             raise ValueError("with_held_out=True needs a held_out_shape (0-3): the pattern every pair then holds")
         self.img_size, self.in_chans, self.noise = img_size, in_chans, float(noise)
         self.region, self.seed, self.shapes = region, seed, make_shapes()
-        positions = sample_positions(rng, num_samples, img_size, region)
-        labels = balanced_labels(rng, num_samples)
+        positions, labels = sample_positions(rng, num_samples, img_size, region), balanced_labels(rng, num_samples)
         if held_out_shape is None:
             first = rng.integers(NUM_SHAPES, size=num_samples)
             other = (first + rng.integers(1, NUM_SHAPES, size=num_samples)) % NUM_SHAPES  # uniform over the others

@@ -94,8 +94,7 @@ def _sample_in_area(rng: np.random.Generator, radii: np.ndarray, area: int, regi
     """Centres ``(n, 2)`` uniform over the allowed, region-restricted square of side ``area``."""
     n = len(radii)
     r = radii[:, None].astype(np.float64)  # (n, 1)
-    centers = np.empty((n, 2))
-    todo = np.arange(n)
+    centers, todo = np.empty((n, 2)), np.arange(n)
     for _ in range(_MAX_ROUNDS):
         rt = r[todo]
         proposal = rt + rng.random((len(todo), 2)) * (area - 2 * rt)  # (m, 2)
@@ -123,12 +122,10 @@ def _sample_relative(rng: np.random.Generator, labels: np.ndarray, radii: np.nda
                      t: float) -> np.ndarray:
     """Centres ``(n, 2, 2)`` of disc A and ring B, with A above-left of B iff the label is 1."""
     n = len(labels)
-    centers = np.empty((n, 2, 2))
-    todo = np.arange(n)
+    centers, todo = np.empty((n, 2, 2)), np.arange(n)
     for _ in range(_MAX_ROUNDS):
         r = radii[todo]
-        a = _sample_in_area(rng, r, img_size, region, t)
-        b = _sample_in_area(rng, r, img_size, region, t)
+        a, b = _sample_in_area(rng, r, img_size, region, t), _sample_in_area(rng, r, img_size, region, t)
         d = b - a  # (m, 2)
         ok = (np.abs(d).min(axis=1) >= r) & (np.hypot(d[:, 0], d[:, 1]) >= 2 * r + 2)
         centers[todo[ok]] = np.stack([a[ok], b[ok]], axis=1)
@@ -149,8 +146,7 @@ def circle_masks(centers: torch.Tensor, radii: torch.Tensor, img_size: int) -> t
     """Pixels ``(N, H, W)`` a circle may ink: pixel centre closer than ``r + 0.5`` to a circle centre (ring holes
     included). ``centers`` is ``(N, K, 2)`` as ``(row, col)``, ``radii`` is ``(N,)``."""
     grid = torch.arange(img_size, dtype=torch.float32) + 0.5  # (H,) pixel centres
-    dy = grid[None, None, :] - centers[..., 0, None].float()  # (N, K, H)
-    dx = grid[None, None, :] - centers[..., 1, None].float()  # (N, K, W)
+    dy, dx = (grid[None, None, :] - centers[..., i, None].float() for i in (0, 1))  # (N, K, H), (N, K, W)
     dist2 = dy[..., :, None] ** 2 + dx[..., None, :] ** 2  # (N, K, H, W)
     return (dist2 < (radii.float()[:, None, None, None] + 0.5) ** 2).any(dim=1)  # (N, H, W)
 
@@ -164,8 +160,7 @@ def render_circles(centers: torch.Tensor, radii: torch.Tensor, img_size: int, ta
     if n == 0:
         return out.view(0, img_size, img_size)
     side = min(2 * int(radii.max()) + 3, img_size)  # P: covers every pixel within r + 0.5
-    offsets = torch.arange(side)
-    r = radii.float()[:, None, None]  # (N, 1, 1)
+    offsets, r = torch.arange(side), radii.float()[:, None, None]  # (P,), (N, 1, 1)
     first_pixel = torch.arange(n)[:, None, None] * img_size * img_size  # (N, 1, 1)
     for k in range(2):
         c = centers[:, k].float()  # (N, 2)
@@ -195,8 +190,7 @@ class TwoCirclesDataset(Dataset):
                                  region=region)  # [32, 32] -> 32
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
         self.radius, self.noise, self.seed = tuple(radius), float(noise), seed
-        labels = balanced_labels(rng, num_samples)
-        radii = rng.integers(radius[0], radius[1] + 1, size=num_samples)
+        labels, radii = balanced_labels(rng, num_samples), rng.integers(radius[0], radius[1] + 1, size=num_samples)
         sample = _sample_diagonal if task == "diagonal" else _sample_relative
         centers = sample(rng, labels, radii, img_size, region, region_threshold(img_size, radius))  # (N, 2, 2)
         self.labels, self.radii = torch.from_numpy(labels).long(), torch.from_numpy(radii).long()  # (N,) each

@@ -144,8 +144,7 @@ def parse_methods(text: str) -> list[str]:
 def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], labels: list[int] | None,
                target: int | None) -> list[str]:
     """Each row's title: the image, its label (test images), the predicted class and probability, and the target's."""
-    confidence, predicted = probs.max(dim=-1)
-    titles = []
+    (confidence, predicted), titles = probs.max(dim=-1), []
     for i, (file, c, p) in enumerate(zip(files, confidence.tolist(), predicted.tolist())):
         lines = [file] + ([f"label {class_names[labels[i]]}"] if labels is not None else [])
         lines.append(f"predicted {class_names[p]} ({c:.2f})")

@@ -34,20 +34,17 @@ class RolloutImages(L.Callback):
                  discard_ratio: float = 0.0, class_names: Sequence[str] | None = None, scale: Scale = "row",
                  tag: str = "val/rollout", dpi: int = 64) -> None:
         super().__init__()
-        for name, value in (("every_n_epochs", every_n_epochs), ("num_images", num_images)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        check_int("every_n_epochs", every_n_epochs, 1)
+        check_int("num_images", num_images, 1)
         methods = tuple(methods)
         if not methods or any(m not in METHODS for m in methods):
             raise ValueError(f"methods={list(methods)!r} must be a non-empty list of {list(METHODS)}")
-        if head_fusion not in HEAD_FUSIONS:
-            raise ValueError(f"head_fusion={head_fusion!r} must be one of {list(HEAD_FUSIONS)}")
+        check_choice("head_fusion", head_fusion, HEAD_FUSIONS)
         if not 0.0 <= discard_ratio < 1.0:
             raise ValueError(f"discard_ratio={discard_ratio} must be in [0, 1)")
         if scale not in SCALES:
             raise ValueError(f"scale={scale!r} must be one of {list(SCALES)}")
-        if dpi < 1:
-            raise ValueError(f"dpi={dpi} must be >= 1")
+        check_int("dpi", dpi, 1)
         self.every_n_epochs, self.num_images, self.methods = every_n_epochs, num_images, methods
         self.head_fusion, self.discard_ratio = head_fusion, discard_ratio
         self.class_names = list(class_names) if class_names is not None else None
@@ -83,8 +80,7 @@ class RolloutImages(L.Callback):
             self._choose_images()
         if not trainer.is_global_zero:
             return
-        model = getattr(pl_module, "backbone", pl_module)
-        self._model_names = getattr(pl_module, "class_names", None)
+        model, self._model_names = getattr(pl_module, "backbone", pl_module), getattr(pl_module, "class_names", None)
         usable = usable_methods(model, self.methods, skip=True)
         if len(usable) < len(self.methods) and not self._warned:
             left_out = [m for m in self.methods if m not in usable]
@@ -231,9 +227,8 @@ class TestMistakesGrid(_TestPredictions):
     def __init__(self, *, num_images: int = 16, columns: int = 8, class_names: Sequence[str] | None = None,
                  tag: str = "test/mistakes", dpi: int = 100) -> None:
         super().__init__()
-        check_int("num_images", num_images, 1)
-        check_int("columns", columns, 1)
-        check_int("dpi", dpi, 1)
+        for name, value in (("num_images", num_images), ("columns", columns), ("dpi", dpi)):
+            check_int(name, value, 1)
         self.columns, self.tag, self.dpi = columns, tag, dpi
         self.class_names = list(class_names) if class_names is not None else None
         self.kept = RankedPredictions(num_images, mistakes_only=True)

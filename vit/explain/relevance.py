@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vit.checks import check_choice, check_int
+from vit.checks import check_choice, check_float, check_int
 from vit.explain.methods import ATTENTION_METHODS, CLASS_METHODS, METHODS, Method  # noqa: F401  (importable here)
 from vit.explain.rollout import (
     HeadFusion,
@@ -119,8 +119,7 @@ def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, g
 
     fused = [residual(fuse_heads(a)) for a in blocks]  # (B, N, N) each
     B, N, _ = fused[0].shape
-    L = len(fused)
-    num_prefix = (1 if pool == "cls" else 0) + reg_tokens
+    L, num_prefix = len(fused), (1 if pool == "cls" else 0) + reg_tokens
     readout = readout_weights(pool, N, pool_attn, reg_tokens).expand(B, N).double().cpu().numpy()
     scale = 10**6  # scipy's max-flow takes integer capacities
     out = torch.zeros(B, grid[0] * grid[1], dtype=torch.float64)
@@ -132,8 +131,7 @@ def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, g
             rows.append(layer * N + j)
             cols.append((layer + 1) * N + i)
             caps.append(np.round(a[i, j] * scale).astype(np.int64))
-        sink = (L + 1) * N  # a super-sink fed by the top tokens the pooling reads
-        top = np.nonzero(readout[b] > 0)[0]
+        sink, top = (L + 1) * N, np.nonzero(readout[b] > 0)[0]  # a super-sink fed by the top tokens the pooling reads
         rows.append(L * N + top)
         cols.append(np.full(len(top), sink))
         caps.append(np.round(readout[b, top] * scale).astype(np.int64))
@@ -146,8 +144,7 @@ def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, g
 
 def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = None) -> Tensor:
     """Grad-CAM `(B, gh, gw)` at the target layer's resolution: `ReLU(sum_k mean_ij(dy/dA^k) A^k)`."""
-    layer, to_map = gradcam_layer(model)
-    store = {}
+    (layer, to_map), store = gradcam_layer(model), {}
 
     def keep(module, inputs, output) -> None:  # the forward pass's; a checkpointed layer runs again in backward
         store.setdefault("activation", output)
@@ -180,8 +177,7 @@ def gradcam_layer(model: nn.Module):
 
 def to_pixels(maps: Tensor, size: tuple[int, int]) -> Tensor:
     """`(B, gh, gw)` -> `(B, H, W)`: each cell's relevance spread evenly over its pixels (sums are kept)."""
-    H, W = size
-    gh, gw = maps.shape[-2:]
+    (H, W), (gh, gw) = size, maps.shape[-2:]
     pixels = F.interpolate(maps[:, None].float(), size=(H, W), mode="nearest")[:, 0]
     return pixels * (gh * gw) / (H * W)
 
@@ -191,8 +187,7 @@ def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None,
     """Raise `ValueError` unless `relevance` can run `method` with these options on `model`; nothing runs."""
     check_choice("method", method, Method)
     check_choice("head_fusion", head_fusion, HeadFusion)
-    if not 0.0 <= discard_ratio < 1.0:
-        raise ValueError(f"discard_ratio={discard_ratio} is not allowed: expected a number in [0, 1)")
+    check_float("discard_ratio", discard_ratio, 0.0, 1.0, high_open=True)
     check_int("start_layer", start_layer, 0)
     if method != "rollout" and (head_fusion != "mean" or discard_ratio != 0.0):
         raise ValueError("head_fusion and discard_ratio apply to method='rollout' only; got "

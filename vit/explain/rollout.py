@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vit.checks import check_choice
+from vit.checks import check_choice, check_float, check_int
 from vit.models.vision_transformer import Pool
 
 HeadFusion = Literal["mean", "max", "min"]
@@ -36,7 +36,7 @@ def gradient_weighted(attn: Tensor, grad: Tensor) -> Tensor:
 
 def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = True) -> Tensor:
     """Zero the lowest `int(discard_ratio * N * N)` entries of each `(B, N, N)` map, but [0, 0] with `keep_cls_self`."""
-    _check_discard_ratio(discard_ratio)
+    check_float("discard_ratio", discard_ratio, 0.0, 1.0, high_open=True)
     B, N, _ = fused.shape
     num_discard = int(discard_ratio * N * N)
     if num_discard == 0:
@@ -70,8 +70,8 @@ def attention_rollout(attentions: Sequence[Tensor], head_fusion: HeadFusion = "m
     """Attention rollout (Abnar & Zuidema 2020) of per-block maps `(B, H, N, N)` from block `start_layer` on ->
     `(B, N, N)`: per block fuse heads, `discard_lowest`, add the `residual`; then `R = Â_L ... Â_2 Â_1`."""
     _check_attentions(attentions)
-    _check_discard_ratio(discard_ratio)
-    _check_start_layer(start_layer, len(attentions))
+    check_float("discard_ratio", discard_ratio, 0.0, 1.0, high_open=True)
+    check_int("start_layer", start_layer, 0, len(attentions) - 1)
     return chain([residual(discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self))
                   for attn in attentions[start_layer:]])
 
@@ -80,7 +80,7 @@ def gradient_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor], star
     """Gradient-weighted rollout (Chefer et al. 2021 style) of per-block maps `(B, H, N, N)` -> `(B, N, N)`: each
     block's `mean_heads((dy/dA * A).clamp(min=0))`, with `grads` = dy/dA, chained as in `attention_rollout`."""
     _check_attentions(attentions)
-    _check_start_layer(start_layer, len(attentions))
+    check_int("start_layer", start_layer, 0, len(attentions) - 1)
     return chain([residual(gradient_weighted(a, g)) for a, g in zip(attentions[start_layer:], grads[start_layer:])])
 
 
@@ -99,8 +99,7 @@ def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None
     if pool == "cls":
         return torch.eye(1, num_tokens)
     num_patches = num_tokens - reg_tokens
-    per_patch = (torch.full((1, num_patches), 1.0 / num_patches) if pool == "mean"
-                 else pool_attn.flatten(1))  # (1 or B, P)
+    per_patch = torch.full((1, num_patches), 1.0 / num_patches) if pool == "mean" else pool_attn.flatten(1)
     return F.pad(per_patch, (reg_tokens, 0))  # (1 or B, N)
 
 
@@ -114,8 +113,7 @@ def rollout_to_patch_map(rollout: Tensor, grid_size: tuple[int, int], pool: Pool
         raise ValueError(f"rollout must have shape (B, N, N), got {tuple(rollout.shape)}")
     if (pool == "map") != (pool_attn is not None):
         raise ValueError(f"pool_attn is required for pool='map' and only then; got pool={pool!r}")
-    gh, gw = grid_size
-    B, N, _ = rollout.shape
+    (gh, gw), (B, N, _) = grid_size, rollout.shape
     num_prefix = (1 if pool == "cls" else 0) + reg_tokens
     if N != num_prefix + gh * gw:
         raise ValueError(f"rollout has N={N} tokens but pool={pool!r} with reg_tokens={reg_tokens} and grid_size="
@@ -139,21 +137,10 @@ def normalise(maps: Tensor) -> Tensor:
 
 def minmax(maps: Tensor) -> Tensor:
     """Each map `(B, ...)` scaled to [0, 1] by its own min and max, for display (a constant map becomes zeros)."""
-    flat = maps.flatten(1)
-    shape = (-1, *([1] * (maps.ndim - 1)))
+    flat, shape = maps.flatten(1), (-1, *([1] * (maps.ndim - 1)))
     lo = flat.amin(1).view(shape)
     span = flat.amax(1).view(shape) - lo
     return (maps - lo) / torch.where(span > 0, span, torch.ones_like(span))
-
-
-def _check_discard_ratio(discard_ratio: float) -> None:
-    if not 0.0 <= discard_ratio < 1.0:
-        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
-
-
-def _check_start_layer(start_layer: int, num_layers: int) -> None:
-    if not 0 <= start_layer < num_layers:
-        raise ValueError(f"start_layer must be in [0, {num_layers}) for {num_layers} layers, got {start_layer}")
 
 
 def _check_attentions(attentions: Sequence[Tensor]) -> None:

@@ -25,8 +25,7 @@ def pointing_game(maps: Tensor, masks: Tensor) -> Tensor:
 def relevance_mass(maps: Tensor, masks: Tensor) -> Tensor:
     """`(B,)` share of each map's relevance (spread evenly over each cell's pixels) inside the mask."""
     pixels = to_pixels(maps, masks.shape[-2:])  # (B, H, W)
-    total = pixels.flatten(1).sum(1)
-    inside = (pixels * masks.float()).flatten(1).sum(1)
+    total, inside = pixels.flatten(1).sum(1), (pixels * masks.float()).flatten(1).sum(1)
     return torch.where(total > 0, inside / total.clamp(min=1e-12), torch.zeros_like(total))
 
 
@@ -44,8 +43,7 @@ def deletion_insertion(model: nn.Module, images: Tensor, maps: Tensor, *, backgr
                        target: Tensor | None = None, steps: int | None = None) -> tuple[Tensor, Tensor]:
     """`(deletion AUC, insertion AUC)`, each `(B,)`: the target's probability as the map's cells go, or come, in
     relevance order, at `steps + 1` points (default: one cell at a time); trapezoids over the fraction of cells."""
-    B, C, H, W = images.shape
-    gh, gw = maps.shape[-2:]
+    (B, _, H, W), (gh, gw) = images.shape, maps.shape[-2:]
     cells = gh * gw
     steps = cells if steps is None else steps
     model.eval()
@@ -55,8 +53,7 @@ def deletion_insertion(model: nn.Module, images: Tensor, maps: Tensor, *, backgr
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(cells).expand(B, cells))  # rank of each cell
     rank_pixels = F.interpolate(rank.view(B, 1, gh, gw).float(), size=(H, W), mode="nearest")  # (B, 1, H, W)
     fill = torch.as_tensor(background, dtype=images.dtype).expand_as(images)
-    counts = torch.linspace(0, cells, steps + 1).round()
-    deletion, insertion = [], []
+    counts, deletion, insertion = torch.linspace(0, cells, steps + 1).round(), [], []
     for k in counts:
         removed = rank_pixels < k  # the k most relevant cells
         for curve, x in ((deletion, torch.where(removed, fill, images)),

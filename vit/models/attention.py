@@ -55,8 +55,7 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                 causal: bool = False) -> torch.Tensor:
         """`(B, M, dim) -> (B, M, out_dim)`: self-attention, or cross-attention to `context` (values from `value`)."""
-        B, M, _ = x.shape
-        H, d = self.num_heads, self.head_dim
+        (B, M, _), H, d = x.shape, self.num_heads, self.head_dim
         if context is None and value is None and self.fused_qkv:  # self-attention: one projection, then split
             q, k, v = self.qkv(x).reshape(B, M, 3, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, M, d) each
         else:

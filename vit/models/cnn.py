@@ -70,8 +70,7 @@ class ConvNet(nn.Module):
         if min(h, w) < 1:
             raise ValueError(f"padding='valid' leaves no output for img_size={img_size!r} with kernel_size="
                              f"{kernel_size} and strides={strides}: use fewer layers or padding 'zero'/'circular'")
-        self.feature_size = (h, w)
-        layers, in_chs = [], in_chans
+        self.feature_size, layers, in_chs = (h, w), [], in_chans
         for width, stride in zip(widths, strides):
             layers += [nn.Conv2d(in_chs, width, kernel_size, stride=stride, bias=False,
                                  padding=0 if padding == "valid" else kernel_size // 2,

@@ -25,8 +25,7 @@ class MAPHead(AttentionPoolLatent):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, N, D) -> (B, D)`."""
-        B, N, D = x.shape
-        H, d = self.num_heads, self.head_dim
+        (B, N, _), H, d = x.shape, self.num_heads, self.head_dim
         q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, H, d).transpose(1, 2)  # (B, H, 1, d)
         k, v = self.kv(x).reshape(B, N, 2, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, d) each
         q, k = self.q_norm(q), self.k_norm(k)

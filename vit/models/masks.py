@@ -64,8 +64,7 @@ def attention_bias(*, batch: int, heads: int, num_queries: int, num_keys: int, m
                    dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """Combine the three mask forms into one additive bias broadcastable to `(B, H, M, N)`, or None. `mask` is bool or
     float; `key_mask` `(B, N)` bool, False for padding keys; `causal`: query `i` sees keys `0..i`."""
-    target = (batch, heads, num_queries, num_keys)
-    parts = []
+    target, parts = (batch, heads, num_queries, num_keys), []
     if mask is not None:
         try:
             torch.broadcast_shapes(mask.shape, target)

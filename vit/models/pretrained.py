@@ -41,8 +41,7 @@ def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None
 def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(DEFAULT_SHAPE)) -> dict[str, int]:
     """The `embed_dim`, `depth` and `num_heads` of the ViT that `source` holds, without downloading its weights: timm's
     architecture for a timm name, else the tensors' shapes and `num_heads` from a `config.json` beside the file."""
-    kind = source_kind(source)
-    text = str(source)
+    kind, text = source_kind(source), str(source)
     if kind == "hub" and text.split(":", 1)[-1].startswith("timm/"):  # timm's own repos are named after the model
         kind, text = "name", text.split(":", 1)[-1].removeprefix("timm/").split("@", 1)[0]
     if kind == "name":
@@ -120,8 +119,7 @@ def check_layout(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, 
 def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     """`state` fitted to `model`'s config; returns it and the keys left to their fresh initialisation (the head)."""
     state = check_layout({k: v for k, v in state.items() if not k.startswith(_TIMM_ONLY)}, model)
-    ours = model.state_dict()
-    fresh = []
+    ours, fresh = model.state_dict(), []
     if "patch_embed.proj.weight" in state:
         weight = state["patch_embed.proj.weight"]  # (D, C, P, P)
         target = ours["patch_embed.proj.weight"]
@@ -176,8 +174,7 @@ def create_vit(pretrained: str | os.PathLike, *, embed_dim: int | None = None, d
 
 def load_pretrained(model: nn.Module, source: str | os.PathLike) -> None:
     """Load the weights named by `source` into `model`, adapted to its config (see the module docstring)."""
-    state, fresh = adapt_state_dict(load_state_dict(source), model)
-    ours = model.state_dict()
+    (state, fresh), ours = adapt_state_dict(load_state_dict(source), model), model.state_dict()
     missing = sorted(set(ours) - set(state) - set(fresh))
     unexpected = sorted(set(state) - set(ours))
     reshaped = sorted(k for k in set(ours) & set(state) if ours[k].shape != state[k].shape)

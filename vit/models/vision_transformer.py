@@ -191,10 +191,8 @@ class VisionTransformer(nn.Module):
             wanted = list(range(depth - indices, depth))
         else:
             wanted = [i % depth for i in indices]
-        gh, gw = self.patch_embed.grid_size
-        prefix = self.num_prefix_tokens
-        x = self.embed(x)
-        intermediates = []
+        (gh, gw), prefix = self.patch_embed.grid_size, self.num_prefix_tokens
+        x, intermediates = self.embed(x), []
         for i, block in enumerate(self.blocks):
             x = self._run_block(block, x)
             if i in wanted:

@@ -152,8 +152,7 @@ class ImageClassifier(L.LightningModule):
         num_classes = getattr(backbone, "num_classes", None)
         if not isinstance(num_classes, int):
             raise ValueError(f"backbone {type(backbone).__name__} must have an int attribute `num_classes`")
-        # Under LightningCLI this records the backbone's class_path + init_args, so a checkpoint rebuilds it
-        # without the YAML. A module built in Python is no hyperparameter (reload then passes `backbone=`).
+        # LightningCLI's backbone is recorded as class_path + init_args; a module built in Python is not recorded.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Attribute 'backbone' is an instance of `nn.Module`")
             self.save_hyperparameters()
@@ -163,7 +162,6 @@ class ImageClassifier(L.LightningModule):
             load_pretrained(backbone, pretrained)
         self.backbone = backbone
         freeze(backbone, trainable)
-        # A submodule, saved in the state dict (`ema.module.*`) and never trained.
         self.ema = ModelEmaV3(backbone, decay=ema_decay).requires_grad_(False) if ema_decay is not None else None
         if self.ema is not None:  # timm leaves its copy in eval mode; evaluation sets the mode it runs in
             self.ema.module.train(backbone.training)
@@ -231,8 +229,7 @@ class ImageClassifier(L.LightningModule):
 
     def test_step(self, batch, batch_idx: int) -> torch.Tensor:
         """The logits `(B, num_classes)`, for callbacks (`vit.explain.callbacks.TestPredictionsTable`)."""
-        logits = self._eval_step(batch, "test", self.test_acc)
-        y = batch[1]
+        logits, y = self._eval_step(batch, "test", self.test_acc), batch[1]
         # Probabilities, not logits: torchmetrics would take logits that happen to lie in [0, 1] for probabilities.
         self.test_ece(logits.float().softmax(dim=-1), y)
         self.log("test/ece", self.test_ece, on_epoch=True)
@@ -283,10 +280,8 @@ class ImageClassifier(L.LightningModule):
 
     def optimizer(self) -> torch.optim.AdamW:
         """The AdamW optimizer of the trainable parameters, in the parameter groups `configure_optimizers` uses."""
-        hp = self.hparams
-        # Weight decay on weight matrices only: norms, biases and the backbone's `no_weight_decay()`
-        # names (position embedding, CLS token) are not weights, and decaying them pulls them to 0.
-        skip = getattr(self.backbone, "no_weight_decay", set)()
+        # Weight decay on weight matrices only: not on norms, biases, or `no_weight_decay()` (position, CLS token).
+        hp, skip = self.hparams, getattr(self.backbone, "no_weight_decay", set)()
         if hp.get("layer_decay") is None:
             groups = param_groups_weight_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip)
         else:
@@ -298,8 +293,7 @@ class ImageClassifier(L.LightningModule):
         return torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
 
     def configure_optimizers(self):
-        hp = self.hparams
-        optimizer = self.optimizer()
+        hp, optimizer = self.hparams, self.optimizer()
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup_steps = min(total_steps, round(hp.warmup_epochs * total_steps / max_epochs))

@@ -184,8 +184,7 @@ class ViTCLI(LightningCLI):
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
                 preflight.check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
-        # RunConfig checks this too, but inside the run, where Lightning's clean-up after the error would
-        # add a TensorBoard file to the other run's folder.
+        # RunConfig checks it too, but inside the run, where Lightning's clean-up would touch the other run.
         if self.save_config_callback and self.trainer.log_dir is not None:
             check_run_dir(Path(self.trainer.log_dir), stage=self.subcommand, ckpt_path=ckpt_path)
 

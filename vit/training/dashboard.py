@@ -170,10 +170,8 @@ class RankedPredictions:
 
     def update(self, images: Tensor, labels: Tensor, logits: Tensor) -> None:
         """Add a batch: `images` `(B, C, H, W)`, `labels` `(B,)`, the model's `logits` `(B, num_classes)`."""
-        x, y = images.detach().cpu(), labels.detach().cpu().long()
-        self.num_classes = logits.shape[-1]
-        probability, predicted = logits.detach().float().softmax(-1).max(-1)  # (B,), (B,)
-        probability, predicted = probability.cpu(), predicted.cpu()
+        x, y, self.num_classes = images.detach().cpu(), labels.detach().cpu().long(), logits.shape[-1]
+        probability, predicted = (t.cpu() for t in logits.detach().float().softmax(-1).max(-1))  # (B,), (B,)
         wrong = predicted != y
         # The sort key: a mistake's is -1 - probability (in [-2, -1)), a correct one's its index in the test set (>= 0).
         order = torch.where(wrong, -probability.double() - 1.0,

@@ -77,8 +77,7 @@ class WandbLogger(_LightningWandbLogger):
     @rank_zero_experiment
     def experiment(self):
         """The `wandb` run; created on first use, printing where an offline run is written."""
-        created = self._experiment is None
-        run = super().experiment
+        created, run = self._experiment is None, super().experiment
         if created and self.is_offline:
             run_dir = os.path.dirname(run.dir)  # run.dir is <run_dir>/files
             rank_zero_info(f"wandb: offline run ({self.mode_reason}), written to {run_dir}\n"

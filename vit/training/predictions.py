@@ -144,7 +144,6 @@ class PredictionWriter(BasePredictionWriter):
                 warnings.warn("the predict loader's sample indices are unknown; `file` holds the row number",
                               stacklevel=2)
                 files = [str(j) for j in range(n)]
-            probs = torch.cat([b.float().cpu() for b in batches])
-            output = free_path(folder / f"{stem}.csv")
+            probs, output = torch.cat([b.float().cpu() for b in batches]), free_path(folder / f"{stem}.csv")
             write_csv(output, *prediction_table(files, probs, names, self.topk))
             print(f"wrote {len(files)} predictions to {output}")

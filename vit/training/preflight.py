@@ -95,8 +95,7 @@ def check_given_config(subcommand: str, config, checkpoint: dict, model_class: t
 def config_differences(subcommand: str, config, checkpoint: dict, model_class: type) -> tuple[list[str], list[str]]:
     """`(errors, warnings)`: one `key: checkpoint value vs given value` line per differing setting."""
     hparams = dict(checkpoint.get("hyper_parameters") or {})
-    errors, warnings = [], []
-    given_model = _plain(config.get("model")) or {}
+    errors, warnings, given_model = [], [], _plain(config.get("model")) or {}
     theirs, ours = hparams.get("backbone"), given_model.get("backbone")
     if isinstance(theirs, dict) and isinstance(ours, dict) and "class_path" in theirs:
         cls = BACKBONES.get(theirs["class_path"])  # a checkpoint's class path is only looked up, never imported
