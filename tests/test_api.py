@@ -164,3 +164,31 @@ def test_a_predict_run_prints_no_head_or_lightning_noise(checkpoint, images, tmp
     assert done.returncode == 0, done.stderr
     for noise in ("re-initialised", "litlogger", "LeafSpec", "Warning"):
         assert noise not in done.stderr, done.stderr
+
+
+def test_explain_from_many_threads_equals_the_serial_maps_exactly(checkpoint, images):
+    from concurrent.futures import ThreadPoolExecutor
+
+    predictor = vit.load(checkpoint, device="cpu")
+    assert next(predictor.model.parameters()).device == torch.device("cpu")
+    files = sorted(images.iterdir())
+    calls = [(f, m) for f in files for m in ("rollout", "chefer", "gradcam")]
+    serial = [predictor.explain(f, method=m) for f, m in calls]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        concurrent = list(pool.map(lambda call: predictor.explain(call[0], method=call[1]), calls * 3))
+    for got, expected in zip(concurrent, serial * 3, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_explain_decodes_only_the_images_it_draws(checkpoint, images, tmp_path, capsys, monkeypatch):
+    import vit.data.images
+
+    decoded = []
+    original = vit.data.images.decode_image
+    monkeypatch.setattr(vit.data.images, "decode_image", lambda path, size=None: decoded.append(path.name) or
+                        original(path, size))
+    files = sorted(p.name for p in images.iterdir())
+    assert explain_main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--num_images", "1",
+                         "--method", "rollout", "--out", str(tmp_path / "maps.png")]) == 0
+    assert decoded == files[:1]  # the first readable file only, not the whole folder
+    assert f"note: explaining the first 1 readable images of {len(files)} files" in capsys.readouterr().err

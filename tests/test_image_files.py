@@ -15,7 +15,7 @@ from PIL import Image, JpegImagePlugin
 from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_run
 
 from vit.data import ImageFolderDataModule
-from vit.data.images import UnreadableImageError, build_transform, decode_image, read_images
+from vit.data.images import ImageFiles, UnreadableImageError, build_transform, decode_image, image_files
 from vit.predict import main as predict_main
 from vit.training.predictions import prediction_table
 
@@ -192,8 +192,8 @@ def test_a_phone_photo_is_turned_upright_by_its_exif_orientation(tmp_path):
     with Image.open(phone) as stored:
         assert stored.size == (32, 48)  # sideways on disk
     transform = build_transform(32, 3, None)
-    names, images, _ = read_images(root / "a", transform)  # what vit.predict and vit.explain read
-    x = dict(zip(names, images))
+    files = ImageFiles(image_files(root / "a"), transform)  # what vit.predict and vit.explain read
+    x = {files.names[i]: image for i, image in (files[i] for i in range(len(files)))}
     assert (x["phone.jpg"] - x["upright.jpg"]).abs().mean() < 0.02
     dm = ImageFolderDataModule(root=str(root), img_size=32, normalization="none")
     dm.setup("fit")  # training: the image folder's loader
@@ -217,7 +217,8 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_scale_but_never_below_four_times_t
     original = JpegImagePlugin.JpegImageFile.draft
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft",
                         lambda image, mode, size: asked.append(size) or original(image, mode, size))
-    read_images(tmp_path, build_transform((24, 40), 3, None))
+    files = ImageFiles(image_files(tmp_path), build_transform((24, 40), 3, None))
+    [files[i] for i in range(len(files))]
     assert asked == [(160, 160)] * 2
     root = two_classes(tmp_path / "data")
     (tmp_path / "big.jpg").rename(root / "a" / "big.jpg")
@@ -259,3 +260,23 @@ def test_a_file_broken_after_setup_is_named_when_the_loader_reads_it(tmp_path):
     Path(path).write_bytes(Path(path).read_bytes()[:60])  # cut short while training runs
     with pytest.raises(UnreadableImageError, match=rf"^{re.escape(path)}: "):
         dm.train_set[0]
+
+
+def test_a_folder_is_decoded_a_batch_at_a_time_and_unreadable_files_are_reported_with_their_batch(tmp_path,
+                                                                                                   monkeypatch):
+    import vit.data.images as images
+
+    for i in range(5):
+        Image.fromarray(np.full((8, 8), 40 * i, dtype=np.uint8)).save(tmp_path / f"{i}.png")
+    (tmp_path / "2.png").write_bytes(b"not an image")
+    decoded = []
+    original = images.decode_image
+    monkeypatch.setattr(images, "decode_image",
+                        lambda path, size=None: decoded.append(path.name) or original(path, size))
+    files = images.ImageFiles(image_files(tmp_path), build_transform(8, 1, None))
+    batches = images.readable_batches(files, batch_size=2)
+    indices, x, unread = next(batches)
+    assert decoded == ["0.png", "1.png"] and indices == [0, 1] and x.shape == (2, 1, 8, 8) and unread == {}
+    indices, x, unread = next(batches)  # the unreadable file is reported, its neighbour predicted
+    assert indices == [3] and x.shape == (1, 1, 8, 8) and list(unread) == [2] and "cannot identify" in unread[2]
+    assert [i for i, _, _ in batches] == [[4]] and decoded == [f"{i}.png" for i in range(5)]

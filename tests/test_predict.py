@@ -9,6 +9,7 @@ import copy
 import csv
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -218,6 +219,7 @@ def test_bad_paths_and_checkpoints_are_reported(checkpoint, images, tmp_path, ca
 @pytest.mark.slow
 @pytest.mark.parametrize(("extra", "message"), [
     (["--batch_size", "0"], "--batch_size 0 is not allowed: expected an int >= 1"),
+    (["--num_workers", "-1"], "--num_workers -1 is not allowed: expected an int >= 0"),
     (["--device", "tpu9"], "--device 'tpu9' is not"),
     pytest.param(["--device", "cuda"], "--device cuda was asked for, but this machine has no CUDA GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
@@ -233,6 +235,16 @@ def test_bad_options_are_refused_before_any_image_is_decoded(extra, message, che
 
 
 @pytest.mark.slow
+def test_workers_write_the_same_rows_and_progress_is_plain_lines_off_a_terminal(checkpoint, images, tmp_path, capsys):
+    assert predict(checkpoint, images, tmp_path / "serial.csv", "--num_workers", "0", "--batch_size", "3") == 0
+    serial = capsys.readouterr().err
+    assert predict(checkpoint, images, tmp_path / "workers.csv", "--num_workers", "2", "--batch_size", "3") == 0
+    assert (tmp_path / "workers.csv").read_text() == (tmp_path / "serial.csv").read_text()
+    assert "\r" not in serial  # captured stderr is not a terminal: whole lines, the last one when all are done
+    assert re.search(rf"{re.escape(str(images))}: 9/9 images, [0-9.]+ images/s\n", serial), serial
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("topk, message", [
     ("0", "error: --topk 0 is not allowed: expected an int >= 1"),
     ("3", "error: --topk 3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
@@ -241,7 +253,7 @@ def test_a_topk_the_model_cannot_give_is_refused_before_any_image_is_read(topk, 
                                                                          capsys, monkeypatch):
     import vit.data.images
 
-    monkeypatch.setattr(vit.data.images, "read_images", lambda *a: pytest.fail("images were read"))
+    monkeypatch.setattr(vit.data.images, "decode_image", lambda *a: pytest.fail("images were read"))
     output = tmp_path / "p.csv"
     assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
                  "--topk", topk]) == 2

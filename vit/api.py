@@ -13,6 +13,7 @@ reads them, then resized and normalised as the checkpoint records (`Predictor.tr
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -44,13 +45,15 @@ class Prediction(NamedTuple):
 
 
 class Predictor:
-    """A checkpoint's model for inference: `model` (eval mode, CPU), `class_names`, `inputs` (what the checkpoint
-    records of its input) and `transform` (PIL image -> the model's input `(C, H, W)`)."""
+    """A checkpoint's model for inference (inputs go where `model` is): `model` (eval mode), `class_names`, `inputs`
+    (what the checkpoint records of its input), `transform` (PIL image -> input `(C, H, W)`). Safe to share between
+    threads: `explain` runs one call at a time (it hooks the model's attention)."""
 
     def __init__(self, model: ImageClassifier, inputs: dict) -> None:
         self.model, self.inputs = model.eval(), inputs
         self.class_names: list[str] = list(model.class_names)
         self.transform: v2.Compose = inference_transform(inputs)
+        self._explaining = threading.Lock()
 
     def images(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
         """The model's input `(B, C, H, W)`: files and PIL images read and transformed, a batch tensor as it is."""
@@ -66,7 +69,7 @@ class Predictor:
                             for image in images])
 
     def probabilities(self, images: ImageLike | Sequence[ImageLike] | Tensor) -> Tensor:
-        """Class probabilities `(B, num_classes)` of the images, computed as `vit.predict` computes them."""
+        """Class probabilities `(B, num_classes)` on the CPU, computed as `vit.predict` computes them."""
         return class_probabilities(self.model, self.images(images))
 
     def predict(self, images: ImageLike | Sequence[ImageLike] | Tensor, topk: int = 1) -> list[list[Prediction]]:
@@ -86,10 +89,11 @@ class Predictor:
         x = image[None] if isinstance(image, Tensor) and image.ndim == 3 else self.images(image)
         if x.shape[0] != 1:
             raise ValueError(f"explain takes one image, got {x.shape[0]}; call it once per image")
-        return relevance(self.model.backbone, x, method, target)[0]
+        with self._explaining:
+            return relevance(self.model.backbone, x.to(next(self.model.parameters()).device), method, target)[0].cpu()
 
 
-def load(path_or_url: str | os.PathLike) -> Predictor:
-    """The trained model of a `train.py` checkpoint (a path or an http(s) URL), ready for inference."""
+def load(path_or_url: str | os.PathLike, device: str | torch.device = "cpu") -> Predictor:
+    """The trained model of a `train.py` checkpoint (a path or an http(s) URL), ready for inference on `device`."""
     model, checkpoint = open_model(path_or_url)
-    return Predictor(model, checkpoint.inputs)
+    return Predictor(model.to(device), checkpoint.inputs)

@@ -59,8 +59,7 @@ def file_kind(mode: int) -> str:
 
 
 def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
-    """`(H, W)` from an image size given as one int (a square) or a pair `[H, W]`; `ValueError` unless each side
-    is an int >= `minimum`."""
+    """`(H, W)` of an image size (one int: a square, or `[H, W]`); `ValueError` unless each is an int >= `minimum`."""
     square = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     sides = (value, value) if square else tuple(value) if isinstance(value, (tuple, list)) else ()
     if len(sides) != 2 or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= minimum

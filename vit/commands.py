@@ -1,8 +1,7 @@
 """What the commands that open a checkpoint share: `python -m vit.predict`, `vit.explain` and `vit.export`.
 
 Each checks everything before any work (`prepare`: a refusal is one `error: ...` line, exit status 2), then works
-(`work`: a write that fails is one line, exit status 1). Nothing here imports torch, so `--help` answers at once.
-"""
+(`work`: a write that fails is one line, exit status 1). Nothing here imports torch, so `--help` answers at once."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
     python -m vit.export --ckpt_path runs/folder/vit/version_0/checkpoints/last.ckpt --out exported/
 
 The backbone's weights go into a timm `VisionTransformer` of the same configuration, written by timm's `save_for_hf`
-(docs/finetune.md, "Export"); what timm cannot compute is refused in one line naming the option.
-"""
+(docs/finetune.md, "Export"); what timm cannot compute is refused in one line naming the option."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ _FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base",
 # What a plain timm ViT has besides its sizes: a model that differs here is not the one the name describes.
 _PLAIN = dict(mlp_ratio=4.0, qkv_bias=True, qk_norm=False, class_token=True, reg_tokens=0, no_embed_class=False,
               pos_embed="learn")
-# timm's one registered ViT whose name states no size (`create_model` builds only registered names): every
-# argument it sets is in `model_args`, so it builds exactly what they say.
+# timm's one registered ViT whose name states no size: every argument it sets is in `model_args`.
 GENERIC_ARCHITECTURE = "test_vit"
 _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
 # What config.json's pretrained_cfg keeps of the architecture's default cfg (the rest describes timm's weights).
@@ -193,8 +191,7 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         "## Use with timm", "",
         "```python", "import timm", "import torch", "from PIL import Image, ImageOps", "",
         'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
-        "config = timm.data.resolve_data_config(model=model)",
-        "transform = timm.data.create_transform(**config)",
+        "config = timm.data.resolve_data_config(model=model)", "transform = timm.data.create_transform(**config)",
         "image = ImageOps.exif_transpose(Image.open(\"photo.jpg\"))  # upright, as the camera held it",
         f'x = transform(image.convert("{"RGB" if channels == 3 else "L"}"))[None]',
         "with torch.no_grad():",
@@ -217,10 +214,9 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     else:
         lines.append("- not recorded in the checkpoint")
     lines += ["", "## Use with this project", "",
-              "The checkpoint this folder was exported from opens with `vit.load(\"last.ckpt\")` "
-              "(`.predict(...)`, `.explain(...)`), and this folder's weights with "
-              "`vit.models.pretrained.create_vit(\"path/to/this/folder/model.safetensors\", ...)` and the sizes "
-              "above."]
+              "The checkpoint this folder was exported from opens with `vit.load(\"last.ckpt\")` (`.predict(...)`, "
+              "`.explain(...)`), and this folder's weights with `vit.models.pretrained.create_vit(\"path/to/this/"
+              "folder/model.safetensors\", ...)` and the sizes above."]
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--overwrite", action="store_true", help="replace --output if it exists (a regular file only)")
     options.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
     options.add_argument("--batch_size", type=int, default=256, help="images per forward pass")
+    options.add_argument("--num_workers", type=int, default=2, help="processes decoding images (at most the cores)")
     options.add_argument("--device", default="auto",
                          help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
     return run(options.parse_args(argv), prepare, predict)
@@ -84,6 +86,8 @@ def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict
 
     check_paths(args.input_dir, args.output, args.overwrite)
     args.device = check_options(args.batch_size, args.device)
+    if args.num_workers < 0:
+        raise PredictError(f"--num_workers {args.num_workers} is not allowed: expected an int >= 0")
     if args.topk < 1:  # before the checkpoint is read; its number of classes bounds --topk from above
         raise PredictError(f"--topk {args.topk} is not allowed: expected an int >= 1")
     model, checkpoint = open_model(args.ckpt_path)
@@ -93,21 +97,39 @@ def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict
 
 
 def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compose, dict]) -> int:
-    """Classify the readable images of `--input_dir` and write the CSV; 1 when there is none or it cannot be written."""
-    from vit.data.images import read_images
+    """Classify `--input_dir`'s readable images batch by batch, writing rows as they come; 1 if none or no CSV."""
+    import torch
+
+    from vit.data.base import usable_workers
+    from vit.data.images import ImageFiles, image_files, readable_batches
     from vit.training.predictions import class_probabilities, prediction_table, write_csv
 
-    model, transform, checkpoint = prepared
-    names, images, skipped = read_images(args.input_dir, transform)
-    print_skipped(skipped)
-    if not images:
-        return fail(f"no readable image in {args.input_dir}; nothing was written", status=1)
-    probs = class_probabilities(model, images, args.batch_size, args.device)
+    model, transform, _ = prepared
+    files, skipped = ImageFiles(image_files(args.input_dir), transform), {}
+    model = model.to(args.device).eval()
+
+    def rows():  # each batch's rows; progress on stderr: redrawn in place on a terminal, else a line every 10 s
+        done, start, shown, tty = 0, time.monotonic(), 0.0, sys.stderr.isatty()
+        for indices, x, unread in readable_batches(files, args.batch_size, usable_workers(args.num_workers)):
+            skipped.update({files.names[i]: why for i, why in unread.items()})
+            if x is not None:
+                probs = class_probabilities(model, x, args.batch_size)
+                yield from prediction_table([files.names[i] for i in indices], probs, model.class_names, args.topk)[1]
+            done, now = done + len(indices) + len(unread), time.monotonic()
+            if tty or now - shown >= 10 or done == len(files):
+                shown = now
+                print(f"{args.input_dir}: {done}/{len(files)} images, {done / max(now - start, 1e-9):.1f} images/s",
+                      file=sys.stderr, flush=True, end="\r" if tty and done < len(files) else "\n")
+
+    header = prediction_table([], torch.zeros(0, len(model.class_names)), model.class_names, args.topk)[0]
     try:
-        write_csv(args.output, *prediction_table(names, probs, model.class_names, args.topk))
+        count = write_csv(args.output, header, rows(), keep_empty=False)
     except OSError as err:  # a full disk: write_csv has removed its temporary file, --output is untouched
         return write_failed("--output", args.output, err)
-    print(f"wrote {len(names)} predictions to {args.output}" + (f"; skipped {len(skipped)} file(s)" if skipped else ""))
+    print_skipped(skipped)
+    if not count:
+        return fail(f"no readable image in {args.input_dir}; nothing was written", status=1)
+    print(f"wrote {count} predictions to {args.output}" + (f"; skipped {len(skipped)} file(s)" if skipped else ""))
     return 0
 
 

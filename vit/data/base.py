@@ -60,8 +60,7 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, train: bool, *, drop_last: bool = False, pin_memory: bool = False,
                 persistent_workers: bool = True, repeats: int = 1) -> DataLoader:
-        """A loader over ``dataset`` with the ``batch_size`` and ``num_workers`` hyperparameters; training order from
-        ``train_sampler``."""
+        """A loader of `dataset` (the hparams' `batch_size`, `num_workers`), ordered by `train_sampler` when `train`."""
         workers, batch_size = usable_workers(self.hparams.num_workers), self.hparams.batch_size
         sampler = self.train_sampler(dataset, batch_size, repeats) if train else None
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),

@@ -49,8 +49,7 @@ class CIFARDataModule(SplitDataModule):
     Missing files raise `CIFARNotFoundError`, unreadable or unofficial ones `CIFARCorruptedError`, before training.
 
     For a pretrained model: `img_size` upsamples the images (bicubic, after the augmentations) to its resolution (a
-    side, or `[H, W]`), and `normalization` uses its statistics ("imagenet" or "inception") instead of "cifar".
-    """
+    side, or `[H, W]`), and `normalization` uses its statistics ("imagenet" or "inception") instead of "cifar"."""
 
     interpolation = "bicubic"  # the upsampling of `img_size` (`vit.data.transforms`)
     in_chans = 3

@@ -1,9 +1,7 @@
 """Which files under a folder are images to read: each regular file once, links followed but never in circles.
 
-Class folders are walked as torchvision's `ImageFolder` walks them, except that a folder or file already visited is
-skipped, and only regular files are samples (a named pipe or a device would block a read forever). Hidden entries
-are ignored.
-"""
+Class folders are walked as torchvision's `ImageFolder` walks them, but a folder or file already visited is skipped, and
+only regular files are samples (a named pipe or a device would block a read forever). Hidden entries are ignored."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
     my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
 
 A split without a folder of its own is drawn from the training images; which file went where is `split_files`
-and `split.json` in the run folder. Each file is decoded once at `setup`, so a corrupt one is skipped then.
-"""
+and `split.json` in the run folder. Each file is decoded once at `setup`, so a corrupt one is skipped then."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One image file as the model's input: decoded upright at a useful scale (`decode_image`, `to_input`), resized and
-normalised as in training (`build_transform`); the readable images of a folder or a list of files (`read_images`)."""
+normalised as in training (`build_transform`); a folder's or a list's images, decoded when used (`ImageFiles`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_size, first_line
@@ -84,22 +85,35 @@ def build_transform(img_size: int | tuple[int, int], in_chans: int, normalizatio
     return v2.Compose(steps)
 
 
-def read_images(input_dir: Path, transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names and tensors of the readable images directly in `input_dir` (sorted), and `{name: reason}` of the rest.
-    Sub-folders and hidden files are ignored; every other entry is read by `read_image_files`."""
-    paths = [path for path in sorted(input_dir.iterdir()) if not path.name.startswith(".")]
-    return read_image_files([p for p in paths if not p.is_dir()], transform)
+def image_files(input_dir: Path) -> list[Path]:
+    """The entries directly in `input_dir` that are read as images, sorted: sub-folders and hidden files left out."""
+    return [path for path in sorted(input_dir.iterdir()) if not path.name.startswith(".") and not path.is_dir()]
 
 
-def read_image_files(paths: list[Path], transform) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
-    """Names (as text, `text_name`) and tensors (`transform` of `decode_image`) of the readable images among
-    `paths`, and `{name: reason}` of the others. A JPEG is decoded at a reduced scale for `transform`'s resize."""
-    size = next((tuple(t.size) for t in getattr(transform, "transforms", ()) if isinstance(t, v2.Resize)), None)
-    names, images, skipped = [], [], {}
-    for path in paths:
+class ImageFiles(Dataset):
+    """`paths` decoded (`decode_image`, a JPEG at `transform`'s size) and transformed only when indexed: item `i` is
+    `(i, image)`, or `(i, reason)` for a file that cannot be read; `names[i]` is file `i`'s name as text."""
+
+    def __init__(self, paths: list[Path], transform) -> None:
+        self.paths, self.transform = list(paths), transform
+        self.names = [text_name(path.name) for path in self.paths]
+        self.size = next((tuple(t.size) for t in getattr(transform, "transforms", ()) if isinstance(t, v2.Resize)),
+                         None)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor | str]:
         try:
-            images.append(transform(decode_image(path, size)))
-            names.append(text_name(path.name))
+            return i, self.transform(decode_image(self.paths[i], self.size))
         except UnreadableImageError as err:
-            skipped[text_name(path.name)] = err.reason
-    return names, images, skipped
+            return i, err.reason
+
+
+def readable_batches(files: ImageFiles, batch_size: int, num_workers: int = 0):
+    """`(indices, images or None, {index: reason})` per batch of `files`, decoded by `num_workers` processes a batch
+    ahead (`DataLoader`): memory holds a few batches, whatever the number of files."""
+    for items in DataLoader(files, batch_size=batch_size, num_workers=num_workers, collate_fn=list):
+        read = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]
+        yield [i for i, _ in read], torch.stack([x for _, x in read]) if read else None, {
+            i: x for i, x in items if isinstance(x, str)}

@@ -6,8 +6,7 @@ uniform in both classes, so a score ``h(a) + h(b)`` of the two shapes seen separ
 pooling) is bounded by ``bag_of_shapes_ceiling`` (66.7% for 4 shapes).
 
 ``span``, the side of the smallest square that holds both boxes, is ``max(|d_row|, |d_col|) + SHAPE_SIZE``.
-``region``: ``"all"`` places boxes anywhere, ``"left"`` / ``"right"`` in the left / right ``5/8`` of the columns.
-"""
+``region``: ``"all"`` places boxes anywhere, ``"left"`` / ``"right"`` in the left / right ``5/8`` of the columns."""
 
 from __future__ import annotations
 

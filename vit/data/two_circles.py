@@ -12,8 +12,7 @@ Placement region (``region``), for generalisation to unseen positions. A circle'
 (``"diagonal"``) or the whole image (``"relative"``); ``e`` is the distance from its centre to the nearest side
 of its area, and ``t = (radius[1] + img_size / 4) / 2`` (``region_threshold``; 6.5 for 32x32 and radius (3, 5)).
 ``"all"``: every centre that keeps the circle inside its area (``e >= r``); ``"inner"``: ``e >= t``, the middle
-square of the area; ``"border"``: ``e < t``, the band along its sides. "inner" and "border" partition "all".
-"""
+square of the area; ``"border"``: ``e < t``, the band along its sides. "inner" and "border" partition "all"."""
 
 from typing import Literal, get_args
 

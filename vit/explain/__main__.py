@@ -79,21 +79,26 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     """Draw the relevance maps of the images, one row per image and one column per method; 1 without an image."""
     import torch
 
-    from vit.data.images import read_image_files, read_images
+    from vit.data.images import ImageFiles, image_files, readable_batches
     from vit.explain.plot import rollout_grid
     from vit.explain.relevance import relevance
 
     model, transform, methods, target, data = prepared
-    if data is None:
-        files, images, skipped = (read_images(args.input_dir, transform) if args.input_dir is not None
-                                  else read_image_files(args.image, transform))
+    if data is None:  # the first --num_images readable images: only those (and the unreadable before them) decoded
+        paths = image_files(args.input_dir) if args.input_dir is not None else args.image
+        images, files, x, skipped = ImageFiles(paths, transform), [], [], {}
+        for indices, batch, unread in readable_batches(images, 1):
+            skipped.update({images.names[i]: why for i, why in unread.items()})
+            files, x = files + [images.names[i] for i in indices], x + ([] if batch is None else [batch[0]])
+            if len(x) == args.num_images:
+                break
         print_skipped(skipped)
-        if not images:
+        if not x:
             return fail("no readable image to explain; nothing was written", status=1)
-        if len(images) > args.num_images:
-            print(f"note: explaining the first {args.num_images} of {len(images)} images (--num_images)",
+        if len(x) + len(skipped) < len(paths):
+            print(f"note: explaining the first {len(x)} readable images of {len(paths)} files (--num_images)",
                   file=sys.stderr)
-        files, x, labels = files[: args.num_images], torch.stack(images[: args.num_images]), None
+        x, labels = torch.stack(x), None
     else:  # the checkpoint's own test images, with their labels
         data.setup("test")
         batch = [data.test_set[i] for i in range(min(args.num_images, len(data.test_set)))]

@@ -160,9 +160,10 @@ class _TestPredictions(L.Callback):
 
     kept: RankedPredictions
     class_names: list[str] | None
+    to_wandb: bool  # the W&B loggers, or every other one
 
     def _loggers(self, trainer: L.Trainer) -> list:
-        raise NotImplementedError
+        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger) == self.to_wandb]
 
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.kept.reset()
@@ -192,10 +193,7 @@ class TestPredictionsTable(_TestPredictions):
         self.num_rows, self.tag = num_rows, tag
         self.class_names = list(class_names) if class_names is not None else None
         self.columns: list[str] = []  # of the last table logged
-        self.kept = RankedPredictions(num_rows)
-
-    def _loggers(self, trainer: L.Trainer) -> list[WandbLogger]:
-        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        self.kept, self.to_wandb = RankedPredictions(num_rows), True
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loggers, kept = self._loggers(trainer), self.kept
@@ -231,10 +229,7 @@ class TestMistakesGrid(_TestPredictions):
             check_int(name, value, 1)
         self.columns, self.tag, self.dpi = columns, tag, dpi
         self.class_names = list(class_names) if class_names is not None else None
-        self.kept = RankedPredictions(num_images, mistakes_only=True)
-
-    def _loggers(self, trainer: L.Trainer) -> list:
-        return [logger for logger in trainer.loggers if not isinstance(logger, WandbLogger)]
+        self.kept, self.to_wandb = RankedPredictions(num_images, mistakes_only=True), False
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if len(self.kept) and trainer.is_global_zero:

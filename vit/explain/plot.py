@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vit.checks import check_choice
+from vit.explain.rollout import minmax
 
 if TYPE_CHECKING:
     import numpy as np
@@ -116,7 +117,5 @@ def display_image(image: Tensor) -> np.ndarray:
     channels keeps the colour balance of normalised inputs roughly intact)."""
     if image.ndim != 3 or image.shape[0] not in (1, 3):
         raise ValueError(f"image must have shape (C, H, W) with C 1 or 3, got {tuple(image.shape)}")
-    image = image.detach().cpu().float()
-    lo, span = image.min(), image.max() - image.min()
-    image = (image - lo) / span if span > 0 else torch.zeros_like(image)
+    image = minmax(image.detach().cpu().float()[None])[0]  # one range for the whole image
     return image.expand(3, -1, -1).permute(1, 2, 0).numpy()  # (H, W, 3)

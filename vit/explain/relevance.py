@@ -6,8 +6,7 @@
 Methods (`Method`; docs/explain.md has their formulas and papers): "attention" (the last block's), "rollout",
 "flow", "grad_rollout", "chefer", "gradcam" (on the ViT's tokens at `blocks[-1].norm1` without CLS, as pytorch-grad-cam,
 or on the ResNet's last stage) and "random" (a seeded baseline). The model runs in eval mode, each module's
-train/eval flag restored after, parameters' `.grad` untouched.
-"""
+train/eval flag restored after, parameters' `.grad` untouched."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
     """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1.
 
     `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and "grad_rollout", `target`
-    to `CLASS_METHODS`, `seed` to "random"; given to another method (but `seed`), they are refused.
-    """
+    to `CLASS_METHODS`, `seed` to "random"; given to another method (but `seed`), they are refused."""
     _check_method(model, method, target=target, head_fusion=head_fusion, discard_ratio=discard_ratio,
                   start_layer=start_layer)
     if method == "random":  # on the patch grid, else (a CNN) on Grad-CAM's

@@ -70,8 +70,7 @@ def attention_rollout(attentions: Sequence[Tensor], head_fusion: HeadFusion = "m
     """Attention rollout (Abnar & Zuidema 2020) of per-block maps `(B, H, N, N)` from block `start_layer` on ->
     `(B, N, N)`: per block fuse heads, `discard_lowest`, add the `residual`; then `R = Â_L ... Â_2 Â_1`."""
     _check_attentions(attentions)
-    check_float("discard_ratio", discard_ratio, 0.0, 1.0, high_open=True)
-    check_int("start_layer", start_layer, 0, len(attentions) - 1)
+    check_int("start_layer", start_layer, 0, len(attentions) - 1)  # discard_lowest checks discard_ratio
     return chain([residual(discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self))
                   for attn in attentions[start_layer:]])
 

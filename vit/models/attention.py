@@ -1,7 +1,6 @@
 """Multi-head attention as the general mechanism `softmax(f(Q, K) + M) V`.
 
-`f` is a score function (`vit.models.scores`), `M` an additive mask (`vit.models.masks`).
-"""
+`f` is a score function (`vit.models.scores`), `M` an additive mask (`vit.models.masks`)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ class Attention(nn.Module):
 
     `attn(x)`: self-attention over `x (B, M, dim)`; `attn(x, context)`: keys and values from `context (B, N, kdim)`;
     `attn(x, context, value=v)`: values from `v (B, N, vdim)`. With `kdim = vdim = dim` the input projections are
-    one `qkv` layer (timm's layout), else separate `q`, `k`, `v` layers to the width `attn_dim` (default `dim`).
-    """
+    one `qkv` layer (timm's layout), else separate `q`, `k`, `v` layers to the width `attn_dim` (default `dim`)."""
 
     def __init__(self, dim: int, *, num_heads: int = 8, kdim: int | None = None, vdim: int | None = None,
                  attn_dim: int | None = None, out_dim: int | None = None, qkv_bias: bool = True, qk_norm: bool = False,

@@ -13,8 +13,7 @@ what a local view can do with a relation (studies/relation/README.md):
 The last layer's receptive field: ``r <- r + (k - 1) * j``, ``j <- j * s`` from ``r = j = 1`` (``receptive_field``).
 ``padding``: ``"zero"`` lets a deep enough network read absolute position from the border (Islam et al. 2020);
 ``"circular"`` wraps the image around, so with average pooling the output depends only on the content's
-arrangement modulo the image size; ``"valid"`` pads nothing, each layer shrinking the map by ``k - 1``.
-"""
+arrangement modulo the image size; ``"valid"`` pads nothing, each layer shrinking the map by ``k - 1``."""
 
 from __future__ import annotations
 

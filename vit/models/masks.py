@@ -1,8 +1,7 @@
 """Attention masks, combined into one additive bias `M`: 0 where a query may look, -inf where not.
 
 As `F.scaled_dot_product_attention`: a boolean mask is True where attention is allowed; a float mask is added to the
-scores. Shapes broadcast to `(B, H, M, N)`. An integer mask is refused: read as a bias, 0/1 would block nothing.
-"""
+scores. Shapes broadcast to `(B, H, M, N)`. An integer mask is refused: read as a bias, 0/1 would block nothing."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The weights (`vit.models.weights`) are fitted to the config with timm's utilities, as `timm.create_model(...,
 pretrained=True)` does: position table, patch kernel and first convolution resampled or adapted; a head with another
-`num_classes` stays fresh. The size left unset is read from the source (`resolve_shape`).
-"""
+`num_classes` stays fresh. The size left unset is read from the source (`resolve_shape`)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from timm.models import adapt_input_conv
 from torch import nn
 
 from vit.models.vision_transformer import DEFAULT_SHAPE, VisionTransformer
-from vit.models.weights import PretrainedError, load_state_dict, source_kind
+from vit.models.weights import UNKNOWN_NAME, PretrainedError, load_state_dict, source_kind
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +72,7 @@ def _timm_shape(name: str) -> dict[str, int]:
     except RuntimeError as err:
         if not str(err).startswith(("Unknown model", "Invalid pretrained tag")):
             raise
-        raise PretrainedError(f"pretrained={name!r} is neither a file nor a timm model name "
-                              "(see timm.list_models(pretrained=True))") from None
+        raise PretrainedError(UNKNOWN_NAME.format(name)) from None
     blocks = getattr(model, "blocks", None)
     attn = getattr(blocks[0], "attn", None) if blocks else None
     if getattr(model, "embed_dim", None) is None or getattr(attn, "num_heads", None) is None:

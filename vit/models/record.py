@@ -2,8 +2,7 @@
 
 Every module with a `recorder` attribute (None when idle) appends its weights `(B, H, M, N)`, in the autograd graph,
 to `maps` in call order: the blocks first to last, then for `pool="map"` the pooling query's `(B, H, 1, P)`.
-Activation checkpointing is off while recording: a checkpointed block would run its attention again in backward.
-"""
+Activation checkpointing is off while recording: a checkpointed block would run its attention again in backward."""
 
 from __future__ import annotations
 

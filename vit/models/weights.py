@@ -19,6 +19,7 @@ _HUB_PREFIXES = ("hf-hub:", "hf_hub:")  # timm's source prefix, in both spelling
 _WEIGHT_SUFFIXES = (".safetensors", ".pth", ".bin", ".pt", ".ckpt", ".tar", ".npz")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?")  # org/name[@revision]
 _FORMATS = ".safetensors, or a torch.save file (.pth, .pt, .bin, .ckpt, .tar)"
+UNKNOWN_NAME = "pretrained={!r} is neither a file nor a timm model name (see timm.list_models(pretrained=True))"
 
 
 class PretrainedError(ValueError):
@@ -169,8 +170,7 @@ def _download(source: str, kind: Literal["hub", "name"]) -> dict[str, torch.Tens
         return timm.create_model(timm_name, pretrained=True).state_dict()
     except RuntimeError as err:
         if kind == "name" and str(err).startswith("Unknown model"):
-            raise PretrainedError(f"pretrained={source!r} is neither a file nor a timm model name "
-                                  "(see timm.list_models(pretrained=True))") from None
+            raise PretrainedError(UNKNOWN_NAME.format(source)) from None
         if kind == "name" and str(err).startswith("Invalid pretrained tag"):
             model = source.split(".", 1)[0]
             tags = [t.split(".", 1)[1] for t in timm.list_pretrained(f"{model}.*")]

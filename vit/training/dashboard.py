@@ -149,8 +149,7 @@ class HParamsTable(L.Callback):
 class RankedPredictions:
     """The test predictions a predictions view shows, kept batch by batch: the mistakes, most confident first,
     then (unless `mistakes_only`) the correct predictions in test order; at most `size` of them, in `images`
-    `(n, C, H, W)`, `labels`, `predicted` and `probability` (of the predicted class), each `(n,)` on the CPU.
-    """
+    `(n, C, H, W)`, `labels`, `predicted` and `probability` (of the predicted class), each `(n,)` on the CPU."""
 
     def __init__(self, size: int, *, mistakes_only: bool = False) -> None:
         check_int("size", size, 1)

@@ -10,7 +10,7 @@ import csv
 import os
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import lightning as L
@@ -37,17 +37,11 @@ def inference_transform(inputs: dict) -> v2.Compose:
 
 
 @torch.no_grad()
-def class_probabilities(model: nn.Module, images: Tensor | Sequence[Tensor], batch_size: int = 256,
-                        device: str | torch.device | None = None) -> Tensor:
-    """Class probabilities `(N, num_classes)` on the CPU of `images`, a batch `(N, C, H, W)` or a list of
-    `(C, H, W)`, run `batch_size` at a time on `device` (the model is moved there; default: where it is)."""
-    if device is None:
-        device = next(model.parameters()).device
-    else:
-        model.to(device)
-    batches = (images.split(batch_size) if isinstance(images, Tensor)
-               else (torch.stack(images[i : i + batch_size]) for i in range(0, len(images), batch_size)))
-    return torch.cat([model(batch.to(device)).softmax(dim=-1).cpu() for batch in batches])
+def class_probabilities(model: nn.Module, images: Tensor, batch_size: int = 256) -> Tensor:
+    """Class probabilities `(N, num_classes)` on the CPU of `images` `(N, C, H, W)`, `batch_size` at a time on the
+    model's device."""
+    device = next(model.parameters(), torch.empty(0)).device
+    return torch.cat([model(batch.to(device)).float().softmax(dim=-1).cpu() for batch in images.split(batch_size)])
 
 
 def check_topk(topk: int, num_classes: int, option: str = "--topk ") -> None:
@@ -79,17 +73,23 @@ def csv_text(name: str) -> str:
     return "'" + name if name.startswith(FORMULA_STARTS) else name
 
 
-def write_csv(output: Path, header: list[str], rows: list[list[str]]) -> None:
-    """Write a CSV to a temporary file in the same folder, then rename it: no half-written file is ever left."""
+def write_csv(output: Path, header: list[str], rows: Iterable[list[str]], keep_empty: bool = True) -> int:
+    """Write a CSV, its rows as they come, to a temporary file in the same folder, then rename it: no half-written file
+    is ever left. Returns the number of rows; with `keep_empty=False` and none, nothing is written."""
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", newline="") as f:
-            csv.writer(f).writerows([header, *rows])
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            writer, count = csv.writer(f), 0
+            writer.writerow(header)
+            for row in rows:
+                writer.writerow(row)
+                count += 1
+        if count or keep_empty:
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, output)
+        return count
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone once renamed; removed on an error or with no rows to keep
 
 
 def free_path(path: Path) -> Path:

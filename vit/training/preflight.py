@@ -2,8 +2,7 @@
 
 With `--ckpt_path` the model is the checkpoint's: a value left at its default takes the checkpoint's, one set that
 differs is checked. The backbone must match for every subcommand; the model's and data module's settings (except
-`NOT_THE_RUN`) must match for `fit`, which resumes the run; for the others one warning lists the model's.
-"""
+`NOT_THE_RUN`) must match for `fit`, which resumes the run; for the others one warning lists the model's."""
 
 from __future__ import annotations
 
