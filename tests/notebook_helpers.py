@@ -5,6 +5,9 @@ from pathlib import Path
 import nbformat
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+# What the commands keep off the screen (vit.training.cli filters the same), and the notebooks do too: tqdm without
+# ipywidgets, torch's LeafSpec deprecation inside Lightning, Lightning's litlogger tip and its `weights_only` default.
+NOISE = ("TqdmWarning", "IProgress not found", "LeafSpec", "litlogger", "`weights_only` was not set")
 
 
 def execute(name):
@@ -19,3 +22,10 @@ def execute(name):
             stdout = (o for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
             printed.append("".join(o.get("text", "") for o in stdout))
     return nb, printed
+
+
+def noise_in(nb):
+    """The lines of the executed notebook's outputs (printed, logged, warned or raised) that hold one of `NOISE`."""
+    texts = [o.get("text", "") or "\n".join(o.get("traceback", [])) or o.get("data", {}).get("text/plain", "")
+             for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    return [line for text in texts for line in text.splitlines() if any(n in line for n in NOISE)]

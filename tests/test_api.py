@@ -8,6 +8,7 @@ hostile checkpoint raises `CheckpointError` and builds nothing; bad arguments ge
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,9 +100,9 @@ def test_explain_gives_the_map_of_relevance_and_of_vit_explain(checkpoint, image
     x = predictor.images([file])  # (1, 1, 32, 32); patches of 8: a (4, 4) grid
     rollout = predictor.explain(file)
     assert rollout.shape == (4, 4) and float(rollout.sum()) == pytest.approx(1.0)
-    torch.testing.assert_close(rollout, relevance(predictor.model.backbone, x, "rollout")[0], rtol=0, atol=0)
+    torch.testing.assert_close(rollout, relevance(predictor.model, x, "rollout")[0], rtol=0, atol=0)
     chefer = predictor.explain(file, method="chefer", target="diagonal")
-    torch.testing.assert_close(chefer, relevance(predictor.model.backbone, x, "chefer", 1)[0], rtol=0, atol=0)
+    torch.testing.assert_close(chefer, relevance(predictor.model, x, "chefer", 1)[0], rtol=0, atol=0)
     assert torch.equal(predictor.explain(file, method="chefer", target=1), chefer)
     assert torch.equal(predictor.explain(x[0], method="chefer", target=1), chefer)
 
@@ -122,12 +123,12 @@ def test_explain_gives_the_map_of_relevance_and_of_vit_explain(checkpoint, image
 
 @pytest.mark.parametrize("shape", ["nested class path", "nested under an owned backbone"])
 def test_a_hostile_checkpoint_raises_and_builds_nothing(shape, checkpoint, tmp_path, monkeypatch):
-    from vit.training.checkpoint import build
+    import vit.api
 
     marker = tmp_path / "MARKER"
     bad = tmp_path / "bad.ckpt"
     torch.save(hostile(torch.load(checkpoint, weights_only=True), shape, marker), bad)
-    monkeypatch.setattr(build, "ImageClassifier", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(vit.api, "trained_backbone", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(CheckpointError, match=NAMED[shape].replace("[", r"\[").replace(".", r"\.")):
         vit.load(bad)
     assert not marker.exists()
@@ -192,3 +193,99 @@ def test_explain_decodes_only_the_images_it_draws(checkpoint, images, tmp_path, 
                          "--method", "rollout", "--out", str(tmp_path / "maps.png")]) == 0
     assert decoded == files[:1]  # the first readable file only, not the whole folder
     assert f"note: explaining the first 1 readable images of {len(files)} files" in capsys.readouterr().err
+
+
+def test_vit_load_and_a_prediction_import_no_lightning(checkpoint, images):
+    code = ("import sys, vit; p = vit.load(sys.argv[1]); p.predict([sys.argv[2]]); p.explain(sys.argv[2]); "
+            "print(sorted(m for m in ('lightning', 'torchmetrics', 'jsonargparse') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(images / "rgb.png")],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout == "[]\n"
+
+
+def test_predict_streams_any_iterable_in_batches_with_the_one_pass_result(checkpoint, images, monkeypatch):
+    predictor = vit.load(checkpoint)
+    files = sorted(images.iterdir())
+    with torch.no_grad():  # the whole folder in one forward pass: what predict computed before it streamed
+        one_pass = predictor.model(predictor.images(files)).softmax(dim=-1)
+    passes, pulled = [], []
+    predictor.model.register_forward_hook(lambda module, args, out: passes.append(args[0].shape[0]))
+
+    def lazily():  # a generator: read one image at a time, as the batches need them
+        for file in files:
+            pulled.append((file.name, len(passes)))
+            yield file
+
+    predictions = predictor.predict(lazily(), topk=2, batch_size=3)
+    assert passes == [3, 1] and pulled[3] == (files[3].name, 1)  # the 4th image is read after the first pass
+    for top, probs in zip(predictions, one_pass, strict=True):
+        assert [p.class_name for p in top] == [predictor.class_names[k] for k in probs.topk(2).indices]
+        torch.testing.assert_close(torch.tensor([p.probability for p in top]), probs.topk(2).values,
+                                   rtol=0, atol=1e-6)
+    torch.testing.assert_close(predictor.probabilities(files, batch_size=1), one_pass, rtol=0, atol=1e-6)
+
+
+def test_vit_predict_streaming_equals_the_one_pass_result(checkpoint, images, tmp_path):
+    output = tmp_path / "p.csv"
+    assert predict_main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
+                         "--batch_size", "3", "--num_workers", "2", "--device", "cpu"]) == 0
+    rows = list(csv.DictReader(output.open()))
+    predictor = vit.load(checkpoint)
+    with torch.no_grad():
+        one_pass = predictor.model(predictor.images([images / row["file"] for row in rows])).softmax(dim=-1)
+    assert [row["class_name"] for row in rows] == [predictor.class_names[k] for k in one_pass.argmax(-1)]
+    written = torch.tensor([float(row["probability"]) for row in rows])
+    torch.testing.assert_close(written, one_pass.max(-1).values, rtol=0, atol=1e-6)  # the CSV keeps 6 decimals
+
+
+def test_to_device_and_precision(checkpoint, images):
+    predictor = vit.load(checkpoint, device="auto", precision="bf16")
+    assert predictor.to("cpu") is predictor and predictor.device == torch.device("cpu")
+    full = vit.load(checkpoint).probabilities(sorted(images.iterdir()))
+    bf16 = predictor.probabilities(sorted(images.iterdir()))
+    assert bf16.dtype == torch.float32 and not torch.equal(bf16, full)  # computed in bfloat16, returned as float
+    torch.testing.assert_close(bf16, full, rtol=0, atol=3e-2)
+    for call, message in [
+            (lambda: vit.load(checkpoint, precision="fp8"), "precision='fp8' is not allowed: expected one of ['32', "
+             "'bf16', 'fp16']"),
+            (lambda: predictor.to("tpu"), "device='tpu' is not allowed: expected auto, cpu, cuda, cuda:N or mps"),
+            (lambda: vit.load(checkpoint, precision="fp16"), "precision='fp16' runs on a GPU; on the CPU use "
+             "precision='bf16' or '32'")]:
+        if torch.cuda.is_available() and "fp16" in message:
+            continue
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == message
+
+
+def test_vit_load_checks_the_training_settings_for_size_and_train_py_against_their_classes(checkpoint, tmp_path):
+    from vit.training.checkpoint import read
+    from vit.training.checkpoint.build import build_classifier
+
+    recorded = torch.load(checkpoint, weights_only=True)
+    recorded["hyper_parameters"]["lr"] = "fast"  # plain data, but not ImageClassifier's float
+    path = tmp_path / "odd.ckpt"
+    torch.save(recorded, path)
+    vit.load(path).predict(torch.zeros(1, 1, 32, 32))  # inference reads no training setting: it is not built
+    with pytest.raises(CheckpointError, match=r"hyper_parameters.lr='fast' is not allowed: expected a float"):
+        read(path)  # what train.py and the commands that build the classifier read
+    with pytest.raises(ValueError, match="build_classifier needs a checkpoint read with training=True"):
+        build_classifier(read(path, training=False))
+    recorded["datamodule_hyper_parameters"]["num_test"] = 10**9  # a size beyond LIMITS: refused by every door
+    torch.save(recorded, path)
+    with pytest.raises(CheckpointError, match=r"num_test=1000000000 is not allowed: expected at most 1000000"):
+        vit.load(path)
+
+
+def test_the_readme_snippet_runs_on_a_trained_checkpoint(checkpoint, images, tmp_path, monkeypatch):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = re.findall(r"```python\n(.*?)```", readme, flags=re.S)[1]
+    where = tmp_path / re.search(r'vit\.load\("([^"]+)"', snippet)[1]
+    where.parent.mkdir(parents=True)
+    where.write_bytes(checkpoint.read_bytes())  # the checkpoint where the snippet expects one
+    for name in re.findall(r'"(\w+\.(?:jpg|png))"', snippet):
+        Image.open(images / "rgb.png").save(tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    assert scope["relevance"].shape == (4, 4) and float(scope["relevance"].sum()) == pytest.approx(1.0)

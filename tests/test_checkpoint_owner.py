@@ -315,3 +315,26 @@ def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypa
     assert checkpoint["hyper_parameters"]["backbone"]["class_path"] == "vit.models.VisionTransformer"
     main_in_process(["validate", "--config", str(config), "--ckpt_path", str(last)], monkeypatch)
     assert vit.load(last).class_names == ["not_diagonal", "diagonal"]
+
+
+def test_a_schedule_stopped_during_warmup_resumes_and_only_its_not_started_counters_may_be_minus_one():
+    from vit.models import VisionTransformer
+    from vit.training.checkpoint.resume import _schedulers
+    from vit.training.classifier import ImageClassifier, warmup_cosine_schedule
+
+    model = ImageClassifier(VisionTransformer(img_size=8, patch_size=4, num_classes=2, embed_dim=8, depth=1,
+                                              num_heads=1))
+    schedule = warmup_cosine_schedule(model.optimizer(), warmup_steps=8, total_steps=20)
+    for _ in range(3):  # preempted at step 3 of an 8-step warmup
+        schedule.optimizer.step()
+        schedule.step()
+    state = schedule.state_dict()
+    assert state["_schedulers"][1]["last_epoch"] == -1  # PyTorch's mark of the cosine not yet started
+    _schedulers([state], model)
+    state["_schedulers"][1]["last_epoch"] = -2
+    with pytest.raises(CheckpointError, match=r"lr_schedulers\[0\]\._schedulers\[1\]\.last_epoch=-2 is not allowed: "
+                                              r"expected an int >= -1"):
+        _schedulers([state], model)
+    state["_schedulers"][1]["last_epoch"], state["_schedulers"][0]["last_epoch"] = 0, -1
+    with pytest.raises(CheckpointError, match=r"_schedulers\[0\]\.last_epoch=-1 is not allowed: expected an int >= 0"):
+        _schedulers([state], model)

@@ -1,22 +1,27 @@
 """What a user sees when a run is set up wrongly without an error: a misspelt option, an EMA longer than the run,
-more loader workers than cores."""
+more loader workers than cores, a progress bar written to a log file."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import warnings
 
 import lightning as L
 import pytest
 import torch
-from robust_helpers import BASE_CONFIG, cli, error_line
+from lightning.pytorch.callbacks import TQDMProgressBar
+from robust_helpers import BASE_CONFIG, cli, error_line, subprocess_env, tiny_config, train_command
 from torch.utils.data import DataLoader, TensorDataset
 
 from vit.data import ImageFolderDataModule, TwoCirclesDataModule
 from vit.data.base import usable_workers
 from vit.models import VisionTransformer
+from vit.training.callbacks import PlainProgress
 from vit.training.classifier import ImageClassifier
-from vit.training.cli import unknown_options_message
+from vit.training.cli import main, unknown_options_message
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -156,3 +161,51 @@ def test_the_cap_survives_lightning_rebuilding_the_loader(tmp_path, one_core):
                         default_root_dir=tmp_path / "run")  # where the image folder writes split.json
     assert len(trainer.predict(Mean(), datamodule=data)) == 2
     assert trainer.predict_dataloaders.num_workers == 1
+
+
+# --- Progress in a log file: plain lines, no carriage returns ------------------------------------------
+
+
+@pytest.mark.parametrize(("terminal", "progress"), [(True, TQDMProgressBar), (False, PlainProgress)])
+def test_the_progress_bar_is_tqdm_in_a_terminal_and_plain_lines_in_a_log_file(terminal, progress, monkeypatch,
+                                                                               tmp_path):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    run = main(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar", "true",
+                "--trainer.fast_dev_run", "1"])
+    shown = [c for c in run.trainer.callbacks if isinstance(c, (TQDMProgressBar, PlainProgress))]
+    assert [type(c) for c in shown] == [progress]
+
+
+@pytest.mark.slow
+def test_plain_progress_writes_a_line_every_n_seconds_within_an_epoch(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    main(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false",
+          "--trainer.callbacks+=vit.training.callbacks.PlainProgress", "--trainer.callbacks.every_n_seconds=0"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch 0: ")]
+    # A line after each batch (every 0 seconds), then the epoch's line with the validation metrics.
+    assert [line.split(", ")[0] for line in lines] == [f"Epoch 0: {b}/8 batches" for b in range(1, 9)] + [
+        "Epoch 0: 8/8 batches"]
+    assert "val/acc=" not in lines[0] and "val/acc=" in lines[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs a CPU affinity to set")
+def test_a_fit_logged_to_a_file_prints_plain_progress_lines_and_says_once_that_workers_are_capped(tmp_path):
+    config = tiny_config(tmp_path, num_workers=2)  # on one core: one worker per loader
+    log = tmp_path / "train.log"
+    with log.open("w") as out:  # `python train.py fit ... > train.log 2>&1`
+        done = subprocess.run(train_command("fit", "--config", str(config), "--trainer.enable_progress_bar", "true"),
+                              cwd=tmp_path, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, timeout=300,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "\r" not in text
+    lines = [line for line in text.splitlines() if line.startswith("Epoch ")]
+    assert [line.split(", ")[:2] for line in lines] == [
+        [f"Epoch {epoch}: 8/8 batches", f"step {8 * (epoch + 1)}"] for epoch in range(3)]
+    for line in lines:
+        assert re.search(r", \d+\.\d\d it/s, train/loss_step=\d\.\d+, val/loss=\d\.\d+, val/acc=", line), line
+    assert text.count("num_workers=2 is capped at 1, the number of cores this process may use") == 1
+    assert "worker processes in total" not in text  # torch's warning about too many workers
+    assert "test/acc = " in text  # the test after fit printed as ever

@@ -1,5 +1,6 @@
 """What the dashboards show a user: the most confident test mistakes on TensorBoard, the best checkpoint as a
-W&B artifact (offline), and the tags a finished `train.py` run holds in its TensorBoard event files."""
+W&B artifact and the best monitored values in W&B's summary (offline), and the tags a finished `train.py` run
+holds in its TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -147,7 +148,6 @@ def offline_wandb(tmp_path, monkeypatch):
 
 def test_best_checkpoint_is_a_wandb_artifact_offline_when_asked_for(tmp_path, offline_wandb):
     import wandb
-    from test_callbacks import wandb_records
 
     from vit.training.loggers import WandbLogger
 
@@ -164,14 +164,7 @@ def test_best_checkpoint_is_a_wandb_artifact_offline_when_asked_for(tmp_path, of
     run_dir = Path(logger.experiment.dir).parent
     wandb.finish()
 
-    deadline = time.monotonic() + 30  # finish() can return before W&B's service has written the last records
-    while True:
-        records = wandb_records(next(run_dir.glob("*.wandb")))
-        if any(r.WhichOneof("record_type") == "exit" for r in records):
-            break
-        assert time.monotonic() < deadline, "the offline run was never closed"
-        time.sleep(0.2)
-    artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    artifacts = [r.artifact for r in closed_run_records(run_dir) if r.WhichOneof("record_type") == "artifact"]
     assert {a.type for a in artifacts} == {"model"} and {a.name for a in artifacts} == {f"model-{logger.version}"}
     (artifact,) = [a for a in artifacts if "best" in a.aliases]
     metadata = json.loads(artifact.metadata)
@@ -221,3 +214,79 @@ def test_a_relative_wandb_folder_is_the_callers_not_the_wandb_services(tmp_path,
 
     monkeypatch.chdir(tmp_path)
     assert WandbLogger(save_dir="runs", offline=True).save_dir == str(tmp_path / "runs")
+
+
+class ScriptedAccuracy(L.LightningModule):
+    """A linear model whose validation logs `val/acc` from a script, one value per epoch, `val/loss` = 1 - it, and
+    `val/last`, the same as `val/acc` but monitored by nothing."""
+
+    def __init__(self, accuracies: list[float]) -> None:
+        super().__init__()
+        self.accuracies, self.linear = accuracies, torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.linear(batch[0]).square().mean()
+
+    def validation_step(self, batch, batch_idx):
+        accuracy = self.accuracies[self.current_epoch]
+        self.log_dict({"val/acc": accuracy, "val/loss": 1.0 - accuracy, "val/last": accuracy})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def closed_run_records(run_dir: Path) -> list:
+    """The records of an offline W&B run once it is closed: finish() can return before W&B's service has written
+    the last of them."""
+    from test_callbacks import wandb_records
+
+    deadline = time.monotonic() + 30
+    while True:
+        records = wandb_records(next(run_dir.glob("*.wandb")))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, "the offline run was never closed"
+        time.sleep(0.2)
+
+
+def offline_summary(records: list) -> dict:
+    """The summary an offline W&B run has once synced: its summary records' updates, replayed in order."""
+    summary = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                summary["/".join(item.nested_key) if item.nested_key else item.key] = json.loads(item.value_json)
+    return summary
+
+
+def test_wandb_summary_holds_the_best_monitored_value_and_the_run_keeps_its_config_files(tmp_path, offline_wandb):
+    import wandb
+    from jsonargparse import ArgumentParser
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from vit.training.dashboard import HParamsTable
+    from vit.training.loggers import WandbLogger
+    from vit.training.run_dir import RunConfig
+
+    parser = ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.1)
+    logger = WandbLogger(save_dir=str(tmp_path / "runs"))
+    best = ModelCheckpoint(monitor="val/acc", mode="max")
+    trainer = quiet_trainer(max_epochs=3, logger=logger, callbacks=[
+        best, HParamsTable(), RunConfig(parser, parser.parse_args([]), command=["train.py", "fit"])])
+    data = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=4)
+    trainer.fit(ScriptedAccuracy([0.5, 0.75, 0.625]), data, data)  # the last epoch is worse than the second
+    run_dir, run_folder = Path(logger.experiment.dir).parent, Path(best.dirpath).parent
+    wandb.finish()
+
+    records = closed_run_records(run_dir)
+    summary = offline_summary(records)
+    assert summary["val/acc"] == {"max": 0.75} and best.best_model_score.item() == 0.75
+    assert summary["val/loss"] == {"min": 0.25}
+    assert summary["val/last"] == 0.625  # a metric nothing monitors keeps its last value
+    metrics = {r.metric.name: r.metric for r in records if r.WhichOneof("record_type") == "metric"}
+    assert metrics["val/acc"].step_metric == "trainer/global_step"  # the x-axis of the other curves
+    assert run_folder == tmp_path / "runs" / "vit" / logger.version
+    for name in ("config.yaml", "run_info.json"):
+        assert (run_dir / "files" / name).read_text() == (run_folder / name).read_text()
+    assert json.loads((run_dir / "files" / "run_info.json").read_text())["command"] == ["python", "train.py", "fit"]

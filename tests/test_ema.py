@@ -102,8 +102,6 @@ def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_com
     with torch.no_grad():
         expected = by_hand.eval()(x)
         assert not torch.allclose(raw.eval()(x), expected, atol=1e-4)  # the average differs from the weights
-        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-        torch.testing.assert_close(model.backbone(x), expected, rtol=0, atol=0)  # what vit.explain records
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # what vit.explain records
         torch.testing.assert_close(vit.load(path).model(x), expected, rtol=0, atol=0)
         torch.testing.assert_close(export_load(path)[0](x), expected, rtol=0, atol=0)
-    assert model.ema is None

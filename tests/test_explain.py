@@ -298,6 +298,11 @@ def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods,
         assert main(["--ckpt_path", str(last), "--method", "rollout", "--out", str(tmp_path / "x.png")]) == 2
         message = "--method 'rollout' needs a model with attention layers (a ViT); ResNet has none"
         assert message in capsys.readouterr().err
+        # 'all': the attention methods skipped, the random baseline left out; the generated test images drawn as
+        # the model sees them (one channel).
+        drawn = record_grids(monkeypatch)
+        assert main(["--ckpt_path", str(last), "--method", "all", "--out", str(tmp_path / "all.png")]) == 0
+        assert list(drawn[0]["maps"]) == ["gradcam"] and drawn[0]["images"].shape[1] == 1
 
 
 @pytest.fixture
@@ -349,10 +354,10 @@ def test_the_explain_command_explains_any_image_with_class_names_and_a_target(sh
                  "--target", "diagonal", "--out", str(out)]) == 0
     assert "skipped notes.txt: not a readable image" in capsys.readouterr().err and out.is_file()
     [grid] = drawn
-    # The files' own pixels scaled to [0, 1], as the two-circles data was in training.
+    # The files' own pixels scaled to [0, 1], as the two-circles data was in training; drawn as RGB.
     x = torch.stack([torch.from_numpy(np.array(Image.open(folder / f"c{i}.png"))).float()[None] / 255
                      for i in range(3)])
-    torch.testing.assert_close(grid["images"], x)
+    torch.testing.assert_close(grid["images"], x.expand(-1, 3, -1, -1))
     backbone = ImageClassifier.load_from_checkpoint(shared_checkpoint, map_location="cpu", weights_only=True).backbone
     with torch.no_grad():
         probs = backbone.eval()(x).softmax(-1)
@@ -371,6 +376,45 @@ def test_the_explain_command_explains_any_image_with_class_names_and_a_target(sh
     assert main(["--ckpt_path", str(shared_checkpoint), "--image", str(folder / "c1.png"), "--method", "chefer",
                  "--target", "1", "--out", str(tmp_path / "one.png")]) == 0
     torch.testing.assert_close(drawn[1]["maps"]["chefer: diagonal"], grid["maps"]["chefer: diagonal"][1:2])
+
+
+@pytest.mark.slow
+def test_the_explain_command_draws_the_maps_over_each_photo_in_colour_at_the_models_size(shared_checkpoint, tmp_path,
+                                                                                        monkeypatch):
+    from PIL import Image
+    from torchvision.transforms.v2 import functional as TF
+
+    from vit.explain.__main__ import main
+    from vit.training.classifier import ImageClassifier
+
+    drawn, photo = record_grids(monkeypatch), tmp_path / "photo.png"
+    pixels = np.zeros((48, 40, 3), dtype=np.uint8)  # (H, W, RGB): red left, blue right; the model takes 32 x 32 grey
+    pixels[:, :20, 0], pixels[:, 20:, 2] = 200, 120
+    Image.fromarray(pixels).save(photo)
+    assert main(["--ckpt_path", str(shared_checkpoint), "--image", str(photo), "--method", "rollout",
+                 "--out", str(tmp_path / "maps.png")]) == 0
+    [grid] = drawn
+    # The photo as decoded, resized to the model's input: RGB in [0, 200 / 255], neither grey nor normalised.
+    colour = TF.resize(torch.from_numpy(pixels).permute(2, 0, 1), [32, 32], antialias=True).float() / 255
+    torch.testing.assert_close(grid["images"], colour[None])
+    assert float(grid["images"][0, 0].max()) == pytest.approx(200 / 255) and float(grid["images"][0, 1].max()) == 0
+    # The map is the one of the model's own input, the grey image.
+    grey = TF.resize(torch.from_numpy(np.array(Image.open(photo).convert("L")))[None], [32, 32], antialias=True)
+    backbone = ImageClassifier.load_from_checkpoint(shared_checkpoint, map_location="cpu", weights_only=True).backbone
+    torch.testing.assert_close(grid["maps"]["rollout"], relevance(backbone.eval(), grey[None].float() / 255, "rollout"))
+
+
+@pytest.mark.slow
+def test_the_explain_command_leaves_the_random_baseline_out_of_all_unless_named(shared_checkpoint, tmp_path,
+                                                                               monkeypatch):
+    from vit.explain.__main__ import main
+
+    folder, drawn = circle_pngs(tmp_path / "photos", n=1), record_grids(monkeypatch)
+    for method in ("all", "rollout,random"):
+        assert main(["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), "--method", method,
+                     "--out", str(tmp_path / f"{method}.png")]) == 0
+    assert list(drawn[0]["maps"]) == [m for m in METHODS if m != "random"]
+    assert list(drawn[1]["maps"]) == ["rollout", "random"]
 
 
 @pytest.mark.slow
@@ -412,9 +456,10 @@ def test_the_grid_shares_one_colour_scale_per_row_or_figure_with_its_colour_bars
     fig = rollout_grid(torch.rand(2, 1, 32, 32), maps, scale=scale)
     norms = grid_norms(fig, B=2, M=2)
     for row in range(2):
-        # The map drawn is the grey image's second layer, in inferno: never the image's own colours under jet.
+        # The map is drawn in inferno, with alpha, over the image as the first column shows it.
         ax = fig.axes[row * 3 + 1]
-        assert [im.get_cmap().name for im in ax.images] == ["gray", "inferno"]
+        np.testing.assert_array_equal(ax.images[0].get_array(), fig.axes[row * 3].images[0].get_array())
+        assert (ax.images[1].get_cmap().name, ax.images[1].get_alpha()) == ("inferno", 0.6)
         row_max = max(float(m[row].max()) for m in maps.values())
         for (vmin, vmax), m in zip(norms[row], maps.values()):
             expected = {"panel": (float(m[row].min()), float(m[row].max())), "row": (0.0, row_max),
@@ -437,6 +482,37 @@ def test_the_grid_refuses_an_unknown_scale():
 
     with pytest.raises(ValueError, match=r"scale='image' is not allowed: expected one of \['panel', 'row', 'figure'\]"):
         rollout_grid(torch.rand(1, 1, 8, 8), {"rollout": torch.rand(1, 2, 2)}, scale="image")
+
+
+def test_the_grid_draws_an_image_in_unit_range_as_it_is_in_colour_and_stretches_a_normalised_one():
+    from vit.explain.plot import rollout_grid
+
+    torch.manual_seed(0)
+    decoded = torch.rand(1, 3, 8, 8) * 0.5 + 0.2  # RGB in [0.2, 0.7]: a dim photo, drawn as it is
+    normalised = (decoded - 0.45) / 0.1  # outside [0, 1]: drawn min-max over all its channels
+    stretched = (decoded - decoded.min()) / (decoded.max() - decoded.min())
+    for images, expected in ((decoded, decoded), (normalised, stretched)):
+        fig = rollout_grid(images, {"rollout": torch.rand(1, 2, 2)})
+        for ax in fig.axes[:2]:  # the image, and the map's panel under its overlay
+            np.testing.assert_allclose(ax.images[0].get_array(), expected[0].permute(1, 2, 0).numpy(), atol=1e-6)
+
+
+def test_overlay_is_pytorch_grad_cams_show_cam_on_image_with_inferno():
+    import cv2
+    import torch.nn.functional as F
+    from pytorch_grad_cam.utils.image import show_cam_on_image
+
+    from vit.explain.plot import overlay
+
+    torch.manual_seed(0)
+    image, patch_map = torch.rand(3, 32, 24) * 0.8 + 0.1, torch.rand(4, 3)  # (C, H, W) in [0, 1], (gh, gw)
+    heat = F.interpolate(patch_map[None, None], size=(32, 24), mode="bilinear", align_corners=False)[0, 0]
+    mask = ((heat - patch_map.min()) / (patch_map.max() - patch_map.min())).numpy()  # (H, W) in [0, 1]
+    theirs = show_cam_on_image(image.permute(1, 2, 0).numpy(), mask, use_rgb=True, colormap=cv2.COLORMAP_INFERNO,
+                               image_weight=0.4) / 255  # (H, W, 3), divided by its max
+    ours = overlay(image, patch_map, alpha=0.6)
+    # Up to OpenCV's and matplotlib's 256-colour tables (one step apart at most) and pytorch-grad-cam's uint8.
+    np.testing.assert_allclose(ours / ours.max(), theirs, atol=0.02)
 
 
 @pytest.mark.parametrize("existing", [True, False])

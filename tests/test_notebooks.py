@@ -5,7 +5,7 @@ import re
 
 import nbformat
 import pytest
-from notebook_helpers import NOTEBOOKS, execute
+from notebook_helpers import NOTEBOOKS, execute, noise_in
 
 NAMES = [
     "attention_explained.ipynb",
@@ -37,6 +37,7 @@ def images_in(nb):
 @pytest.mark.slow
 def test_two_circles_notebook_runs_and_measures_shares(kernel_env):
     nb, printed = execute("attention_rollout_two_circles.ipynb")
+    assert noise_in(nb) == []  # no warning the commands hide
     text = "\n".join(printed)
     assert "trained 1 epochs on 512 images" in text
     assert images_in(nb) == 1  # the rollout grid
@@ -55,6 +56,7 @@ def test_two_circles_notebook_runs_and_measures_shares(kernel_env):
 @pytest.mark.slow
 def test_cifar_notebook_says_it_is_a_demo_and_runs_through(kernel_env):
     nb, printed = execute("attention_rollout_cifar.ipynb")
+    assert noise_in(nb) == []  # no warning the commands hide
     first_output = next(text for text in printed if text)
     assert first_output.startswith("DEMO model: no CHECKPOINT given")
     assert "DEMO images: cifar10 is not in" in first_output and "no-cifar-here" in first_output
@@ -66,6 +68,7 @@ def test_explain_notebook_maps_every_method_and_scores_it(kernel_env):
     from vit.explain.relevance import METHODS
 
     nb, printed = execute("explain_methods.ipynb")
+    assert noise_in(nb) == []  # no warning the commands hide
     text = "\n".join(printed)
     assert "trained 2 epochs on 512 images of 'relative'" in text
     assert images_in(nb) == 1  # the images x methods grid
@@ -81,6 +84,7 @@ def test_attention_notebook_passes_its_checks_and_compares_every_score(kernel_en
 
     # Its claims are asserts in its cells: a false one stops the run with CellExecutionError.
     nb, printed = execute("attention_explained.ipynb")
+    assert noise_in(nb) == []  # no warning the commands hide
     text = "\n".join(printed)
     assert images_in(nb) == 12  # image, Q/K/V, scores 2, masks 2, heads 2, cross-attention, MAP, positions 2
     rows = re.findall(r"^(\w+)\s+([\d.]+)\s+([\d.]+)$", text, flags=re.M)  # score, max weight, entropy

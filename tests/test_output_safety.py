@@ -16,10 +16,10 @@ import yaml
 from PIL import Image
 from safetensors import SafetensorError
 
+from vit.api import Predictor
 from vit.commands import check_output, print_skipped, write_failed
 from vit.data import ImageFolderDataModule
 from vit.data.files import first_skipped
-from vit.data.images import build_transform
 from vit.explain.__main__ import check_paths as explain_check_paths
 from vit.export import check_out, model_card, timm_args, training_record, write
 from vit.export import main as export_main
@@ -186,10 +186,10 @@ def test_predict_on_a_full_disk_is_one_line_and_leaves_the_earlier_csv_and_no_te
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.class_names = ["red", "blue"]
+            self.bias = torch.nn.Parameter(torch.zeros(2))
 
         def forward(self, x):
-            return torch.zeros(len(x), 2)
+            return self.bias.expand(len(x), 2)
 
     class FullWriter:  # the header fits, the first prediction does not
         def __init__(self, f):
@@ -204,9 +204,8 @@ def test_predict_on_a_full_disk_is_one_line_and_leaves_the_earlier_csv_and_no_te
     monkeypatch.setattr(csv, "writer", lambda f, *args, **kwargs: FullWriter(f))
     args = argparse.Namespace(ckpt_path="model.ckpt", input_dir=images, output=output, topk=1, batch_size=4,
                               device="cpu", num_workers=0)
-    model = Model()
-    prepared = (model, build_transform(16, 3, None), {"class_names": model.class_names})
-    assert predict(args, prepared) == 1
+    inputs = {"img_size": [16, 16], "in_chans": 3, "mean": None, "std": None, "interpolation": "bilinear"}
+    assert predict(args, Predictor(Model(), inputs, ["red", "blue"])) == 1
     assert capsys.readouterr() == ("", f"error: --output {output} could not be written: No space left on device\n")
     assert output.read_text() == "earlier predictions\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "predictions.csv"]  # no temporary file left

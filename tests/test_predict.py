@@ -223,6 +223,7 @@ def test_bad_paths_and_checkpoints_are_reported(checkpoint, images, tmp_path, ca
     (["--device", "tpu9"], "--device 'tpu9' is not"),
     pytest.param(["--device", "cuda"], "--device cuda was asked for, but this machine has no CUDA GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
+    (["--device", "cpu", "--precision", "fp16"], "precision='fp16' runs on a GPU; on the CPU use precision='bf16'"),
 ])
 def test_bad_options_are_refused_before_any_image_is_decoded(extra, message, checkpoint, tmp_path, capsys, monkeypatch):
     folder = tmp_path / "images"

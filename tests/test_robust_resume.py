@@ -2,14 +2,18 @@
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from robust_helpers import (
     REPO,
     STEPS_PER_EPOCH,
@@ -21,7 +25,9 @@ from robust_helpers import (
     tiny_config,
     train_command,
 )
+from torch.utils.data import DataLoader
 
+from vit.data import TwoCirclesDataModule
 from vit.data.resumable import ResumableSampler
 from vit.training.checkpoint.io import AtomicCheckpointIO, find_last_checkpoint
 from vit.training.preflight import resolve_resume
@@ -203,3 +209,64 @@ def test_ckpt_path_last_finds_the_newest_run_and_continues_in_its_folder(tmp_pat
     with pytest.warns(UserWarning, match="no last.ckpt under .*starting a new run"):
         resolve_resume("fit", empty)
     assert empty.ckpt_path is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_the_whole_process_group_with_loader_workers_stops_in_one_line(stop, tmp_path, reference,
+                                                                                    monkeypatch):
+    # `timeout`, SLURM and Ctrl-C signal every process of the job: the loader workers get the signal too. The
+    # pause is past the warmup (8 steps), like the test above's.
+    config = tiny_config(tmp_path, num_workers=2)
+    marker = tmp_path / "paused"
+    pause = ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
+             f"--trainer.callbacks.marker={marker}"]
+    process = subprocess.Popen(train_command("fit", "--config", str(config), "--test_after_fit", "false", *pause),
+                               cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)  # its own process group, as a job's
+    try:
+        deadline = time.monotonic() + 150
+        while not marker.exists():
+            assert process.poll() is None, f"training ended before step 13:\n{process.communicate()[1]}"
+            assert time.monotonic() < deadline, "training did not reach step 13 in time"
+            time.sleep(0.1)
+        [run_dir] = run_dirs(tmp_path)
+        assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12
+        os.killpg(process.pid, stop)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 128 + stop, stderr
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert [line for line in stderr.splitlines() if "stopped" in line or "killed" in line] == [
+        f"stopped by {stop.name} after training step 13: {last} holds step 13. Resume with the same command and "
+        "--ckpt_path last (or --ckpt_path <that file>)"]
+    assert "Traceback" not in stderr and "DataLoader worker" not in stderr
+    assert torch.load(last, weights_only=True)["global_step"] == 13
+
+    main_in_process(["fit", "--config", str(config), "--ckpt_path", "last", "--test_after_fit", "false"], monkeypatch)
+    assert run_dirs(tmp_path) == [run_dir]
+    [reference_dir] = run_dirs(reference)
+    torch.testing.assert_close(final_weights(run_dir), final_weights(reference_dir), rtol=0, atol=1e-6)
+
+
+class _WorkerState(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> tuple:
+        ignored = [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)]
+        return ignored, random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_loader_workers_ignore_stop_signals_and_are_seeded_as_lightning_seeds_them():
+    data = TwoCirclesDataModule(num_train=8, num_val=8, num_test=8, batch_size=1, num_workers=2)
+    data.test_set = _WorkerState()
+    ours = list(data.test_dataloader())
+    lightnings = DataLoader(_WorkerState(), batch_size=1, num_workers=2, generator=data.loader_generator(),
+                            worker_init_fn=partial(pl_worker_init_function, rank=0))  # what Lightning adds alone
+    assert [ignored for ignored, *_ in ours] == [[torch.tensor([True])] * 2] * 2
+    assert [draws for _, *draws in ours] == [draws for _, *draws in lightnings]
+    assert ours[0][1:] != ours[1][1:]  # each worker draws its own numbers

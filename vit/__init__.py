@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from vit.api import Predictor
 
 
-def load(path_or_url: str | os.PathLike, device: str = "cpu") -> Predictor:
-    """The trained model of a `train.py` checkpoint (a path or URL), ready for inference on `device`: `vit.api.load`."""
+def load(path_or_url: str | os.PathLike, device: str = "cpu", precision: str = "32") -> Predictor:
+    """The trained model of a `train.py` checkpoint (a path or URL), ready for inference: `vit.api.load`."""
     from vit.api import load as load_checkpoint
 
-    return load_checkpoint(path_or_url, device)
+    return load_checkpoint(path_or_url, device, precision)

@@ -143,3 +143,22 @@ def check_arguments(cls: type, arguments: dict[str, Any], bounds: dict[str, tupl
                 check_float(name, value, low, high, low_open=open_ends[0], high_open=open_ends[1])
             else:
                 check_int(name, value, low, high)
+
+
+def class_index(target: str | int, class_names: list[str], option: str = "target=") -> int:
+    """The index of a class given by name, or by index (an int, or digits when no class has that name);
+    `ValueError` naming `{option}{target!r}` and listing the names otherwise."""
+    if isinstance(target, str) and target in class_names:
+        return class_names.index(target)
+    index = int(target) if isinstance(target, str) and target.isdigit() else target
+    if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(class_names):
+        return index
+    raise ValueError(f"{option}{target!r} is not a class of this model: expected one of {class_names} "
+                     f"or an index in [0, {len(class_names) - 1}]")
+
+
+def check_topk(topk: int, num_classes: int, option: str = "--topk ") -> None:
+    """Raise `ValueError` unless `topk` is an int in [1, num_classes]; the message names it `{option}{topk}`."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_classes:
+        raise ValueError(f"{option}{topk} is not allowed: expected an int in [1, {num_classes}] "
+                         f"(the model has {num_classes} classes)")

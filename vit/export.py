@@ -71,8 +71,7 @@ def timm_args(model: VisionTransformer) -> dict:
 
 
 def architecture(args: dict) -> str:
-    """timm's name for a plain ViT of this width, depth, heads and patch size, at the model's image size where timm
-    has it (`vit_base_patch16_384`), else at 224 (`vit_tiny_patch16_224`); else `GENERIC_ARCHITECTURE`."""
+    """timm's name of a plain ViT of these sizes, at the model's image size or 224; else `GENERIC_ARCHITECTURE`."""
     import timm
 
     family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
@@ -100,8 +99,7 @@ def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
 
 
 def training_record(checkpoint: dict) -> dict:
-    """What the checkpoint says of its training, for the model card: `data_module`, `seed`, `epoch`, `global_step`,
-    `dataset`, `base_model`, `model` (plain settings) and `metrics` (each ModelCheckpoint's, best and current)."""
+    """What the checkpoint says of its training, for the model card: run facts, `model` settings, `metrics`."""
     data, hparams = checkpoint.get("datamodule_hyper_parameters") or {}, checkpoint.get("hyper_parameters") or {}
     record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
               "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
@@ -174,21 +172,17 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         "---", *yaml.safe_dump(front_matter, sort_keys=False).splitlines(), "---", "",
         "# Vision Transformer image classifier", "",
         (f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
-         f"architecture ({named})."), "",
-        "## Architecture", "",
+         f"architecture ({named})."), "", "## Architecture", "",
         (f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
          f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
         (f"- pooling `{args['global_pool']}`, {args['reg_tokens']} register token(s), "
          f"position table `{args['pos_embed']}`"),
-        f"- {params / 1e6:.2f} M parameters", "",
-        "## Classes", "",
-        f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "",
-        "## Input", "",
+        f"- {params / 1e6:.2f} M parameters", "", "## Classes", "",
+        f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "", "## Input", "",
         (f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
          f"({markdown_text(data_config['interpolation'])} interpolation; the aspect ratio is not kept)"),
         (f"- pixels scaled to [0, 1], then normalised with mean {markdown_text(list(data_config['mean']))} and std "
-         f"{markdown_text(list(data_config['std']))}"), "",
-        "## Use with timm", "",
+         f"{markdown_text(list(data_config['std']))}"), "", "## Use with timm", "",
         "```python", "import timm", "import torch", "from PIL import Image, ImageOps", "",
         'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
         "config = timm.data.resolve_data_config(model=model)", "transform = timm.data.create_transform(**config)",
@@ -196,8 +190,7 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
         f'x = transform(image.convert("{"RGB" if channels == 3 else "L"}"))[None]',
         "with torch.no_grad():",
         "    probabilities = model(x).softmax(-1)  # (1, num_classes), in the order of the classes above",
-        "```", "",
-        "## Training", "",
+        "```", "", "## Training", "",
     ]
     if training:
         lines += [f"- data module: {markdown_text(training.get('data_module', 'not recorded'))}",
@@ -213,10 +206,9 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
                   or ["- none recorded in the checkpoint"])
     else:
         lines.append("- not recorded in the checkpoint")
-    lines += ["", "## Use with this project", "",
-              "The checkpoint this folder was exported from opens with `vit.load(\"last.ckpt\")` (`.predict(...)`, "
-              "`.explain(...)`), and this folder's weights with `vit.models.pretrained.create_vit(\"path/to/this/"
-              "folder/model.safetensors\", ...)` and the sizes above."]
+    lines += ["", "## Use with this project", "", "The checkpoint this folder was exported from opens with "
+              "`vit.load(\"last.ckpt\")` (`.predict(...)`, `.explain(...)`), and this folder's weights with "
+              "`vit.models.pretrained.create_vit(\"path/to/this/folder/model.safetensors\", ...)` and the sizes above."]
     return "\n".join(lines) + "\n"
 
 
@@ -233,8 +225,8 @@ def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[st
     """`(backbone, data_config in timm's keys, class names, training_record)` of a train.py checkpoint."""
     from vit.training.checkpoint.build import open_model
 
-    model, checkpoint = open_model(ckpt_path)
-    inputs, backbone = checkpoint.inputs, model.backbone
+    backbone, checkpoint = open_model(ckpt_path, training=False)
+    inputs = checkpoint.inputs
     timm_args(backbone)  # refuse what timm cannot compute before anything else is done
     channels = inputs["in_chans"]
     mean, std = (inputs["mean"], inputs["std"]) if inputs["mean"] is not None else ([0.0] * channels, [1.0] * channels)
@@ -280,10 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--out", required=True, type=Path,
                          help="folder to write model.safetensors, config.json and README.md")
     options.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
-    options.add_argument("--license", type=hub_license,
-                         help="the Hub license id for the model card's front matter (apache-2.0, mit, cc-by-4.0, "
-                              "other, ...); default: none written, because the weights' license follows from the "
-                              "base model's and the data's, which only you know")
+    options.add_argument("--license", type=hub_license, help="the Hub license id for the model card's front matter "
+                         "(apache-2.0, mit, cc-by-4.0, other, ...); default: none written, because the weights' "
+                         "license follows from the base model's and the data's, which only you know")
     return run(options.parse_args(argv), prepare, write)
 
 

@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING
 from vit.commands import check_output, fail, parser, print_skipped, run, write_failed
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
-    from torchvision.transforms import v2
-
-    from vit.training.classifier import ImageClassifier
+    from vit.api import Predictor
 
 
 class PredictError(ValueError):
@@ -44,27 +42,6 @@ def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
                            f"({err.strerror or err})") from None
 
 
-def check_options(batch_size: int, device: str) -> str:
-    """The device to use (`auto`: cuda when there is a GPU, else cpu); refuse a batch size or device that can't work."""
-    import torch
-
-    if batch_size < 1:
-        raise PredictError(f"--batch_size {batch_size} is not allowed: expected an int >= 1")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        target = torch.device(device)
-    except RuntimeError:
-        raise PredictError(f"--device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise PredictError(f"--device {device} was asked for, but this machine has no CUDA GPU: use --device cpu")
-    if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
-        raise PredictError(f"--device {device}: there are only {torch.cuda.device_count()} GPUs")
-    if target.type not in ("cpu", "cuda"):
-        raise PredictError(f"--device {device!r} is not supported: expected auto, cpu, cuda or cuda:N")
-    return device
-
-
 def main(argv: list[str] | None = None) -> int:
     options = parser("vit.predict", __doc__)
     options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
@@ -74,54 +51,50 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
     options.add_argument("--batch_size", type=int, default=256, help="images per forward pass")
     options.add_argument("--num_workers", type=int, default=2, help="processes decoding images (at most the cores)")
-    options.add_argument("--device", default="auto",
-                         help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
+    options.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N or mps")
+    options.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"],
+                         help="autocast the model to bfloat16 or float16 (fp16: on a GPU)")
     return run(options.parse_args(argv), prepare, predict)
 
 
-def prepare(args: argparse.Namespace) -> tuple[ImageClassifier, v2.Compose, dict]:
-    """The arguments checked (`--device auto` resolved), then the checkpoint's model, input transform and itself."""
-    from vit.training.checkpoint.build import open_model
-    from vit.training.predictions import check_topk, inference_transform
+def prepare(args: argparse.Namespace) -> Predictor:
+    """The arguments checked, then the checkpoint's model on `--device`, ready for inference."""
+    from vit.api import load, resolve_device
+    from vit.checks import check_topk
 
     check_paths(args.input_dir, args.output, args.overwrite)
-    args.device = check_options(args.batch_size, args.device)
-    if args.num_workers < 0:
-        raise PredictError(f"--num_workers {args.num_workers} is not allowed: expected an int >= 0")
-    if args.topk < 1:  # before the checkpoint is read; its number of classes bounds --topk from above
-        raise PredictError(f"--topk {args.topk} is not allowed: expected an int >= 1")
-    model, checkpoint = open_model(args.ckpt_path)
-    transform = inference_transform(checkpoint.inputs)
-    check_topk(args.topk, len(model.class_names))
-    return model, transform, checkpoint
+    for option, minimum in (("batch_size", 1), ("topk", 1), ("num_workers", 0)):  # --topk <= classes: checked below
+        if getattr(args, option) < minimum:
+            raise PredictError(f"--{option} {getattr(args, option)} is not allowed: expected an int >= {minimum}")
+    predictor = load(args.ckpt_path, resolve_device(args.device, "--device "), args.precision)
+    check_topk(args.topk, len(predictor.class_names))
+    return predictor
 
 
-def predict(args: argparse.Namespace, prepared: tuple[ImageClassifier, v2.Compose, dict]) -> int:
+def predict(args: argparse.Namespace, predictor: Predictor) -> int:
     """Classify `--input_dir`'s readable images batch by batch, writing rows as they come; 1 if none or no CSV."""
     import torch
 
     from vit.data.base import usable_workers
     from vit.data.images import ImageFiles, image_files, readable_batches
-    from vit.training.predictions import class_probabilities, prediction_table, write_csv
+    from vit.training.predictions import prediction_table, write_csv
 
-    model, transform, _ = prepared
-    files, skipped = ImageFiles(image_files(args.input_dir), transform), {}
-    model = model.to(args.device).eval()
+    files, skipped, names = ImageFiles(image_files(args.input_dir), predictor.transform), {}, predictor.class_names
 
     def rows():  # each batch's rows; progress on stderr: redrawn in place on a terminal, else a line every 10 s
         done, start, shown, tty = 0, time.monotonic(), 0.0, sys.stderr.isatty()
         for indices, x, unread in readable_batches(files, args.batch_size, usable_workers(args.num_workers)):
             skipped.update({files.names[i]: why for i, why in unread.items()})
             if x is not None:
-                probs = class_probabilities(model, x, args.batch_size)
-                yield from prediction_table([files.names[i] for i in indices], probs, model.class_names, args.topk)[1]
+                probs = predictor.probabilities(x, args.batch_size)
+                yield from prediction_table([files.names[i] for i in indices], probs, names, args.topk)[1]
             done, now = done + len(indices) + len(unread), time.monotonic()
             if tty or now - shown >= 10 or done == len(files):
                 shown = now
                 print(f"{args.input_dir}: {done}/{len(files)} images, {done / max(now - start, 1e-9):.1f} images/s",
                       file=sys.stderr, flush=True, end="\r" if tty and done < len(files) else "\n")
 
-    header = prediction_table([], torch.zeros(0, len(model.class_names)), model.class_names, args.topk)[0]
+    header = prediction_table([], torch.zeros(0, len(names)), names, args.topk)[0]
     try:
         count = write_csv(args.output, header, rows(), keep_empty=False)
     except OSError as err:  # a full disk: write_csv has removed its temporary file, --output is untouched

@@ -187,8 +187,7 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
     """Test accuracy of one checkpoint under each condition, on the images whose parts no token sees both of
     (a CLS condition is "" for a model without a CLS token); with ``max_images``, on the first so many
     test images only."""
-    classifier, checkpoint = open_model(ckpt_path)
-    model = classifier.backbone
+    model, checkpoint = open_model(ckpt_path)
     if not isinstance(model, VisionTransformer) or checkpoint.data_class not in (SameDifferentDataModule,
                                                                                   ArrangementDataModule):
         raise CheckpointError(f"checkpoint {checkpoint.source} holds a {type(model).__name__} trained on "

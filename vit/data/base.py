@@ -4,10 +4,13 @@ generated two-class tasks share: the seed, the balanced labels and the pixel noi
 from __future__ import annotations
 
 import os
+import signal
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
+from lightning.pytorch.utilities import rank_zero_info
 from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset
 
@@ -61,11 +64,13 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     def _loader(self, dataset: Dataset, train: bool, *, drop_last: bool = False, pin_memory: bool = False,
                 persistent_workers: bool = True, repeats: int = 1) -> DataLoader:
         """A loader of `dataset` (the hparams' `batch_size`, `num_workers`), ordered by `train_sampler` when `train`."""
-        workers, batch_size = usable_workers(self.hparams.num_workers), self.hparams.batch_size
+        workers, batch_size = usable_workers(asked := self.hparams.num_workers), self.hparams.batch_size
         sampler = self.train_sampler(dataset, batch_size, repeats) if train else None
+        if train and workers < asked:  # said once a run, not for each loader
+            rank_zero_info(f"num_workers={asked} is capped at {workers}, the number of cores this process may use")
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
                           drop_last=drop_last, num_workers=workers, pin_memory=pin_memory and torch.cuda.is_available(),
-                          persistent_workers=persistent_workers and workers > 0)
+                          persistent_workers=persistent_workers and workers > 0, worker_init_fn=leave_signals_to_main)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Mix training batches on the device (when `mixup` is set): `(x, y)` -> `(x_mixed, y, y_soft)`."""
@@ -89,6 +94,14 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         return self._loader(self._split("test_set"), train=False)
 
     predict_dataloader = test_dataloader
+
+
+def leave_signals_to_main(worker_id: int) -> None:
+    """A loader worker leaves SIGINT and SIGTERM (Ctrl-C, `timeout`, SLURM signal a whole job) to the main process,
+    which ends its step, then stops the workers; it is seeded as Lightning seeds workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pl_worker_init_function(worker_id)
 
 
 def usable_workers(num_workers: int) -> int:

@@ -41,12 +41,11 @@ class CIFARCorruptedError(CIFARNotFoundError):
 
 
 class CIFARDataModule(SplitDataModule):
-    """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set (`val_size` images held out,
-    never augmented), and its test set for `test` and `predict`.
-
-    Training augmentations: `random_crop` (32x32 out of the image zero-padded by 4), then `train_transform`'s; the
-    training loader drops its last incomplete batch. `repeated_augmentation=k` shows each image k times in a row.
-    Missing files raise `CIFARNotFoundError`, unreadable or unofficial ones `CIFARCorruptedError`, before training.
+    """CIFAR-10 or CIFAR-100: a seeded train/val split of the official training set (`val_size` images held out, never
+    augmented), and its test set for `test` and `predict`. Training augmentations: `random_crop` (32x32 out of the image
+    zero-padded by 4), then `train_transform`'s; the training loader drops its last incomplete batch.
+    `repeated_augmentation=k` shows each image k times in a row. Missing files raise `CIFARNotFoundError`, unreadable or
+    unofficial ones `CIFARCorruptedError`, before training.
 
     For a pretrained model: `img_size` upsamples the images (bicubic, after the augmentations) to its resolution (a
     side, or `[H, W]`), and `normalization` uses its statistics ("imagenet" or "inception") instead of "cifar"."""

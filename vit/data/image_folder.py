@@ -48,8 +48,7 @@ class ImageFolderDataModule(SplitDataModule):
             the validation split the test split too (a score biased upward).
         normalization: the mean/std the pretrained weights expect: "imagenet", "inception" (0.5/0.5) or "none".
         random_resized_crop: `RandomResizedCrop` for training (else a resize), then `train_transform`'s
-            augmentations (ImageNet's policy for "autoaugment").
-    """
+            augmentations (ImageNet's policy for "autoaugment")."""
 
     def __init__(self, *, root: str, img_size: int | tuple[int, int] = 224, in_chans: int = 3,
                  val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0, batch_size: int = 64,
@@ -168,7 +167,6 @@ class ImageFolderDataModule(SplitDataModule):
         source = train_dir or self.root
         train_full = self._images(source, self.train_transform)
         eval_full, n = self._images(source, self.eval_transform), len(train_full)
-        # One seeded permutation: validation first, then test, then training.
         n_val = 0 if val_dir is not None else max(1, round(self.hparams.val_fraction * n))
         n_test = 0 if test_dir is not None or self.hparams.test_fraction == 0 else max(
             1, round(self.hparams.test_fraction * n))

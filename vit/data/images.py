@@ -111,9 +111,12 @@ class ImageFiles(Dataset):
 
 
 def readable_batches(files: ImageFiles, batch_size: int, num_workers: int = 0):
-    """`(indices, images or None, {index: reason})` per batch of `files`, decoded by `num_workers` processes a batch
-    ahead (`DataLoader`): memory holds a few batches, whatever the number of files."""
-    for items in DataLoader(files, batch_size=batch_size, num_workers=num_workers, collate_fn=list):
-        read = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]
-        yield [i for i, _ in read], torch.stack([x for _, x in read]) if read else None, {
-            i: x for i, x in items if isinstance(x, str)}
+    """`(indices, images or None, {index: reason})` per batch of `files`, decoded and stacked by `num_workers` processes
+    a batch ahead (`DataLoader`): memory holds a few batches, whatever the number of files."""
+    yield from DataLoader(files, batch_size=batch_size, num_workers=num_workers, collate_fn=_readable)
+
+
+def _readable(items: list[tuple[int, torch.Tensor | str]]) -> tuple[list[int], torch.Tensor | None, dict[int, str]]:
+    read = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]  # stacked in the worker: one tensor to pass
+    return [i for i, _ in read], torch.stack([x for _, x in read]) if read else None, {
+        i: x for i, x in items if isinstance(x, str)}

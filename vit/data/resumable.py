@@ -1,5 +1,4 @@
 """A shuffled training order that a checkpoint can restore in the middle of an epoch.
-
 `ResumableSampler`'s permutation is a pure function of `(seed, epoch)` and can start `k` samples into an epoch;
 `ResumableTrainingData`'s `state_dict` records the position (the same batch size, processes and seed resume exactly)."""
 

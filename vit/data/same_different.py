@@ -1,12 +1,11 @@
 """Same-different pairs: are the two shapes the same? A relation with no position shortcut.
+Each image holds two of ``NUM_SHAPES`` strokes (``make_shapes``), placed independently anywhere, boxes never touching.
+Label 1: the same pattern twice; label 0: two different ones (Kim, Ricci & Serre 2018). Each shape alone is uniform in
+both classes, so a score ``h(a) + h(b)`` of the two shapes seen separately (a CNN with global average pooling) is
+bounded by ``bag_of_shapes_ceiling`` (66.7% for 4 shapes).
 
-Each image holds two of ``NUM_SHAPES`` strokes (``make_shapes``), placed independently anywhere, boxes never
-touching. Label 1: the same pattern twice; label 0: two different ones (Kim, Ricci & Serre 2018). Each shape alone is
-uniform in both classes, so a score ``h(a) + h(b)`` of the two shapes seen separately (a CNN with global average
-pooling) is bounded by ``bag_of_shapes_ceiling`` (66.7% for 4 shapes).
-
-``span``, the side of the smallest square that holds both boxes, is ``max(|d_row|, |d_col|) + SHAPE_SIZE``.
-``region``: ``"all"`` places boxes anywhere, ``"left"`` / ``"right"`` in the left / right ``5/8`` of the columns."""
+``span``, the side of the smallest square that holds both boxes, is ``max(|d_row|, |d_col|) + SHAPE_SIZE``. ``region``:
+``"all"`` places boxes anywhere, ``"left"`` / ``"right"`` in the left / right ``5/8`` of the columns."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def column_range(region: str, width: int, size: int) -> tuple[int, int]:
 
 def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int, int], region: str = "all",
                      size: int = SHAPE_SIZE) -> np.ndarray:
-    """Top-left corners ``(n, 2, 2)`` (sample, shape, (row, col)) of two boxes that do not touch, uniform over the
-    allowed placements in an image of ``img_size`` (a side or ``(H, W)``)."""
+    """Top-left corners ``(n, 2, 2)`` (sample, shape, (row, col)) of two non-touching boxes, uniform in ``region``."""
     height, width = check_size("img_size", img_size)
     c_lo, c_hi = column_range(region, width, size)
     out, todo = np.empty((n, 2, 2), dtype=np.int64), np.arange(n)
@@ -124,8 +122,7 @@ class SameDifferentDataset(Dataset):
         return len(self.labels)
 
     def token_labels(self, patch_size: int) -> torch.Tensor:
-        """`(N, num_patches)` int64: each stroke's pattern id at the (row-major) patch that holds its centre pixel,
-        -1 elsewhere: what a probe of a ViT's tokens reads."""
+        """`(N, num_patches)` int64: each stroke's pattern id at the patch holding its centre pixel, -1 elsewhere."""
         height, width = check_size("img_size", self.img_size)
         rows, cols = height // patch_size, width // patch_size
         labels = torch.full((len(self), rows * cols), -1, dtype=torch.long)

@@ -1,5 +1,4 @@
-"""Training augmentations the data modules of photographs share (per image, and Mixup/CutMix per batch), the
-normalisation constants (`MEAN_STD`), and CIFAR's eval transform."""
+"""Training augmentations of photographs (per image; Mixup/CutMix per batch), `MEAN_STD`, CIFAR's eval transform."""
 
 from typing import Literal, get_args
 
@@ -27,8 +26,7 @@ CIFAR_MEAN_STD = {name: MEAN_STD[name] for name in get_args(DatasetName)}  # eac
 def train_transform(crop: list, to_tensor: list, *, policy: v2.AutoAugmentPolicy, horizontal_flip: bool,
                     auto_augment: AutoAugmentName, randaugment_num_ops: int, randaugment_magnitude: int,
                     random_erasing: float) -> v2.Compose:
-    """The per-image training transform: `crop`, `horizontal_flip`, `auto_augment` ("autoaugment" with `policy`),
-    `to_tensor` (the PIL image to a normalised float tensor), then `random_erasing` (a probability)."""
+    """The per-image training transform: `crop`, flip, `auto_augment` (with `policy`), `to_tensor`, `random_erasing`."""
     check_choice("auto_augment", auto_augment, AutoAugmentName)
     check_int("randaugment_num_ops", randaugment_num_ops, 0)
     check_int("randaugment_magnitude", randaugment_magnitude, 0, 30)  # one of RandAugment's 31 bins

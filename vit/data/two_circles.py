@@ -1,5 +1,4 @@
 """Two-circles images whose class is a spatial relation between two distant circles: no local patch tells the class.
-
 A centre is ``(row, col)`` in pixel units (pixel ``(i, j)`` is centred at ``(i + 0.5, j + 0.5)``); a circle of
 radius ``r`` covers the pixels closer than ``r + 0.5`` to its centre (``circle_masks``).
 
@@ -142,8 +141,7 @@ def _sample_relative(rng: np.random.Generator, labels: np.ndarray, radii: np.nda
 
 
 def circle_masks(centers: torch.Tensor, radii: torch.Tensor, img_size: int) -> torch.Tensor:
-    """Pixels ``(N, H, W)`` a circle may ink: pixel centre closer than ``r + 0.5`` to a circle centre (ring holes
-    included). ``centers`` is ``(N, K, 2)`` as ``(row, col)``, ``radii`` is ``(N,)``."""
+    """Pixels ``(N, H, W)`` that circles ``centers (N, K, 2)``, ``radii (N,)`` may ink (ring holes included)."""
     grid = torch.arange(img_size, dtype=torch.float32) + 0.5  # (H,) pixel centres
     dy, dx = (grid[None, None, :] - centers[..., i, None].float() for i in (0, 1))  # (N, K, H), (N, K, W)
     dist2 = dy[..., :, None] ** 2 + dx[..., None, :] ** 2  # (N, K, H, W)

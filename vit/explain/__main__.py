@@ -24,9 +24,8 @@ if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--hel
     import torch
     from torchvision.transforms import v2
 
-    from vit.training.classifier import ImageClassifier
-
-    Prepared = tuple[ImageClassifier, v2.Compose, list[str], int | None, L.LightningDataModule | None]
+    Prepared = tuple[tuple[torch.nn.Module, list[str]], tuple[v2.Compose, ...], list[str], int | None,
+                     L.LightningDataModule | None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--input_dir", type=Path, help="folder of images to explain (not searched recursively)")
     source.add_argument("--image", type=Path, action="append", help="an image to explain (repeat for more)")
     options.add_argument("--method", default="rollout,chefer,gradcam",
-                        help=f"comma-separated, from {list(METHODS)}, or 'all' (every method the model allows)")
+                        help=f"comma-separated, from {list(METHODS)}, or 'all' (those the model allows, not 'random')")
     options.add_argument("--target", help="class to explain (a name or an index); default: each image's prediction")
     options.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
     options.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
@@ -53,40 +52,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
-    """Check the arguments, open the checkpoint: model, input transform, methods, target, data module (no images)."""
+    """Check the arguments, open the checkpoint: model, transforms (input; colour image), methods, target, data."""
+    from vit.checks import class_index
     from vit.explain.relevance import usable_methods
     from vit.training.checkpoint import CheckpointError
-    from vit.training.checkpoint.build import build_datamodule, open_model
-    from vit.training.classifier import class_index
-    from vit.training.predictions import inference_transform
+    from vit.training.checkpoint.build import build_datamodule, inference_transform, open_model
 
     methods = parse_methods(args.method)
     if args.num_images < 1:
         raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
     check_paths(args)
-    model, checkpoint = open_model(args.ckpt_path)
-    transform = inference_transform(checkpoint.inputs)
-    methods = usable_methods(model.backbone, methods, option="--method ")
-    target = None if args.target is None else class_index(args.target, model.class_names, option="--target ")
+    model, ckpt = open_model(args.ckpt_path)
+    transforms = inference_transform(ckpt.inputs), inference_transform({**ckpt.inputs, "in_chans": 3, "mean": None})
+    usable = usable_methods(model, methods, option="--method ")
+    methods = [m for m in usable if m != "random"] if methods == ["all"] else usable
+    target = None if args.target is None else class_index(args.target, ckpt.class_names, option="--target ")
     try:  # without images, the checkpoint's own test images
-        data = build_datamodule(checkpoint) if args.input_dir is None and not args.image else None
+        data = build_datamodule(ckpt) if args.input_dir is None and not args.image else None
     except CheckpointError as err:
         raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
-    return model, transform, methods, target, data
+    return (model, ckpt.class_names), transforms, methods, target, data
 
 
 def explain(args: argparse.Namespace, prepared: Prepared) -> int:
-    """Draw the relevance maps of the images, one row per image and one column per method; 1 without an image."""
+    """Draw the relevance maps over the images in colour, one row per image, a column per method; 1 without an image."""
     import torch
 
     from vit.data.images import ImageFiles, image_files, readable_batches
     from vit.explain.plot import rollout_grid
     from vit.explain.relevance import relevance
 
-    model, transform, methods, target, data = prepared
+    (backbone, names), (transform, colour), methods, target, data = prepared
     if data is None:  # the first --num_images readable images: only those (and the unreadable before them) decoded
         paths = image_files(args.input_dir) if args.input_dir is not None else args.image
-        images, files, x, skipped = ImageFiles(paths, transform), [], [], {}
+        images, files, x, skipped = ImageFiles(paths, transform), [], [], {}  # JPEGs drafted at the model's size
+        images.transform = lambda image: torch.cat([transform(image), colour(image)])  # one decode, (C + 3, H, W)
         for indices, batch, unread in readable_batches(images, 1):
             skipped.update({images.names[i]: why for i, why in unread.items()})
             files, x = files + [images.names[i] for i in indices], x + ([] if batch is None else [batch[0]])
@@ -98,26 +98,25 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
         if len(x) + len(skipped) < len(paths):
             print(f"note: explaining the first {len(x)} readable images of {len(paths)} files (--num_images)",
                   file=sys.stderr)
-        x, labels = torch.stack(x), None
+        (x, shown), labels = torch.stack(x).tensor_split([-3], dim=1), None  # the input; RGB as decoded, unnormalised
     else:  # the checkpoint's own test images, with their labels
         data.setup("test")
         batch = [data.test_set[i] for i in range(min(args.num_images, len(data.test_set)))]
-        x, labels = torch.stack([b[0] for b in batch]), [int(b[1]) for b in batch]
-        files = [f"test image {i}" for i in range(len(batch))]
+        shown = x = torch.stack([b[0] for b in batch])  # generated: drawn as the model sees them
+        labels, files = [int(b[1]) for b in batch], [f"test image {i}" for i in range(len(batch))]
 
-    backbone, maps = model.backbone, {}
+    maps = {}
     for method in methods:
         explains_target = target is not None and method in CLASS_METHODS
-        column = f"{method}: {model.class_names[target]}" if explains_target else method
+        column = f"{method}: {names[target]}" if explains_target else method
         maps[column] = relevance(backbone, x, method, target if explains_target else None)
     with torch.no_grad():
         probs = backbone(x).softmax(-1)  # (B, num_classes)
-    figure = rollout_grid(x, maps, titles=row_titles(files, probs, model.class_names, labels, target),
-                          scale=args.scale)
-    figure.savefig(args.out, dpi=80)
+    rollout_grid(shown, maps, titles=row_titles(files, probs, names, labels, target),
+                 scale=args.scale).savefig(args.out, dpi=80)
     print(f"wrote {args.out}: {len(x)} images x {len(methods)} methods")
     if args.save_maps is not None:
-        save_maps(args.save_maps, dict(zip(methods, maps.values())), files, probs, model.class_names, target)
+        save_maps(args.save_maps, dict(zip(methods, maps.values())), files, probs, names, target)
         print(f"wrote {args.save_maps}: the maps of {list(methods)}")
     return 0
 

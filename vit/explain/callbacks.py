@@ -1,5 +1,4 @@
-"""The dashboard callbacks of interpretation: rollout overlays of fixed validation images, relevance scores, a
-W&B table of test predictions with their overlays, and a grid of the most confident test mistakes."""
+"""The dashboard callbacks of interpretation: rollout overlays, relevance scores, test predictions and mistakes."""
 
 from __future__ import annotations
 
@@ -45,11 +44,10 @@ class RolloutImages(L.Callback):
         if scale not in SCALES:
             raise ValueError(f"scale={scale!r} must be one of {list(SCALES)}")
         check_int("dpi", dpi, 1)
-        self.every_n_epochs, self.num_images, self.methods = every_n_epochs, num_images, methods
-        self.head_fusion, self.discard_ratio = head_fusion, discard_ratio
+        self.every_n_epochs, self.num_images, self.methods, self.scale = every_n_epochs, num_images, methods, scale
+        self.head_fusion, self.discard_ratio, self.tag, self.dpi = head_fusion, discard_ratio, tag, dpi
         self.class_names = list(class_names) if class_names is not None else None
         self._model_names: list[str] | None = None  # the LightningModule's, used when class_names is None
-        self.scale, self.tag, self.dpi = scale, tag, dpi
         self.images: Tensor | None = None  # (num_images, C, H, W) on the CPU, once chosen
         self.labels: Tensor | None = None  # (num_images,)
         self.logged_epochs: list[int] = []
@@ -158,9 +156,10 @@ class RelevanceScores(L.Callback):
 class _TestPredictions(L.Callback):
     """`kept`: rank 0's test predictions (`RankedPredictions` of `test_step`'s logits) when `_loggers` can show them."""
 
-    kept: RankedPredictions
-    class_names: list[str] | None
-    to_wandb: bool  # the W&B loggers, or every other one
+    def __init__(self, kept: RankedPredictions, class_names: Sequence[str] | None, *, to_wandb: bool) -> None:
+        super().__init__()
+        self.kept, self.to_wandb = kept, to_wandb  # to_wandb: the W&B loggers, or every other one
+        self.class_names = list(class_names) if class_names is not None else None
 
     def _loggers(self, trainer: L.Trainer) -> list:
         return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger) == self.to_wandb]
@@ -188,12 +187,10 @@ class TestPredictionsTable(_TestPredictions):
 
     def __init__(self, *, num_rows: int = 64, class_names: Sequence[str] | None = None,
                  tag: str = "test/predictions") -> None:
-        super().__init__()
         check_int("num_rows", num_rows, 1)
+        super().__init__(RankedPredictions(num_rows), class_names, to_wandb=True)
         self.num_rows, self.tag = num_rows, tag
-        self.class_names = list(class_names) if class_names is not None else None
         self.columns: list[str] = []  # of the last table logged
-        self.kept, self.to_wandb = RankedPredictions(num_rows), True
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loggers, kept = self._loggers(trainer), self.kept
@@ -219,17 +216,14 @@ class TestPredictionsTable(_TestPredictions):
 
 
 class TestMistakesGrid(_TestPredictions):
-    """After `test`, log a grid of the `num_images` most confident test mistakes, `columns` to a row, to the loggers
-    other than W&B (`TestPredictionsTable` shows it the same mistakes and more)."""
+    """After `test`, log a grid of the `num_images` most confident mistakes, `columns` to a row, to non-W&B loggers."""
 
     def __init__(self, *, num_images: int = 16, columns: int = 8, class_names: Sequence[str] | None = None,
                  tag: str = "test/mistakes", dpi: int = 100) -> None:
-        super().__init__()
         for name, value in (("num_images", num_images), ("columns", columns), ("dpi", dpi)):
             check_int(name, value, 1)
+        super().__init__(RankedPredictions(num_images, mistakes_only=True), class_names, to_wandb=False)
         self.columns, self.tag, self.dpi = columns, tag, dpi
-        self.class_names = list(class_names) if class_names is not None else None
-        self.kept, self.to_wandb = RankedPredictions(num_images, mistakes_only=True), False
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if len(self.kept) and trainer.is_global_zero:

@@ -1,4 +1,4 @@
-"""Relevance maps drawn over their images in grey: one overlay, and a grid of images x methods with colour bars."""
+"""Relevance maps drawn over their images in colour: one overlay, and a grid of images x methods with colour bars."""
 
 from __future__ import annotations
 
@@ -21,29 +21,29 @@ SCALES: tuple[Scale, ...] = ("panel", "row", "figure")
 PANEL_INCHES = 3.0  # each image and overlay of `rollout_grid` is this many inches square
 COLORBAR_INCHES = 0.75  # the width `rollout_grid` adds for its colour bars
 CMAP = "inferno"  # perceptually uniform and readable in grey print, unlike jet
-ALPHA = 0.6  # of the colour map over the grey image
+ALPHA = 0.6  # of the colour map over the image
 
 
 def overlay(image: Tensor, patch_map: Tensor, alpha: float = ALPHA) -> np.ndarray:
-    """Blend a patch map `(gh, gw)`, upsampled bilinearly and coloured from its min to its max, over an image
-    `(C, H, W)` in grey (so its colours do not mix with the map's); returns `(H, W, 3)` floats in [0, 1]."""
+    """`(H, W, 3)` floats in [0, 1]: a patch map `(gh, gw)`, upsampled bilinearly and coloured from its min to its max,
+    over `display_image(image)`: pytorch-grad-cam's `show_cam_on_image` (image_weight=1 - alpha), less its `/ max`."""
     import matplotlib
     from matplotlib.colors import Normalize
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    grey = display_image(image).mean(-1, keepdims=True)  # (H, W, 1)
-    heat = _upsample(patch_map, grey.shape[:2]).numpy()  # (H, W)
+    rgb = display_image(image)  # (H, W, 3)
+    heat = _upsample(patch_map, rgb.shape[:2]).numpy()  # (H, W)
     norm = Normalize(*_limits([torch.as_tensor(patch_map)]), clip=True)
     colours = matplotlib.colormaps[CMAP](norm(heat))[..., :3]  # (H, W, 3), drop alpha
-    return ((1.0 - alpha) * grey + alpha * colours).astype("float32")
+    return ((1.0 - alpha) * rgb + alpha * colours).astype("float32")
 
 
 def rollout_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None,
                  scale: Scale = "row") -> Figure:
-    """A `matplotlib.figure.Figure` (not pyplot's: safe in a callback), one row per image `(B, C, H, W)`: the image,
-    titled by `titles`, then each of `maps` (column name -> `(B, gh, gw)`) over it in grey, and colour bars. `scale`:
-    the maps of a `"row"` or the whole `"figure"` share one colour scale; `"panel"` stretches each map alone."""
+    """A `matplotlib.figure.Figure` (not pyplot's: safe in a callback), one row per image `(B, C, H, W)`: the image
+    (`display_image`), titled by `titles`, then each of `maps` (column name -> `(B, gh, gw)`) over it, and colour bars.
+    `scale`: a `"row"`'s maps or the whole `"figure"`'s share one colour scale; `"panel"` stretches each map alone."""
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
@@ -78,7 +78,7 @@ def rollout_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[st
         if titles is not None or row == 0:
             axes[row, 0].set_title("image" if titles is None else titles[row], fontsize="small")
         for col, (name, patch_map, norm) in enumerate(zip(maps, rows[row], norms[row]), start=1):
-            axes[row, col].imshow(rgb.mean(-1), cmap="gray", vmin=0.0, vmax=1.0)
+            axes[row, col].imshow(rgb)
             axes[row, col].imshow(_upsample(patch_map, (H, W)).numpy(), cmap=CMAP, norm=norm, alpha=ALPHA)
             if row == 0:
                 axes[row, col].set_title(name, fontsize="small")
@@ -113,9 +113,9 @@ def _limits(maps: Sequence[Tensor], from_zero: bool = False) -> tuple[float, flo
 
 
 def display_image(image: Tensor) -> np.ndarray:
-    """`(C, H, W)` with C in {1, 3} -> `(H, W, 3)` floats in [0, 1], min-max over the image (one range for all
-    channels keeps the colour balance of normalised inputs roughly intact)."""
+    """`(C, H, W)`, C 1 or 3 -> `(H, W, 3)` floats: as it is in [0, 1] (decoded), else min-max over all channels."""
     if image.ndim != 3 or image.shape[0] not in (1, 3):
         raise ValueError(f"image must have shape (C, H, W) with C 1 or 3, got {tuple(image.shape)}")
-    image = minmax(image.detach().cpu().float()[None])[0]  # one range for the whole image
+    image = image.detach().cpu().float()  # one range for all channels keeps a normalised image's colour balance
+    image = image if 0 <= image.min() and image.max() <= 1 else minmax(image[None])[0]
     return image.expand(3, -1, -1).permute(1, 2, 0).numpy()  # (H, W, 3)

@@ -40,9 +40,8 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
               head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0, start_layer: int = 0,
               seed: int = 0) -> Tensor:
     """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1.
-
-    `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and "grad_rollout", `target`
-    to `CLASS_METHODS`, `seed` to "random"; given to another method (but `seed`), they are refused."""
+    `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and "grad_rollout", `target` to
+    `CLASS_METHODS`, `seed` to "random"; given to another method (but `seed`), they are refused."""
     _check_method(model, method, target=target, head_fusion=head_fusion, discard_ratio=discard_ratio,
                   start_layer=start_layer)
     if method == "random":  # on the patch grid, else (a CNN) on Grad-CAM's
@@ -164,7 +163,6 @@ def gradcam_layer(model: nn.Module):
     """The layer Grad-CAM reads, and the function turning its output into `(B, K, gh, gw)` maps."""
     if hasattr(model, "blocks") and hasattr(model, "patch_embed"):
         (gh, gw), prefix = model.patch_embed.grid_size, model.num_prefix_tokens
-        # (B, N, D) -> (B, D, gh, gw), prefix tokens dropped
         return model.blocks[-1].norm1, lambda t: t[:, prefix:].transpose(1, 2).reshape(t.shape[0], -1, gh, gw)
     stages = getattr(model, "stages", None) or getattr(getattr(model, "resnet", None), "stages", None)
     if stages is None:
@@ -200,8 +198,7 @@ def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None,
 
 
 def _target_score(logits: Tensor, target: Tensor | int | None) -> Tensor:
-    """The sum over the batch of each sample's target logit (default: its prediction): the sum's gradient gives
-    each (independent) sample its own."""
+    """The batch's sum of each sample's target logit (default: its prediction): its gradient is each sample's own."""
     target = logits.argmax(dim=-1) if target is None else target
     target = torch.as_tensor(target, device=logits.device).long().expand(logits.shape[0])  # (B,)
     return logits.gather(1, target[:, None]).sum()

@@ -1,9 +1,7 @@
 """Attention rollout and its relatives, as functions of tensors: which input tokens an output reads.
-
-Nothing here runs a model: from one softmax map `(B, H, N, N)` per block (and the gradients w.r.t. each), the
-chains make one token-to-token map `R` `(B, N, N)`, and `rollout_to_patch_map` reads the row(s) the pooling uses.
-References: Abnar & Zuidema, ACL 2020 (rollout); Chefer, Gur & Wolf, ICCV 2021 (gradient-weighted maps).
-"""
+Nothing here runs a model: from one softmax map `(B, H, N, N)` per block (and the gradients w.r.t. each), the chains
+make one token-to-token map `R` `(B, N, N)`, and `rollout_to_patch_map` reads the row(s) the pooling uses. References:
+Abnar & Zuidema, ACL 2020 (rollout); Chefer, Gur & Wolf, ICCV 2021 (gradient-weighted maps)."""
 
 from __future__ import annotations
 

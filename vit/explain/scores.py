@@ -1,8 +1,7 @@
 """Scores for relevance maps: do they point at the ground truth, and do they say what the model uses?
-
 Localisation, against masks: the pointing game (Zhang et al. 2016), relevance mass, average precision. Faithfulness:
-deletion and insertion curves (Petsiuk et al. 2018). Sanity (Adebayo et al. 2018): `rank_correlation` of maps before
-and after the weights are randomised."""
+deletion and insertion curves (Petsiuk et al. 2018). Sanity (Adebayo et al. 2018): `rank_correlation` of maps before and
+after the weights are randomised."""
 
 from __future__ import annotations
 

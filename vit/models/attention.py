@@ -1,6 +1,5 @@
-"""Multi-head attention as the general mechanism `softmax(f(Q, K) + M) V`.
-
-`f` is a score function (`vit.models.scores`), `M` an additive mask (`vit.models.masks`)."""
+"""Multi-head attention as the general mechanism `softmax(f(Q, K) + M) V`: `f` a score function (`vit.models.scores`),
+`M` an additive mask (`vit.models.masks`)."""
 
 from __future__ import annotations
 
@@ -19,10 +18,9 @@ FUSED_SCORE_MODULES = (DotScore, GeneralScore)
 
 class Attention(nn.Module):
     """Multi-head self- or cross-attention with a selectable score function and masks (`vit.models.masks`).
-
     `attn(x)`: self-attention over `x (B, M, dim)`; `attn(x, context)`: keys and values from `context (B, N, kdim)`;
-    `attn(x, context, value=v)`: values from `v (B, N, vdim)`. With `kdim = vdim = dim` the input projections are
-    one `qkv` layer (timm's layout), else separate `q`, `k`, `v` layers to the width `attn_dim` (default `dim`)."""
+    `attn(x, context, value=v)`: values from `v (B, N, vdim)`. With `kdim = vdim = dim` the input projections are one
+    `qkv` layer (timm's layout), else separate `q`, `k`, `v` layers to the width `attn_dim` (default `dim`)."""
 
     def __init__(self, dim: int, *, num_heads: int = 8, kdim: int | None = None, vdim: int | None = None,
                  attn_dim: int | None = None, out_dim: int | None = None, qkv_bias: bool = True, qk_norm: bool = False,
@@ -88,8 +86,7 @@ class Attention(nn.Module):
 def attend_or_record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: nn.Module,
                      recorder: list[torch.Tensor] | None, bias: torch.Tensor | None = None, *,
                      dropout_p: float = 0.0) -> torch.Tensor:
-    """`softmax(f(q, k) + M) v` `(B, H, M, d)`, fused where the score allows it; explicitly while `recorder` is a
-    list (`vit.models.record_attention`), the weights `(B, H, M, N)` appended to it."""
+    """`softmax(f(q, k) + M) v` `(B, H, M, d)`, fused where possible; explicit while `recorder` collects the weights."""
     if recorder is None and isinstance(score, FUSED_SCORE_MODULES):
         return attend_fused(q, k, v, score, bias, dropout_p=dropout_p)
     out, weights = attend(q, k, v, score, bias, dropout_p=dropout_p)
@@ -114,8 +111,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: nn.Module, 
 
 def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: nn.Module, bias: torch.Tensor | None = None,
                  *, dropout_p: float = 0.0) -> torch.Tensor:
-    """`attend` through `F.scaled_dot_product_attention`, for the dot-product scores (`general` too:
-    `q^T W k = (W^T q) . k`); the weights are never materialised."""
+    """`attend` through `F.scaled_dot_product_attention`, weights never materialised (`general`: `(W^T q) . k`)."""
     if isinstance(score, GeneralScore):
         q, scale = q @ score.weight, 1.0
     elif isinstance(score, DotScore):
@@ -137,8 +133,7 @@ def check_heads(dim: int, num_heads: int) -> None:
 
 
 def _clear_empty_rows(bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """`(bias, empty)`: `empty (..., M, 1)` True for the queries whose every key is masked (-inf), their rows of
-    `bias` set to 0 so that the softmax gives no NaN; `(None, None)` without a bias."""
+    """`(bias, empty)`: `empty (..., M, 1)` marks queries whose every key is -inf; their `bias` rows are 0 (no NaN)."""
     if bias is None:
         return None, None
     empty = ~(bias > float("-inf")).any(dim=-1, keepdim=True)

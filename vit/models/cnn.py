@@ -41,8 +41,7 @@ def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> 
 
 
 class ConvNet(nn.Module):
-    """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers (``widths`` and ``strides`` per layer,
-    ``kernel_size`` odd), global pooling, a head; see the module doc."""
+    """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global pooling, a head (module doc)."""
 
     def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 3, num_classes: int = 10,
                  widths: tuple[int, ...] = (32, 32, 32), strides: tuple[int, ...] | None = None, kernel_size: int = 3,

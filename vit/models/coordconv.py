@@ -1,5 +1,4 @@
 """CoordConv baseline (Liu et al. 2018): the ResNet, fed two extra channels that hold each pixel's row and column.
-
 The control for a CNN that fails a relation between distant parts: the local view, plus the absolute position."""
 
 from __future__ import annotations

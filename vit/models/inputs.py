@@ -7,8 +7,7 @@ import torch
 
 def check_image_batch(x: torch.Tensor, *, in_chans: int, img_size: tuple[int, int],
                       dtype: torch.dtype | None = None) -> None:
-    """Raise a ValueError naming what was expected and what came when `x` does not fit the model; `dtype` (the
-    weights') is not required under autocast, which casts the inputs (Lightning's `bf16-mixed`)."""
+    """`ValueError` naming what was expected and what came unless `x` fits the model (`dtype` not under autocast)."""
     H, W = img_size
     if x.ndim != 4 or x.shape[1] != in_chans or x.shape[2:] != (H, W):
         raise ValueError(f"expected input of shape (B, {in_chans}, {H}, {W}), got {tuple(x.shape)}")

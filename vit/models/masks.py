@@ -1,5 +1,4 @@
 """Attention masks, combined into one additive bias `M`: 0 where a query may look, -inf where not.
-
 As `F.scaled_dot_product_attention`: a boolean mask is True where attention is allowed; a float mask is added to the
 scores. Shapes broadcast to `(B, H, M, N)`. An integer mask is refused: read as a bias, 0/1 would block nothing."""
 
@@ -19,8 +18,8 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = N
 
 def local_mask(grid_size: tuple[int, int], radius: int, num_prefix: int = 0,
                device: torch.device | None = None) -> torch.Tensor:
-    """`(N, N)` bool, `N = num_prefix + gh * gw`: patch tokens attend to the patches within `radius` grid steps
-    (Chebyshev distance); prefix tokens attend to every token and every token to them."""
+    """`(N, N)` bool, `N = num_prefix + gh * gw`: patches see patches within `radius` (Chebyshev); prefix tokens see
+    and are seen by every token."""
     gh, gw = grid_size
     rows = torch.arange(gh, device=device).repeat_interleave(gw)  # (gh * gw,)
     cols = torch.arange(gw, device=device).repeat(gh)
@@ -83,8 +82,7 @@ def attention_bias(*, batch: int, heads: int, num_queries: int, num_keys: int, m
 
 @contextlib.contextmanager
 def mask_attention(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
-    """While open, every block of a `VisionTransformer` applies `mask` (bool or additive, broadcast to each layer's
-    `(B, H, N, N)`) as its `attn_mask`: e.g. forbid one object's tokens to attend to another's, and see what is lost."""
+    """While open, every block of a `VisionTransformer` applies `mask` (bool or additive) as its `attn_mask`."""
     check_mask(mask)
     if getattr(model, "attn_mask", None) is not None:
         raise RuntimeError("the model already applies a mask (attn_mask); combine the two into one mask")

@@ -1,5 +1,4 @@
 """The builder of a pretrained `VisionTransformer`: `create_vit(source, ...)`, and `load_pretrained(model, source)`.
-
 The weights (`vit.models.weights`) are fitted to the config with timm's utilities, as `timm.create_model(...,
 pretrained=True)` does: position table, patch kernel and first convolution resampled or adapted; a head with another
 `num_classes` stays fresh. The size left unset is read from the source (`resolve_shape`)."""
@@ -162,8 +161,7 @@ def _prefix_hint(num_positions: int, state: dict[str, torch.Tensor], model: nn.M
 
 def create_vit(pretrained: str | os.PathLike, *, embed_dim: int | None = None, depth: int | None = None,
                num_heads: int | None = None, **kwargs) -> nn.Module:
-    """A `VisionTransformer` with the weights named by `pretrained`, as timm's `create_model(name, pretrained=True,
-    **kwargs)`: the size left unset is the source's (`resolve_shape`), the weights adapted to the config."""
+    """timm's `create_model(pretrained=True)` for this ViT: the weights `pretrained` names, unset sizes from them."""
     shape = resolve_shape(pretrained, embed_dim=embed_dim, depth=depth, num_heads=num_heads)
     model = VisionTransformer(**shape, **kwargs)
     load_pretrained(model, pretrained)

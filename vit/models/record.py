@@ -15,8 +15,7 @@ from torch import nn
 
 @contextlib.contextmanager
 def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Yield a list that fills with the attention weights of every attention layer in `model` it calls; nested
-    recording of one model is refused, and a model without attention layers (a CNN) records nothing."""
+    """Yield a list that fills with the weights of every attention layer `model` calls (none for a CNN)."""
     layers = [m for m in model.modules() if hasattr(m, "recorder")]
     if any(layer.recorder is not None for layer in layers):
         raise RuntimeError("record_attention is already recording this model; nested recording is not supported")

@@ -1,5 +1,4 @@
-"""Attention score functions `f(q, k)`, as modules holding their weights (the additive forms also as functions):
-per-head queries `q (B, H, M, d)` and keys `k (B, H, N, d)` -> the scores `(B, H, M, N)`."""
+"""Attention score functions `f(q, k)`: queries `(B, H, M, d)` and keys `(B, H, N, d)` -> scores `(B, H, M, N)`."""
 
 from __future__ import annotations
 

@@ -50,7 +50,6 @@ class Block(nn.Module):
 
 class VisionTransformer(nn.Module):
     """A plain ViT whose parameter names match `timm.models.VisionTransformer`; built from numbers alone.
-
     For the same configuration (scaled-dot scores, learned positions, `pool` "cls", "mean" or "map" for timm's
     `global_pool` "token", "avg" or "map"), a timm ViT's state dict loads strictly and gives the same logits;
     pretrained weights come through `vit.models.pretrained.create_vit`. Tokens: `[CLS] [registers] [patches]`.
@@ -70,8 +69,7 @@ class VisionTransformer(nn.Module):
         qk_init_std: the init std of the query and key projections (`init_weights`).
         patch_kernel: a patch window wider than the patch: overlapping patches (`PatchEmbed`).
 
-    `attn_mask`, None here, is a fixed mask every block applies (`vit.models.masks`); a subclass may set it.
-    """
+    `attn_mask`, None here, is a fixed mask every block applies (`vit.models.masks`); a subclass may set it."""
 
     def __init__(self, *, img_size: int | tuple[int, int] = 32, patch_size: int = 4, in_chans: int = 3,
                  num_classes: int = 10, embed_dim: int | None = None, depth: int | None = None,
@@ -114,7 +112,6 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                                           qk_norm=qk_norm, attn_score=attn_score, score_dim=score_dim, drop_path=p)
                                     for p in dpr)
-        # As in timm: one final LayerNorm, before the pooling (`norm`) or after it (`fc_norm`).
         self.norm = nn.Identity() if self.use_fc_norm else nn.LayerNorm(embed_dim, eps=1e-6)
         if pool == "map":
             self.attn_pool = MAPHead(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score,

@@ -1,7 +1,5 @@
 """Pretrained weights as a state dict, from a local file, a Hugging Face Hub id or a timm model name: `load_state_dict`.
-
-A `.safetensors` file, or a `torch.save` file read with `weights_only=True`, checked whole (complete, tensors, finite).
-"""
+A `.safetensors` file, or a `torch.save` file read with `weights_only=True`, checked whole: complete, finite tensors."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ class PretrainedError(ValueError):
 
 
 def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The state dict named by `source` (see `source_kind`), checked to hold finite values only; a timm model name or
-    hub id is downloaded by timm into its cache."""
+    """The state dict named by `source` (`source_kind`; timm downloads names and hub ids), checked to be finite."""
     kind = source_kind(source)
     if kind == "file":
         try:

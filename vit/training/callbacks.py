@@ -1,10 +1,11 @@
-"""Callbacks the command line always adds: exact random state across a resume, and a stop on a non-finite loss."""
+"""Callbacks of the command line: exact resumes, a stop on a signal or a non-finite loss, progress lines in a log."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import time
 from typing import Any
 
 import lightning as L
@@ -13,6 +14,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit.checks import check_int
+from vit.training.checkpoint.trainer_state import rng_states
 
 
 class NonFiniteError(FloatingPointError):
@@ -33,8 +35,7 @@ class StopOnSignal(L.Callback):
     """On SIGTERM or SIGINT (SLURM, `timeout`, Ctrl-C), finish the step, write `last.ckpt` and raise `Preempted`; a
     second Ctrl-C interrupts at once, a SIGTERM during validation stops there (`last.ckpt`: the last finished step)."""
 
-    def __init__(self) -> None:
-        self._sigint, self._previous_handler = False, None
+    _sigint, _previous_handler = False, None  # a Ctrl-C was received; the SIGINT handler to restore
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sigint = False
@@ -62,8 +63,7 @@ class StopOnSignal(L.Callback):
             return signal.SIGTERM
         return signal.SIGINT if self._sigint else None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if (signum := self.received(trainer)) is not None:
             self._restore_handler()
             raise Preempted(signum, trainer.global_step, save_last_checkpoint(trainer))
@@ -84,15 +84,14 @@ def save_last_checkpoint(trainer: L.Trainer) -> str | None:
             cb.last_model_path = path  # part of the saved state, as ModelCheckpoint does before saving
     else:
         path = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints", "last.ckpt")
-    trainer.save_checkpoint(path)
+    trainer.save_checkpoint(path, weights_only=False)
     return path
 
 
 class RestoreRNGState(L.Callback):
     """Save the random-number states (torch, CUDA, numpy, Python) in every checkpoint; restore them as `fit` resumes."""
 
-    def __init__(self) -> None:
-        self._to_restore: dict | None = None
+    _to_restore: dict | None = None  # the checkpoint's states, restored as training starts
 
     def state_dict(self) -> dict[str, Any]:
         return rng_states()
@@ -127,8 +126,7 @@ class StopOnNonFinite(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self._step = trainer.global_step  # the optimizer step this batch's loss feeds
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         loss = outputs.get("mean_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
         self._pending.append((loss.detach(), self._step, trainer.current_epoch, batch_idx))
         if len(self._pending) >= self.check_every_n_steps:
@@ -172,13 +170,25 @@ def check_finite_weights(state_dict: dict[str, torch.Tensor], step: int) -> None
                              "written, so the last one on disk is still a good one")
 
 
-def rng_states() -> dict:
-    """The global random-number states, as tensors and plain values (loadable with `weights_only=True`)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {"torch": torch.get_rng_state(),
-              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-              "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()  # the current device's
-    return states
+class PlainProgress(L.Callback):
+    """Progress for a log file, where a bar would write carriage returns: a line every `every_n_seconds` and at each
+    epoch's end (`Epoch 1: 8/8 batches, step 16, 41.20 it/s, train/loss_step=0.6931, ...`; it/s: training only)."""
+
+    def __init__(self, every_n_seconds: float = 30.0) -> None:
+        self.every_n_seconds = every_n_seconds
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = self._last_batch = self._last_line = time.monotonic()
+        self._batches = self._done = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self._batches, self._done, self._last_batch = self._batches + 1, batch_idx + 1, time.monotonic()
+        if self._last_batch - self._last_line >= self.every_n_seconds:
+            self.on_train_epoch_end(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_line, rate = time.monotonic(), self._batches / max(self._last_batch - self._start, 1e-9)
+        if trainer.is_global_zero:
+            metrics = "".join(f", {k}={v:.4g}" for k, v in trainer.progress_bar_metrics.items())
+            print(f"Epoch {trainer.current_epoch}: {self._done}/{trainer.num_training_batches} batches, step "
+                  f"{trainer.global_step}, {rate:.2f} it/s{metrics}", flush=True)

@@ -18,8 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibratio
 
 from vit.checks import check_float, check_int
 from vit.models.pretrained import load_pretrained
-
-SCHEMA_VERSION = 2  # of the checkpoints this class writes: `vit.training.checkpoint.schema` reads this version
+from vit.training.checkpoint.values import SCHEMA_VERSION
 
 
 def format_test_results(metrics: dict[str, float], where: str = "") -> str:
@@ -61,18 +60,6 @@ def check_class_names(names: object, num_classes: int, source: str) -> list[str]
         raise ValueError(f"{source}: expected {num_classes} distinct class names (the model's num_classes), "
                          f"got {len(names)}: {list(names)[:10]}")
     return list(names)
-
-
-def class_index(target: str | int, class_names: list[str], option: str = "target=") -> int:
-    """The index of a class given by name, or by index (an int, or digits when no class has that name);
-    `ValueError` naming `{option}{target!r}` and listing the names otherwise."""
-    if isinstance(target, str) and target in class_names:
-        return class_names.index(target)
-    index = int(target) if isinstance(target, str) and target.isdigit() else target
-    if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(class_names):
-        return index
-    raise ValueError(f"{option}{target!r} is not a class of this model: expected one of {class_names} "
-                     f"or an index in [0, {len(class_names) - 1}]")
 
 
 def freeze(backbone: nn.Module, trainable: str | int) -> None:
@@ -121,8 +108,7 @@ class ImageClassifier(L.LightningModule):
 
     `class_names` (`["0", "1", ...]` until known) comes from the data module and travels in every checkpoint
     beside `"inputs"` (the data module's `inputs()`), so a checkpoint opens for inference alone. A batch is
-    `(x, y)`, or `(x, y, y_soft)` with Mixup/CutMix: the loss then uses the soft targets, the accuracy `y`.
-    """
+    `(x, y)`, or `(x, y, y_soft)` with Mixup/CutMix: the loss then uses the soft targets, the accuracy `y`."""
 
     def __init__(self, backbone: nn.Module, *, pretrained: str | None = None, lr: float = 1e-3,
                  weight_decay: float = 0.05, betas: tuple[float, float] = (0.9, 0.999), warmup_epochs: float = 1.0,
@@ -197,7 +183,6 @@ class ImageClassifier(L.LightningModule):
         # train/loss is logged already averaged over processes: Lightning's sync_dist advice does not apply.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
                                 category=PossibleUserWarning)
-        # Warn when the moving average's horizon, ~1 / (1 - ema_decay) optimizer steps, is longer than the run.
         decay, steps = self.hparams.get("ema_decay"), self.trainer.estimated_stepping_batches
         if decay is None or self.trainer.fast_dev_run or steps == float("inf"):
             return

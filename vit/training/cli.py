@@ -13,7 +13,7 @@ from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
@@ -22,8 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from vit.checks import check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
-from vit.training import preflight
-from vit.training.callbacks import NonFiniteError, Preempted, RestoreRNGState, StopOnNonFinite, StopOnSignal
+from vit.training import callbacks, preflight
 from vit.training.checkpoint import Checkpoint, CheckpointError, read
 from vit.training.checkpoint.build import build_classifier
 from vit.training.checkpoint.io import AtomicCheckpointIO
@@ -144,7 +143,7 @@ class ViTCLI(LightningCLI):
             raise ConfigError(constructor_message(str(err))) from err
         if self._checkpoint is not None:
             # The checkpoint's model, built from checked values; config.yaml records it as the run's model.
-            self.model = build_classifier(self._checkpoint, inference=False)
+            self.model = build_classifier(self._checkpoint)
             self._add_configure_optimizers_method_to_model(self.subcommand)
             preflight.check_data_fits(self._checkpoint, self.datamodule)
             preflight.record_model(self.config[self.subcommand], self._checkpoint)
@@ -156,6 +155,8 @@ class ViTCLI(LightningCLI):
         if self._checkpoint is not None and not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
             raise ConfigError(f"--ckpt_path needs this project's checkpoint reader; the configured checkpoint_io "
                               f"{type(trainer.strategy.checkpoint_io).__name__} would read the file itself")
+        if type(trainer.progress_bar_callback) is TQDMProgressBar and not sys.stdout.isatty():  # a log file: lines
+            trainer.callbacks[trainer.callbacks.index(trainer.progress_bar_callback)] = callbacks.PlainProgress()
         if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())  # `train.py predict` writes a CSV in the run folder
         if trainer.fast_dev_run:
@@ -212,16 +213,15 @@ def main(args=None) -> ViTCLI:
     command = (list(sys.argv) if args is None
                else ["train.py", *map(str, args)] if isinstance(args, (list, tuple)) else None)
     try:
-        # Always present: exact resumes, a stop on a diverged loss or a signal, the HParams table.
-        callbacks = [RestoreRNGState(), StopOnNonFinite(), StopOnSignal(), HParamsTable()]
+        always = [callbacks.RestoreRNGState(), callbacks.StopOnNonFinite(), callbacks.StopOnSignal(), HParamsTable()]
         return ViTCLI(ImageClassifier, L.LightningDataModule, subclass_mode_data=True, save_config_callback=RunConfig,
                       save_config_kwargs={"overwrite": False, "command": command},
-                      trainer_defaults={"callbacks": callbacks}, args=args)
+                      trainer_defaults={"callbacks": always}, args=args)
     except (ConfigError, CheckpointError, RunDirectoryError) as err:
         _exit(f"error: {err}", code=2)
-    except (NonFiniteError, DataNotFoundError) as err:
+    except (callbacks.NonFiniteError, DataNotFoundError) as err:
         _exit(f"error: {err}", code=1)
-    except Preempted as err:
+    except callbacks.Preempted as err:
         _exit(str(err), code=128 + err.signum)
     except SIGTERMException:
         _exit("stopped by SIGTERM during validation: last.ckpt holds the last finished training step. Resume with "

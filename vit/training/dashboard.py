@@ -1,5 +1,4 @@
-"""Filling the dashboard: figures to arrays, one image to every logger, the confusion matrix, the HParams table,
-and the test predictions a predictions view shows (the most confident mistakes first)."""
+"""Filling the dashboard: images to every logger, the confusion matrix, the tables of runs, ranked test predictions."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
@@ -21,24 +21,20 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vit.checks import check_int
 from vit.training.predictions import free_path
+from vit.training.run_dir import RunConfig
 
 
 class ConfusionMatrix(L.Callback):
     """When training ends, log the confusion matrix (rows true classes) of `fit`'s last validation pass, from the
-    logits `validation_step` returns.
-
-    Args:
-        class_names: axis labels; by default the model's `class_names`, else the class indices.
-        test_tag: the name of W&B's own confusion matrix of the test set, logged at the end of `test`.
-    """
+    logits `validation_step` returns. `class_names`: the axis labels (by default the model's, else the indices);
+    `test_tag`: the name of W&B's own confusion matrix of the test set, logged at the end of `test`."""
 
     def __init__(self, *, class_names: Sequence[str] | None = None, tag: str = "val/confusion_matrix",
                  test_tag: str = "test/confusion_matrix", dpi: int = 100) -> None:
         super().__init__()
         check_int("dpi", dpi, 1)
         self.class_names = list(class_names) if class_names is not None else None
-        self.tag, self.test_tag, self.dpi = tag, test_tag, dpi
-        self._test_true, self._test_predicted = [], []
+        self.tag, self.test_tag, self.dpi, self._test_true, self._test_predicted = tag, test_tag, dpi, [], []
         self.matrix: Tensor | None = None  # (num_classes, num_classes)
         self._counts: MulticlassConfusionMatrix | None = None
         self._epoch = self._step = 0
@@ -105,11 +101,8 @@ class ConfusionMatrix(L.Callback):
 
 
 class HParamsTable(L.Callback):
-    """Fill TensorBoard's HParams tab: one row per run, its settings (at the start) beside its final metrics.
-
-    Args:
-        metrics: the logged metrics to copy into the table, each as `hp/<name with / as _>`.
-    """
+    """Fill the tables of runs: TensorBoard's HParams tab, one row per run, its settings (at the start) beside its
+    final metrics (`metrics`, each as `hp/<name with / as _>`); W&B's summary and files (`describe_wandb_run`)."""
 
     def __init__(self, *, metrics: Sequence[str] = ("val/acc", "val/loss", "test/acc", "test/loss")) -> None:
         super().__init__()
@@ -119,7 +112,6 @@ class HParamsTable(L.Callback):
         if self._started:  # a `test` after `fit` is the same run
             return
         self._started = True
-        # The run's settings: model, data (without LightningCLI's `_class_path`...), seed, trainer.
         datamodule, seed = trainer.datamodule, os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything
         hparams = {**pl_module.hparams_initial, **(datamodule.hparams_initial if datamodule is not None else {})}
         settings = {**{name: value for name, value in hparams.items() if not name.startswith("_")},
@@ -128,6 +120,8 @@ class HParamsTable(L.Callback):
         for logger in _loggers(trainer, TensorBoardLogger):
             logger.log_metrics({hp_tag(name): math.nan for name in self.metrics}, step=trainer.global_step)
             write_session_start(logger, settings, step=trainer.global_step)
+        for logger in _loggers(trainer, WandbLogger) if trainer.is_global_zero else []:
+            describe_wandb_run(logger.experiment, trainer)
 
     on_test_start = on_fit_start
 
@@ -141,9 +135,8 @@ class HParamsTable(L.Callback):
     def _log(self, trainer: L.Trainer, prefix: str) -> None:
         values = {hp_tag(name): float(trainer.callback_metrics[name]) for name in self.metrics
                   if name.startswith(prefix) and name in trainer.callback_metrics}
-        if values:
-            for logger in _loggers(trainer, TensorBoardLogger):
-                logger.log_metrics(values, step=trainer.global_step)
+        for logger in _loggers(trainer, TensorBoardLogger) if values else []:
+            logger.log_metrics(values, step=trainer.global_step)
 
 
 class RankedPredictions:
@@ -194,8 +187,20 @@ def write_session_start(logger: TensorBoardLogger, settings: dict[str, Any], ste
     from torch.utils.tensorboard.summary import hparams
 
     params = logger._sanitize_params(_flatten_dict(_convert_params(settings)))  # as log_hyperparams flattens
-    _, session_start, _ = hparams(params, {})
-    logger.experiment._get_file_writer().add_summary(session_start, step)
+    logger.experiment._get_file_writer().add_summary(hparams(params, {})[1], step)  # [1]: the session start
+
+
+def describe_wandb_run(run, trainer: L.Trainer) -> None:
+    """W&B's summary of `val/loss` and of each metric a checkpoint or early stop monitors: its best value (by the
+    callback's `mode`), not its last. The run's files: the `config.yaml` and `run_info.json` `RunConfig` wrote."""
+    monitored = [c for c in trainer.callbacks if isinstance(c, (ModelCheckpoint, EarlyStopping)) and c.monitor]
+    for name, mode in {"val/loss": "min", **{c.monitor: c.mode for c in monitored}}.items():
+        # An exact name's definition replaces the "*" one of Lightning's WandbLogger, so its x-axis is repeated.
+        run.define_metric(name, step_metric="trainer/global_step", step_sync=True, summary=mode)
+    for config in (c for c in trainer.callbacks if isinstance(c, RunConfig) and c._run_dir is not None):
+        stem, ext = os.path.splitext(config.config_filename)
+        for name in (f"{stem}{config._suffix}{ext}", f"run_info{config._suffix}.json"):
+            run.save(str(config._run_dir / name), base_path=str(config._run_dir), policy="now")
 
 
 def hp_tag(metric: str) -> str:
@@ -217,9 +222,8 @@ def figure_to_array(figure, dpi: int = 100) -> np.ndarray:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     figure.set_dpi(dpi)
-    canvas = FigureCanvasAgg(figure)
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    FigureCanvasAgg(figure).draw()  # the canvas becomes figure.canvas
+    return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 
 
 _unsupported_warned: set[str] = set()

@@ -20,10 +20,8 @@ def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
     import wandb
 
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
-    if mode in _LOCAL_MODES:
-        return False, f"WANDB_MODE={mode}"
-    if mode == "online":
-        return True, "WANDB_MODE=online"
+    if mode in (*_LOCAL_MODES, "online"):
+        return mode == "online", f"WANDB_MODE={mode}"
     # prompt=False only looks for stored credentials; verify=False keeps this off the network.
     if not wandb.login(prompt=False, verify=False):
         return False, "no W&B API key found (set WANDB_API_KEY or run `wandb login`)"
@@ -38,18 +36,14 @@ def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
 
 
 class WandbLogger(_LightningWandbLogger):
-    """Lightning's `WandbLogger`, online when it can be and offline (written to disk) when not.
-
-    With `offline=None` (the default) `wandb_online` decides at construction: an offline run goes to
-    `save_dir/wandb/offline-run-*`, and the `wandb sync DIR` that uploads it is printed when the run starts.
+    """Lightning's `WandbLogger`, online when it can be and offline when not (`offline=None`: `wandb_online` decides);
+    an offline run goes to `save_dir/wandb/offline-run-*` and prints the `wandb sync DIR` that uploads it.
 
     Args:
-        name: the run's display name (W&B picks one when None).
         save_dir: where W&B writes its `wandb/` folder; checkpoints and `config.yaml` go to `save_dir/project/run_id/`.
         entity, group, tags, notes, job_type: passed to `wandb.init`, as are any other keyword arguments.
         log_model: the checkpoints as W&B artifacts: True, those ModelCheckpoint keeps, when fit ends; "all", each
-            as it is saved; False, none (offline too: `wandb sync` uploads them).
-    """
+            as it is saved; False, none (offline too: `wandb sync` uploads them)."""
 
     def __init__(self, *, project: str = "vit", name: str | None = None, save_dir: str = "runs",
                  offline: bool | None = None, entity: str | None = None, group: str | None = None,
@@ -65,9 +59,8 @@ class WandbLogger(_LightningWandbLogger):
             offline = not online
         else:
             self.mode_reason = f"offline={offline} was asked for"
-        if offline and "mode" not in kwargs:
-            # To wandb.init directly: Lightning's `offline` would set WANDB_MODE for every later run of the process.
-            kwargs["mode"] = "offline"
+        # To wandb.init directly: Lightning's `offline` would set WANDB_MODE for every later run of the process.
+        kwargs.setdefault("mode", "offline" if offline else None)
         # Absolute: W&B's service process resolves a relative folder against its own working directory.
         super().__init__(name=name, save_dir=os.path.abspath(save_dir), project=project, log_model=log_model,
                          prefix=prefix, **kwargs)

@@ -16,39 +16,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
-from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
-from torchvision.transforms import v2
 
-from vit.checks import check_int
+from vit.checks import check_int, check_topk
 from vit.data.files import text_name
-from vit.data.images import build_transform
-from vit.training.checkpoint.values import CheckpointError
 from vit.training.classifier import index_names
-
-
-def inference_transform(inputs: dict) -> v2.Compose:
-    """The transform of `Checkpoint.inputs` (what a checkpoint records of its input): PIL image -> the model's input."""
-    normalization = None if inputs["mean"] is None else (inputs["mean"], inputs["std"])
-    try:
-        return build_transform(inputs["img_size"], inputs["in_chans"], normalization, inputs["interpolation"])
-    except ValueError as err:
-        raise CheckpointError(f"the checkpoint's inputs cannot be used: {err}") from err
-
-
-@torch.no_grad()
-def class_probabilities(model: nn.Module, images: Tensor, batch_size: int = 256) -> Tensor:
-    """Class probabilities `(N, num_classes)` on the CPU of `images` `(N, C, H, W)`, `batch_size` at a time on the
-    model's device."""
-    device = next(model.parameters(), torch.empty(0)).device
-    return torch.cat([model(batch.to(device)).float().softmax(dim=-1).cpu() for batch in images.split(batch_size)])
-
-
-def check_topk(topk: int, num_classes: int, option: str = "--topk ") -> None:
-    """Raise `ValueError` unless `topk` is an int in [1, num_classes]; the message names it `{option}{topk}`."""
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_classes:
-        raise ValueError(f"{option}{topk} is not allowed: expected an int in [1, {num_classes}] "
-                         f"(the model has {num_classes} classes)")
 
 
 def prediction_table(files: list[str], probs: torch.Tensor, class_names: list[str], topk: int = 1

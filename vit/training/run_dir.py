@@ -25,10 +25,9 @@ class RunDirectoryError(ValueError):
 
 class RunConfig(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback` that also writes `run_info.json`, and never reuses a run's folder.
-
-    A run folder that already holds a run is refused; `fit` resuming inside its own folder adds
-    `config_resume1.yaml` / `run_info_resume1.json` (then 2, ...). Loggers without a run folder (W&B) get the
-    whole config, and the files go beside the run's checkpoints. `command`: the CLI's arguments (`sys.argv`)."""
+    A run folder that already holds a run is refused; `fit` resuming inside its own folder adds `config_resume1.yaml` /
+    `run_info_resume1.json` (then 2, ...). Loggers without a run folder (W&B) get the whole config, and the files go
+    beside the run's checkpoints. `command`: the CLI's arguments (`sys.argv`)."""
 
     def __init__(self, *args, command: list[str] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 
 from vit.training.checkpoint.fetch import fetch, load_archive, redact_url
-from vit.training.checkpoint.schema import SCHEMA_VERSION, Checkpoint, validate
-from vit.training.checkpoint.values import CheckpointError
+from vit.training.checkpoint.schema import Checkpoint, validate
+from vit.training.checkpoint.values import SCHEMA_VERSION, CheckpointError
 
 __all__ = ["SCHEMA_VERSION", "Checkpoint", "CheckpointError", "read"]
 
 
-def read(path_or_url: str | os.PathLike) -> Checkpoint:
-    """The validated `Checkpoint` at a path or URL, or `CheckpointError` naming what is wrong."""
+def read(path_or_url: str | os.PathLike, training: bool = True) -> Checkpoint:
+    """The validated `Checkpoint` at a path or URL, or `CheckpointError` naming what is wrong (`validate`)."""
     source = redact_url(os.fspath(path_or_url))
-    return validate(load_archive(fetch(path_or_url), source), source)
+    return validate(load_archive(fetch(path_or_url), source), source, training)

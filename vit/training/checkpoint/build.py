@@ -1,23 +1,36 @@
-"""What a validated checkpoint builds: this project's model, and for generated data its data module. Only allowlisted
-classes are called, with checked values; nothing is fetched, and no folder the checkpoint names is read."""
+"""What a validated checkpoint builds: this project's model, its input transform, and for generated data its data
+module. Only allowlisted classes are called, with checked values; nothing is fetched, no folder it names is read."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import lightning as L
-from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
 from torch import nn
+from torchvision.transforms import v2
 
 from vit.checks import first_line
-from vit.data.base import SyntheticDataModule
+from vit.data.images import build_transform
 from vit.training.checkpoint.schema import LIGHTNING_INSTANTIATOR, Checkpoint
 from vit.training.checkpoint.values import CheckpointError, construct
-from vit.training.classifier import ImageClassifier
+
+if TYPE_CHECKING:  # imported where used: reading a checkpoint for inference imports no Lightning
+    import lightning as L
+
+    from vit.training.classifier import ImageClassifier
 
 MAX_TEST_SET_BYTES = 2**29  # a generated test split built from a checkpoint, as float32 pixels
+
+
+def inference_transform(inputs: dict) -> v2.Compose:
+    """The transform of `Checkpoint.inputs` (what a checkpoint records of its input): PIL image -> the model's input."""
+    normalization = None if inputs["mean"] is None else (inputs["mean"], inputs["std"])
+    try:
+        return build_transform(inputs["img_size"], inputs["in_chans"], normalization, inputs["interpolation"])
+    except ValueError as err:
+        raise CheckpointError(f"the checkpoint's inputs cannot be used: {err}") from err
 
 
 def build_backbone(checkpoint: Checkpoint) -> nn.Module:
@@ -27,29 +40,33 @@ def build_backbone(checkpoint: Checkpoint) -> nn.Module:
                      "cannot be built here")
 
 
-def build_classifier(checkpoint: Checkpoint, *, inference: bool = True) -> ImageClassifier:
-    """The checkpoint's `ImageClassifier`: with `inference`, trained, in eval mode on the CPU, `compile` off; else
-    untrained, for `train.py` to restore."""
-    settings = {**checkpoint.settings, "pretrained": None}  # the checkpoint's weights replace them: nothing fetched
-    if inference:
-        settings.pop("compile", None)
-        settings.pop("ema_decay", None)  # the average is the model
+def trained_backbone(checkpoint: Checkpoint) -> nn.Module:
+    """The checkpoint's backbone with the weights a command runs (`inference_state`), in eval mode on the CPU."""
     backbone = build_backbone(checkpoint)
+    state = inference_state(checkpoint.raw["state_dict"])
+    backbone.load_state_dict({key.removeprefix("backbone."): value for key, value in state.items()})
+    return backbone.eval()
+
+
+def build_classifier(checkpoint: Checkpoint) -> ImageClassifier:
+    """The checkpoint's `ImageClassifier`, untrained, for `train.py` to restore (`trained_backbone` for inference)."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
+
+    from vit.training.classifier import ImageClassifier
+
+    if not checkpoint.training:
+        raise ValueError("build_classifier needs a checkpoint read with training=True")
+    settings = {**checkpoint.settings, "pretrained": None}  # the checkpoint's weights replace them: nothing fetched
     hparams = {"backbone": {"class_path": checkpoint.raw["hyper_parameters"]["backbone"]["class_path"],
                             "init_args": dict(checkpoint.backbone_args)}, **settings}
     try:
         with _given_hyperparameters_context(hparams=hparams, instantiator=LIGHTNING_INSTANTIATOR):
-            model = ImageClassifier(backbone, **settings)
+            model = ImageClassifier(build_backbone(checkpoint), **settings)
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"checkpoint {checkpoint.source}: its model settings cannot be used: "
                               f"{first_line(err)}") from None
     model.class_names = list(checkpoint.class_names)
-    if not inference:
-        return model
-    missing, unexpected = model.load_state_dict(inference_state(checkpoint.raw["state_dict"]), strict=False)
-    if missing or unexpected:  # validate compared the names already: this is a bug, not a bad file
-        raise RuntimeError(f"{checkpoint.source}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model.eval()
+    return model
 
 
 def inference_state(state_dict: Mapping) -> dict:
@@ -65,6 +82,8 @@ def inference_state(state_dict: Mapping) -> dict:
 
 def build_datamodule(checkpoint: Checkpoint) -> L.LightningDataModule:
     """The checkpoint's data module, for its test images: only generated data (a checkpoint chooses no folder)."""
+    from vit.data.base import SyntheticDataModule
+
     cls = checkpoint.data_class
     if cls is None:
         raise CheckpointError(f"checkpoint {checkpoint.source} does not record its data module")
@@ -81,9 +100,9 @@ def build_datamodule(checkpoint: Checkpoint) -> L.LightningDataModule:
                      "cannot be built here")
 
 
-def open_model(path_or_url: str | os.PathLike) -> tuple[ImageClassifier, Checkpoint]:
-    """`(model, checkpoint)` of a path or URL: validated whole (`read`), then the trained model in eval mode."""
+def open_model(path_or_url: str | os.PathLike, training: bool = True) -> tuple[nn.Module, Checkpoint]:
+    """`(backbone, checkpoint)` of a path or URL: validated whole (`read`), then the trained backbone in eval mode."""
     from vit.training.checkpoint import read
 
-    checkpoint = read(path_or_url)
-    return build_classifier(checkpoint), checkpoint
+    checkpoint = read(path_or_url, training)
+    return trained_backbone(checkpoint), checkpoint

@@ -87,8 +87,7 @@ def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
 
 
 def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | None:
-    """The newest `last.ckpt` (or `last-vN.ckpt`) in `folder/<runs>/checkpoints/`, or None: `folder` is a logger's
-    `save_dir/name`, `runs` a glob pattern of its runs' folders or one run's name."""
+    """The newest `last.ckpt` / `last-vN.ckpt` in `folder/<runs>/checkpoints/` (`runs`: a glob or a run), or None."""
     pattern = f"{runs if runs == '*' else glob.escape(runs)}/checkpoints/last*.ckpt"
     candidates = [p for p in Path(folder).glob(pattern) if LAST_CHECKPOINT.fullmatch(p.name)]
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)

@@ -1,9 +1,7 @@
 """What `fit --ckpt_path` may restore of a run: the trainer state, checked against this run before it starts.
-
-`check_resume` returns the dict Lightning restores from, each part compared with what this run would write: loop
-counters; one AdamW state of this model's groups; the schedule; `ModelCheckpoint`'s paths only as files inside this
-run's checkpoint folder (dropped in a new folder); the data position; the gradient scaler. Other callbacks are left out.
-"""
+`check_resume` returns the dict Lightning restores from, each part compared with what this run writes: loop counters;
+one AdamW state of this model's groups; the schedule; `ModelCheckpoint`'s paths only as files inside this run's
+checkpoint folder (dropped in a new folder); the data position; the gradient scaler. Other callbacks are left out."""
 
 from __future__ import annotations
 
@@ -101,8 +99,7 @@ def _optimizer(states: list, model) -> None:
 def _schedulers(states: list, model) -> None:
     if len(states) != 1:
         raise CheckpointError(f"lr_schedulers holds {len(states)} schedule state(s); this model has one")
-    references = [warmup_cosine_schedule(model.optimizer(), warmup_steps=w, total_steps=4).state_dict()
-                  for w in (2, 0)]
+    references = [warmup_cosine_schedule(model.optimizer(), warmup_steps=w, total_steps=4).state_dict() for w in (2, 0)]
     errors = []
     for reference in references:  # with a warmup (SequentialLR), or without (the cosine alone)
         try:

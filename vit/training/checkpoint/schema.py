@@ -3,11 +3,14 @@
 `validate(raw, source)` gives a `Checkpoint` or one `CheckpointError` naming the key. Schema 2 holds `state_dict`
 (finite tensors of exactly the recorded architecture's names and shapes), `hyper_parameters` (an allowed backbone),
 `datamodule_hyper_parameters`, `inputs`, `class_names`, Lightning's bookkeeping and the trainer state: all plain data
-of bounded size, every argument in its class's signature, of its annotation's type, sizes within `LIMITS`.
+of bounded size, every argument in its class's signature, of its annotation's type, sizes within `LIMITS`. With
+`training=False` (inference: only the backbone is built) the classifier's and data module's arguments are checked for
+their size but not against their classes, which import Lightning; the doors that build either read with `training`.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import typing
@@ -15,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning as L
 import torch
 from packaging.version import InvalidVersion, Version
 from torch import nn
@@ -24,8 +26,8 @@ import vit.data
 import vit.models
 from vit.checks import check_size, describe, matches
 from vit.training.checkpoint.trainer_state import check_trainer_state
+from vit.training.checkpoint.values import SCHEMA_VERSION as SCHEMA_VERSION
 from vit.training.checkpoint.values import CheckpointError, construct, is_int, is_number, not_allowed, shown, walk
-from vit.training.classifier import SCHEMA_VERSION, ImageClassifier
 
 # What LightningCLI writes beside every argument it instantiated; opening a checkpoint never calls it.
 LIGHTNING_INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
@@ -53,7 +55,15 @@ def _public_classes(package, base: type) -> dict[str, type]:
 
 
 BACKBONES = _public_classes(vit.models, nn.Module)
-DATA_MODULES = _public_classes(vit.data, L.LightningDataModule)
+# {class path: class, or its module}: vit.data's data modules by name, imported (Lightning with them) by `data_module`.
+DATA_MODULES: dict[str, type | str] = {path: module for name, module in vit.data.MODULES.items() if
+                                       name.endswith("DataModule") for path in (f"vit.data.{name}", f"{module}.{name}")}
+
+
+def data_module(class_path: str) -> type:
+    """The data module class a checkpoint names by `class_path` (one of `DATA_MODULES`)."""
+    found = DATA_MODULES[class_path]
+    return found if isinstance(found, type) else getattr(importlib.import_module(found), class_path.rsplit(".")[-1])
 
 
 @dataclass(frozen=True)
@@ -65,21 +75,22 @@ class Checkpoint:
     backbone_class: type[nn.Module]
     backbone_args: dict
     settings: dict  # ImageClassifier's arguments other than the backbone
-    data_class: type[L.LightningDataModule] | None
+    data_class: type | None  # None also when not read for `training`
     data_args: dict
     inputs: dict
     class_names: list[str]
+    training: bool = True  # whether `settings` and `data_args` were checked against their classes
 
 
-def validate(raw: Any, source: str) -> Checkpoint:
+def validate(raw: Any, source: str, training: bool = True) -> Checkpoint:
     """The `Checkpoint` of `raw` (what `torch.load` read from `source`), or `CheckpointError` naming the first key."""
     try:
-        return _validate(raw, source)
+        return _validate(raw, source, training)
     except CheckpointError as err:
         raise CheckpointError(f"checkpoint {source}: {err}") from None
 
 
-def _validate(raw: Any, source: str) -> Checkpoint:
+def _validate(raw: Any, source: str, training: bool) -> Checkpoint:
     if not isinstance(raw, dict):
         raise CheckpointError(f"it holds a {type(raw).__name__}, not the mapping a Lightning checkpoint is")
     for _ in walk(raw, "", tensors=True):  # plain data of bounded size and depth, everywhere
@@ -93,12 +104,11 @@ def _validate(raw: Any, source: str) -> Checkpoint:
         raise CheckpointError(f"schema_version={shown(version)} is not allowed: this version of readable-vit reads "
                               f"checkpoints of schema {SCHEMA_VERSION} (its weights load in Python with "
                               "`model.load_state_dict(...)`)")
-    backbone_class, backbone_args, settings = _model(raw["hyper_parameters"])
-    data_class, data_args = _data(raw.get("datamodule_hyper_parameters"))
+    backbone_class, backbone_args, settings = _model(raw["hyper_parameters"], training)
+    data_path, data_args = _data(raw.get("datamodule_hyper_parameters"), training)
+    data_key = data_path and data_path.rsplit(".")[-1]  # Lightning's key for the data module's own state
     known = {*BOOKKEEPING, *TRAINER_KEYS, "state_dict", "hyper_parameters", "datamodule_hyper_parameters",
-             "inputs", "class_names"}
-    if data_class is not None:
-        known.add(data_class.__qualname__)  # Lightning's key for the data module's own state
+             "inputs", "class_names", data_key}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise CheckpointError(f"it has a key {shown(unknown[0])} that this project does not write; refused")
@@ -112,10 +122,10 @@ def _validate(raw: Any, source: str) -> Checkpoint:
     num_classes = _architecture(raw["state_dict"], backbone_class, backbone_args, settings)
     inputs = _inputs(raw["inputs"], backbone_args)
     class_names = _class_names(raw["class_names"], num_classes)
-    check_trainer_state(raw, data_class)
+    check_trainer_state(raw, data_key)
     return Checkpoint(source=source, raw=raw, backbone_class=backbone_class, backbone_args=backbone_args,
-                      settings=settings, data_class=data_class, data_args=data_args, inputs=inputs,
-                      class_names=class_names)
+                      settings=settings, data_class=data_module(data_path) if data_path and training else None,
+                      data_args=data_args, inputs=inputs, class_names=class_names, training=training)
 
 
 def _lightning_version(value: Any) -> None:
@@ -133,7 +143,7 @@ def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]
     """`cls`'s constructor parameters and annotations, with its base's where its `**kwargs` go (as jsonargparse)."""
     parameters, hints = {}, {}
     for klass in cls.__mro__:
-        if "__init__" not in vars(klass) or klass in (nn.Module, L.LightningDataModule, object):
+        if "__init__" not in vars(klass) or klass is object or klass.__module__.startswith(("torch.", "lightning.")):
             continue
         own = inspect.signature(klass.__init__).parameters
         parameters = {**{k: p for k, p in own.items() if k != "self"}, **parameters}
@@ -155,22 +165,25 @@ def allow_backbone(cls: type[nn.Module]) -> None:
     _allow(BACKBONES, cls, nn.Module, "an nn.Module")
 
 
-def allow_datamodule(cls: type[L.LightningDataModule]) -> None:
+def allow_datamodule(cls: type) -> None:
     """`allow_backbone` for a data module a study defines."""
+    import lightning as L
+
     _allow(DATA_MODULES, cls, L.LightningDataModule, "a LightningDataModule")
 
 
-def _arguments(cls: type, given: Mapping, key: str, skip: tuple[str, ...] = ()) -> dict:
-    """`given` checked against `cls.__init__`: names that exist, values of the annotated type, sizes within `LIMITS`."""
-    parameters, hints = _signature(cls)
+def _arguments(cls: type | None, given: Mapping, key: str, skip: tuple[str, ...] = ()) -> dict:
+    """`given` checked against `cls.__init__` (unless `cls` is None): names that exist, values of the annotated type;
+    sizes within `LIMITS`."""
+    parameters, hints = _signature(cls) if cls is not None else ({}, {})
     args = {}
     for name, value in given.items():
         if name in skip:
             continue
-        if name not in parameters or parameters[name].kind in (inspect.Parameter.VAR_KEYWORD,
-                                                                inspect.Parameter.VAR_POSITIONAL):
+        if cls is not None and (name not in parameters or parameters[name].kind in (
+                inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)):
             raise CheckpointError(f"{key}.{name}: {cls.__name__} has no argument {name!r}; refused")
-        if not matches(value, hints.get(name, Any)):
+        if cls is not None and not matches(value, hints.get(name, Any)):
             raise not_allowed(f"{key}.{name}", value, describe(hints.get(name, Any)))
         limit = LIMITS.get(name)
         sizes = value if isinstance(value, (list, tuple)) else [value]
@@ -191,7 +204,7 @@ def _section(hparams: Any, key: str) -> Mapping:
     return hparams
 
 
-def _model(hparams: Any) -> tuple[type[nn.Module], dict, dict]:
+def _model(hparams: Any, training: bool) -> tuple[type[nn.Module], dict, dict]:
     hparams = _section(hparams, "hyper_parameters")
     if hparams.get("_class_path", CLASSIFIER_PATHS[0]) not in CLASSIFIER_PATHS:
         raise CheckpointError(f"hyper_parameters._class_path={shown(hparams['_class_path'])} is not allowed: the "
@@ -204,21 +217,24 @@ def _model(hparams: Any) -> tuple[type[nn.Module], dict, dict]:
     if not isinstance(init_args, Mapping):
         raise not_allowed("hyper_parameters.backbone.init_args", init_args, "a mapping")
     backbone_args = _arguments(cls, init_args, "hyper_parameters.backbone.init_args")
-    settings = _arguments(ImageClassifier, hparams, "hyper_parameters",
+    if training:
+        from vit.training.classifier import ImageClassifier
+    settings = _arguments(ImageClassifier if training else None, hparams, "hyper_parameters",
                           skip=("backbone", "_instantiator", "_class_path"))
     return cls, backbone_args, settings
 
 
-def _data(hparams: Any) -> tuple[type[L.LightningDataModule] | None, dict]:
+def _data(hparams: Any, training: bool) -> tuple[str | None, dict]:
     if hparams is None:
         return None, {}
     hparams = _section(hparams, "datamodule_hyper_parameters")
-    cls = _owned(hparams.get("_class_path"), DATA_MODULES, "datamodule_hyper_parameters._class_path",
-                 "data modules")
-    return cls, _arguments(cls, hparams, "datamodule_hyper_parameters", skip=("_class_path", "_instantiator"))
+    path = hparams.get("_class_path")
+    _owned(path, DATA_MODULES, "datamodule_hyper_parameters._class_path", "data modules")
+    return path, _arguments(data_module(path) if training else None, hparams, "datamodule_hyper_parameters",
+                            skip=("_class_path", "_instantiator"))
 
 
-def _owned(class_path: Any, allowed: dict[str, type], key: str, what: str) -> type:
+def _owned(class_path: Any, allowed: dict, key: str, what: str) -> type | str:
     if not isinstance(class_path, str) or class_path not in allowed:
         names = sorted({p for p in allowed if p.count(".") == 2})  # the short public paths
         raise CheckpointError(f"{key}={shown(class_path)} is not allowed: a checkpoint may name only the {what} of "

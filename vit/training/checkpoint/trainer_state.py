@@ -3,18 +3,19 @@ checked for type and size by every door; `vit.training.checkpoint.resume` checks
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
-from vit.training.callbacks import rng_states
 from vit.training.checkpoint.values import CheckpointError, is_int, not_allowed, same_structure, shown, walk
 
 CHECKPOINT_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")  # ModelCheckpoint's state
 
 
-def check_trainer_state(raw: Mapping, data_class: type | None) -> None:
+def check_trainer_state(raw: Mapping, data_key: str | None) -> None:
     """The trainer state's outer types; its values are checked against the run by `resume.check_resume`."""
     for key, kind in (("loops", Mapping), ("callbacks", Mapping), ("optimizer_states", list),
                       ("lr_schedulers", list), ("MixedPrecision", Mapping)):
@@ -33,8 +34,7 @@ def check_trainer_state(raw: Mapping, data_class: type | None) -> None:
         check = (_model_checkpoint if key.startswith("ModelCheckpoint{") else _early_stopping
                  if key.startswith("EarlyStopping{") else _rng)
         check(state, f"callbacks.{key}")
-    key = data_class.__qualname__ if data_class is not None else None
-    if key in raw:
+    if (key := data_key) in raw:  # the data module's own state, under its class name
         state = raw[key]
         if not isinstance(state, Mapping) or set(state) - {"train_position", "world_size"}:
             raise not_allowed(key, state, "train_position and world_size")
@@ -131,3 +131,13 @@ def _rng(state: Any, key: str) -> None:
         raise CheckpointError(f"{key}.cuda is not a CUDA generator state")
 
 
+def rng_states() -> dict:
+    """The global random-number states, as tensors and plain values (loadable with `weights_only=True`)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {"torch": torch.get_rng_state(),
+              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+              "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # the current device's
+    return states

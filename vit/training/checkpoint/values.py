@@ -10,6 +10,7 @@ import torch
 
 from vit.checks import PLAIN, constructor_message, first_line
 
+SCHEMA_VERSION = 2  # of the checkpoints ImageClassifier writes and `schema.validate` reads
 MAX_DEPTH = 24  # a Lightning checkpoint nests 8 deep; an optimizer state of nested groups a few more
 MAX_STRING = 4096  # PATH_MAX: the longest value a checkpoint has reason to hold is a path
 MAX_ITEMS = 10_000_000  # values in the whole checkpoint: a ViT-H optimizer state holds ~2,000
@@ -115,9 +116,9 @@ def same_structure(value: Any, reference: Any, key: str) -> None:
     elif isinstance(reference, bool):
         if not isinstance(value, bool):
             raise not_allowed(key, value, "true or false")
-    elif isinstance(reference, int):
-        if not is_int(value):
-            raise not_allowed(key, value, "an int >= 0")
+    elif isinstance(reference, int):  # -1 where the reference has it: a schedule not yet stepped (`last_epoch`)
+        if not is_int(value, min(reference, 0)):
+            raise not_allowed(key, value, f"an int >= {min(reference, 0)}")
     elif isinstance(reference, float):
         if not is_number(value, 0):
             raise not_allowed(key, value, "a finite number >= 0")
