@@ -84,7 +84,7 @@ def save_last_checkpoint(trainer: L.Trainer) -> str | None:
             cb.last_model_path = path  # part of the saved state, as ModelCheckpoint does before saving
     else:
         path = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints", "last.ckpt")
-    trainer.save_checkpoint(path, weights_only=False)
+    trainer.save_checkpoint(path, False)  # the whole training state (not weights only), as ModelCheckpoint saves
     return path
 
 
