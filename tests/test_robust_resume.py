@@ -45,6 +45,20 @@ def final_weights(run_dir: Path) -> dict:
     return checkpoint["state_dict"]
 
 
+def pause_at_step_13(marker: Path) -> list[str]:
+    """The test aid that holds training after its 13th step (step 12's checkpoint on disk), touching `marker`."""
+    return ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
+            f"--trainer.callbacks.marker={marker}"]
+
+
+def wait_until_paused(process: subprocess.Popen, marker: Path) -> None:
+    deadline = time.monotonic() + 150
+    while not marker.exists():
+        assert process.poll() is None, f"training ended before step 13:\n{''.join(filter(None, process.communicate()))}"
+        assert time.monotonic() < deadline, "training did not reach step 13 in time"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(stop, tmp_path, reference, monkeypatch,
@@ -56,16 +70,11 @@ def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(st
     # The test aid holds the process after its 13th step (the 5th batch of epoch 1), where the last
     # step checkpoint is that of step 12; the signal itself is a real one from here. A SIGKILL loses
     # step 13; SIGTERM and SIGINT let it finish and write last.ckpt at step 13.
-    pause = ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
-             f"--trainer.callbacks.marker={marker}"]
-    process = subprocess.Popen(train_command("fit", "--config", str(config), *record, *pause), cwd=tmp_path,
-                               env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(train_command("fit", "--config", str(config), *record, *pause_at_step_13(marker)),
+                               cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
-        deadline = time.monotonic() + 150
-        while not marker.exists():
-            assert process.poll() is None, f"training ended before step 13:\n{process.stdout.read()}"
-            assert time.monotonic() < deadline, "training did not reach step 13 in time"
-            time.sleep(0.1)
+        wait_until_paused(process, marker)
         [run_dir] = run_dirs(tmp_path)
         checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
         assert checkpoint["global_step"] == 12
@@ -219,17 +228,12 @@ def test_a_signal_to_the_whole_process_group_with_loader_workers_stops_in_one_li
     # pause is past the warmup (8 steps), like the test above's.
     config = tiny_config(tmp_path, num_workers=2)
     marker = tmp_path / "paused"
-    pause = ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
-             f"--trainer.callbacks.marker={marker}"]
-    process = subprocess.Popen(train_command("fit", "--config", str(config), "--test_after_fit", "false", *pause),
+    process = subprocess.Popen(train_command("fit", "--config", str(config), "--test_after_fit", "false",
+                                             *pause_at_step_13(marker)),
                                cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)  # its own process group, as a job's
     try:
-        deadline = time.monotonic() + 150
-        while not marker.exists():
-            assert process.poll() is None, f"training ended before step 13:\n{process.communicate()[1]}"
-            assert time.monotonic() < deadline, "training did not reach step 13 in time"
-            time.sleep(0.1)
+        wait_until_paused(process, marker)
         [run_dir] = run_dirs(tmp_path)
         assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12
         os.killpg(process.pid, stop)

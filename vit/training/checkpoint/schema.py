@@ -26,7 +26,7 @@ import vit.data
 import vit.models
 from vit.checks import check_size, describe, matches
 from vit.training.checkpoint.trainer_state import check_trainer_state
-from vit.training.checkpoint.values import SCHEMA_VERSION as SCHEMA_VERSION
+from vit.training.checkpoint.values import SCHEMA_VERSION as VERSION
 from vit.training.checkpoint.values import CheckpointError, construct, is_int, is_number, not_allowed, shown, walk
 
 # What LightningCLI writes beside every argument it instantiated; opening a checkpoint never calls it.
@@ -100,9 +100,9 @@ def _validate(raw: Any, source: str, training: bool) -> Checkpoint:
             raise CheckpointError(f"it has no {key!r}: it was not written by train.py of this version "
                                   "(a plain state dict loads in Python with `model.load_state_dict(...)`)")
     version = raw.get("schema_version")
-    if type(version) is not int or version != SCHEMA_VERSION:
+    if type(version) is not int or version != VERSION:
         raise CheckpointError(f"schema_version={shown(version)} is not allowed: this version of readable-vit reads "
-                              f"checkpoints of schema {SCHEMA_VERSION} (its weights load in Python with "
+                              f"checkpoints of schema {VERSION} (its weights load in Python with "
                               "`model.load_state_dict(...)`)")
     backbone_class, backbone_args, settings = _model(raw["hyper_parameters"], training)
     data_path, data_args = _data(raw.get("datamodule_hyper_parameters"), training)
