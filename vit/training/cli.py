@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
@@ -27,6 +28,7 @@ from vit.training.checkpoint import Checkpoint, CheckpointError, read
 from vit.training.checkpoint.build import build_classifier
 from vit.training.checkpoint.io import AtomicCheckpointIO
 from vit.training.checkpoint.resume import check_resume
+from vit.training.checkpoint.trainer_state import without_checkpoint_paths
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.dashboard import HParamsTable
 from vit.training.predictions import PredictionWriter, check_topk
@@ -126,6 +128,7 @@ class ViTCLI(LightningCLI):
         if is_local_file(config.get("ckpt_path")) and "://" not in str(config.ckpt_path):
             config.ckpt_path = os.path.expanduser(str(config.ckpt_path))
         preflight.resolve_resume(subcommand, config)
+        preflight.resolve_hpc(subcommand, config)
         if is_local_file(config.get("ckpt_path")):
             self._checkpoint = checkpoint = read(config.ckpt_path)
             for line in preflight.check_given_config(subcommand, config, checkpoint.raw, ImageClassifier,
@@ -150,11 +153,15 @@ class ViTCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own plugin alone
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        if self._checkpoint is not None and not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
-            raise ConfigError(f"--ckpt_path needs this project's checkpoint reader; the configured checkpoint_io "
-                              f"{type(trainer.strategy.checkpoint_io).__name__} would read the file itself")
+        if not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
+            # Lightning reads checkpoints it finds itself (SLURM's requeue, `last` of an on-exception checkpoint):
+            # another plugin would unpickle them without this project's checks.
+            raise ConfigError(f"trainer.plugins: the checkpoint_io {type(trainer.strategy.checkpoint_io).__name__} "
+                              "would read checkpoints without this project's checks; train.py reads and writes them "
+                              "with vit.training.checkpoint.io.AtomicCheckpointIO (or a subclass)")
+        trainer.strategy.checkpoint_io.admit = self._admit
         if type(trainer.progress_bar_callback) is TQDMProgressBar and not sys.stdout.isatty():  # a log file: lines
             trainer.callbacks[trainer.callbacks.index(trainer.progress_bar_callback)] = callbacks.PlainProgress()
         if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
@@ -163,6 +170,14 @@ class ViTCLI(LightningCLI):
             # A smoke test has no logger, so checkpoints would land in the current folder: none are kept.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
         return trainer
+
+    def _admit(self, checkpoint: Checkpoint) -> dict:
+        """What Lightning may restore from a checkpoint it found by itself (module doc of `checkpoint.io`), validated
+        by the reader: weights of this run's model, and for `fit` the trainer state `check_resume` accepts."""
+        preflight.check_same_model(checkpoint, self.trainer.lightning_module)
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            return check_resume(checkpoint, self.trainer, self.trainer.lightning_module, self.datamodule)
+        return without_checkpoint_paths(checkpoint.raw)  # outside `fit` Lightning restores no callback; keep it so
 
     def _check_before_running(self) -> None:
         """The pre-flight: everything that can be checked before a run folder exists (a failure is exit 2)."""

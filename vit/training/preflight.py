@@ -7,21 +7,25 @@ differs is checked. The backbone must match for every subcommand; the model's an
 from __future__ import annotations
 
 import inspect
+import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from vit.checks import check_float, check_int, check_size
 from vit.training.checkpoint import Checkpoint, CheckpointError
 from vit.training.checkpoint.io import find_last_checkpoint, remove_partial_writes
-from vit.training.checkpoint.schema import BACKBONES
+from vit.training.checkpoint.schema import BACKBONES, DATA_MODULES, data_module
 from vit.training.run_dir import version_dir
 
 # Data settings that say where and how fast the data are read, not which data: free to change on resume.
+HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt")  # what Lightning's SLURM connector saves on SIGUSR1
 NOT_THE_RUN = frozenset({"data_dir", "root", "download", "num_workers", "pin_memory", "persistent_workers"})
 
 
@@ -40,6 +44,31 @@ def as_config_error(check, *args, hint: str = "", **kwargs) -> None:
 def is_local_file(ckpt_path) -> bool:
     """False for None and for the names Lightning resolves itself ("best", "last", "hpc")."""
     return ckpt_path is not None and str(ckpt_path) not in ("best", "last", "hpc")
+
+
+def resolve_hpc(subcommand: str, config) -> None:
+    """Turn `--ckpt_path hpc`, and SLURM's requeue (no `--ckpt_path`, or `last` with no last.ckpt, under SLURM),
+    into the newest `hpc_ckpt_N.ckpt` of `trainer.default_root_dir`, as Lightning would: the file then passes the
+    checks of any other `--ckpt_path`. `best` names a checkpoint of a `fit` in the same process: refused here."""
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path == "best":
+        raise ConfigError(f"--ckpt_path best is the best checkpoint of a fit in the same process, and {subcommand} "
+                          "starts a new one: pass the checkpoint's file (runs/<name>/version_N/checkpoints/...)")
+    folder = Path(config.get("trainer", {}).get("default_root_dir") or os.getcwd())
+    if ckpt_path == "hpc" or (ckpt_path is None and SLURMEnvironment.detect()):
+        found = hpc_checkpoint(folder)
+        if found is None and ckpt_path == "hpc":
+            raise ConfigError(f"--ckpt_path hpc: there is no hpc_ckpt_N.ckpt in {folder} (trainer.default_root_dir, "
+                              "where Lightning saves SLURM's requeue checkpoints)")
+        if found is not None:
+            rank_zero_info(f"Restoring SLURM's requeue checkpoint {found}")
+            config.ckpt_path = str(found)
+
+
+def hpc_checkpoint(folder: Path) -> Path | None:
+    """The `hpc_ckpt_N.ckpt` of largest N in `folder` (Lightning's requeue checkpoint), or None."""
+    numbered = [(int(m.group(1)), p) for p in folder.glob("hpc_ckpt_*.ckpt") if (m := HPC_CHECKPOINT.fullmatch(p.name))]
+    return max(numbered, default=(None, None))[1]
 
 
 def resolve_resume(subcommand: str, config) -> None:
@@ -108,6 +137,13 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
     (errors if subcommand == "fit" else warnings).extend(model)
     if subcommand == "fit":
         ours_data = _plain(config.get("data")) or {}
+        their_class = (checkpoint.get("datamodule_hyper_parameters") or {}).get("_class_path")
+        our_class = ours_data.get("class_path") if isinstance(ours_data, dict) else None
+        known = {their_class, our_class} <= DATA_MODULES.keys()
+        if their_class is not None and our_class is not None and not (
+                their_class == our_class or (known and data_module(their_class) is data_module(our_class))):
+            # Its data position (the images it has seen) is the position in another data set.
+            errors.append(f"data.class_path: {their_class} in the checkpoint vs {our_class} given")
         ours_data = ours_data.get("init_args", ours_data) if isinstance(ours_data, dict) else {}
         errors += _differences("data.", checkpoint.get("datamodule_hyper_parameters") or {}, ours_data,
                                skip=NOT_THE_RUN)
@@ -144,6 +180,19 @@ def check_data_fits(checkpoint: Checkpoint, datamodule) -> None:
         if ours != theirs:
             raise ConfigError(f"checkpoint {checkpoint.source} does not fit this config: its model was trained with "
                               f"{name}={theirs!r}, the data module gives {name}={ours!r}")
+
+
+def check_same_model(checkpoint: Checkpoint, module: torch.nn.Module) -> None:
+    """Raise `CheckpointError` unless the checkpoint's weights are `module`'s names and shapes."""
+    ours = module.state_dict()
+    theirs = checkpoint.raw["state_dict"]
+    differ = sorted(ours.keys() ^ theirs.keys()) or [k for k in ours if tuple(ours[k].shape) != tuple(theirs[k].shape)]
+    if differ:
+        key = differ[0]
+        shapes = [tuple(w[key].shape) if key in w else "absent" for w in (theirs, ours)]
+        raise CheckpointError(f"checkpoint {checkpoint.source} does not hold this run's model: {len(differ)} tensor(s) "
+                              f"differ, first {key} ({shapes[0]} in the checkpoint, {shapes[1]} in the model); "
+                              "pass it with --ckpt_path to use its own model")
 
 
 def record_model(config, checkpoint: Checkpoint) -> None:

@@ -1,6 +1,9 @@
-"""Writing checkpoints atomically, and finding them on disk. Lightning moves a checkpoint from the temp folder into
-place, across filesystems a copy without fsync (a kill leaves a truncated `last.ckpt`); with `AtomicCheckpointIO` a
-reader sees the old checkpoint or the new one."""
+"""The one way Lightning reads and writes checkpoints. Reading: whatever path Lightning takes to a checkpoint
+(`--ckpt_path` of any form, `hpc`, SLURM's requeue, `best`, `last` of an on-exception checkpoint, the test after
+`fit`), the bytes reach it through `AtomicCheckpointIO.load_checkpoint`, which validates the file whole and confines
+the trainer state to the run before Lightning sees a value. Writing: Lightning moves a checkpoint from the temp folder
+into place, across filesystems a copy without fsync (a kill leaves a truncated `last.ckpt`); here a reader sees the
+old checkpoint or the new one."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import glob
 import os
 import re
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +21,25 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from vit.training.checkpoint import read
+from vit.training.checkpoint import Checkpoint, read
+from vit.training.checkpoint.trainer_state import without_checkpoint_paths
 
 LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's "last" names
 PARTIAL_WRITE = re.compile(r"\..+\.ckpt\.[0-9a-f]{16}\.tmp")  # AtomicCheckpointIO's temporary files
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """`TorchCheckpointIO` that reads through `vit.training.checkpoint.read` (or hands over the dict validated before
-    the run, `expect`: Lightning never unpickles a file itself), writes `.<name>.<random>.tmp` (never matched by
-    `*.ckpt`), fsyncs it and `os.replace`s; removing deletes a file or a link, never a folder."""
+    """`TorchCheckpointIO` that reads through `vit.training.checkpoint.read` (Lightning never unpickles a file
+    itself), writes `.<name>.<random>.tmp` (never matched by `*.ckpt`), fsyncs it and `os.replace`s; removing deletes
+    a file or a link, never a folder.
 
-    def __init__(self) -> None:
+    What a read hands Lightning: the dict validated before the run for that path (`expect`), else `admit(checkpoint)`
+    (the run's own check, set by the CLI once the trainer exists), else the validated dict without `ModelCheckpoint`'s
+    paths, which Lightning would otherwise delete as they rotate (a run that is not known cannot vouch for any)."""
+
+    def __init__(self, admit: Callable[[Checkpoint], dict] | None = None) -> None:
         super().__init__()
+        self.admit = admit
         self._validated: dict[Path, dict] = {}
 
     def expect(self, path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
@@ -38,7 +48,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict[str, Any]:
         validated = self._validated.get(_key(path))
-        return validated if validated is not None else read(path).raw
+        if validated is not None:
+            return validated
+        checkpoint = read(path)
+        return self.admit(checkpoint) if self.admit is not None else without_checkpoint_paths(checkpoint.raw)
 
     def remove_checkpoint(self, path) -> None:
         if not isinstance(get_filesystem(path), LocalFileSystem):

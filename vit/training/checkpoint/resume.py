@@ -15,11 +15,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from vit.training.checkpoint.schema import Checkpoint
-from vit.training.checkpoint.trainer_state import CHECKPOINT_PATHS, checkpoint_paths
+from vit.training.checkpoint.trainer_state import checkpoint_paths, forget_paths
 from vit.training.checkpoint.values import CheckpointError, is_int, is_number, not_allowed, same_structure, shown
 from vit.training.classifier import warmup_cosine_schedule
 
 SCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+# Above these an AdamW step overflows float32 (a learning rate of 1e300 passes a finiteness check, then makes every
+# weight inf at the first step); no recipe comes near them.
+MAX_GROUP_VALUE = {"lr": 100.0, "initial_lr": 100.0, "eps": 1.0, "weight_decay": 100.0, "lr_scale": 100.0}
 
 
 def check_resume(checkpoint: Checkpoint, trainer: L.Trainer, model: L.LightningModule, datamodule) -> dict:
@@ -33,6 +36,7 @@ def check_resume(checkpoint: Checkpoint, trainer: L.Trainer, model: L.LightningM
         loops = {name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
                                                                         "predict_loop")}
         same_structure(raw.get("loops"), loops, "loops")
+        _epochs(raw["loops"], trainer.max_epochs)
         _optimizer(raw["optimizer_states"], model)
         _schedulers(raw.get("lr_schedulers") or [], model)
         raw["callbacks"] = _callbacks(raw.get("callbacks") or {}, trainer)
@@ -41,6 +45,14 @@ def check_resume(checkpoint: Checkpoint, trainer: L.Trainer, model: L.LightningM
     except CheckpointError as err:
         raise CheckpointError(f"checkpoint {source} cannot be resumed: {err}") from None
     return raw
+
+
+def _epochs(loops: Mapping, max_epochs: int | None) -> None:
+    """Lightning refuses a restored epoch past `max_epochs` only after the run's files are written: refuse it now."""
+    done = loops["fit_loop"]["epoch_progress"]["current"]["completed"]
+    if max_epochs is not None and max_epochs != -1 and done > max_epochs:
+        raise CheckpointError(f"it has trained {done} epoch(s) and trainer.max_epochs={max_epochs} is below that: "
+                              f"pass --trainer.max_epochs above {done} to train on (or -1 for no limit)")
 
 
 def _optimizer(states: list, model) -> None:
@@ -63,9 +75,10 @@ def _optimizer(states: list, model) -> None:
             raise CheckpointError(f"{key}.params does not list this model's parameters (another architecture or "
                                   "`trainable`?)")
         for name in ("lr", "initial_lr", "eps", "weight_decay", "lr_scale"):
-            above = name in ("eps", "lr_scale")
-            if name in group and not is_number(group[name], 0, above=above):
-                raise not_allowed(f"{key}.{name}", group[name], "a finite number " + ("> 0" if above else ">= 0"))
+            above, high = name in ("eps", "lr_scale"), MAX_GROUP_VALUE.get(name, math.inf)
+            if name in group and not (is_number(group[name], 0, above=above) and group[name] <= high):
+                raise not_allowed(f"{key}.{name}", group[name], ("a number > 0" if above else "a number >= 0")
+                                  + (f" and at most {high:g}" if high < math.inf else " (finite)"))
         betas = group["betas"]
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b, 0) and b < 1 for b in betas)):
             raise not_allowed(f"{key}.betas", betas, "two numbers in [0, 1)")
@@ -92,8 +105,8 @@ def _optimizer(states: list, model) -> None:
             tensor, shape = moments[name], tuple(params[index].shape)
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or not tensor.is_floating_point():
                 raise CheckpointError(f"{key}.{name} is not a float tensor of its parameter's shape {shape}")
-            if not torch.isfinite(tensor).all():
-                raise CheckpointError(f"{key}.{name} holds NaN or infinite values")
+            if not torch.isfinite(tensor.to(params[index].dtype)).all():  # in the dtype the optimizer steps in
+                raise CheckpointError(f"{key}.{name} holds NaN or infinite values (as {params[index].dtype})")
 
 
 def _schedulers(states: list, model) -> None:
@@ -142,8 +155,7 @@ def _model_checkpoint(state: Any, callback: ModelCheckpoint, trainer: L.Trainer,
     if state.get("dirpath") is None or Path(state["dirpath"]).resolve() != folder:
         # Continued in a new folder: ModelCheckpoint keeps only best_model_path of another folder, and the test
         # after fit would read it. The new run tracks its own best checkpoints from here.
-        state.update({name: "" for name in CHECKPOINT_PATHS if name in state}, best_k_models={})
-        return state
+        return forget_paths(state)
     for name, path in paths.items():
         if name == "dirpath" or not path:
             continue

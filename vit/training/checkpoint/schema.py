@@ -14,6 +14,7 @@ import importlib
 import inspect
 import math
 import typing
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -278,8 +279,9 @@ def _architecture(state: Any, cls: type[nn.Module], args: dict, settings: dict) 
         if tensor.is_floating_point() != reference.is_floating_point():
             raise CheckpointError(f"state_dict.{name} is a {tensor.dtype} tensor, the architecture needs "
                                   f"{reference.dtype}")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"state_dict.{name} holds NaN or infinite values")
+        # In the model's dtype: a float64 1e300 is finite, and inf once loaded into a float32 parameter.
+        if tensor.is_floating_point() and not torch.isfinite(tensor.to(reference.dtype)).all():
+            raise CheckpointError(f"state_dict.{name} holds NaN or infinite values (as {reference.dtype})")
     num_classes = getattr(model, "num_classes", None)
     if not isinstance(num_classes, int):
         raise CheckpointError(f"its backbone {cls.__name__} has no int num_classes")
@@ -328,4 +330,16 @@ def _class_names(names: Any, num_classes: int) -> list[str]:
     long = next((n for n in names if len(n) > 256), None)
     if long is not None:
         raise CheckpointError(f"class_names has a name of {len(long)} characters (at most 256)")
+    for i, name in enumerate(names):
+        # Names are printed and written to CSV files: a blank name, a control character (a terminal escape) or a
+        # bidirectional override (text shown in another order than stored) would make a row read as another.
+        hidden = [c for c in name if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")]
+        if not name.strip() or hidden:
+            why = "is blank" if not name.strip() else f"holds the invisible character U+{ord(hidden[0]):04X}"
+            raise CheckpointError(f"class_names[{i}]={name!r} is not allowed: it {why}")
+    shown_as = {}
+    for name in names:  # NFC and NFD spellings of "café" look the same but differ as strings
+        twin = shown_as.setdefault(unicodedata.normalize("NFC", name), name)
+        if twin != name:
+            raise CheckpointError(f"class_names holds {twin!r} and {name!r}, which read the same (Unicode NFC)")
     return list(names)

@@ -12,6 +12,9 @@ import torch
 
 from vit.training.checkpoint.values import CheckpointError, is_int, not_allowed, same_structure, shown, walk
 
+# Lightning compares loop counters with float limits (max_steps, max_epochs): past 2^53 they lose their units. No
+# run takes 2^31 steps.
+MAX_COUNTER = 2**31 - 1
 CHECKPOINT_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")  # ModelCheckpoint's state
 
 
@@ -52,8 +55,9 @@ def _counters(value: Any, key: str) -> None:
     for path, item in walk(value, key, tensors=False):
         if isinstance(item, Mapping):
             continue
-        if not (isinstance(item, bool) or (isinstance(item, int) and item >= 0)):
-            raise CheckpointError(f"{path}={shown(item)} is not allowed: expected a counter (an int >= 0) or a flag")
+        if not (isinstance(item, bool) or (isinstance(item, int) and 0 <= item <= MAX_COUNTER)):
+            raise CheckpointError(f"{path}={shown(item)} is not allowed: expected a counter (an int in "
+                                  f"[0, {MAX_COUNTER}]) or a flag")
 
 
 def _score(value: Any) -> bool:
@@ -90,6 +94,18 @@ def checkpoint_paths(state: Mapping) -> dict[str, Any]:
     """ModelCheckpoint's paths in its `state`, by key: its `*_model_path`s, `dirpath`, `best_k_models[i]`."""
     paths = {name: state.get(name, "") for name in (*CHECKPOINT_PATHS, "dirpath")}
     return paths | {f"best_k_models[{i}]": p for i, p in enumerate(state.get("best_k_models", {}))}
+
+
+def forget_paths(state: Mapping) -> dict:
+    """`ModelCheckpoint`'s `state` with no file to track: the run that restores it tracks its own from there."""
+    return {**state, **{name: "" for name in CHECKPOINT_PATHS if name in state}, "best_k_models": {}}
+
+
+def without_checkpoint_paths(raw: Mapping) -> dict:
+    """The checkpoint `raw` with every `ModelCheckpoint` state's paths forgotten (`forget_paths`)."""
+    callbacks = {key: forget_paths(state) if key.startswith("ModelCheckpoint{") else state
+                 for key, state in (raw.get("callbacks") or {}).items()}
+    return {**raw, "callbacks": callbacks} if "callbacks" in raw else dict(raw)
 
 
 def _early_stopping(state: Any, key: str) -> None:

@@ -1,0 +1,143 @@
+"""Every checkpoint Lightning reads passes the project's reader, whichever way Lightning finds it.
+
+A planted `hpc_ckpt_1.ckpt` in the working folder (Lightning's SLURM requeue checkpoint) whose `ModelCheckpoint`
+state names files outside the run would have Lightning delete those files as the checkpoints rotate. It is given
+to `fit` the three ways Lightning reaches it: `--ckpt_path hpc`, SLURM's environment with no `--ckpt_path`, and the
+documented SLURM recipe `--ckpt_path last` on its first start. Each refuses in one line, exit 2, with the victim
+files untouched. The reader behind Lightning (`AtomicCheckpointIO.load_checkpoint`) is tested apart: a path the CLI
+never saw still comes back validated, with ModelCheckpoint's paths confined.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from checkpoint_doors import train_tiny
+from robust_helpers import main_in_process, run_dirs
+
+from vit.training.checkpoint import CheckpointError
+from vit.training.checkpoint.io import AtomicCheckpointIO
+
+pytestmark = pytest.mark.slow  # a real train.py run makes the checkpoint the hostile one is made from
+
+SLURM = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1", "SLURM_NODELIST": "node1",
+         "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    return train_tiny(tmp_path_factory.mktemp("trained"))
+
+
+def plant(ckpt: Path, work: Path) -> list[Path]:
+    """Write the hostile `work/hpc_ckpt_1.ckpt` (module doc) and the victims it points at; return the victims."""
+    checkpoint = torch.load(ckpt, weights_only=True)
+    next_run = work / "runs" / "tiny" / "version_0" / "checkpoints"  # where the next run writes (a fresh folder)
+    victims = [work.parent / f"victim{i}.txt" for i in range(3)]
+    for victim in victims:
+        victim.write_text("precious")
+    escape = "/".join([".."] * 5)  # from the checkpoint folder up past the working folder
+    for key, state in checkpoint["callbacks"].items():
+        if key.startswith("ModelCheckpoint{"):
+            state["dirpath"] = str(next_run)
+            score = torch.tensor(0.5)
+            bad = [f"{next_run}/{escape}/{v.name}" for v in victims]
+            state.update(best_model_path=bad[0], kth_best_model_path=bad[1], last_model_path=bad[2],
+                         best_k_models={bad[0]: score, bad[1]: score}, best_model_score=score, kth_value=score)
+    torch.save(checkpoint, work / "hpc_ckpt_1.ckpt")
+    return victims
+
+
+@pytest.mark.parametrize("way", ["--ckpt_path hpc", "SLURM, no --ckpt_path", "SLURM, --ckpt_path last"])
+def test_a_planted_hpc_checkpoint_touches_no_file_outside_the_run(way, trained, tmp_path, monkeypatch, capsys):
+    ckpt, config = trained
+    work = tmp_path / "work"
+    work.mkdir()
+    victims = plant(ckpt, work)
+    monkeypatch.chdir(work)  # Lightning's default_root_dir, where it looks for hpc checkpoints
+    args = ["fit", "--config", str(config), "--trainer.max_epochs", "3", "--test_after_fit", "false",
+            "--trainer.logger.init_args.save_dir", str(work / "runs")]
+    if way.startswith("SLURM"):
+        for name, value in SLURM.items():
+            monkeypatch.setenv(name, value)
+    if way.endswith("hpc"):
+        args += ["--ckpt_path", "hpc"]
+    elif way.endswith("last"):
+        args += ["--ckpt_path", "last"]
+    with pytest.raises(SystemExit) as exit:
+        main_in_process(args, monkeypatch)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: checkpoint {work / 'hpc_ckpt_1.ckpt'} cannot be resumed: callbacks.")
+    assert "is not allowed: it must be a checkpoint file inside this run's checkpoint folder" in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    assert all(v.read_text() == "precious" for v in victims)
+    assert run_dirs(work) == []  # refused before a run folder was made
+
+
+def test_hpc_and_best_name_a_file_or_say_why_not(trained, tmp_path, monkeypatch, capsys):
+    ckpt, config = trained
+    monkeypatch.chdir(tmp_path)
+    for value, line in (("hpc", f"error: --ckpt_path hpc: there is no hpc_ckpt_N.ckpt in {tmp_path} "
+                                "(trainer.default_root_dir, where Lightning saves SLURM's requeue checkpoints)"),
+                        ("best", "error: --ckpt_path best is the best checkpoint of a fit in the same process, and "
+                                 "validate starts a new one: pass the checkpoint's file "
+                                 "(runs/<name>/version_N/checkpoints/...)")):
+        with pytest.raises(SystemExit) as exit:
+            main_in_process(["validate", "--config", str(config), "--ckpt_path", value], monkeypatch)
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == line
+
+
+def test_validate_of_an_hpc_checkpoint_of_another_width_is_one_line(trained, tmp_path, monkeypatch, capsys):
+    ckpt, config = trained
+    torch.save(torch.load(ckpt, weights_only=True), tmp_path / "hpc_ckpt_3.ckpt")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        main_in_process(["validate", "--config", str(config), "--ckpt_path", "hpc",
+                         "--model.backbone.init_args.embed_dim", "48"], monkeypatch)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: checkpoint {tmp_path / 'hpc_ckpt_3.ckpt'} was made with other settings")
+    assert "model.backbone.init_args.embed_dim: 32 in the checkpoint vs 48 given" in err
+
+
+def test_the_reader_behind_lightning_validates_and_confines_what_nobody_vouched_for(trained, tmp_path):
+    ckpt, _ = trained
+    work = tmp_path / "work"
+    work.mkdir()
+    plant(ckpt, work)
+    loaded = AtomicCheckpointIO().load_checkpoint(work / "hpc_ckpt_1.ckpt")  # no run bound: no path survives
+    states = [s for k, s in loaded["callbacks"].items() if k.startswith("ModelCheckpoint{")]
+    assert states and all(s[p] == "" and s["best_k_models"] == {} for s in states for p in PATHS)
+    seen = []
+    io = AtomicCheckpointIO(admit=lambda checkpoint: seen.append(checkpoint.source) or {"admitted": True})
+    assert io.load_checkpoint(work / "hpc_ckpt_1.ckpt") == {"admitted": True}  # a bound run decides
+    assert seen == [str(work / "hpc_ckpt_1.ckpt")]
+    bad = torch.load(ckpt, weights_only=True)
+    bad["state_dict"]["backbone.cls_token"] = bad["state_dict"]["backbone.cls_token"].double().fill_(1e300)
+    torch.save(bad, work / "hpc_ckpt_2.ckpt")
+    with pytest.raises(CheckpointError, match=r"state_dict.backbone.cls_token holds NaN or infinite values "
+                                              r"\(as torch.float32\)"):
+        io.load_checkpoint(work / "hpc_ckpt_2.ckpt")
+
+
+def test_slurms_requeue_of_a_real_hpc_checkpoint_continues_the_training(trained, tmp_path, monkeypatch):
+    ckpt, config = trained
+    monkeypatch.chdir(tmp_path)
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    saved = torch.load(ckpt, weights_only=True)
+    torch.save(saved, tmp_path / "hpc_ckpt_1.ckpt")
+    main_in_process(["fit", "--config", str(config), "--trainer.max_epochs", "2", "--test_after_fit", "false",
+                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], monkeypatch)
+    (run,) = run_dirs(tmp_path)
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    steps_per_epoch = saved["global_step"] // (saved["epoch"] + 1)
+    assert (last["epoch"], last["global_step"]) == (1, 2 * steps_per_epoch)
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["ckpt_path"] == str(tmp_path / "hpc_ckpt_1.ckpt")  # restored from it, not trained from scratch
