@@ -341,5 +341,6 @@ def _class_names(names: Any, num_classes: int) -> list[str]:
     for name in names:  # NFC and NFD spellings of "café" look the same but differ as strings
         twin = shown_as.setdefault(unicodedata.normalize("NFC", name), name)
         if twin != name:
-            raise CheckpointError(f"class_names holds {twin!r} and {name!r}, which read the same (Unicode NFC)")
+            raise CheckpointError(f"class_names holds {twin!r} twice, spelt with other Unicode code points (the "
+                                  "same name after NFC normalisation)")
     return list(names)
