@@ -1,6 +1,8 @@
-"""Fuzz the doors that open a checkpoint for longer than the test suite does, and summarise what each did.
+"""Fuzz the doors that open a checkpoint, a weight file or an image for longer than the test suite does, and
+summarise what each did.
 
     python benchmarks/fuzz_checkpoints.py --examples 2000 [--doors load,validate,fit] [--seed 0]
+    python benchmarks/fuzz_checkpoints.py --examples 500 --doors create_vit,load_pretrained,decode,predict,hpc
 
 The same strategy as `tests/test_checkpoint_fuzz.py` (`tests/checkpoint_mutations.py`): one tiny run is
 trained, then each example changes one key path of its `last.ckpt` (a value of another type, a huge
@@ -18,6 +20,14 @@ values elided) and failed: any other exception, a traceback, an exit code other 
 marker file created by code the checkpoint named, or a file beside the run folder touched. Each
 failure is printed with its key path, value and the end of its traceback (`--log FILE` keeps every
 variant and its outcome, one JSON line each). The exit status is 1 when any variant failed.
+
+The input doors use `tests/input_mutations.py` (as `tests/test_input_fuzz.py` does): `create_vit` and
+`load_pretrained` open a weight file made from a tiny timm ViT and mutated (dtypes, values, shapes, names, the
+safetensors header, the zip archive, bytes, a FIFO in its place, its config.json); `decode` (`decode_image`) and
+`predict` (`vit.load` of the reference checkpoint, then `.predict(path)`) open an image Pillow wrote and that was
+mutated (formats, modes, values, sizes, bytes). Each variant has a deadline and a memory bound; its group in the
+summary is the last change made. `hpc` plants a hostile `hpc_ckpt_1.ckpt` once and gives it to the reader behind
+Lightning and to `train.py fit --ckpt_path hpc` (no random variants).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +60,10 @@ from checkpoint_mutations import (
 )
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-DOORS = ("load", "validate", "fit")
+CHECKPOINT_DOORS = ("load", "validate", "fit")
+WEIGHT_DOORS = ("create_vit", "load_pretrained")
+IMAGE_DOORS = ("decode", "predict")
+DOORS = (*CHECKPOINT_DOORS, *WEIGHT_DOORS, *IMAGE_DOORS, "hpc")
 
 
 @dataclass
@@ -58,19 +72,27 @@ class DoorReport:
 
     door: str
     seconds: float = 0.0
+    reason: Callable[[str], str] = field(default=lambda message: reason(message), repr=False)
     outcomes: list[tuple[Mutation, Outcome]] = field(default_factory=list)
 
     def count(self, status: str) -> int:
         return sum(outcome.status == status for _, outcome in self.outcomes)
 
     def reasons(self) -> Counter:
-        return Counter(reason(outcome.detail) for _, outcome in self.outcomes if outcome.status == "refused")
+        return Counter(self.reason(outcome.detail) for _, outcome in self.outcomes if outcome.status == "refused")
 
     def sections(self) -> dict[str, Counter]:
         found: dict[str, Counter] = {}
         for mutation, outcome in self.outcomes:
-            found.setdefault(section(mutation.path), Counter())[outcome.status] += 1
+            found.setdefault(group(mutation), Counter())[outcome.status] += 1
         return found
+
+
+def group(item) -> str:
+    """Where a variant belongs in the summary: a checkpoint's section, an input variant's last change, a door."""
+    if isinstance(item, Mutation):
+        return section(item.path)
+    return getattr(item, "group", str(item))
 
 
 def reason(message: str, words: int = 5) -> str:
@@ -88,6 +110,15 @@ def reason(message: str, words: int = 5) -> str:
     if len(parts) > 3:
         key = "".join(parts[:3]) + "…"
     return " ".join(f"{key}{equals}{value} {rest}".split()[:words])
+
+
+def input_reason(message: str, words: int = 7) -> str:
+    """The first `words` words of a weight file's or an image's refusal, its file's name and values elided."""
+    text = re.sub(r"^pretrained='[^']*':? ", "", message)
+    text = re.sub(r"^/.*?: (?=\S)", "", text, count=1)  # an image's `path: reason`
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
+    text = re.sub(r"/\S+", "<path>", text)
+    return " ".join(re.sub(r"\d+", "N", text).split()[:words])
 
 
 def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: int, log: Path | None) -> DoorReport:
@@ -127,11 +158,11 @@ def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: in
 
 
 def summary(reports: list[DoorReport], top: int) -> str:
-    lines = [f"{'door':<10}{'tried':>7}{'accepted':>10}{'refused':>9}{'failed':>8}{'seconds':>10}"]
-    lines += [f"{r.door:<10}{len(r.outcomes):>7}{r.count('accepted'):>10}{r.count('refused'):>9}"
+    lines = [f"{'door':<16}{'tried':>7}{'accepted':>10}{'refused':>9}{'failed':>8}{'seconds':>10}"]
+    lines += [f"{r.door:<16}{len(r.outcomes):>7}{r.count('accepted'):>10}{r.count('refused'):>9}"
               f"{r.count('failed'):>8}{r.seconds:>10.1f}" for r in reports]
     for r in reports:
-        lines += ["", f"{r.door}: tried / accepted / refused / failed by section"]
+        lines += ["", f"{r.door}: tried / accepted / refused / failed by section or group"]
         lines += [f"  {name:<34}{sum(c.values()):>5}{c['accepted']:>5}{c['refused']:>5}{c['failed']:>5}"
                   for name, c in sorted(r.sections().items())]
         reasons = r.reasons()
@@ -144,6 +175,70 @@ def summary(reports: list[DoorReport], top: int) -> str:
         lines += ["", f"{r.door}: failed ({len(failed)})"]
         lines += [f"  {m!r}\n    {o.detail}" for m, o in failed]
     return "\n".join(lines)
+
+
+def fuzz_inputs(door: str, root: Path, examples: int, random_seed: int, log: Path | None, predictor) -> DoorReport:
+    """As `fuzz`, for a weight-file or an image door (`tests/input_mutations.py`)."""
+    from input_mutations import (
+        decode_door,
+        image_variants,
+        notable_image_variants,
+        notable_weight_variants,
+        opened,
+        predict_door,
+        reference_weights,
+        weight_variants,
+        weights_door,
+    )
+
+    report, folder = DoorReport(door, reason=input_reason), root / door
+    if door in WEIGHT_DOORS:
+        reference = reference_weights()
+        opener, notable, strategy = weights_door(door), notable_weight_variants(reference), weight_variants(reference)
+    else:
+        opener = decode_door if door == "decode" else predict_door(predictor)
+        notable, strategy = [variant for variant, _ in notable_image_variants()], image_variants()
+
+    def one(variant) -> None:
+        outcome = opened(opener, variant, folder)
+        report.outcomes.append((variant, outcome))
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps({"door": door, "variant": repr(variant), "group": variant.group,
+                                    "status": outcome.status, "detail": outcome.detail}) + "\n")
+        if outcome.status == "failed":
+            print(f"  {door}: FAILED {variant!r}: {outcome.detail}", flush=True)
+
+    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @seed(random_seed)
+    @given(strategy)
+    def random_examples(variant) -> None:
+        one(variant)
+
+    start = time.perf_counter()
+    for variant in notable:
+        one(variant)
+    if examples:
+        random_examples()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def fuzz_hpc(trained: Trained, root: Path) -> DoorReport:
+    """The planted `hpc_ckpt_1.ckpt` through the reader behind Lightning and `train.py fit --ckpt_path hpc`."""
+    from test_checkpoint_fuzz import open_hpc, plant_hpc
+
+    report, start = DoorReport("hpc"), time.perf_counter()
+    for door in ("reader", "fit"):
+        site = Site.make(root / "hpc" / door)
+        plant_hpc(trained, site)
+        outcome = open_hpc(door, site)
+        report.outcomes.append((f"hpc_ckpt_1.ckpt through {door}", outcome))
+        if outcome.status == "failed":
+            print(f"  hpc: FAILED through {door}: {outcome.detail}", flush=True)
+    report.seconds = time.perf_counter() - start
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,9 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         trained = train_checkpoint(root / "reference")
         print(f"trained the reference checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
-        reports = []
+        reports, predictor = [], None
+        if "predict" in doors:
+            import vit
+
+            predictor = vit.load(trained.run_dir / "checkpoints" / "last.ckpt")
         for door in doors:
-            reports.append(fuzz(door, trained, root, args.examples, args.seed, args.log))
+            if door in CHECKPOINT_DOORS:
+                reports.append(fuzz(door, trained, root, args.examples, args.seed, args.log))
+            elif door == "hpc":
+                reports.append(fuzz_hpc(trained, root))
+            else:
+                reports.append(fuzz_inputs(door, root, args.examples, args.seed, args.log, predictor))
             print(f"{door}: {len(reports[-1].outcomes)} variants in {reports[-1].seconds:.1f} s", flush=True)
     print()
     print(summary(reports, args.top))

@@ -6,9 +6,13 @@ Every server here listens on 127.0.0.1; downloads land in the test's own torch h
 from __future__ import annotations
 
 import base64
+import bz2
 import contextlib
+import gzip
+import lzma
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -18,9 +22,10 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from robust_helpers import cli, error_line, tiny_config
 
-from vit.training.checkpoint import CheckpointError
-from vit.training.checkpoint.fetch import fetch, max_bytes, redact_url
+from vit.training.checkpoint import CheckpointError, read
+from vit.training.checkpoint.fetch import fetch, load_archive, max_bytes, redact_url
 
 HEADERS_LATE = "timed out: the server's status line and headers did not all arrive within 1 s (set " \
                "READABLE_VIT_DOWNLOAD_TIMEOUT to wait longer)"
@@ -412,3 +417,263 @@ def test_an_unreachable_url_with_credentials_shows_neither_them_nor_the_query(ca
 ])
 def test_redact_url_hides_the_query_string_and_the_credentials(url, shown):
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("HTTP://User:s3cret@Host/x.ckpt?t=1", "HTTP://***@Host/x.ckpt?..."),  # as written, not rebuilt lower-cased
+    ("runs/x?y#z.ckpt", "runs/x?y#z.ckpt"),  # a path is not a URL: '?' and '#' are part of its name
+    ("file:/tmp/x.ckpt", "file:/tmp/x.ckpt"),  # a file: URL holds no secret: shown as given
+])
+def test_redact_url_leaves_paths_and_what_it_does_not_hide_as_given(url, shown):
+    assert redact_url(url) == shown
+
+
+# --- schemes and redirects: http(s) only, within the deadline
+
+
+def refused_scheme(shown: str, scheme: str) -> str:
+    return (f"checkpoint {shown} cannot be read: the scheme {scheme!r} is not allowed: expected http://, https://, "
+            "file:// or a path, or an object store (s3://, s3a://, gs://, gcs://, az://, abfs://, abfss://, hf://, "
+            "memory://); download the file another way and pass its path")
+
+
+@contextlib.contextmanager
+def listening_silently():
+    """A port on 127.0.0.1 that accepts connections and never sends a byte (an FTP server would greet first)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server.getsockname()[1]
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:{port}/x.ckpt", "FTP://u:s3cret@127.0.0.1:{port}/x.ckpt",
+                                 "sftp://127.0.0.1:{port}/x.ckpt", "simplecache::ftp://127.0.0.1:{port}/x.ckpt"])
+def test_a_url_of_a_scheme_without_a_deadline_is_refused_at_once(url, cache, monkeypatch):
+    monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "1")
+    with listening_silently() as port:
+        url = url.format(port=port)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as err:
+            fetch(url)
+        assert time.monotonic() - started < 0.5  # no connection tried
+    scheme = url.split(":", 1)[0].lower()
+    assert str(err.value) == refused_scheme(redact_url(url), scheme)
+    assert "s3cret" not in str(err.value)
+    assert not cache.exists()
+
+
+def redirecting(location: str):
+    def respond(handler, stop):
+        handler.send_response(302)
+        handler.send_header("Location", location)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+    return respond
+
+
+@pytest.mark.parametrize(("location", "shown", "scheme"), [
+    ("ftp://127.0.0.1:{port}/x.ckpt?token=s3cret", "ftp://127.0.0.1:{port}/x.ckpt?...", "ftp"),
+    ("file:///etc/passwd", "file:///etc/passwd", "file"),
+    ("gopher://127.0.0.1:{port}/x", "gopher://127.0.0.1:{port}/x", "gopher"),
+])
+def test_a_redirect_to_another_scheme_than_http_is_refused_naming_it(location, shown, scheme, cache, monkeypatch):
+    monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "1")
+    with listening_silently() as port, http_server(redirecting(location.format(port=port))) as url:
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as err:
+            fetch(f"{url}/x.ckpt")
+        assert time.monotonic() - started < 0.9  # refused, not timed out
+    assert str(err.value) == (f"checkpoint {url}/x.ckpt could not be downloaded: it redirects to "
+                              f"{shown.format(port=port)}, a {scheme} URL: only http and https are followed")
+    assert cached_files(cache) == []
+
+
+def test_ten_redirects_are_followed_and_an_eleventh_or_a_loop_is_refused(tmp_path, cache):
+    body = checkpoint_bytes(tmp_path, "far")
+
+    def respond(handler, stop):  # /hop/N redirects to /hop/N-1, /hop/0 is the file; /loop redirects to itself
+        if handler.path == "/loop":
+            redirecting("/loop")(handler, stop)
+        elif hops := int(handler.path.rsplit("/", 1)[1]):
+            redirecting(f"/hop/{hops - 1}")(handler, stop)
+        else:
+            serving({handler.path: body})(handler, stop)
+
+    with http_server(respond) as url:
+        far = Path(fetch(f"{url}/hop/10"))
+        for path in ("hop/11", "loop"):
+            with pytest.raises(CheckpointError) as err:
+                fetch(f"{url}/{path}")
+            assert str(err.value) == f"checkpoint {url}/{path} could not be downloaded: it redirects more than 10 times"
+    assert far.read_bytes() == body and cached_files(cache) == [far]
+
+
+def test_an_upper_case_scheme_is_the_same_scheme_and_shown_as_given(tmp_path, cache):
+    body = checkpoint_bytes(tmp_path, "upper")
+    with http_server(serving({"/x.ckpt": body})) as url:
+        loud = url.replace("http://", "HTTP://")
+        assert Path(fetch(f"{loud}/x.ckpt")).read_bytes() == body
+        with pytest.raises(CheckpointError) as err:
+            fetch(f"{loud}/missing.ckpt")
+    assert str(err.value) == f"checkpoint {loud}/missing.ckpt could not be downloaded: HTTPError: HTTP Error 404: " \
+                             "Not Found"
+
+
+# --- the cached file's name
+
+
+@pytest.mark.parametrize(("component", "name"), [
+    ("a" * 300 + ".ckpt", r"checkpoint-[0-9a-f]{16}\.ckpt"),  # over the 255 characters a file name may have
+    ("..", r"checkpoint-[0-9a-f]{16}\.ckpt"),  # would name the cache folder's parent
+    (".x.ckpt", r"checkpoint-[0-9a-f]{16}\.ckpt"),  # a leading dot: the temporary files' prefix
+    ("my%20model.pt", r"checkpoint-[0-9a-f]{16}\.pt"),
+    ("x.ckpt;" + "b" * 40, r"checkpoint-[0-9a-f]{16}\.ckpt"),  # a suffix that is not a plain one
+    ("last.ckpt", r"last\.ckpt"),
+])
+def test_the_cached_name_is_the_url_s_only_when_it_is_short_and_plain(component, name, tmp_path, cache):
+    body = checkpoint_bytes(tmp_path, "named")
+    with http_server(serving({f"/run/{component}": body})) as url:
+        path = Path(fetch(f"{url}/run/{component}"))
+        with pytest.raises(CheckpointError) as err:
+            fetch(f"{url}/gone/{component}")
+    assert re.fullmatch(name, path.name) and path.parent.parent == cache and path.read_bytes() == body
+    assert str(err.value) == f"checkpoint {url}/gone/{component} could not be downloaded: HTTPError: HTTP Error 404: " \
+                             "Not Found"
+    assert cached_files(cache) == [path]
+
+
+# --- what is read is what was checked
+
+
+def saved(path: Path) -> Path:
+    torch.save({"weight": torch.arange(4096, dtype=torch.float32)}, path)
+    return path
+
+
+def test_the_loaded_weights_are_read_once_not_mapped_from_the_file(tmp_path):
+    path = saved(tmp_path / "x.ckpt")
+    weight = load_archive(path)["weight"]
+    assert weight.untyped_storage().filename is None  # in memory: a mapped tensor names its file
+    data = path.read_bytes()
+    start = data.index(torch.arange(4096, dtype=torch.float32).numpy().tobytes())
+    with open(path, "r+b") as f:  # overwritten in place: a mapped tensor would now read NaN
+        f.seek(start)
+        f.write(torch.full((4096,), float("nan")).numpy().tobytes())
+    assert torch.equal(weight, torch.arange(4096, dtype=torch.float32))
+    os.truncate(path, 0)  # truncated: touching a mapped tensor's pages would kill the process (SIGBUS)
+    assert weight.sum().item() == sum(range(4096))
+
+
+def test_a_checkpoint_written_while_it_is_read_is_refused(tmp_path, monkeypatch):
+    path = saved(tmp_path / "x.ckpt")
+    real_load = torch.load
+
+    def load_while_written(f, **kwargs):
+        with open(path, "ab") as writer:
+            writer.write(b"more")
+        return real_load(f, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load_while_written)
+    with pytest.raises(CheckpointError) as err:
+        load_archive(path)
+    assert str(err.value) == f"checkpoint {path} changed while it was read (is something writing it?); read it again " \
+                             "once it is written"
+
+
+# --- what is not a checkpoint, said for what it is
+
+
+def archive_with_junk(tmp_path: Path) -> tuple[Path, int]:
+    path = saved(tmp_path / "junk.ckpt")
+    end = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(os.urandom(100_000))  # past the 64 KiB in which zipfile looks for the archive's end
+    return path, end
+
+
+def test_data_after_the_end_of_the_archive_is_named_not_called_truncated(tmp_path, cache):
+    path, end = archive_with_junk(tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        read(path)
+    assert str(err.value) == (f"checkpoint {path} has 100000 bytes of data after the end of the archive (which ends "
+                              f"at byte {end}): something was appended to what torch.save wrote; refused")
+    with http_server(serving({"/x.ckpt": path.read_bytes()})) as url, pytest.raises(CheckpointError) as err:
+        fetch(f"{url}/x.ckpt")
+    assert str(err.value) == (f"checkpoint {url}/x.ckpt returned a file with 100000 bytes of data after the end of "
+                              f"the archive (which ends at byte {end}): something was appended to it; refused")
+    assert list(cache.iterdir()) == []
+
+
+def test_a_truncated_archive_is_still_called_truncated(tmp_path):
+    path = saved(tmp_path / "x.ckpt")
+    os.truncate(path, path.stat().st_size - 30)  # the end record gone, the central directory still there
+    with pytest.raises(CheckpointError) as err:
+        read(path)
+    assert str(err.value) == (f"checkpoint {path} is truncated: it starts like a checkpoint but its end is missing "
+                              f"({path.stat().st_size} bytes; was its writing interrupted?)")
+
+
+@pytest.mark.parametrize(("pack", "kind"), [(gzip.compress, "a gzip file"), (bz2.compress, "a bzip2 file"),
+                                            (lzma.compress, "an xz file")])
+def test_a_compressed_checkpoint_is_named_for_its_format(pack, kind, tmp_path, cache):
+    packed = tmp_path / "x.ckpt.gz"
+    packed.write_bytes(pack(saved(tmp_path / "x.ckpt").read_bytes()))
+    with pytest.raises(CheckpointError) as err:
+        read(packed)
+    assert str(err.value) == f"checkpoint {packed} is {kind}, not a checkpoint; unpack it first"
+    with http_server(serving({"/x.ckpt.gz": packed.read_bytes()})) as url, pytest.raises(CheckpointError) as err:
+        fetch(f"{url}/x.ckpt.gz")
+    assert str(err.value) == f"checkpoint {url}/x.ckpt.gz returned {kind}, not a checkpoint; unpack it first"
+    assert list(cache.iterdir()) == []
+
+
+KERNEL_FILE = "is a special file of the kernel (under /proc or /sys), not a file on disk: not a checkpoint"
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("", "checkpoint '' is an empty path: give a checkpoint file's path or URL"),
+    ("/proc/self/environ", f"checkpoint /proc/self/environ {KERNEL_FILE}"),  # reports 0 bytes, holds many
+    ("/proc/kmsg", f"checkpoint /proc/kmsg {KERNEL_FILE}"),  # reading it would block
+    ("/sys/kernel/mm/transparent_hugepage/enabled",
+     f"checkpoint /sys/kernel/mm/transparent_hugepage/enabled {KERNEL_FILE}"),
+    ("{tmp}/zero.ckpt", "checkpoint {tmp}/zero.ckpt is a character device (through a symbolic link), not a checkpoint "
+                        "file"),
+    ("{tmp}/proc.ckpt", f"checkpoint {{tmp}}/proc.ckpt {KERNEL_FILE}"),  # a link into /proc
+    ("file:{tmp}/nope.ckpt", "checkpoint file:{tmp}/nope.ckpt does not exist"),  # shown as given, not rewritten
+    ("FILE://localhost{tmp}/nope%20here.ckpt", "checkpoint FILE://localhost{tmp}/nope%20here.ckpt does not exist"),
+    ("file://server{tmp}/x.ckpt", "checkpoint file://server{tmp}/x.ckpt names the host 'server': a file: URL is read "
+                                  "on this machine only (file:///path/to/x.ckpt); pass the path"),
+    ("file://{tmp}/x.ckpt?v=1", "checkpoint file://{tmp}/x.ckpt?v=1 has a query string or fragment, which a file: URL "
+                                "cannot use (a '?' or '#' in the file's name is written %3F or %23); pass the path"),
+])
+def test_what_is_not_a_checkpoint_file_is_named_for_what_it_is(given, expected, tmp_path):
+    (tmp_path / "zero.ckpt").symlink_to("/dev/zero")
+    (tmp_path / "proc.ckpt").symlink_to("/proc/self/environ")
+    given, expected = given.replace("{tmp}", str(tmp_path)), expected.replace("{tmp}", str(tmp_path))
+    if given.startswith(("/proc", "/sys")) and not os.path.exists(given):
+        pytest.skip(f"{given} does not exist here")
+    with pytest.raises(CheckpointError) as err:
+        read(given)
+    assert str(err.value) == expected
+
+
+def test_a_file_url_is_decoded_and_read_on_this_machine(tmp_path):
+    path = saved(tmp_path / "a b#1.ckpt")
+    for url in (path.as_uri(), f"file://localhost{path.as_uri()[7:]}", f"FILE:{path.as_uri()[7:]}"):
+        assert fetch(url) == str(path)
+
+
+def test_the_command_line_says_each_refusal_in_one_line(tmp_path, cache, monkeypatch, capsys):
+    packed = tmp_path / "x.ckpt.gz"
+    packed.write_bytes(gzip.compress(saved(tmp_path / "x.ckpt").read_bytes()))
+    long_name = "a" * 300 + ".ckpt"
+    with http_server(redirecting("ftp://127.0.0.1:1/x.ckpt")) as url:
+        for given, expected in [
+            (f"{url}/x.ckpt", f"checkpoint {url}/x.ckpt could not be downloaded: it redirects to "
+                              "ftp://127.0.0.1:1/x.ckpt, a ftp URL: only http and https are followed"),
+            (f"{url}/{long_name}", f"checkpoint {url}/{long_name} could not be downloaded: it redirects to "
+                                   "ftp://127.0.0.1:1/x.ckpt, a ftp URL: only http and https are followed"),
+            (str(packed), f"checkpoint {packed} is a gzip file, not a checkpoint; unpack it first"),
+        ]:
+            code, stderr = cli(["validate", "--config", str(tiny_config(tmp_path)), "--ckpt_path", given],
+                               monkeypatch, capsys)
+            assert (code, error_line(stderr)) == (2, f"error: {expected}")
+    assert cached_files(cache) == []

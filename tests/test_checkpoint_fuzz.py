@@ -14,6 +14,11 @@ and no door runs code the file names (no marker file) or touches a file beside i
 victim file and folder stay as they were). `fit` resumes the variant in its own run folder, so
 `ModelCheckpoint`'s paths are checked, not only dropped.
 
+A hostile `hpc_ckpt_1.ckpt` (Lightning's SLURM requeue checkpoint, planted in the working folder, its
+`ModelCheckpoint` paths leading out of the run with `..` to the victims) is given to the reader behind Lightning,
+`AtomicCheckpointIO().load_checkpoint`, and to `train.py fit --ckpt_path hpc`: refused in one line, or read
+with no path outside the run left for Lightning to rotate away; the victims stay as they were.
+
 `READABLE_VIT_FUZZ_EXAMPLES` sets the number of random variants for `vit.load` (default 40); the
 `train.py` doors get 3/20 (validate) and 1/10 (fit) of it. `benchmarks/fuzz_checkpoints.py` runs the
 same strategy for longer and summarises every outcome.
@@ -21,7 +26,11 @@ same strategy for longer and summarises every outcome.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,8 +46,13 @@ from checkpoint_mutations import (
     open_with_load,
     train_checkpoint,
 )
+from checkpoint_mutations import _exit_outcome as exit_outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from robust_helpers import main_in_process
+
+from vit.training.checkpoint import CheckpointError
+from vit.training.checkpoint.io import AtomicCheckpointIO
 
 LOAD_EXAMPLES = int(os.environ.get("READABLE_VIT_FUZZ_EXAMPLES", "40"))
 VALIDATE_EXAMPLES = max(1, LOAD_EXAMPLES * 3 // 20)
@@ -153,3 +167,76 @@ def test_train_py_fit_refuses_what_an_attacker_tries_first(trained, site):
         outcome = assert_accepted_or_refused("fit", mutation, trained, site)
         # Every path here leaves the run's checkpoint folder or is a URL: `fit` must refuse, not drop, them.
         assert outcome.status == "refused", f"{mutation!r} was accepted"
+
+
+HPC_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
+
+
+def plant_hpc(trained: Trained, site: Site) -> Path:
+    """The hostile `hpc_ckpt_1.ckpt` (module doc) in the site's working folder, where Lightning looks for it; each
+    `ModelCheckpoint` path climbs from the run's checkpoint folder to the victim file or into the victim folder."""
+    site.reset(trained)
+    # No run in the working folder yet: the next one is version_0, the folder the planted state names, so Lightning
+    # would reload (and later rotate) every path in it rather than only best_model_path.
+    shutil.rmtree(site.run / "runs")
+    checkpoint = trained.moved_to(site)
+    up = f"{site.checkpoint.parent}/../../../../.."  # the site's root, where the victims are
+    bad = [f"{up}/victim", f"{up}/victim_dir/keep", f"{up}/victim"]
+    score = torch.tensor(0.5)
+    for key, state in checkpoint["callbacks"].items():
+        if key.startswith("ModelCheckpoint{"):
+            state.update(dict(zip(HPC_PATHS, bad, strict=True)), best_k_models={bad[0]: score, bad[1]: score},
+                         best_model_score=score, kth_value=score)
+    path = site.run / "hpc_ckpt_1.ckpt"
+    torch.save(checkpoint, path)
+    return path
+
+
+def escaping_paths(checkpoint: dict, site: Site) -> list[str]:
+    """The `ModelCheckpoint` paths of a loaded checkpoint that name a file outside the site's run folder."""
+    found = []
+    for key, state in checkpoint.get("callbacks", {}).items():
+        if str(key).startswith("ModelCheckpoint{"):
+            for path in [*(state.get(p) for p in HPC_PATHS), *state.get("best_k_models", {})]:
+                if path and site.run.resolve() not in Path(path).resolve().parents:
+                    found.append(f"{key}: {path}")
+    return found
+
+
+def open_hpc(door: str, site: Site) -> Outcome:
+    """The planted checkpoint through `door`: `reader` (`AtomicCheckpointIO().load_checkpoint`, no run bound:
+    accepted only with every path confined to the run) or `fit` (`train.py fit --ckpt_path hpc` in the working
+    folder: exit 0, or exit 2 with one `error:` line); failed on any other exception or a victim touched."""
+    with contextlib.chdir(site.run):
+        if door == "reader":
+            try:
+                loaded = AtomicCheckpointIO().load_checkpoint(site.run / "hpc_ckpt_1.ckpt")
+                escaping = escaping_paths(loaded, site)
+                outcome = Outcome("failed", f"handed Lightning {escaping}") if escaping else Outcome("accepted")
+            except CheckpointError as err:
+                outcome = Outcome("refused", str(err))
+            except Exception as err:  # noqa: BLE001  (the property: no other exception, whatever the file holds)
+                outcome = Outcome("failed", f"{type(err).__name__}: {err}")
+            return outcome.with_harm(site.harm())
+        stderr = io.StringIO()
+        with (pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stderr(stderr),
+              contextlib.redirect_stdout(io.StringIO())):
+            try:
+                main_in_process(["fit", "--config", str(site.config), "--ckpt_path", "hpc", "--test_after_fit",
+                                 "false"], monkeypatch)
+                code = 0
+            except SystemExit as exit_info:
+                code = exit_info.code
+            except Exception as err:  # noqa: BLE001  (the property: no exception escapes the CLI)
+                return Outcome("failed", f"{type(err).__name__}: {err}").with_harm(site.harm())
+        return exit_outcome(code, stderr.getvalue()).with_harm(site.harm())
+
+
+@pytest.mark.parametrize("door", ["reader", pytest.param("fit", marks=pytest.mark.slow)])
+def test_a_planted_hpc_checkpoint_is_refused_or_harmless_and_the_victims_are_untouched(door, trained, site):
+    plant_hpc(trained, site)
+    outcome = open_hpc(door, site)
+    assert outcome.status in ("accepted", "refused"), f"{door}: {outcome.detail}"
+    if door == "fit":  # it alone knows the run: a path out of it is refused, not dropped
+        assert outcome.status == "refused" and "callbacks." in outcome.detail, outcome.detail
+        assert "it must be a checkpoint file inside this run's checkpoint folder" in outcome.detail

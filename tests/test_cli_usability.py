@@ -3,6 +3,7 @@ more loader workers than cores, a progress bar written to a log file."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from robust_helpers import BASE_CONFIG, cli, error_line, subprocess_env, tiny_config, train_command
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -166,14 +167,18 @@ def test_the_cap_survives_lightning_rebuilding_the_loader(tmp_path, one_core):
 # --- Progress in a log file: plain lines, no carriage returns ------------------------------------------
 
 
-@pytest.mark.parametrize(("terminal", "progress"), [(True, TQDMProgressBar), (False, PlainProgress)])
+# Lightning's default in a terminal: Rich's bar where `rich` is installed (transformers brings it), else tqdm's.
+DEFAULT_BAR = RichProgressBar if importlib.util.find_spec("rich") else TQDMProgressBar
+
+
+@pytest.mark.parametrize(("terminal", "progress"), [(True, DEFAULT_BAR), (False, PlainProgress)])
 def test_the_progress_bar_is_tqdm_in_a_terminal_and_plain_lines_in_a_log_file(terminal, progress, monkeypatch,
                                                                                tmp_path):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
     monkeypatch.setattr(sys, "argv", ["train.py"])
     run = main(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar", "true",
                 "--trainer.fast_dev_run", "1"])
-    shown = [c for c in run.trainer.callbacks if isinstance(c, (TQDMProgressBar, PlainProgress))]
+    shown = [c for c in run.trainer.callbacks if isinstance(c, (TQDMProgressBar, RichProgressBar, PlainProgress))]
     assert [type(c) for c in shown] == [progress]
 
 

@@ -250,6 +250,20 @@ def test_the_card_front_matter_says_what_the_hub_shows(tmp_path):
         assert hub_base_model(local) is None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pretrained", ["w" * 4000, "hf-hub:org/name\nlicense: mit", "hf-hub:/home/me/weights"])
+def test_a_pretrained_setting_that_is_no_hub_id_exports_without_a_base_model(pretrained, checkpoint, tmp_path):
+    import yaml
+
+    recorded = torch.load(checkpoint, weights_only=True)
+    recorded["hyper_parameters"]["pretrained"] = pretrained  # 4,000 characters: longer than a file name may be
+    odd = tmp_path / "odd.ckpt"
+    torch.save(recorded, odd)
+    assert main(["--ckpt_path", str(odd), "--out", str(tmp_path / "out")]) == 0
+    front = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---\n")[1])
+    assert "base_model" not in front and set(front) == {"library_name", "pipeline_tag", "metrics", "tags"}
+
+
 def test_a_license_that_is_not_a_hub_id_is_refused_naming_the_form(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--ckpt_path", "x.ckpt", "--out", str(tmp_path / "out"), "--license", "Apache 2.0"])

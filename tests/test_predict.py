@@ -218,7 +218,8 @@ def test_bad_paths_and_checkpoints_are_reported(checkpoint, images, tmp_path, ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--batch_size", "0"], "--batch_size 0 is not allowed: expected an int >= 1"),
+    (["--batch_size", "0"], "--batch_size 0 is not allowed: expected an int in [1, 65536]"),
+    (["--batch_size", "1" + "0" * 30], f"--batch_size 1{'0' * 30} is not allowed: expected an int in [1, 65536]"),
     (["--num_workers", "-1"], "--num_workers -1 is not allowed: expected an int >= 0"),
     (["--device", "tpu9"], "--device 'tpu9' is not"),
     pytest.param(["--device", "cuda"], "--device cuda was asked for, but this machine has no CUDA GPU",
@@ -249,6 +250,7 @@ def test_workers_write_the_same_rows_and_progress_is_plain_lines_off_a_terminal(
 @pytest.mark.parametrize("topk, message", [
     ("0", "error: --topk 0 is not allowed: expected an int >= 1"),
     ("3", "error: --topk 3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
+    ("1" + "0" * 30, f"error: --topk 1{'0' * 30} is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
 ])
 def test_a_topk_the_model_cannot_give_is_refused_before_any_image_is_read(topk, message, checkpoint, images, tmp_path,
                                                                          capsys, monkeypatch):

@@ -87,7 +87,8 @@ def test_mimetic_init_gives_the_weights_the_library_gave():
     for block, (first_row, trace, v_sum) in MIMETIC_SEED0.items():
         w = model.blocks[block].attn.qkv.weight.detach().double()
         product = w[:64].T @ w[64:128]
-        assert product[0, :3].tolist() == pytest.approx(first_row, rel=1e-5, abs=1e-7)
+        # Entries of a float32 product of order 1: the last bits differ between CPUs' kernels (2e-7 seen on CI).
+        assert product[0, :3].tolist() == pytest.approx(first_row, rel=1e-5, abs=1e-6)
         assert product.trace().item() == pytest.approx(trace, rel=1e-6)
         assert w[128:].sum().item() == pytest.approx(v_sum, rel=1e-6)
 

@@ -12,8 +12,10 @@ read as `vit.predict` reads them, then resized and normalised as the checkpoint 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -24,14 +26,20 @@ from PIL import Image, ImageOps
 from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int, check_topk, class_index
-from vit.data.images import decode_image, to_input
+from vit.data.images import NON_FINITE, decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
-from vit.training.checkpoint import read
+from vit.training.checkpoint import CheckpointError, read
 from vit.training.checkpoint.build import inference_transform, trained_backbone
 
 ImageLike = str | os.PathLike | Image.Image
 Images = ImageLike | Iterable[ImageLike] | Tensor
 AUTOCAST = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision: the dtype autocast runs in
+# The float32 input one forward pass may hold. A checkpoint may ask for images of up to 4096 x 4096 x 64 (the schema's
+# LIMITS), so the default 256 images per batch could be tens of GB. A larger batch gives the same predictions (each
+# image's pass is its own; only the rounding of blocked products differs), so the batch is shrunk to fit rather than
+# refused: the default batch size works for every checkpoint. One image larger than this still runs, alone.
+INPUT_BYTES = 2**30
+MAX_BATCH_SIZE = 2**16  # images per forward pass; more brings no speed, and Python's slicing overflows far beyond it
 
 
 class Prediction(NamedTuple):
@@ -39,6 +47,39 @@ class Prediction(NamedTuple):
 
     class_name: str
     probability: float
+
+
+class NonFiniteError(ValueError):
+    """The model gives NaN or infinite probabilities for an image: `image` names it, `index` is its place in the call,
+    `reason` says whether its input or the model's arithmetic is at fault."""
+
+    def __init__(self, image: str, index: int, reason: str) -> None:
+        super().__init__(f"{image}: {reason}")
+        self.image, self.index, self.reason = image, index, reason
+
+
+class NonFiniteModelError(NonFiniteError, CheckpointError):
+    """`NonFiniteError` of a finite image: the weights overflow, so the checkpoint is at fault whatever the image (as
+    for NaN weights, which reading it refuses)."""
+
+
+def fitting_batch_size(batch_size: int, inputs: dict, budget: int | None = None) -> int:
+    """`batch_size`, or fewer images so that one batch of float32 inputs `(B, C, H, W)` (`inputs`: a checkpoint's
+    `img_size` and `in_chans`) holds at most `budget` bytes (default `INPUT_BYTES`); never fewer than one."""
+    check_int("batch_size", batch_size, 1, MAX_BATCH_SIZE)
+    per_image = 4 * inputs["in_chans"] * math.prod(inputs["img_size"])  # float32 bytes of one (C, H, W)
+    return max(1, min(batch_size, (INPUT_BYTES if budget is None else budget) // per_image))
+
+
+def check_source(path_or_url: object) -> None:
+    """Raise unless `path_or_url` names a checkpoint: a non-empty str (a path or URL) or an `os.PathLike` of one."""
+    text = os.fspath(path_or_url) if isinstance(path_or_url, os.PathLike) else path_or_url
+    if not isinstance(text, str):  # bytes paths too: the commands and the cache name files by text
+        raise TypeError(f"path_or_url={path_or_url!r} is not allowed: expected a path (a str or os.PathLike) or an "
+                        "http(s) URL")
+    if not text.strip():
+        raise ValueError(f"path_or_url={path_or_url!r} is not allowed: expected a path or an http(s) URL, not an "
+                         "empty string")
 
 
 def resolve_device(device: str | torch.device, option: str = "device=") -> torch.device:
@@ -64,12 +105,17 @@ class Predictor:
     """A checkpoint's backbone for inference: `model` (eval mode), `class_names`, `inputs` (what the checkpoint
     records of its input), `transform` (PIL image -> input `(C, H, W)`), `precision` (`32`, or autocast to `bf16` or
     `fp16`). Inputs go where the model is (`.to(device)`); results come back on the CPU. Safe to share between
-    threads: `explain` runs one call at a time (it hooks the model's attention)."""
+    threads: images are decoded in parallel, the model runs one forward pass at a time."""
 
     def __init__(self, model: nn.Module, inputs: dict, class_names: list[str], precision: str = "32") -> None:
         self.model, self.inputs, self.class_names = model.eval(), inputs, list(class_names)
         self.transform = inference_transform(inputs)
-        self._explaining = threading.Lock()
+        # Every use of the model holds this lock: `explain` changes the model itself while it runs (it sets each
+        # attention layer's recorder, which also turns off the fused kernel, hooks Grad-CAM's layer and flips the
+        # eval/train flags), so a forward pass of another thread meanwhile would be recorded into its maps, or
+        # computed on the other path, or refused as nested recording.
+        self._model_lock = threading.Lock()
+        self._said_batch_size = False  # the note that a batch was shrunk to fit INPUT_BYTES is given once
         check_choice("precision", precision, AUTOCAST)
         self.precision = precision
 
@@ -79,7 +125,9 @@ class Predictor:
 
     def to(self, device: str | torch.device) -> Predictor:
         """Move the model to `device` (`auto`, `cpu`, `cuda`, `cuda:N` or `mps`); returns the predictor."""
-        self.model.to(resolve_device(device))
+        target = resolve_device(device)
+        with self._model_lock:
+            self.model.to(target)
         if self.precision == "fp16" and self.device.type == "cpu":
             raise ValueError("precision='fp16' runs on a GPU; on the CPU use precision='bf16' or '32'")
         return self
@@ -98,27 +146,63 @@ class Predictor:
                             for image in images])
 
     def batches(self, images: Images, batch_size: int) -> Iterator[Tensor]:
-        """The model's input `batch_size` images at a time: an iterable is read only as far as each batch needs."""
-        check_int("batch_size", batch_size, 1)
+        """The model's input `batch_size` images at a time (fewer where a batch would hold more than `INPUT_BYTES`):
+        an iterable is read only as far as each batch needs."""
+        for _, x in self._named_batches(images, batch_size):
+            yield x
+
+    def _named_batches(self, images: Images, batch_size: int) -> Iterator[tuple[list[str], Tensor]]:
+        """`(names, x)` per batch of `batches`: each image as an error names it (a path, else `images[i]`)."""
+        fitting = fitting_batch_size(batch_size, self.inputs)  # checks batch_size too
+        if fitting < batch_size and not self._said_batch_size:
+            self._said_batch_size = True
+            channels, (height, width) = self.inputs["in_chans"], self.inputs["img_size"]
+            warnings.warn(f"batch_size={batch_size} images of {channels} x {height} x {width} would hold "
+                          f"{batch_size * 4 * channels * height * width / 2**30:.1f} GiB of input; running {fitting} "
+                          f"per forward pass (at most {INPUT_BYTES / 2**30:g} GiB)", stacklevel=3)
         if isinstance(images, (Tensor, str, os.PathLike, Image.Image)):
-            yield from self.images(images).split(batch_size)
+            x = self.images(images)
+            names = [image_name(images, 0)] if not isinstance(images, Tensor) else [
+                f"images[{i}]" for i in range(len(x))]
+            for start in range(0, len(x), fitting):
+                yield names[start:start + fitting], x[start:start + fitting]
             return
-        iterator = iter(images)
-        while chunk := list(islice(iterator, batch_size)):
-            yield self.images(chunk)
+        iterator, start = iter(images), 0
+        while chunk := list(islice(iterator, fitting)):
+            yield [image_name(image, start + i) for i, image in enumerate(chunk)], self.images(chunk)
+            start += len(chunk)
 
     @torch.no_grad()
     def probabilities(self, images: Images, batch_size: int = 256) -> Tensor:
         """Class probabilities `(B, num_classes)` on the CPU, `batch_size` images per forward pass on the model's
-        device, under autocast to `precision`: what `vit.predict` writes."""
-        device, dtype = self.device, AUTOCAST[self.precision]
+        device, under autocast to `precision`: what `vit.predict` writes. `NonFiniteError` naming the first image
+        whose probabilities are NaN or infinite."""
+        device, dtype, start, out = self.device, AUTOCAST[self.precision], 0, []
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            return torch.cat([self.model(x.to(device)).float().softmax(dim=-1).cpu()
-                              for x in self.batches(images, batch_size)])
+            for names, x in self._named_batches(images, batch_size):
+                with self._model_lock:
+                    probs = self.model(x.to(device)).float().softmax(dim=-1).cpu()  # (B, num_classes)
+                self._check_finite(probs, x, names, start)
+                out.append(probs)
+                start += len(x)
+        return torch.cat(out) if out else torch.zeros(0, len(self.class_names))
+
+    def _check_finite(self, probs: Tensor, x: Tensor, names: list[str], start: int) -> None:
+        """Raise `NonFiniteError` for the first row of `probs` that is not finite, saying whether its input is."""
+        bad = (~torch.isfinite(probs).all(dim=-1)).nonzero().flatten().tolist()
+        if not bad:
+            return
+        i = bad[0]
+        if not torch.isfinite(x[i]).all():
+            raise NonFiniteError(names[i], start + i, f"the image {NON_FINITE}; the model cannot classify it")
+        where = "float32" if self.precision == "32" else f"precision {self.precision} (try '32')"
+        raise NonFiniteModelError(names[i], start + i, f"the model's probabilities are NaN or infinite although the "
+                                  f"image is finite: its logits overflow {where}; the checkpoint's weights cannot "
+                                  "classify it")
 
     def predict(self, images: Images, topk: int = 1, batch_size: int = 256) -> list[list[Prediction]]:
         """Per image (a file, a PIL image, any iterable of them, or a batch), its `topk` most probable classes, best
-        first; images are decoded `batch_size` at a time."""
+        first; images are decoded `batch_size` at a time. An empty iterable gives an empty list."""
         check_topk(topk, len(self.class_names), option="topk=")
         confidence, classes = self.probabilities(images, batch_size).topk(topk, dim=-1)  # (B, K) each, best first
         return [[Prediction(self.class_names[k], p) for k, p in zip(ks, ps)]
@@ -134,13 +218,24 @@ class Predictor:
         x = image[None] if isinstance(image, Tensor) and image.ndim == 3 else self.images(image)
         if x.shape[0] != 1:
             raise ValueError(f"explain takes one image, got {x.shape[0]}; call it once per image")
-        with self._explaining:
-            return relevance(self.model, x.to(self.device), method, target)[0].cpu()
+        with self._model_lock:
+            result = relevance(self.model, x.to(self.device), method, target)[0].cpu()  # (gh, gw)
+        if not torch.isfinite(result).all():
+            name = image_name(image, 0) if not isinstance(image, Tensor) else "the input"
+            what = "the image holds" if not torch.isfinite(x).all() else "the model's arithmetic gives"
+            raise NonFiniteError(name, 0, f"its {method} map is NaN or infinite: {what} NaN or infinite values")
+        return result
+
+
+def image_name(image: object, index: int) -> str:
+    """How an error names an image of a call: a file by its path, anything else by its place, `images[i]`."""
+    return os.fspath(image) if isinstance(image, (str, os.PathLike)) else f"images[{index}]"
 
 
 def load(path_or_url: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "32") -> Predictor:
     """The trained backbone of a `train.py` checkpoint (a path or an http(s) URL), ready for inference on `device`
     (`auto`: a GPU when there is one) with `precision` `32`, `bf16` or `fp16` (autocast; `fp16` on a GPU)."""
+    check_source(path_or_url)
     check_choice("precision", precision, AUTOCAST)
     target = resolve_device(device)  # before the checkpoint is read
     checkpoint = read(path_or_url, training=False)  # only the backbone is built: no Lightning, no training classes

@@ -40,6 +40,8 @@ _PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "inter
                         "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
 _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: apache-2.0, mit, cc-by-4.0, other, ...
 FILES = ("model.safetensors", "config.json", "README.md")  # what `export` writes into --out
+# The longest `pretrained` looked at for a base model: `hf-hub:`, an `org/name` of 96 + 1 + 96 characters, `@revision`.
+MAX_SOURCE_CHARS = 256
 
 
 class ExportError(ValueError):
@@ -128,21 +130,40 @@ def hub_dataset(data: dict) -> str | None:
 
 def hub_base_model(pretrained: object) -> str | None:
     """The Hub id of the weights `ImageClassifier(pretrained=...)` started from: a hub id without `hf-hub:` and
-    `@revision`, a timm name as its repo (`timm/<name>.<tag>`); None for a local file or a name timm does not know."""
+    `@revision`, a timm name as its repo (`timm/<name>.<tag>`); None for a local file, a name timm does not know, or
+    anything that is not one line a Hub id could be (`is_hub_id`): the model card's front matter carries no other."""
     from timm.models import get_pretrained_cfg
 
     from vit.models.weights import source_kind
 
-    if not isinstance(pretrained, str) or not pretrained:
+    if not isinstance(pretrained, str) or not 0 < len(pretrained) <= MAX_SOURCE_CHARS or not pretrained.isprintable():
         return None
-    kind = source_kind(pretrained)
+    try:
+        kind = source_kind(pretrained)
+    except OSError:  # a name the file system cannot look up (one part longer than it allows): no Hub id either
+        return None
     if kind == "hub":
-        return re.sub(r"^hf[-_]hub:", "", pretrained, flags=re.IGNORECASE).split("@", 1)[0]
+        base = re.sub(r"^hf[-_]hub:", "", pretrained, flags=re.IGNORECASE).split("@", 1)[0]
+        return base if is_hub_id(base) else None
     try:
         cfg = get_pretrained_cfg(pretrained) if kind == "name" else None
     except RuntimeError:  # a tag timm does not have
         return None
-    return cfg.hf_hub_id if cfg is not None and cfg.hf_hub_id else None
+    return cfg.hf_hub_id if cfg is not None and is_hub_id(cfg.hf_hub_id) else None
+
+
+def is_hub_id(text: object) -> bool:
+    """Whether `text` is a Hub repo id as the Hub spells them: `name` or `org/name`, ASCII letters, digits, `-`, `_`
+    and `.`, at most 96 characters each (huggingface_hub's own check); never a path, never two lines."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(text, str) or not text or not text.isascii():
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None,

@@ -59,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def prepare(args: argparse.Namespace) -> Predictor:
     """The arguments checked, then the checkpoint's model on `--device`, ready for inference."""
-    from vit.api import load, resolve_device
+    from vit.api import MAX_BATCH_SIZE, load, resolve_device
     from vit.checks import check_topk
 
     check_paths(args.input_dir, args.output, args.overwrite)
-    for option, minimum in (("batch_size", 1), ("topk", 1), ("num_workers", 0)):  # --topk <= classes: checked below
+    if not 1 <= args.batch_size <= MAX_BATCH_SIZE:
+        raise PredictError(f"--batch_size {args.batch_size} is not allowed: expected an int in [1, {MAX_BATCH_SIZE}]")
+    for option, minimum in (("topk", 1), ("num_workers", 0)):  # --topk <= classes, --num_workers <= cores: below
         if getattr(args, option) < minimum:
             raise PredictError(f"--{option} {getattr(args, option)} is not allowed: expected an int >= {minimum}")
     predictor = load(args.ckpt_path, resolve_device(args.device, "--device "), args.precision)
@@ -72,23 +74,41 @@ def prepare(args: argparse.Namespace) -> Predictor:
 
 
 def predict(args: argparse.Namespace, predictor: Predictor) -> int:
-    """Classify `--input_dir`'s readable images batch by batch, writing rows as they come; 1 if none or no CSV."""
+    """Classify `--input_dir`'s readable images batch by batch, writing rows as they come; 1 if none, no CSV, or the
+    model's probabilities for an image are NaN or infinite (then nothing is written: no row of NaN, no CSV lacking
+    the image)."""
     import torch
 
+    from vit.api import INPUT_BYTES, NonFiniteError, fitting_batch_size
     from vit.data.base import usable_workers
-    from vit.data.images import ImageFiles, image_files, readable_batches
+    from vit.data.images import NON_FINITE, ImageFiles, image_files, readable_batches
     from vit.training.predictions import prediction_table, write_csv
 
     files, skipped, names = ImageFiles(image_files(args.input_dir), predictor.transform), {}, predictor.class_names
+    batch_size = fitting_batch_size(args.batch_size, predictor.inputs)  # before any image is decoded
+    if batch_size < args.batch_size:
+        channels, (height, width) = predictor.inputs["in_chans"], predictor.inputs["img_size"]
+        print(f"note: --batch_size {args.batch_size} images of {channels} x {height} x {width} would hold "
+              f"{args.batch_size * 4 * channels * height * width / 2**30:.1f} GiB of input; decoding {batch_size} "
+              f"per batch (at most {INPUT_BYTES / 2**30:g} GiB)", file=sys.stderr)
 
     def rows():  # each batch's rows; progress on stderr: redrawn in place on a terminal, else a line every 10 s
         done, start, shown, tty = 0, time.monotonic(), 0.0, sys.stderr.isatty()
-        for indices, x, unread in readable_batches(files, args.batch_size, usable_workers(args.num_workers)):
+        for indices, x, unread in readable_batches(files, batch_size, usable_workers(args.num_workers)):
             skipped.update({files.names[i]: why for i, why in unread.items()})
-            if x is not None:
-                probs = predictor.probabilities(x, args.batch_size)
+            done += len(indices) + len(unread)
+            if x is not None:  # an image of NaN pixels is the file's fault: skipped, as an unreadable one
+                finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()
+                skipped.update({files.names[i]: NON_FINITE
+                                for i, ok in zip(indices, finite) if not ok})
+                indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
+            if x is not None and indices:
+                try:
+                    probs = predictor.probabilities(x, batch_size)
+                except NonFiniteError as err:  # from finite pixels: the model's fault, every image may meet it
+                    raise NonFiniteError(files.names[indices[err.index]], indices[err.index], err.reason) from None
                 yield from prediction_table([files.names[i] for i in indices], probs, names, args.topk)[1]
-            done, now = done + len(indices) + len(unread), time.monotonic()
+            now = time.monotonic()
             if tty or now - shown >= 10 or done == len(files):
                 shown = now
                 print(f"{args.input_dir}: {done}/{len(files)} images, {done / max(now - start, 1e-9):.1f} images/s",
@@ -99,6 +119,8 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
         count = write_csv(args.output, header, rows(), keep_empty=False)
     except OSError as err:  # a full disk: write_csv has removed its temporary file, --output is untouched
         return write_failed("--output", args.output, err)
+    except NonFiniteError as err:  # no row is written for it, and no CSV that would lack it
+        return fail(f"{err}; nothing was written", status=1)
     print_skipped(skipped)
     if not count:
         return fail(f"no readable image in {args.input_dir}; nothing was written", status=1)

@@ -61,6 +61,7 @@ from studies.runner.grid import calibration_plan, choose_lr, load_config, plan
 from studies.runner.lock import Stopped
 from studies.runner.report import write_reports
 from studies.runner.runs_csv import StudyError, read_rows
+from vit.training.run_dir import printable
 
 PROG = "python -m studies.runner"
 EXECUTORS = ("local", "debug", "slurm")
@@ -108,18 +109,22 @@ def read_config(path: str) -> dict:
 
 @contextmanager
 def exit_codes(csv_path: Path):
-    """A ``StudyError`` as one `error:` line and exit status 2; SIGTERM and Ctrl-C as one line and 128 + the
-    signal, naming the finished runs kept in ``csv_path``; any other error keeps its traceback."""
+    """A ``StudyError`` as one `error:` line and exit status 2, failed runs (``study.RunsFailed``, each named) as one
+    and 1; SIGTERM and Ctrl-C as one line and 128 + the signal, naming the finished runs kept in ``csv_path``; any
+    other error keeps its traceback."""
     try:
         yield
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except study.RunsFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     except (Stopped, KeyboardInterrupt) as err:
         signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
         print(f"stopped by {signal.Signals(signum).name}: the {len(read_rows(csv_path))} finished runs are kept in "
-              f"{csv_path} and the runs under way were stopped; rerun the same command to go on (those are redone)",
-              file=sys.stderr)
+              f"{printable(csv_path)} and the runs under way were stopped; rerun the same command to go on (those are "
+              "redone)", file=sys.stderr)
         raise SystemExit(128 + signum) from None
 
 
@@ -161,8 +166,9 @@ def _list_and_report(args, cfg: dict, csv_path: Path, prog: str) -> None:
         print(f"{sum(r.key in keys for r in runs)}/{len(runs)} runs done")
     if args.report_only:
         if not rows:
-            raise StudyError(f"no finished runs in {csv_path.parent} yet (no rows in {csv_path.name}), so there is "
-                             f"nothing to report: start the study with {prog} --config {args.config}")
+            raise StudyError(f"no finished runs in {printable(csv_path.parent)} yet (no rows in "
+                             f"{printable(csv_path.name)}), so there is nothing to report: start the study with "
+                             f"{prog} --config {printable(args.config)}")
         write_reports(rows, csv_path.parent, cfg)
 
 

@@ -15,6 +15,7 @@ import yaml
 from studies.runner import arrangement
 from vit.checks import check_choice
 from vit.data import same_different, two_circles
+from vit.training.run_dir import printable
 
 # Every task the study can run: its data module and the placement regions it knows.
 TASK_DATA = {
@@ -111,7 +112,7 @@ def load_config(path: str | Path) -> dict:
         cfg = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"study config {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
-    where = str(path)
+    where = printable(path)  # a name's escape sequences would reach the terminal
     if not isinstance(cfg, dict):
         got = "an empty file" if cfg is None else type(cfg).__name__
         raise ValueError(f"{where}: expected a mapping at the top level, got {got}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from studies.runner import processes
 from studies.runner.runs_csv import StudyError
+from vit.training.run_dir import printable
 
 LOCK_NAME = "study.lock"  # in out_dir, held by the invocation running the study (lock_out_dir)
 
@@ -37,6 +38,7 @@ def lock_out_dir(out_dir: Path):
     and while one does, the next invocation is refused too (``processes.live_jobs``).
     """
     path = out_dir / LOCK_NAME
+    shown, shown_path = printable(out_dir), printable(path)  # as messages show them
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
@@ -46,23 +48,24 @@ def lock_out_dir(out_dir: Path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pid = os.pread(fd, 32, 0).decode(errors="replace").partition("\n")[0].strip() or "unknown"
-            raise StudyError(f"{out_dir} is in use by another study invocation (PID {pid}, lock {path}): wait for it "
-                             f"to finish, or stop it (kill {pid}) and rerun; two at once would redo each other's "
-                             "runs") from None
+            pid = printable(pid)
+            raise StudyError(f"{shown} is in use by another study invocation (PID {pid}, lock {shown_path}): wait "
+                             f"for it to finish, or stop it (kill {pid}) and rerun; two at once would redo each "
+                             "other's runs") from None
         except OSError as err:
-            raise StudyError(f"{path} cannot be locked ({err.strerror}): put out_dir on a filesystem with "
+            raise StudyError(f"{shown_path} cannot be locked ({err.strerror}): put out_dir on a filesystem with "
                              "locks") from None
         text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
-        previous = text.partition("\n")[0].strip()
+        previous = printable(text.partition("\n")[0].strip())
         if orphans := processes.live_jobs(text):  # a local job's run ignores SIGTERM (submitit): kill -9 stops it
             runs = ", ".join(f"{key} (PIDs {' '.join(map(str, tree))})" for key, tree in orphans)
             pids = " ".join(str(pid) for _, tree in orphans for pid in tree)
-            raise StudyError(f"{out_dir}: the study invocation that held {path} (PID {previous or 'unknown'}) was "
+            raise StudyError(f"{shown}: the study invocation that held {shown_path} (PID {previous or 'unknown'}) was "
                              f"killed, but runs it started still run: {runs}. Their results can no longer be "
                              f"recorded: stop them (kill -9 {pids}) or wait for them to end, then rerun; started "
                              "now, they would run twice in the same folders")
         if previous:
-            print(f"taking over {path}: the invocation that held it (PID {previous}) ended without releasing it "
+            print(f"taking over {shown_path}: the invocation that held it (PID {previous}) ended without releasing it "
                   "(killed?); its unfinished runs are redone", file=sys.stderr, flush=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -81,7 +84,7 @@ def lock_out_dir(out_dir: Path):
 def _unusable(key: str, path: Path, err: OSError) -> StudyError:
     """The error of a folder from the config that cannot be created or written: one line naming the value."""
     reason = ("it exists and is not a folder" if os.path.exists(path) and not os.path.isdir(path)
-              else f"creating {err.filename} failed ({err.strerror})")
+              else f"creating {printable(err.filename)} failed ({err.strerror})")
     return StudyError(f"{key}={str(path)!r} cannot be used: {reason}; expected a folder that this user can create "
                       "and write in")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -16,6 +17,7 @@ import submitit
 import yaml
 
 from studies.runner.grid import Run
+from vit.training.run_dir import printable
 
 PREDICTIONS = "predictions"  # <out_dir>/predictions/<run key>.npz: each run's per-image test predictions
 
@@ -40,6 +42,30 @@ def _last_train_acc(log_dir: Path) -> float:
 
 STUDY_WANDB = "READABLE_VIT_STUDY_WANDB"  # offline | online: each run also on W&B, grouped by its cell
 WANDB_MODES = ("offline", "online")
+
+
+class _ErrorLine:
+    """stderr as it is, remembering the tail of what was written: the one `error:` line `train.py` prints before it
+    exits, which its `SystemExit` does not carry."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.tail = stream, ""
+
+    def write(self, text: str) -> int:
+        self.tail = (self.tail + text)[-8192:]
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):  # flush, isatty, fileno, encoding: the stream's own
+        return getattr(self.stream, name)
+
+    def error(self) -> str | None:
+        lines = [line for line in self.tail.splitlines() if line.startswith("error: ")]
+        return printable(lines[-1].removeprefix("error: ")) if lines else None
+
+
+def failed(run: Run) -> str:
+    """How the error of a run that failed begins: the run named by its key, model and seed."""
+    return f"run {run.key} (model {run.model}, seed {run.seed}) failed: "
 
 
 def cell_key(run: Run) -> str:
@@ -185,8 +211,16 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
         # about `python -m studies.runner`'s own sys.argv. TensorBoard and CSV share the run directory.
         warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
         warnings.filterwarnings("ignore", message=".*exists and is not empty")
+        stderr = _ErrorLine(sys.stderr)
         try:
-            cli = main(args=["fit", "--config", base_config, "--config", str(overrides_path)])
+            with contextlib.redirect_stderr(stderr):
+                cli = main(args=["fit", "--config", base_config, "--config", str(overrides_path)])
+        except SystemExit as stop:
+            if stop.code not in (1, 2):  # a signal's exit status: the study's own stop handles it
+                raise
+            # An error of this run (2: its config, e.g. a value the model's constructor refuses; 1: in training):
+            # a failed run naming itself, where a bare SystemExit would end the whole study, naming nothing.
+            raise RuntimeError(failed(run) + (stderr.error() or f"train.py exited with status {stop.code}")) from None
         finally:
             finish_wandb_run()
     seconds = time.perf_counter() - start

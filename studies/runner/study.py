@@ -11,15 +11,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import submitit
+from submitit.core.utils import FailedJobError
 
 from studies.runner import processes
 from studies.runner.grid import Run, calibration_plan, choose_lr, load_config, plan
 from studies.runner.lock import lock_out_dir, make_dirs, stop_on_sigterm
 from studies.runner.report import write_reports
-from studies.runner.run import PREDICTIONS, StudyJob, code_revision
+from studies.runner.run import PREDICTIONS, StudyJob, code_revision, failed
 from studies.runner.runs_csv import StudyError, append_row, read_rows
+from vit.training.run_dir import printable
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root, which holds the `studies` package
+
+
+class RunsFailed(RuntimeError):
+    """Runs of the study failed, each named with why; the others finished and their rows are kept."""
 
 
 def slurm_parameters(*, partition: str | None, time_min: int, gpus: int, cpus: int, parallel: int) -> dict:
@@ -57,10 +63,10 @@ def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, on_submit
         try:
             row = handle.result()
         except Exception as err:  # noqa: BLE001 - every failure is reported at the end, with its log
-            lines = str(err).strip().splitlines() or [type(err).__name__]
-            failures.append((job.run.key, lines[-1]))
-            print(f"FAILED {job.run.key}: {lines[-1]} (log: {getattr(handle, 'paths', None) and handle.paths.stderr})",
-                  file=sys.stderr, flush=True)
+            line = failure_line(err, job.run)
+            failures.append((job.run.key, line))
+            print(f"FAILED {job.run.key} (model {job.run.model}, seed {job.run.seed}): {line} (log: "
+                  f"{getattr(handle, 'paths', None) and handle.paths.stderr})", file=sys.stderr, flush=True)
             return
         on_done(job, row)
 
@@ -92,6 +98,23 @@ def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, on_submit
         _cancel([handle for _, handle in running], wait_s=10.0 if getattr(executor, "cluster", None) == "local" else 0)
         raise
     return failures
+
+
+RULE = "----------------------\n"  # what frames the job's traceback in submitit's FailedJobError
+
+
+def failure_line(err: BaseException, run: Run) -> str:
+    """Why ``run`` failed, in one line: the error's last line; for a job in another process (submitit's
+    ``FailedJobError``, whose message ends with the paths of its logs) the last line of its traceback, the exception.
+    Without what the caller prints itself: the type's name and the run's name of ``run_one``'s errors (``failed``)."""
+    text = str(err)
+    if isinstance(err, FailedJobError) and text.count(RULE) >= 2:
+        text = text.split(RULE)[1]
+    line = printable((text.strip().splitlines() or [type(err).__name__])[-1])
+    name, _, message = line.partition(": ")
+    if not all(part.isidentifier() for part in name.split(".")):  # no type in front: the error itself (debug)
+        message = line
+    return message.removeprefix(failed(run)) if message.startswith(failed(run)) else line
 
 
 def _cancel(handles: list, *, wait_s: float) -> None:
@@ -169,7 +192,7 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
         for run in runs:
             row = done.get(run.key)
             if row is not None and row["fingerprint"] != run.fingerprint:
-                raise StudyError(f"{csv_path} holds run {run.key} made with other settings (fingerprint "
+                raise StudyError(f"{printable(csv_path)} holds run {run.key} made with other settings (fingerprint "
                                  f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
                                  f"out_dir/log_dir for the new settings, or move the old results away")
         todo = [run for run in runs if run.key not in done]
@@ -198,7 +221,7 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
         finally:
             bar.close()  # also when stopped: the message that follows starts a line of its own
         if failures:
-            raise RuntimeError(f"{len(failures)} runs failed (rerun the same command to retry them): "
+            raise RunsFailed(f"{len(failures)} runs failed (rerun the same command to retry them): "
                                + "; ".join(f"{k}: {e}" for k, e in failures))
 
     if "shortcuts" in cfg and not (out_dir / "shortcuts.csv").exists():
@@ -206,7 +229,7 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
         from studies.runner import shortcuts
 
         shortcuts.write([r for t in shortcuts.TASKS for r in shortcuts.audit(t, **cfg["shortcuts"])], out_dir)
-        print(f"shortcut audit written to {out_dir / 'shortcuts.md'}", flush=True)
+        print(f"shortcut audit written to {printable(out_dir / 'shortcuts.md')}", flush=True)
     lrs = None
     if "calibration" in cfg:
         execute(calibration_plan(cfg), "calibration runs")

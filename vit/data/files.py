@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -14,10 +15,17 @@ from vit.checks import file_kind
 
 SHOWN_SKIPPED = 20  # a folder of 20,000 unreadable files is summed up in one line, not listed
 
+# Characters a terminal or a text view acts on instead of showing: C0 and C1 controls (ESC starts the sequences that
+# clear the screen or move the cursor over a line already printed), line and paragraph separators, and the
+# bidirectional overrides and isolates that show the text after them in another order.
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
 
 def text_name(name: str) -> str:
-    """`name` as valid text: bytes that are not UTF-8 (lone surrogates, PEP 383) become escapes (`caf\\xff.png`)."""
-    return os.fsencode(name).decode("utf-8", "backslashreplace")
+    """`name` as valid text to show: bytes that are not UTF-8 (lone surrogates, PEP 383) and `CONTROL_CHARACTERS`
+    become escapes (`caf\\xff.png`, `\\x1b[2J.png`). Applied twice, it gives the same text."""
+    text = os.fsencode(name).decode("utf-8", "backslashreplace")
+    return CONTROL_CHARACTERS.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def visible_folders(folder: Path) -> list[str]:
@@ -78,7 +86,8 @@ def _walk(folder: str, seen_folders: set[str], skipped: dict[str, str]) -> list[
 
 
 def first_skipped(skipped: dict[str, str], template: str, limit: int = SHOWN_SKIPPED) -> list[str]:
-    """`template` (`{name}`, `{why}`) for the first `limit` of `skipped`, then `... and N more skipped file(s)`."""
-    shown = [template.format(name=name, why=why) for name, why in list(skipped.items())[:limit]]
+    """`template` (`{name}`, `{why}`) for the first `limit` of `skipped`, then `... and N more skipped file(s)`; names
+    and reasons as text to show (`text_name`), as they may hold control characters."""
+    shown = [template.format(name=text_name(name), why=text_name(why)) for name, why in list(skipped.items())[:limit]]
     rest = len(skipped) - len(shown)
     return shown + ([f"... and {rest} more skipped file(s)"] if rest > 0 else [])

@@ -67,6 +67,9 @@ class ImageFolderDataModule(SplitDataModule):
         for name, value, low in (("seed", seed, 0), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
             check_int(name, value, low)
         check_choice("normalization", normalization, Normalization)
+        if in_chans == 1 and normalization != "none":  # Normalize would broadcast one channel to three
+            raise ValueError(f"normalization={normalization!r} is a mean and std for 3 (RGB) channels, but in_chans=1: "
+                             "use normalization='none' for one channel")
         self.save_hyperparameters()
         self.root = Path(root)
         self.skipped: dict[str, str] = {}

@@ -4,6 +4,7 @@ normalised as in training (`build_transform`); a folder's or a list's images, de
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,16 @@ from vit.data.files import not_a_file, text_name
 # even RandomResizedCrop's smallest crop (0.28 of a side) keeps the input's resolution.
 DRAFT_MARGIN = 4
 
+# The formats an image file is opened in, whatever its name: the raster formats cameras, phones (a multi-picture
+# JPEG opens through JPEG), scanners and image tools write, each decoded by Pillow or a library linked into it. Never
+# EPS/PostScript, whose reader hands the file's own program to Ghostscript, nor Pillow's rarer readers: a file whose
+# name says .jpg is no reason to run them. Tried in this order: TGA has no signature, so it comes last.
+IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP", "PPM", "TGA")
+# What a file refused as no image format is, named from its first bytes, beside the signatures of Pillow's readers.
+OTHER_SIGNATURES = ((0, b"%PDF-", "PDF"), (4, b"ftypheic", "HEIC"), (4, b"ftypheix", "HEIC"), (4, b"ftypmif1", "HEIF"))
+NON_FINITE = "has NaN or infinite pixels"  # the reason an image, a file or a tensor, cannot be classified
+GREY_MODES = ("1", "L", "LA")  # 8-bit images of these modes are read as "L", of every other mode as "RGB"
+
 
 class UnreadableImageError(ValueError):
     """A file that cannot be decoded as an image: the message is `file: why`, one line; `reason` is the why."""
@@ -29,39 +40,82 @@ class UnreadableImageError(ValueError):
 
     @classmethod
     def for_file(cls, path: str | os.PathLike, reason: str) -> UnreadableImageError:
-        """The error `path: reason`, the path as text (`text_name`)."""
+        """The error `path: reason`, both as text to show (`text_name`): a reason may quote the file's own bytes."""
+        reason = text_name(reason)
         return cls(f"{text_name(str(path))}: {reason}", reason)
 
 
 def decode_image(path: str | os.PathLike, size: tuple[int, int] | None = None) -> Image.Image | torch.Tensor:
-    """The image at `path`, upright by its EXIF orientation, as `to_input` gives it, else `UnreadableImageError`. With
-    `size` (the model's input `(H, W)`), a JPEG is decoded at a reduced scale (`Image.draft`)."""
+    """The image at `path`, upright by its EXIF orientation, as `to_input` gives it, else `UnreadableImageError`. Only
+    `IMAGE_FORMATS` are read. With `size` (the model's input `(H, W)`), a JPEG is decoded at a reduced scale."""
     if (why := not_a_file(path)) is not None:
         raise UnreadableImageError.for_file(path, why)
     try:
-        with Image.open(path) as image:
+        with Image.open(path, formats=IMAGE_FORMATS) as image:
             if size is not None:  # only Pillow's JPEG reader drafts; the others ignore it
                 side = DRAFT_MARGIN * max(size)  # square: the image may be turned by its orientation
                 image.draft(None, (side, side))
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
             return to_input(image)
+    except UnreadableImageError as err:
+        raise UnreadableImageError.for_file(path, err.reason) from None
     except Image.DecompressionBombError as err:
         raise UnreadableImageError.for_file(path, f"too large to decode safely ({str(err).split(',')[0]}, twice "
                                             "PIL.Image.MAX_IMAGE_PIXELS, Pillow's guard against decompression "
                                             "bombs; raise that limit only for a file you trust)") from None
     except UnidentifiedImageError:  # Pillow's message is the whole path again
-        raise UnreadableImageError.for_file(path, "cannot identify image file: not a format Pillow reads") from None
-    except (OSError, ValueError, SyntaxError) as err:
+        raise UnreadableImageError.for_file(path, not_an_image(path)) from None
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as err:  # what Pillow's readers raise on bad data
         raise UnreadableImageError.for_file(path, first_line(err)) from None
 
 
+def not_an_image(path: str | os.PathLike) -> str:
+    """Why a file that opens in none of `IMAGE_FORMATS` is not read: what it is, when its first bytes say so."""
+    try:
+        with open(path, "rb") as file:
+            found = signature_format(file.read(16))  # as much as Pillow's readers look at to recognise a file
+    except OSError as err:
+        return err.strerror or str(err)
+    if found is None or found in IMAGE_FORMATS:  # an image format, but broken before its reader knew it
+        return "cannot identify image file: not a format Pillow reads"
+    article = "an" if found[0] in "AEFHILMNORSX" else "a"  # as the letter is spoken: an EPS, an HEIC, a PDF
+    return f"{article} {found} file; images are read as {', '.join(IMAGE_FORMATS[:-1])} or {IMAGE_FORMATS[-1]}"
+
+
+def signature_format(prefix: bytes) -> str | None:
+    """The format whose signature `prefix` (a file's first bytes) starts with, by byte tests alone: nothing decoded."""
+    for at, signature, name in OTHER_SIGNATURES:
+        if prefix[at:].startswith(signature):
+            return name
+    Image.init()  # every reader registered, each with its byte test (`accept`)
+    for name, (_, accept) in Image.OPEN.items():
+        if accept is None:  # a reader without a signature would claim any file
+            continue
+        try:
+            if accept(prefix) is True:  # a string is a warning: a near miss
+                return name
+        except Exception:  # noqa: BLE001 - a test that cannot read these few bytes does not recognise them
+            continue
+    return None
+
+
 def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
-    """8-bit images as they are; 16-bit and 32-bit ones as a `(1, H, W)` float tensor in [0, 1], by their real range
-    (16-bit values / 65535, other `I` / (2**31 - 1), `F` as it is when in [0, 1], else min-max scaled)."""
+    """8-bit images as an "L" (`GREY_MODES`) or "RGB" image, which every transform reads; 16-bit and 32-bit ones as a
+    `(1, H, W)` float tensor in [0, 1], by their real range (16-bit values / 65535, other `I` / (2**31 - 1), `F` as it
+    is when in [0, 1], else min-max scaled). `UnreadableImageError` for an image without pixels, with NaN or
+    infinite ones, or of a mode Pillow cannot convert."""
+    if image.width == 0 or image.height == 0:
+        raise _unreadable(f"has no pixels ({image.width}x{image.height})")
     if not image.mode.startswith(("I", "F")):
-        return image
+        target = "L" if image.mode in GREY_MODES else "RGB"
+        try:
+            return image if image.mode == target else image.convert(target)
+        except ValueError:  # "La"; "LAB" in Pillow versions without its conversion to "RGB"
+            raise _unreadable(f"a {image.mode} image, which Pillow cannot convert to {target}") from None
     pixels = np.asarray(image, dtype=np.float64)
+    if not np.isfinite(pixels).all():  # min-max scaling would skip them and the model would answer NaN
+        raise _unreadable(NON_FINITE)
     if image.mode.startswith("I;16"):
         pixels = pixels / 65535.0
     elif image.mode == "I":
@@ -70,6 +124,11 @@ def to_input(image: Image.Image) -> Image.Image | torch.Tensor:
         span = pixels.max() - pixels.min()
         pixels = (pixels - pixels.min()) / span if span > 0 else np.zeros_like(pixels)
     return torch.from_numpy(pixels.clip(0.0, 1.0).astype(np.float32))[None]  # (1, H, W)
+
+
+def _unreadable(reason: str) -> UnreadableImageError:
+    """`reason` for an image given in memory; `decode_image` puts the file's name in front."""
+    return UnreadableImageError(f"PIL image: {reason}", reason)
 
 
 def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization,

@@ -78,7 +78,7 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     """Draw the relevance maps over the images in colour, one row per image, a column per method; 1 without an image."""
     import torch
 
-    from vit.data.images import ImageFiles, image_files, readable_batches
+    from vit.data.images import NON_FINITE, ImageFiles, image_files, readable_batches
     from vit.explain.plot import rollout_grid
     from vit.explain.relevance import relevance
 
@@ -89,6 +89,9 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
         images.transform = lambda image: torch.cat([transform(image), colour(image)])  # one decode, (C + 3, H, W)
         for indices, batch, unread in readable_batches(images, 1):
             skipped.update({images.names[i]: why for i, why in unread.items()})
+            if batch is not None and not torch.isfinite(batch).all():  # the file's fault: skipped, as unreadable
+                skipped[images.names[indices[0]]] = NON_FINITE
+                continue
             files, x = files + [images.names[i] for i in indices], x + ([] if batch is None else [batch[0]])
             if len(x) == args.num_images:
                 break
@@ -105,13 +108,20 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
         shown = x = torch.stack([b[0] for b in batch])  # generated: drawn as the model sees them
         labels, files = [int(b[1]) for b in batch], [f"test image {i}" for i in range(len(batch))]
 
+    with torch.no_grad():
+        probs = backbone(x).softmax(-1)  # (B, num_classes)
     maps = {}
-    for method in methods:
+    for method in methods if torch.isfinite(probs).all() else []:  # an overflowing model: no map to compute
         explains_target = target is not None and method in CLASS_METHODS
         column = f"{method}: {names[target]}" if explains_target else method
         maps[column] = relevance(backbone, x, method, target if explains_target else None)
-    with torch.no_grad():
-        probs = backbone(x).softmax(-1)  # (B, num_classes)
+    finite = torch.isfinite(probs).all(dim=-1)  # (B,)
+    for m in maps.values():
+        finite &= torch.isfinite(m).flatten(1).all(dim=1)
+    if not finite.all():  # from finite pixels: the model's arithmetic overflows; no figure of NaN maps is drawn
+        return fail(f"{files[int((~finite).nonzero()[0])]}: the model's probabilities or relevance maps are NaN or "
+                    "infinite although the image is finite (its logits overflow float32); nothing was written",
+                    status=1)
     rollout_grid(shown, maps, titles=row_titles(files, probs, names, labels, target),
                  scale=args.scale).savefig(args.out, dpi=80)
     print(f"wrote {args.out}: {len(x)} images x {len(methods)} methods")

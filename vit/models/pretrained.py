@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -16,13 +17,27 @@ from timm.layers import resample_abs_pos_embed, resample_patch_embed
 from timm.models import adapt_input_conv
 from torch import nn
 
-from vit.models.vision_transformer import DEFAULT_SHAPE, VisionTransformer
-from vit.models.weights import UNKNOWN_NAME, PretrainedError, load_state_dict, source_kind
+from vit.checks import check_arguments, check_int, first_line
+from vit.models.vision_transformer import BOUNDS, DEFAULT_SHAPE, VisionTransformer
+from vit.models.weights import (
+    UNKNOWN_NAME,
+    PretrainedError,
+    load_state_dict,
+    open_regular_file,
+    source_kind,
+    weight_shapes,
+)
 
 log = logging.getLogger(__name__)
 
 # Keys of timm's ViT that this model does not have (`norm_pre` is an Identity without keys in the ViTs we load).
 _TIMM_ONLY = ("head_drop.", "norm_pre.")
+_BLOCK_KEY = re.compile(r"blocks\.([0-9]+)\.")
+_HEAD_KEYS = ("head.weight", "head.bias")  # of another shape: another num_classes, left fresh
+# The dimensions `adapt_state_dict` may change: the patch kernel's channels and size (D, C, P, P), the position
+# table's token count (1, N, D). Every other dimension of every tensor must be the model's already.
+_ADAPTED_DIMS = {"patch_embed.proj.weight": (1, 2, 3), "pos_embed": (1,)}
+_MAX_CONFIG_BYTES = 16 * 2**20  # a timm config.json, label names included, is far smaller
 
 
 def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None, depth: int | None,
@@ -38,28 +53,62 @@ def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None
 
 def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(DEFAULT_SHAPE)) -> dict[str, int]:
     """The `embed_dim`, `depth` and `num_heads` of the ViT that `source` holds, without downloading its weights: timm's
-    architecture for a timm name, else the tensors' shapes and `num_heads` from a `config.json` beside the file."""
+    architecture for a timm name, else the tensors' shapes and `num_heads` from a `config.json` beside the file.
+    The sizes are within `BOUNDS`, and the file holds every block's attention weights of that width: a model built
+    from them takes memory in proportion to the file's own bytes."""
     kind, text = source_kind(source), str(source)
     if kind == "hub" and text.split(":", 1)[-1].startswith("timm/"):  # timm's own repos are named after the model
         kind, text = "name", text.split(":", 1)[-1].removeprefix("timm/").split("@", 1)[0]
     if kind == "name":
         return _timm_shape(text)
-    shapes = _weight_shapes(source, kind)
-    if "patch_embed.proj.weight" not in shapes or not any(k.startswith("blocks.") for k in shapes):
+    shapes = {key: tuple(tensor.shape) for key, tensor in weight_shapes(source).items()}  # a header's: no data read
+    blocks = [int(found[1]) for key in shapes if (found := _BLOCK_KEY.match(key))]
+    patch = shapes.get("patch_embed.proj.weight", ())
+    if len(patch) != 4 or not blocks:
         raise PretrainedError(f"pretrained={text!r} holds no ViT weights (no patch_embed.proj.weight and blocks.N.*): "
                               f"set {', '.join(wanted)} by hand")
-    found = {"embed_dim": shapes["patch_embed.proj.weight"][0],
-             "depth": 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks."))}
-    config = Path(text).expanduser()
-    config = (config if config.is_dir() else config.parent) / "config.json"
-    heads = json.loads(config.read_text()).get("model_args", {}).get("num_heads") if config.is_file() else None
+    found = {"embed_dim": patch[0], "depth": 1 + max(blocks)}
+    heads = _config_heads(text)
     if heads is not None:
-        found["num_heads"] = int(heads)
-    elif "num_heads" in wanted:
+        found["num_heads"] = heads
+    try:
+        check_arguments(VisionTransformer, found, BOUNDS)
+        if heads is not None:
+            check_int("num_heads", heads, 1, found["embed_dim"])
+    except ValueError as err:
+        raise PretrainedError(f"pretrained={text!r}: the size its weights give is not allowed: {err}") from None
+    width = found["embed_dim"]
+    for i in range(found["depth"]):  # the fused query-key-value projection of every block, (3 * D, D)
+        key = f"blocks.{i}.attn.qkv.weight"
+        if shapes.get(key) != (3 * width, width):
+            held = f"has shape {shapes[key]}" if key in shapes else "is missing"
+            raise PretrainedError(f"pretrained={text!r}: {key} {held}, and the width embed_dim={width} of "
+                                  f"patch_embed.proj.weight needs ({3 * width}, {width}): its shapes are not those of "
+                                  f"one ViT of depth {found['depth']}")
+    if heads is None and "num_heads" in wanted:
         raise PretrainedError(f"pretrained={text!r}: the number of attention heads is not in the weights' shapes "
                               f"(embed_dim={found['embed_dim']}, depth={found['depth']} are): set num_heads "
                               "(--model.backbone.init_args.num_heads; timm's ViTs have embed_dim / 64)")
     return found
+
+
+def _config_heads(source: str) -> object:
+    """`model_args.num_heads` of the `config.json` beside the weights (or in their folder), None without one."""
+    path = Path(source).expanduser()
+    path = (path if path.is_dir() else path.parent) / "config.json"
+    if not path.exists():
+        return None
+    name = f"pretrained={source!r}: {path}"
+    with open_regular_file(path, name) as f:
+        text = f.read(_MAX_CONFIG_BYTES + 1)
+    if len(text) > _MAX_CONFIG_BYTES:
+        raise PretrainedError(f"{name} is larger than {_MAX_CONFIG_BYTES} bytes, not a model's config.json")
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise PretrainedError(f"{name} is not JSON ({first_line(err)})") from None
+    args = config.get("model_args") if isinstance(config, dict) else None
+    return args.get("num_heads") if isinstance(args, dict) else None
 
 
 def _timm_shape(name: str) -> dict[str, int]:
@@ -78,22 +127,6 @@ def _timm_shape(name: str) -> dict[str, int]:
         raise PretrainedError(f"pretrained={name!r} is not a ViT of timm's layout ({type(model).__name__}): "
                               "set embed_dim, depth and num_heads by hand")
     return {"embed_dim": int(model.embed_dim), "depth": len(blocks), "num_heads": int(attn.num_heads)}
-
-
-def _weight_shapes(source: str | os.PathLike, kind: str) -> dict[str, tuple[int, ...]]:
-    """`{key: shape}` of the weights at `source`; a .safetensors file is read for its header only."""
-    path = Path(source).expanduser()
-    if path.is_dir() and (path / "model.safetensors").is_file():
-        path = path / "model.safetensors"
-    if kind == "file" and path.suffix == ".safetensors" and path.is_file():
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), "pt") as f:
-                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118  (safe_open is no dict)
-        except SafetensorError:
-            pass  # load_state_dict says what is wrong with the file
-    return {key: tuple(value.shape) for key, value in load_state_dict(source).items()}
 
 
 def check_layout(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -121,7 +154,12 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
         weight = state["patch_embed.proj.weight"]  # (D, C, P, P)
         target = ours["patch_embed.proj.weight"]
         if weight.shape[1] != target.shape[1]:
-            weight = adapt_input_conv(target.shape[1], weight)
+            try:
+                weight = adapt_input_conv(target.shape[1], weight)
+            except (NotImplementedError, AssertionError, RuntimeError, ValueError):  # timm's refusals of a layout
+                raise PretrainedError(f"the pretrained patch kernel has {weight.shape[1]} input channels, which timm "
+                                      f"cannot adapt to in_chans={target.shape[1]} (it adapts 3 channels to any "
+                                      "number)") from None
         if weight.shape[-2:] != target.shape[-2:]:
             weight = resample_patch_embed(weight, list(target.shape[-2:]))
         state["patch_embed.proj.weight"] = weight
@@ -134,8 +172,8 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
         prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
         old_patches = table.shape[1] - prefix
         if table.shape != ours["pos_embed"].shape:
-            side = math.isqrt(old_patches)
-            if side * side != old_patches:
+            side = math.isqrt(max(old_patches, 0))
+            if old_patches < 1 or side * side != old_patches:
                 raise PretrainedError(
                     f"the pretrained position table has {table.shape[1]} tokens, which is not {prefix} prefix "
                     f"token(s) plus a square grid; {_prefix_hint(table.shape[1], state, model)}")
@@ -151,9 +189,10 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
 def _prefix_hint(num_positions: int, state: dict[str, torch.Tensor], model: nn.Module) -> str:
     """What in the config decides how many prefix tokens have a position, and what the weights have."""
     cls = 1 if "cls_token" in state else 0
-    regs = state["reg_token"].shape[1] if "reg_token" in state else 0
+    regs = state["reg_token"].shape[1] if "reg_token" in state and state["reg_token"].ndim == 3 else 0
     placed = "none of them has a position (no_embed_class=True)"
-    if math.isqrt(num_positions - cls - regs) ** 2 == num_positions - cls - regs and cls + regs:
+    patches = num_positions - cls - regs
+    if patches > 0 and math.isqrt(patches) ** 2 == patches and cls + regs:
         placed = "each has a position (no_embed_class=False)"
     return (f"the weights have {cls} CLS token(s) and {regs} register(s) and {placed}; this model has "
             f"num_prefix_tokens={model.num_prefix_tokens}, no_embed_class={getattr(model, 'no_embed_class', False)}")
@@ -163,24 +202,86 @@ def create_vit(pretrained: str | os.PathLike, *, embed_dim: int | None = None, d
                num_heads: int | None = None, **kwargs) -> nn.Module:
     """timm's `create_model(pretrained=True)` for this ViT: the weights `pretrained` names, unset sizes from them."""
     shape = resolve_shape(pretrained, embed_dim=embed_dim, depth=depth, num_heads=num_heads)
+    with torch.device("meta"):  # names, shapes and dtypes without memory: the weights must fit before any is spent
+        skeleton = VisionTransformer(**shape, **kwargs)
+    state, fresh = fit_state_dict(skeleton, pretrained)
     model = VisionTransformer(**shape, **kwargs)
-    load_pretrained(model, pretrained)
+    _load(model, state, fresh, pretrained)
     return model
 
 
 def load_pretrained(model: nn.Module, source: str | os.PathLike) -> None:
     """Load the weights named by `source` into `model`, adapted to its config (see the module docstring)."""
-    (state, fresh), ours = adapt_state_dict(load_state_dict(source), model), model.state_dict()
-    missing = sorted(set(ours) - set(state) - set(fresh))
-    unexpected = sorted(set(state) - set(ours))
-    reshaped = sorted(k for k in set(ours) & set(state) if ours[k].shape != state[k].shape)
+    state, fresh = fit_state_dict(model, source)
+    _load(model, state, fresh, source)
+
+
+def fit_state_dict(model: nn.Module, source: str | os.PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The weights named by `source` adapted to `model` (which may be on the meta device) in its dtypes, and the keys
+    left fresh; `PretrainedError` unless every tensor is of its parameter's kind, fits, and is finite in its dtype."""
+    state, ours, shown = load_state_dict(source), model.state_dict(), str(source)
+    for key in sorted(set(state) & set(ours)):
+        theirs, here = _kind(state[key].dtype), _kind(ours[key].dtype)
+        if theirs != here:  # integers or booleans would load as their values into a float parameter, and back
+            raise PretrainedError(f"pretrained={shown!r} is unusable: {key} is a tensor of {theirs}s "
+                                  f"({_name(state[key].dtype)}) in the weights and of {here}s "
+                                  f"({_name(ours[key].dtype)}) in this model; it is refused, not converted")
+    _check_fit(shown, state, ours, fresh=None)  # before resampling, which assumes these dimensions
+    state, fresh = adapt_state_dict(state, model)
+    _check_fit(shown, state, ours, fresh)
+    for key, tensor in state.items():
+        if key not in ours:
+            continue
+        converted = tensor.to(ours[key].dtype)  # what load_state_dict would copy in: its finiteness is what counts
+        if converted.is_floating_point() and not torch.isfinite(converted).all():
+            bad = int((~torch.isfinite(converted)).sum())
+            raise PretrainedError(f"pretrained={shown!r} is unusable: {key} holds {bad} of {converted.numel()} "
+                                  f"values that are not finite as this model's {_name(converted.dtype)} (the "
+                                  f"weights' {_name(tensor.dtype)} values are beyond its range)")
+        state[key] = converted
+    return state, fresh
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return "floating-point number"
+    return "complex number" if dtype.is_complex else "boolean" if dtype == torch.bool else "integer"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_fit(source: str, state: dict[str, torch.Tensor], ours: dict[str, torch.Tensor],
+               fresh: list[str] | None) -> None:
+    """Refuse `state` unless its tensors have `ours`'s names and shapes but the `fresh` ones; before it is adapted
+    (`fresh` None), only the shapes it has in common, but the dimensions `adapt_state_dict` resamples and the head."""
+    common = set(ours) & set(state)
+    if fresh is not None:
+        missing, unexpected = sorted(set(ours) - common - set(fresh)), sorted(set(state) - common)
+        reshaped = sorted(k for k in common if ours[k].shape != state[k].shape)
+    else:
+        missing, unexpected = [], []
+        reshaped = sorted(k for k in common - set(_HEAD_KEYS) if not _adaptable(k, state[k].shape, ours[k].shape))
     if missing or unexpected or reshaped:
         details = [f"{k}: {tuple(state[k].shape)} in the weights, {tuple(ours[k].shape)} here" for k in reshaped[:4]]
         details += [f"{k} missing from the weights" for k in missing[:4]]
         details += [f"{k} not in this model" for k in unexpected[:4]]
-        raise PretrainedError(f"pretrained={str(source)!r} does not fit this config "
+        raise PretrainedError(f"pretrained={source!r} does not fit this config "
                               f"({len(missing) + len(unexpected) + len(reshaped)} tensors differ): "
                               + "; ".join(details))
+
+
+def _adaptable(key: str, theirs: torch.Size, ours: torch.Size) -> bool:
+    """Whether `adapt_state_dict` can make the tensor `key` of shape `theirs` one of shape `ours`."""
+    free = _ADAPTED_DIMS.get(key)
+    if free is None:
+        return theirs == ours
+    return len(theirs) == len(ours) and 0 not in theirs and all(
+        a == b for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if i not in free)
+
+
+def _load(model: nn.Module, state: dict[str, torch.Tensor], fresh: list[str], source: str | os.PathLike) -> None:
     model.load_state_dict(state, strict=not fresh)
     if fresh:
         log.warning("pretrained=%s: the classifier head has another number of classes; %s re-initialised",

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit.checks import check_int
 from vit.training.checkpoint.trainer_state import rng_states
+from vit.training.run_dir import printable
 
 
 class NonFiniteError(FloatingPointError):
@@ -26,7 +27,7 @@ class Preempted(Exception):
 
     def __init__(self, signum: int, step: int, ckpt_path: str | None) -> None:
         self.signum, self.step, self.ckpt_path = signum, step, ckpt_path
-        where = f"{ckpt_path} holds step {step}" if ckpt_path else "no checkpoint could be written"
+        where = f"{printable(ckpt_path)} holds step {step}" if ckpt_path else "no checkpoint could be written"
         super().__init__(f"stopped by {signal.Signals(signum).name} after training step {step}: {where}. Resume with "
                          "the same command and --ckpt_path last (or --ckpt_path <that file>)")
 
@@ -151,14 +152,27 @@ class StopOnNonFinite(L.Callback):
 
 
 def non_finite_loss_message(trainer: L.Trainer, value: float, step: int, epoch: int, batch_idx: int) -> str:
-    paths = [getattr(cb, f"{kind}_model_path", "") for cb in trainer.checkpoint_callbacks for kind in ("last", "best")]
-    saved = list(dict.fromkeys(path for path in paths if path))  # in order, without repeats
-    kept = (f"The checkpoints written before it are kept: {', '.join(saved)}." if saved
+    """The one line of a non-finite loss: where it happened, the checkpoints on disk to go back to, what to change."""
+    kept = saved_checkpoints(trainer)
+    kept = (f"The checkpoints written before it are kept: {', '.join(map(printable, kept))}." if kept
             else "No checkpoint had been written yet.")
     lr = getattr(trainer.lightning_module.hparams, "lr", None)
     return (f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
             f"training stopped at step {trainer.global_step}, and nothing from this step on was checkpointed. {kept} "
             f"Lower the learning rate (model.lr={lr}), add warmup, or look for broken inputs.")
+
+
+def saved_checkpoints(trainer: L.Trainer) -> list[str]:
+    """The run's checkpoints that are on disk now: each `ModelCheckpoint`'s last and best, and the `last.ckpt` a
+    signal writes. Only files: a `ModelCheckpoint` names its file before writing it, so when the write is the one
+    stopped (a non-finite loss found as it saves), its `best_model_path` / `last_model_path` name nothing."""
+    paths = [getattr(cb, f"{kind}_model_path", "") for cb in trainer.checkpoint_callbacks for kind in ("last", "best")]
+    paths.append(os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints", "last.ckpt"))
+    found: dict[str, str] = {}  # in order, each file once however its path is written
+    for path in paths:
+        if path and os.path.isfile(path):
+            found.setdefault(os.path.realpath(path), path)
+    return list(found.values())
 
 
 def check_finite_weights(state_dict: dict[str, torch.Tensor], step: int) -> None:

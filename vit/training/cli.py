@@ -13,7 +13,7 @@ from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -162,7 +162,8 @@ class ViTCLI(LightningCLI):
                               "would read checkpoints without this project's checks; train.py reads and writes them "
                               "with vit.training.checkpoint.io.AtomicCheckpointIO (or a subclass)")
         trainer.strategy.checkpoint_io.admit = self._admit
-        if type(trainer.progress_bar_callback) is TQDMProgressBar and not sys.stdout.isatty():  # a log file: lines
+        # Lightning's default bar (Rich's where `rich` is installed, else tqdm's) redraws itself: in a log file, lines.
+        if type(trainer.progress_bar_callback) in (TQDMProgressBar, RichProgressBar) and not sys.stdout.isatty():
             trainer.callbacks[trainer.callbacks.index(trainer.progress_bar_callback)] = callbacks.PlainProgress()
         if self.subcommand == "predict" and not any(isinstance(c, PredictionWriter) for c in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())  # `train.py predict` writes a CSV in the run folder

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -15,8 +17,30 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: no lock, the exclusive create of the config still keeps two runs apart
+    fcntl = None
 
 PACKAGES = ("readable-vit", "torch", "torchvision", "lightning", "torchmetrics", "timm", "jsonargparse", "numpy")
+LOCK_NAME = "run.lock"  # in a run folder while a process trains in it (`lock_run_dir`)
+
+
+def printable(text: object) -> str:
+    """`text` as a message may show it: every character that is not printable (escape sequences, newlines, bidi
+    overrides) as its escape, so a file name can neither clear the screen nor hide or fake a line of a one-line
+    error; a byte that is not UTF-8 (PEP 383) as `\\xff`, as `vit.data.files.text_name` writes it."""
+    return "".join(_shown(c) for c in str(text))
+
+
+def _shown(c: str) -> str:
+    if c.isprintable():
+        return c
+    if "\udc80" <= c <= "\udcff":  # the byte os.fsdecode could not decode
+        return f"\\x{ord(c) - 0xdc00:02x}"
+    return c.encode("unicode_escape").decode("ascii")
 
 
 class RunDirectoryError(ValueError):
@@ -27,11 +51,12 @@ class RunConfig(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback` that also writes `run_info.json`, and never reuses a run's folder.
     A run folder that already holds a run is refused; `fit` resuming inside its own folder adds `config_resume1.yaml` /
     `run_info_resume1.json` (then 2, ...). Loggers without a run folder (W&B) get the whole config, and the files go
-    beside the run's checkpoints. `command`: the CLI's arguments (`sys.argv`)."""
+    beside the run's checkpoints. While the run goes on it holds the folder's `run.lock` (`RunLock`), so a second
+    process resuming the same run is refused. `command`: the CLI's arguments (`sys.argv`)."""
 
     def __init__(self, *args, command: list[str] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.command, self._run_dir, self._suffix = command, None, ""
+        self.command, self._run_dir, self._suffix, self._lock = command, None, "", None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.already_saved or not self.save_to_log_dir:
@@ -42,22 +67,34 @@ class RunConfig(SaveConfigCallback):
         logger = trainer.loggers[0] if trainer.loggers else None
         run_dir = Path(trainer.log_dir if folder_per_run else trainer.strategy.broadcast(os.path.join(
             logger.save_dir or trainer.default_root_dir, str(logger.name), version_dir(logger.version))))
-        taken, refusal = False, None
+        refusal = None
         if trainer.is_global_zero:
+            ckpt_path = self.config.get("ckpt_path")
+            # Under the lock, the folder cannot change between the check and the claim.
+            self._lock, holder = RunLock.take(run_dir)
             taken = holds_a_run(run_dir, self.config_filename)
-            if folder_per_run:
+            if holder is not None:
+                refusal = (in_use_message(run_dir, holder) if _resumes_in(run_dir, ckpt_path) else
+                           f"{printable(run_dir)} was taken by another run while this one started ({holder}): "
+                           "start this run again, it takes the next free folder")
+            elif folder_per_run:
                 try:
-                    check_run_dir(run_dir, stage=stage, ckpt_path=self.config.get("ckpt_path"),
-                                  config_filename=self.config_filename)
+                    check_run_dir(run_dir, stage=stage, ckpt_path=ckpt_path, config_filename=self.config_filename,
+                                  locked_here=True)
                 except RunDirectoryError as err:
                     refusal = str(err)
             elif taken and not self.overwrite:
-                refusal = (f"{run_dir / self.config_filename} already exists; "
+                refusal = (f"{printable(run_dir / self.config_filename)} already exists; "
                            "not overwriting the config of an earlier run")
             if refusal is None:
                 if taken and folder_per_run:
                     self._suffix = _free_suffix(run_dir)
                 refusal = self._claim(run_dir)
+            if refusal is None and self._lock is not None:
+                stem, ext = os.path.splitext(self.config_filename)
+                self._lock.describe(f"{stem}{self._suffix}{ext}")
+            elif refusal is not None:
+                self._release()
         refusal, self._suffix = trainer.strategy.broadcast((refusal, self._suffix))
         if refusal is not None:
             raise RunDirectoryError(refusal)
@@ -65,6 +102,17 @@ class RunConfig(SaveConfigCallback):
             self._run_dir = run_dir
             self.save_config(trainer, pl_module, stage)
         self.already_saved = trainer.strategy.broadcast(True)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._release()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._release()  # Lightning calls no teardown after an error, and the run is over
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _claim(self, run_dir: Path) -> str | None:
         """Write the config with an exclusive create, so two runs never take one folder; the refusal, or None."""
@@ -76,7 +124,7 @@ class RunConfig(SaveConfigCallback):
             with open(path, "w" if self.overwrite else "x") as f:
                 f.write(text)
         except FileExistsError:
-            return (f"{path} was written by another run while this one started; nothing was written. "
+            return (f"{printable(path)} was written by another run while this one started; nothing was written. "
                     "Start this run again: it takes the next free folder")
         return None
 
@@ -92,6 +140,108 @@ class RunConfig(SaveConfigCallback):
         (self._run_dir / f"run_info{self._suffix}.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
+class RunLock:
+    """`run.lock` in a run folder, held with `fcntl.flock` by the process training in it.
+
+    A lock, not the config files: `config_resume1.yaml` shows that a resume started, not that it still runs. The
+    kernel releases a flock when its process ends, `kill -9` included, so a file left by a killed run never blocks
+    (the next run takes it over); a run that ends, well or with an error, removes it. The file holds the holder's
+    PID, host, start and config file, for the refusal of a second process. Where the filesystem has no locks (or
+    not POSIX), runs go unlocked, as before: the exclusive create of the config still keeps two new runs apart."""
+
+    WAIT_S = 1.0  # a check (`holder`) holds the lock for an instant: a run taking it retries this long
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def take(cls, run_dir: Path) -> tuple[RunLock | None, str | None]:
+        """`(lock, None)` once held, `(None, holder)` if a live process holds it, `(None, None)` without locks."""
+        if fcntl is None:
+            return None, None
+        path = run_dir / LOCK_NAME
+        deadline = time.monotonic() + cls.WAIT_S
+        while True:
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:  # the config write that follows says what is wrong with the folder
+                return None, None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    return None, _details(path)
+                time.sleep(0.05)
+                continue
+            except OSError as err:
+                os.close(fd)
+                rank_zero_warn(f"{printable(path)} cannot be locked ({err.strerror}): this run is not protected "
+                               "from a second process resuming it at the same time")
+                return None, None
+            try:  # its holder may have removed the file between our open and our lock: then take the new one
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                lock = cls(path, fd)
+                lock.describe("")
+                return lock, None
+            os.close(fd)
+
+    def describe(self, config_name: str) -> None:
+        """Write who holds the lock, for the refusal of a second process."""
+        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "config": config_name,
+                           "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n"
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, text.encode(), 0)
+
+    def release(self) -> None:
+        """Remove the file, then unlock (removed first: whoever opens it now takes a new one)."""
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+
+
+def run_lock_holder(run_dir: Path) -> str | None:
+    """Who holds `run_dir`'s `run.lock` ("PID 412 on node3, which wrote ..."), or None if no live process does."""
+    path = run_dir / LOCK_NAME
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _details(path)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
+def _details(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text())
+        pid, host, config, started = info["pid"], info["host"], info["config"], info["started_utc"]
+    except (OSError, ValueError, KeyError, TypeError):  # written an instant later, or not by this code
+        return f"its {LOCK_NAME} says no more"
+    wrote = f", which wrote {printable(config)} at {printable(started)}" if config else f", since {printable(started)}"
+    return f"PID {printable(pid)} on {printable(host)}{wrote}"
+
+
+def in_use_message(run_dir: Path, holder: str) -> str:
+    """The refusal of a run folder that a live process trains in."""
+    return (f"{printable(run_dir)} is being trained by another process ({holder}): wait for it to end or stop it, "
+            "then continue the run with --ckpt_path last")
+
+
 def version_dir(version) -> str:
     """The folder name of a logger's `version`: `version_3` for 3, a string as it is."""
     return version if isinstance(version, str) else f"version_{version}"
@@ -102,14 +252,29 @@ def holds_a_run(log_dir: Path, config_filename: str = "config.yaml") -> bool:
     return (log_dir / config_filename).is_file() or any((log_dir / "checkpoints").glob("*.ckpt"))
 
 
-def check_run_dir(log_dir: Path, *, stage: str, ckpt_path=None, config_filename: str = "config.yaml") -> None:
-    """Raise `RunDirectoryError` if `log_dir` holds a run, unless this is `fit` resuming from a checkpoint in it."""
-    resuming = stage == "fit" and ckpt_path is not None and log_dir.resolve() in Path(ckpt_path).resolve().parents
+def _resumes_in(log_dir: Path, ckpt_path) -> bool:
+    return ckpt_path is not None and log_dir.resolve() in Path(ckpt_path).resolve().parents
+
+
+def check_run_dir(log_dir: Path, *, stage: str, ckpt_path=None, config_filename: str = "config.yaml",
+                  locked_here: bool = False) -> None:
+    """Raise `RunDirectoryError` if a live process trains in `log_dir`, or if it holds a run, unless this is `fit`
+    resuming from a checkpoint in it. `locked_here`: this process holds the lock (`RunConfig`), so it is not probed;
+    nor is it by the other processes of a multi-process run, whose first process holds it."""
+    if not locked_here and _first_process() and (holder := run_lock_holder(log_dir)) is not None:
+        raise RunDirectoryError(in_use_message(log_dir, holder))
+    resuming = stage == "fit" and _resumes_in(log_dir, ckpt_path)
     if holds_a_run(log_dir, config_filename) and not resuming:
-        raise RunDirectoryError(f"the run directory {log_dir} already holds a run ({config_filename} or checkpoints); "
-                                "nothing was written. Leave trainer.logger.init_args.version unset (each run gets the "
-                                "next free version_N), choose another name/version, or continue that run with "
-                                "--ckpt_path last.")
+        raise RunDirectoryError(f"the run directory {printable(log_dir)} already holds a run ({config_filename} or "
+                                "checkpoints); nothing was written. Leave trainer.logger.init_args.version unset (each "
+                                "run gets the next free version_N), choose another name/version, or continue that run "
+                                "with --ckpt_path last.")
+
+
+def _first_process() -> bool:
+    """Whether this is rank 0 (the one that takes the lock), from the launcher's environment: the other processes of
+    a run check the folder before they know their rank, while rank 0 may hold its lock."""
+    return rank_zero_only.rank == 0 and all(os.environ.get(k, "0") == "0" for k in ("NODE_RANK", "GROUP_RANK"))
 
 
 def _free_suffix(log_dir: Path) -> str:
