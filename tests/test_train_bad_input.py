@@ -298,8 +298,8 @@ def test_unknown_option_names_are_rejected_by_the_parser(tmp_path, monkeypatch, 
     (["--trainer.accumulate_grad_batches", "-2"],
      "trainer.accumulate_grad_batches=-2 is not allowed: expected an int >= 1 (1: a step after every batch)"),
     # A negative value turned clipping off without a word.
-    (["--trainer.gradient_clip_val", "-1"],
-     "trainer.gradient_clip_val=-1 is not allowed: expected a finite number in [0, inf) (0 or null: no clipping)"),
+    (["--trainer.gradient_clip_val", "-1.0"],
+     "trainer.gradient_clip_val=-1.0 is not allowed: expected a finite number in [0, inf) (0 or null: no clipping)"),
     (["--trainer.gradient_clip_val", "-0.5"],
      "trainer.gradient_clip_val=-0.5 is not allowed: expected a finite number in [0, inf) (0 or null: no clipping)"),
 ])
