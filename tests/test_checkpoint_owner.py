@@ -63,7 +63,7 @@ def change(checkpoint: dict, case: str, marker: Path) -> str:
         return "state_dict does not fit the backbone its hyper_parameters record (VisionTransformer)"
     if case == "num_classes 10**9":
         args["num_classes"] = 10**9
-        return "hyper_parameters.backbone.init_args.num_classes=1000000000 is not allowed: expected at most 100000"
+        return "hyper_parameters.backbone.init_args.num_classes=1000000000 is not allowed: expected at most 10000000"
     if case == "mean of the wrong length":
         checkpoint["inputs"].update(mean=[0.5, 0.5], std=[0.2, 0.2])
         return "inputs.mean=[0.5, 0.5] is not allowed: expected 1 finite numbers (one per channel)"

@@ -102,12 +102,12 @@ def test_a_file_swapped_for_a_pipe_after_its_check_is_refused_by_the_open_file(t
     monkeypatch.setattr(vit.models.weights.os, "stat", stat_before_the_swap)
     outcome = within(10, fifo, open_regular_file, fifo, "pretrained='w.safetensors'")
     assert str(outcome.get("error")) == ("pretrained='w.safetensors' is a named pipe (FIFO), not a regular file: "
-                                         "weights are read from regular files only")
+                                         "model files are read from regular files only")
 
 
 def test_a_device_is_refused_naming_its_kind():
     assert refused(load_state_dict, "/dev/zero") == ("pretrained='/dev/zero' is a character device, not a regular "
-                                                     "file: weights are read from regular files only")
+                                                     "file: model files are read from regular files only")
 
 
 def test_the_cli_refuses_a_named_pipe_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys):

@@ -233,10 +233,18 @@ def image_name(image: object, index: int) -> str:
 
 
 def load(path_or_url: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "32") -> Predictor:
-    """The trained backbone of a `train.py` checkpoint (a path or an http(s) URL), ready for inference on `device`
-    (`auto`: a GPU when there is one) with `precision` `32`, `bf16` or `fp16` (autocast; `fp16` on a GPU)."""
+    """The trained model of a model folder (`vit.artifact`: what a run writes beside each checkpoint, or
+    `vit.export` writes), a `train.py` checkpoint (its model folder, else the checkpoint itself), an http(s) URL of a
+    checkpoint, or an `hf-hub:org/name` id, ready for inference on `device` (`auto`: a GPU when there is one) with
+    `precision` `32`, `bf16` or `fp16` (autocast; `fp16` on a GPU)."""
+    from vit import artifact
+
     check_source(path_or_url)
     check_choice("precision", precision, AUTOCAST)
-    target = resolve_device(device)  # before the checkpoint is read
+    target = resolve_device(device)  # before anything is read
+    folder = artifact.locate(path_or_url)
+    if folder is not None:
+        model = artifact.read(folder)
+        return Predictor(model.model, model.inputs, model.class_names, precision).to(target)
     checkpoint = read(path_or_url, training=False)  # only the backbone is built: no Lightning, no training classes
     return Predictor(trained_backbone(checkpoint), checkpoint.inputs, checkpoint.class_names, precision).to(target)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import os
 import re
 import stat
@@ -18,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vit.artifact import GENERIC_ARCHITECTURE, architecture, timm_args
+from vit.artifact import ArtifactError as ExportError  # what cannot be exported, as what cannot be opened: one line
 from vit.checks import file_kind
 from vit.commands import check_output, parser, run, write_failed
 
@@ -26,15 +29,6 @@ if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--hel
 
     from vit.models import VisionTransformer
 
-# timm's plain ViTs (`vit_{family}_patch{P}_{S}`: only these four sizes set) by width, depth and heads.
-_FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large",
-             (1280, 32, 16): "huge"}
-# What a plain timm ViT has besides its sizes: a model that differs here is not the one the name describes.
-_PLAIN = dict(mlp_ratio=4.0, qkv_bias=True, qk_norm=False, class_token=True, reg_tokens=0, no_embed_class=False,
-              pos_embed="learn")
-# timm's one registered ViT whose name states no size: every argument it sets is in `model_args`.
-GENERIC_ARCHITECTURE = "test_vit"
-_TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
 # What config.json's pretrained_cfg keeps of the architecture's default cfg (the rest describes timm's weights).
 _PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "interpolation", "crop_pct", "crop_mode",
                         "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
@@ -42,47 +36,6 @@ _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: apache-
 FILES = ("model.safetensors", "config.json", "README.md")  # what `export` writes into --out
 # The longest `pretrained` looked at for a base model: `hf-hub:`, an `org/name` of 96 + 1 + 96 characters, `@revision`.
 MAX_SOURCE_CHARS = 256
-
-
-class ExportError(ValueError):
-    """A checkpoint or an output folder that `vit.export` cannot work with."""
-
-
-def timm_args(model: VisionTransformer) -> dict:
-    """The arguments of timm's `VisionTransformer` that compute what `model` computes; `ExportError` if none do."""
-    from torch import nn
-
-    from vit.models import VisionTransformer
-
-    if not isinstance(model, VisionTransformer):
-        raise ExportError(f"the backbone is a {type(model).__name__}; only a VisionTransformer exports to timm")
-    embed, attn = model.patch_embed, model.blocks[0].attn
-    kernel = embed.proj.kernel_size[0]
-    if kernel != embed.patch_size:
-        raise ExportError(f"patch_kernel={kernel} cannot be exported: timm's patch embedding has a kernel equal "
-                          f"to the patch size ({embed.patch_size})")
-    if attn.attn_score != "scaled_dot":
-        raise ExportError(f"attn_score={attn.attn_score!r} cannot be exported: timm's attention is 'scaled_dot' only")
-    return dict(img_size=list(embed.img_size), patch_size=embed.patch_size, in_chans=embed.in_chans,
-                num_classes=model.num_classes, embed_dim=model.embed_dim, depth=len(model.blocks),
-                num_heads=attn.num_heads, mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
-                qkv_bias=attn.qkv.bias is not None, qk_norm=not isinstance(attn.q_norm, nn.Identity),
-                class_token=model.cls_token is not None, global_pool=_TIMM_POOL[model.pool],
-                fc_norm=model.use_fc_norm, reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
-                pos_embed="none" if model.pos_embed is None else "learn", dynamic_img_size=False)
-
-
-def architecture(args: dict) -> str:
-    """timm's name of a plain ViT of these sizes, at the model's image size or 224; else `GENERIC_ARCHITECTURE`."""
-    import timm
-
-    family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
-    if family is None or any(args[key] != value for key, value in _PLAIN.items()):
-        return GENERIC_ARCHITECTURE
-    height, width = args["img_size"]
-    sizes = ([height] if height == width else []) + [224, 384]
-    names = [f"vit_{family}_patch{args['patch_size']}_{size}" for size in sizes]
-    return next((name for name in names if timm.is_model(name)), GENERIC_ARCHITECTURE)
 
 
 def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
@@ -267,6 +220,11 @@ def export(backbone: VisionTransformer, out: Path, data_config: dict, names: lis
         (Path(tmp) / "README.md").write_text(model_card(args, data_config, names, training, license))
         # model_args given explicitly: timm versions that do not record a model's arguments write them too.
         save_for_hf(exported, tmp, model_config={"label_names": names, "model_args": args}, safe_serialization=True)
+        # timm passes num_classes from config.json's own key; a second one in model_args is "got multiple values" in
+        # transformers' TimmWrapper (timm's own loader tolerates it).
+        config = json.loads((Path(tmp) / "config.json").read_text())
+        config["model_args"].pop("num_classes", None)
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # safetensors writes mode 0600, config.json the umask's: whoever may read one reads both.
         os.chmod(Path(tmp) / "model.safetensors", stat.S_IMODE(os.stat(Path(tmp) / "config.json").st_mode))
         out.mkdir(exist_ok=True)

@@ -135,10 +135,12 @@ def build_transform(img_size: int | tuple[int, int], in_chans: int, normalizatio
                     interpolation: str = "bilinear") -> v2.Compose:
     """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training, resized to `img_size`."""
     check_choice("interpolation", interpolation, ("bilinear", "bicubic", "nearest"))
-    steps = [v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(), v2.ToImage(),
+    # Resized before `ToImage`: a PIL image by Pillow, as timm's and transformers' transforms resize it, so that the
+    # three give the same pixels (a uint8 tensor resized by torch rounds some of them one level apart).
+    steps = [v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),
              v2.Resize(check_size("img_size", img_size), interpolation=v2.InterpolationMode(interpolation),
                        antialias=True),  # to (H, W): the aspect ratio is not kept
-             v2.ToDtype(torch.float32, scale=True)]
+             v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
     if normalization is not None:
         steps.append(v2.Normalize(*map(list, normalization)))
     return v2.Compose(steps)

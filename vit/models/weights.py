@@ -41,10 +41,11 @@ class PretrainedError(ValueError):
     """Pretrained weights that cannot be had or do not fit the config."""
 
 
-def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The state dict named by `source` (`source_kind`; timm downloads names and hub ids), checked to be finite."""
+def load_state_dict(source: str | os.PathLike, name: str | None = None) -> dict[str, torch.Tensor]:
+    """The state dict named by `source` (`source_kind`; timm downloads names and hub ids), checked to be finite;
+    `name`: how messages name a local file (default `pretrained='<source>'`)."""
     kind = source_kind(source)
-    state = _local(source, _read_file) if kind == "file" else _download(str(source), kind)
+    state = _local(source, _read_file, name) if kind == "file" else _download(str(source), kind)
     for key, tensor in state.items():
         # A NaN or infinity in the weights would only show up later as a NaN loss, blamed on the learning rate.
         if not tensor.is_floating_point():
@@ -53,23 +54,23 @@ def load_state_dict(source: str | os.PathLike) -> dict[str, torch.Tensor]:
             tensor = tensor.float()
         if not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
-            raise PretrainedError(f"pretrained={str(source)!r} is unusable: {key} holds NaN or infinite values "
-                                  f"({bad} of {tensor.numel()})")
+            raise PretrainedError(f"{name or f'pretrained={str(source)!r}'} is unusable: {key} holds NaN or "
+                                  f"infinite values ({bad} of {tensor.numel()})")
     return state
 
 
-def weight_shapes(source: str | os.PathLike) -> dict[str, torch.Tensor]:
+def weight_shapes(source: str | os.PathLike, name: str | None = None) -> dict[str, torch.Tensor]:
     """The weights at `source` as tensors on the meta device (names, shapes, dtypes), read from a .safetensors file's
     header without its data; other sources are loaded (`load_state_dict`)."""
     if source_kind(source) == "file":
-        return _local(source, lambda path, name: _read_file(path, name, header_only=True))
-    return load_state_dict(source)
+        return _local(source, lambda path, shown: _read_file(path, shown, header_only=True), name)
+    return load_state_dict(source, name)
 
 
-def _local(source: str | os.PathLike, read) -> dict[str, torch.Tensor]:
+def _local(source: str | os.PathLike, read, name: str | None = None) -> dict[str, torch.Tensor]:
     """`read(path, name)` of the local file `source`, its errors told that an `org/name` could be a Hub id."""
     try:
-        return read(Path(source).expanduser(), f"pretrained={str(source)!r}")
+        return read(Path(source).expanduser(), name or f"pretrained={str(source)!r}")
     except PretrainedError as err:
         if isinstance(source, str) and _REPO_ID.fullmatch(source) and not source.lower().endswith(_WEIGHT_SUFFIXES):
             # `org/name` is a Hub id unless a file or folder of that name exists; here one did.
@@ -139,7 +140,7 @@ def open_regular_file(path: Path, name: str) -> BinaryIO:
 
 
 def _not_regular(name: str, kind: str) -> PretrainedError:
-    return PretrainedError(f"{name} is {kind}, not a regular file: weights are read from regular files only")
+    return PretrainedError(f"{name} is {kind}, not a regular file: model files are read from regular files only")
 
 
 def _read_file(path: Path, name: str, header_only: bool = False) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import glob
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,13 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from vit import artifact
 from vit.training.checkpoint import Checkpoint, read
 from vit.training.checkpoint.trainer_state import without_checkpoint_paths
 
 LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's "last" names
 PARTIAL_WRITE = re.compile(r"\..+\.ckpt\.[0-9a-f]{16}\.tmp")  # AtomicCheckpointIO's temporary files
+PARTIAL_ARTIFACT = re.compile(r"\..+\.[0-9a-f]{16}\.(tmp|old)")  # vit.artifact.write's temporary folders
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -59,6 +62,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         if path.is_symlink() or path.is_file():
             path.unlink()
+        artifact.remove(artifact.folder_of(path))  # its model folder goes with it (only a folder vit.artifact wrote)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
@@ -84,6 +88,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        model = artifact.from_checkpoint(checkpoint)
+        if model is not None:  # the trained model as a file of its own, beside its checkpoint (`vit.artifact`)
+            artifact.write(artifact.folder_of(path), *model)
 
 
 def _key(path: str | os.PathLike) -> str | Path:
@@ -93,10 +100,14 @@ def _key(path: str | os.PathLike) -> str | Path:
 
 def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
     """Delete the temporary files of writes a killed process left (called as its run resumes); return them."""
-    partial = [p for p in Path(folder).glob(".*.ckpt.*.tmp") if PARTIAL_WRITE.fullmatch(p.name)]
+    partial = [p for p in Path(folder).glob(".*.ckpt.*.tmp") if PARTIAL_WRITE.fullmatch(p.name) and not p.is_dir()]
     for path in partial:
         path.unlink(missing_ok=True)
-    return partial
+    folders = [p for p in Path(folder).glob(".*.*") if PARTIAL_ARTIFACT.fullmatch(p.name) and p.is_dir()
+               and not p.is_symlink()]
+    for path in folders:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial + folders
 
 
 def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | None:

@@ -26,6 +26,7 @@ from torch import nn
 import vit.data
 import vit.models
 from vit.checks import check_size, describe, matches
+from vit.models.vision_transformer import BOUNDS
 from vit.training.checkpoint.trainer_state import check_trainer_state
 from vit.training.checkpoint.values import SCHEMA_VERSION as VERSION
 from vit.training.checkpoint.values import CheckpointError, construct, is_int, is_number, not_allowed, shown, walk
@@ -37,11 +38,13 @@ INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 TRAINER_KEYS = ("loops", "callbacks", "optimizer_states", "lr_schedulers", "MixedPrecision")
 BOOKKEEPING = ("epoch", "global_step", "pytorch-lightning_version", "hparams_name", "datamodule_hparams_name",
                "schema_version")
-# Upper bounds of sizes a checkpoint may record: beyond them the model or its data would not fit in memory.
-LIMITS = {"img_size": 4096, "in_chans": 64, "num_classes": 100_000, "embed_dim": 8192, "depth": 256,
-          "num_heads": 256, "score_dim": 8192, "patch_size": 1024, "patch_kernel": 1024, "reg_tokens": 64,
-          "num_train": 1_000_000, "num_val": 1_000_000, "num_test": 1_000_000, "batch_size": 65_536,
-          "num_workers": 256, "repeated_augmentation": 64}
+# Upper bounds of sizes a checkpoint or model folder may record: beyond them the model or its data would not fit in
+# memory. The model's own sizes are the constructor's `BOUNDS` (one declaration), so whatever it builds also opens.
+LIMITS = {"img_size": 4096, "num_heads": 256, "patch_size": 1024, "patch_kernel": 1024, "num_train": 1_000_000,
+          "num_val": 1_000_000, "num_test": 1_000_000, "batch_size": 65_536, "num_workers": 256,
+          "repeated_augmentation": 64,
+          **{key: bounds[1] for key, bounds in BOUNDS.items() if len(bounds) == 2 and isinstance(bounds[1], int)}}
+MAX_IMAGE_BYTES = 2**32  # one float32 input image: 4096 x 4096 pixels of 64 channels
 MAX_BUFFER_BYTES = 2**30  # what the architecture holds beside its weights (fixed tables, masks)
 
 
@@ -121,8 +124,8 @@ def _validate(raw: Any, source: str, training: bool) -> Checkpoint:
             raise not_allowed(key, raw[key], "a string")
     _lightning_version(raw["pytorch-lightning_version"])
     num_classes = _architecture(raw["state_dict"], backbone_class, backbone_args, settings)
-    inputs = _inputs(raw["inputs"], backbone_args)
-    class_names = _class_names(raw["class_names"], num_classes)
+    inputs = check_inputs(raw["inputs"], backbone_args)
+    class_names = check_names(raw["class_names"], num_classes)
     check_trainer_state(raw, data_key)
     return Checkpoint(source=source, raw=raw, backbone_class=backbone_class, backbone_args=backbone_args,
                       settings=settings, data_class=data_module(data_path) if data_path and training else None,
@@ -210,19 +213,24 @@ def _model(hparams: Any, training: bool) -> tuple[type[nn.Module], dict, dict]:
     if hparams.get("_class_path", CLASSIFIER_PATHS[0]) not in CLASSIFIER_PATHS:
         raise CheckpointError(f"hyper_parameters._class_path={shown(hparams['_class_path'])} is not allowed: the "
                               f"model of a checkpoint is {CLASSIFIER_PATHS[0]}; refused")
-    spec = hparams.get("backbone")
-    if not isinstance(spec, Mapping) or set(spec) - {"class_path", "init_args"}:
-        raise not_allowed("hyper_parameters.backbone", spec, "a mapping of class_path and init_args")
-    cls = _owned(spec.get("class_path"), BACKBONES, "hyper_parameters.backbone.class_path", "backbones")
-    init_args = spec.get("init_args") or {}
-    if not isinstance(init_args, Mapping):
-        raise not_allowed("hyper_parameters.backbone.init_args", init_args, "a mapping")
-    backbone_args = _arguments(cls, init_args, "hyper_parameters.backbone.init_args")
+    cls, backbone_args = check_backbone(hparams.get("backbone"), "hyper_parameters.backbone")
     if training:
         from vit.training.classifier import ImageClassifier
     settings = _arguments(ImageClassifier if training else None, hparams, "hyper_parameters",
                           skip=("backbone", "_instantiator", "_class_path"))
     return cls, backbone_args, settings
+
+
+def check_backbone(spec: Any, key: str = "vit.backbone") -> tuple[type[nn.Module], dict]:
+    """`(class, arguments)` of a backbone recorded as `{"class_path", "init_args"}`: a class of `BACKBONES`, its
+    arguments in its signature and of their annotated types, sizes within `LIMITS`; nothing is imported or built."""
+    if not isinstance(spec, Mapping) or set(spec) - {"class_path", "init_args"}:
+        raise not_allowed(key, spec, "a mapping of class_path and init_args")
+    cls = _owned(spec.get("class_path"), BACKBONES, f"{key}.class_path", "backbones")
+    init_args = spec.get("init_args") or {}
+    if not isinstance(init_args, Mapping):
+        raise not_allowed(f"{key}.init_args", init_args, "a mapping")
+    return cls, _arguments(cls, init_args, f"{key}.init_args")
 
 
 def _data(hparams: Any, training: bool) -> tuple[str | None, dict]:
@@ -288,7 +296,8 @@ def _architecture(state: Any, cls: type[nn.Module], args: dict, settings: dict) 
     return num_classes
 
 
-def _inputs(inputs: Any, backbone_args: Mapping) -> dict:
+def check_inputs(inputs: Any, backbone_args: Mapping) -> dict:
+    """`inputs` (what a model records of its input) checked against the backbone's `img_size` and `in_chans`."""
     expected = {"img_size", "in_chans", "mean", "std", "interpolation"}
     if not isinstance(inputs, Mapping) or set(inputs) != expected:
         raise not_allowed("inputs", inputs, f"a mapping of {sorted(expected)}", 120)
@@ -301,6 +310,10 @@ def _inputs(inputs: Any, backbone_args: Mapping) -> dict:
         raise not_allowed("inputs.in_chans", chans, f"an int in [1, {LIMITS['in_chans']}]")
     if max(size) > LIMITS["img_size"]:
         raise not_allowed("inputs.img_size", size, f"sides of at most {LIMITS['img_size']}")
+    if 4 * chans * size[0] * size[1] > MAX_IMAGE_BYTES:  # one image is decoded and run whole, even alone
+        raise CheckpointError(f"inputs of {chans} x {size[0]} x {size[1]} would take "
+                              f"{4 * chans * size[0] * size[1] / 2**30:.1f} GiB per image as float32 (at most "
+                              f"{MAX_IMAGE_BYTES // 2**30} GiB)")
     if "img_size" in backbone_args and list(check_size("img_size", backbone_args["img_size"])) != size:
         raise CheckpointError(f"inputs.img_size={size} disagrees with the backbone's img_size="
                               f"{shown(backbone_args['img_size'])}")
@@ -321,7 +334,8 @@ def _inputs(inputs: Any, backbone_args: Mapping) -> dict:
             "std": None if std is None else [float(v) for v in std], "interpolation": inputs["interpolation"]}
 
 
-def _class_names(names: Any, num_classes: int) -> list[str]:
+def check_names(names: Any, num_classes: int) -> list[str]:
+    """`class_names`: one printable, distinct name per class."""
     if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)):
         raise not_allowed("class_names", names, "a list of non-empty strings")
     if len(names) != num_classes or len(set(names)) != len(names):

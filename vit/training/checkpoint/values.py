@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vit.artifact import CheckpointError
 from vit.checks import PLAIN, constructor_message, first_line
 
 SCHEMA_VERSION = 2  # of the checkpoints ImageClassifier writes and `schema.validate` reads
@@ -17,10 +18,6 @@ MAX_ITEMS = 10_000_000  # values in the whole checkpoint: a ViT-H optimizer stat
 MAX_INT = 2**53  # counters and sizes: beyond this a float cannot hold the number, and nothing here needs more
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.bool)  # what a model, an optimizer and a random generator save
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; its message is one line naming the file (or URL, redacted) and the key."""
 
 
 def shown(value: Any, limit: int = 60) -> str:
