@@ -84,8 +84,8 @@ def test_a_named_pipe_is_refused_at_once_naming_its_kind(tmp_path, name, sizes):
     source = str(tmp_path / "folder") if name.startswith("folder/") else str(fifo)
     outcome = within(10, fifo, create_vit, pretrained=source, **sizes)
     assert isinstance(outcome.get("error"), PretrainedError), outcome
-    assert str(outcome["error"]) == (f"pretrained={source!r} is a named pipe (FIFO), not a regular file: weights "
-                                     "are read from regular files only")
+    assert str(outcome["error"]) == (f"pretrained={source!r} is a named pipe (FIFO), not a regular file: model "
+                                     "files are read from regular files only")
 
 
 def test_a_file_swapped_for_a_pipe_after_its_check_is_refused_by_the_open_file(tmp_path, monkeypatch):
@@ -123,8 +123,8 @@ def test_the_cli_refuses_a_named_pipe_in_one_line_with_exit_2(tmp_path, monkeypa
     stderr = capsys.readouterr().err
     assert "Traceback" not in stderr
     assert [line for line in stderr.splitlines() if line.startswith("error: ")] == [
-        f"error: pretrained={str(fifo)!r} is a named pipe (FIFO), not a regular file: weights are read from regular "
-        "files only"]
+        f"error: pretrained={str(fifo)!r} is a named pipe (FIFO), not a regular file: model files are read from "
+        "regular files only"]
     assert not (tmp_path / "run" / "runs").exists()
 
 

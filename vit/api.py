@@ -237,7 +237,7 @@ def load(path_or_url: str | os.PathLike, device: str | torch.device = "cpu", pre
     `vit.export` writes), a `train.py` checkpoint (its model folder, else the checkpoint itself), an http(s) URL of a
     checkpoint, or an `hf-hub:org/name` id, ready for inference on `device` (`auto`: a GPU when there is one) with
     `precision` `32`, `bf16` or `fp16` (autocast; `fp16` on a GPU)."""
-    from vit import artifact
+    import vit.artifact as artifact
 
     check_source(path_or_url)
     check_choice("precision", precision, AUTOCAST)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vit.checks import CheckpointError
+
 if TYPE_CHECKING:  # imported where used: `vit.export --help` reads this module and loads no torch
     import torch
     from torch import nn
@@ -44,10 +46,6 @@ _PLAIN = dict(mlp_ratio=4.0, qkv_bias=True, qk_norm=False, class_token=True, reg
 # timm's one registered ViT whose name states no size: every argument it sets is in `model_args`.
 GENERIC_ARCHITECTURE = "test_vit"
 _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; its message is one line naming the file (or URL, redacted) and the key."""
 
 
 class ArtifactError(CheckpointError):
@@ -160,8 +158,11 @@ def from_checkpoint(checkpoint: Mapping) -> tuple[dict, dict[str, torch.Tensor]]
     backbone = (checkpoint.get("hyper_parameters") or {}).get("backbone")
     if not isinstance(backbone, Mapping) or backbone.get("class_path") not in BACKBONES:
         return None
+    import torch
+
     cls = BACKBONES[backbone["class_path"]]
-    model = cls(**backbone["init_args"])
+    with torch.random.fork_rng(devices=[]):  # its random init must not move the run's random stream (resume = same)
+        model = cls(**backbone["init_args"])
     state = inference_state(checkpoint["state_dict"])
     model.load_state_dict({key.removeprefix("backbone."): value for key, value in state.items()
                            if key.startswith("backbone.")})
@@ -316,7 +317,8 @@ def _load_weights(cls: type[nn.Module], args: Mapping, folder: Path) -> nn.Modul
                               f"(above {MAX_BUFFER_BYTES // 2**30} GiB); refused")
     _compare(weight_shapes(source, str(source)), expected, fixed)
     state = load_state_dict(source, str(source))
-    model = cls(**args)
+    with torch.random.fork_rng(devices=[]):  # the random init is overwritten: the caller's random stream is kept
+        model = cls(**args)
     converted = {}
     for name, reference in model.state_dict().items():
         tensor = state[name].to(reference.dtype)  # in the model's dtype: a float64 1e300 is inf as float32

@@ -16,6 +16,11 @@ import typing
 from typing import Any, Literal, Union, get_args
 
 
+class CheckpointError(ValueError):
+    """A checkpoint or model folder that cannot be used; its message is one line naming the file (or URL, redacted)
+    and the key."""
+
+
 def check_choice(name: str, value: object, allowed: Any) -> None:
     """Raise `ValueError` unless `value` is one of `allowed` (a `Literal` type or a sequence)."""
     options = get_args(allowed) or tuple(allowed)

@@ -181,7 +181,7 @@ def check_finite_weights(state_dict: dict[str, torch.Tensor], step: int) -> None
     if tensors and not torch.stack([t.isfinite().all() for t in tensors.values()]).all():  # one host sync
         bad = next(name for name, t in tensors.items() if not t.isfinite().all())
         raise NonFiniteError(f"{bad} holds NaN or infinite values at training step {step}; the checkpoint was not "
-                             "written, so the last one on disk is still a good one")
+                             "written, so those on disk hold the weights from before it")
 
 
 class PlainProgress(L.Callback):

@@ -22,7 +22,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from vit import artifact
+import vit.artifact as artifact
 from vit.training.checkpoint import Checkpoint, read
 from vit.training.checkpoint.trainer_state import without_checkpoint_paths
 

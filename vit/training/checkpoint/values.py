@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from vit.artifact import CheckpointError
-from vit.checks import PLAIN, constructor_message, first_line
+from vit.checks import PLAIN, CheckpointError, constructor_message, first_line
 
 SCHEMA_VERSION = 2  # of the checkpoints ImageClassifier writes and `schema.validate` reads
 MAX_DEPTH = 24  # a Lightning checkpoint nests 8 deep; an optimizer state of nested groups a few more
