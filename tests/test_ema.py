@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from vit.models import VisionTransformer
 from vit.training.checkpoint import read
-from vit.training.checkpoint.build import build_backbone, open_model
+from vit.training.checkpoint.build import build_backbone
 from vit.training.classifier import ImageClassifier
 
 CFG = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2}
@@ -80,9 +80,10 @@ def test_a_resumed_fit_continues_the_weights_and_the_average_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_command(tmp_path, monkeypatch):
-    """train.py with `--model.ema_decay`: open_model (vit.predict, vit.explain, vit.load), and vit.export, run the
-    averaged weights: equal to a forward of the backbone loaded by hand with `ema.module.*`."""
+    """train.py with `--model.ema_decay`: vit.artifact.load (vit.predict, vit.explain, vit.load), and vit.export, run
+    the averaged weights: equal to a forward of the backbone loaded by hand with `ema.module.*`."""
     import vit
+    import vit.artifact
     from vit.export import load as export_load
 
     config = tiny_config(tmp_path, max_epochs=1)
@@ -97,7 +98,8 @@ def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_com
     by_hand, raw = build_backbone(read(path)), build_backbone(read(path))
     by_hand.load_state_dict(averaged)
     raw.load_state_dict(trained)
-    model, opened = open_model(path)
+    opened = vit.artifact.load(path)
+    model = opened.model
     x = torch.randn(3, opened.inputs["in_chans"], *opened.inputs["img_size"])
     with torch.no_grad():
         expected = by_hand.eval()(x)

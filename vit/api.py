@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from vit.checks import check_choice, check_int, check_topk, class_index
 from vit.data.images import NON_FINITE, decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
-from vit.training.checkpoint import CheckpointError, read
-from vit.training.checkpoint.build import inference_transform, trained_backbone
+from vit.training.checkpoint import CheckpointError
+from vit.training.checkpoint.build import inference_transform
 
 ImageLike = str | os.PathLike | Image.Image
 Images = ImageLike | Iterable[ImageLike] | Tensor
@@ -242,9 +242,5 @@ def load(path_or_url: str | os.PathLike, device: str | torch.device = "cpu", pre
     check_source(path_or_url)
     check_choice("precision", precision, AUTOCAST)
     target = resolve_device(device)  # before anything is read
-    folder = artifact.locate(path_or_url)
-    if folder is not None:
-        model = artifact.read(folder)
-        return Predictor(model.model, model.inputs, model.class_names, precision).to(target)
-    checkpoint = read(path_or_url, training=False)  # only the backbone is built: no Lightning, no training classes
-    return Predictor(trained_backbone(checkpoint), checkpoint.inputs, checkpoint.class_names, precision).to(target)
+    model = artifact.load(path_or_url)  # only the backbone is built: no Lightning, no training classes
+    return Predictor(model.model, model.inputs, model.class_names, precision).to(target)

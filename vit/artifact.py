@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,8 @@ _PLAIN = dict(mlp_ratio=4.0, qkv_bias=True, qk_norm=False, class_token=True, reg
 # timm's one registered ViT whose name states no size: every argument it sets is in `model_args`.
 GENERIC_ARCHITECTURE = "test_vit"
 _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
+# The longest `pretrained` looked at for a base model: `hf-hub:`, an `org/name` of 96 + 1 + 96 characters, `@revision`.
+MAX_SOURCE_CHARS = 256
 
 
 class ArtifactError(CheckpointError):
@@ -54,13 +57,19 @@ class ArtifactError(CheckpointError):
 
 @dataclass(frozen=True)
 class Artifact:
-    """An opened model folder: `model` (eval mode, on the CPU), `inputs` (as `vit.data` records them: `img_size`,
-    `in_chans`, `mean`, `std`, `interpolation`), `class_names`, `config` (config.json as read)."""
+    """An opened model: `model` (eval mode, on the CPU), `inputs` (as `vit.data` records them: `img_size`,
+    `in_chans`, `mean`, `std`, `interpolation`), `class_names`, `source` (as messages name it), `data` (the data
+    module as `{"class_path", "init_args"}`, unchecked until `test_data` builds it; None if not recorded),
+    `training` (what the run says of itself, for a model card: `training_record`), `config` (config.json as read;
+    empty for a checkpoint without a model folder)."""
 
     model: nn.Module
     inputs: dict
     class_names: list[str]
-    config: dict
+    source: str
+    data: dict | None = None
+    training: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
 
 
 def folder_of(checkpoint: str | os.PathLike) -> Path:
@@ -170,7 +179,88 @@ def from_checkpoint(checkpoint: Mapping) -> tuple[dict, dict[str, torch.Tensor]]
     data = {"class_path": data["_class_path"], "init_args": {k: v for k, v in data.items() if not k.startswith("_")}
             } if "_class_path" in data else None
     config = describe(model, backbone, checkpoint["inputs"], checkpoint["class_names"], data)
+    config["vit"]["training"] = training_record(checkpoint)
     return config, weights(model)
+
+
+def training_record(checkpoint: dict) -> dict:
+    """What the checkpoint says of its training, for the model card: run facts, `model` settings, `metrics` (finite
+    scores only: config.json is strict JSON)."""
+    data, hparams = checkpoint.get("datamodule_hyper_parameters") or {}, checkpoint.get("hyper_parameters") or {}
+    record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
+              "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
+              "dataset": hub_dataset(data), "base_model": hub_base_model(hparams.get("pretrained"))}
+    record = {key: value for key, value in record.items()
+              if isinstance(value, (str, int)) and not isinstance(value, bool)}
+    settings = {key: value for key, value in hparams.items()
+                if not key.startswith("_") and key != "backbone" and isinstance(value, (str, int, float, bool, list))}
+    if settings:
+        record["model"] = settings
+    metrics = {f"{state['monitor']} ({label})": _score(state.get(key))
+               for state in (checkpoint.get("callbacks") or {}).values()
+               if isinstance(state, dict) and isinstance(state.get("monitor"), str)
+               for key, label in (("best_model_score", "best"), ("current_score", "at this checkpoint"))}
+    metrics = {name: value for name, value in metrics.items() if value is not None}
+    if metrics:
+        record["metrics"] = metrics
+    return record
+
+
+def _score(value: object) -> float | None:
+    """A monitored score as a finite float (a number or a one-element tensor), else None."""
+    import math
+
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def hub_dataset(data: dict) -> str | None:
+    """The Hub id of the public dataset a data module's hyperparameters name (CIFAR-10: `cifar10`), else None."""
+    cifar = data.get("_class_path") == "vit.data.cifar.CIFARDataModule"
+    return data["dataset"] if cifar and data.get("dataset") in ("cifar10", "cifar100") else None
+
+
+def hub_base_model(pretrained: object) -> str | None:
+    """The Hub id of the weights `ImageClassifier(pretrained=...)` started from: a hub id without `hf-hub:` and
+    `@revision`, a timm name as its repo (`timm/<name>.<tag>`); None for a local file, a name timm does not know, or
+    anything that is not one line a Hub id could be (`is_hub_id`): the model card's front matter carries no other."""
+    from timm.models import get_pretrained_cfg
+
+    from vit.models.weights import source_kind
+
+    if not isinstance(pretrained, str) or not 0 < len(pretrained) <= MAX_SOURCE_CHARS or not pretrained.isprintable():
+        return None
+    try:
+        kind = source_kind(pretrained)
+    except OSError:  # a name the file system cannot look up (one part longer than it allows): no Hub id either
+        return None
+    if kind == "hub":
+        base = re.sub(r"^hf[-_]hub:", "", pretrained, flags=re.IGNORECASE).split("@", 1)[0]
+        return base if is_hub_id(base) else None
+    try:
+        cfg = get_pretrained_cfg(pretrained) if kind == "name" else None
+    except RuntimeError:  # a tag timm does not have
+        return None
+    return cfg.hf_hub_id if cfg is not None and is_hub_id(cfg.hf_hub_id) else None
+
+
+def is_hub_id(text: object) -> bool:
+    """Whether `text` is a Hub repo id as the Hub spells them: `name` or `org/name`, ASCII letters, digits, `-`, `_`
+    and `.`, at most 96 characters each (huggingface_hub's own check); never a path, never two lines."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(text, str) or not text or not text.isascii():
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def write(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
@@ -243,7 +333,10 @@ def read(folder: str | os.PathLike) -> Artifact:
             model, inputs, names = _build_timm_export(config, folder)
     except (CheckpointError, PretrainedError) as err:
         raise ArtifactError(f"model folder {folder}: {err}") from None
-    return Artifact(model.eval(), inputs, names, config)
+    training = own.get("training") if isinstance(own, dict) else None
+    data = own.get("data") if isinstance(own, dict) else None
+    return Artifact(model.eval(), inputs, names, str(folder), data if isinstance(data, dict) else None,
+                    training if isinstance(training, dict) else {}, config)
 
 
 def read_config(folder: Path) -> dict:
@@ -435,3 +528,45 @@ def _hub_folder(repo: str) -> Path:
                             f"(`hf download {repo_id}`), or give its folder") from None
     except OSError as err:  # the Hub's own errors (no such repo, gated, HTTP) are OSErrors
         raise ArtifactError(f"hf-hub:{repo} cannot be fetched: {str(err).splitlines()[0][:300]}") from None
+
+
+def load(source: str | os.PathLike) -> Artifact:
+    """The model a door was given (`locate`): a model folder, a checkpoint's model folder, an `hf-hub:` id; else a
+    checkpoint file or URL (written before model folders, or without its folder) through the checkpoint reader."""
+    from vit.training.checkpoint import read as read_checkpoint
+    from vit.training.checkpoint.build import trained_backbone
+
+    folder = locate(source)
+    if folder is not None:
+        return read(folder)
+    checkpoint = read_checkpoint(source, training=False)
+    recorded = checkpoint.raw.get("datamodule_hyper_parameters") or {}
+    data = {"class_path": recorded["_class_path"], "init_args": dict(checkpoint.data_args)} if (
+        "_class_path" in recorded) else None
+    return Artifact(trained_backbone(checkpoint), checkpoint.inputs, list(checkpoint.class_names), checkpoint.source,
+                    data, training_record(checkpoint.raw))
+
+
+MAX_TEST_SET_BYTES = 2**29  # a generated test split built from a model's record, as float32 pixels
+
+
+def test_data(model: Artifact):
+    """The data module a model was trained on, for its test images: generated data only (a model names no folder),
+    its class from this project's registry and its arguments checked, its test split bounded in size."""
+    import math
+
+    from vit.data.base import SyntheticDataModule
+    from vit.training.checkpoint.schema import check_data
+    from vit.training.checkpoint.values import construct
+
+    if model.data is None:
+        raise CheckpointError(f"{model.source} does not record its data module")
+    cls, args = check_data(model.data)
+    if not issubclass(cls, SyntheticDataModule):
+        raise CheckpointError(f"{model.source} was trained on files ({cls.__name__}); its test images are not "
+                              "rebuilt from a model")
+    values = args.get("num_test", 1) * model.inputs["in_chans"] * math.prod(model.inputs["img_size"])
+    if values * 4 > MAX_TEST_SET_BYTES:
+        raise CheckpointError(f"{model.source}: its test split (num_test={args.get('num_test')}) would take "
+                              f"{values * 4 / 2**30:.1f} GiB to generate (limit {MAX_TEST_SET_BYTES // 2**20} MiB)")
+    return construct(cls, args, f"{model.source}: its data module {cls.__name__} cannot be built here")

@@ -19,7 +19,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.artifact import GENERIC_ARCHITECTURE, architecture, timm_args
+from vit.artifact import (
+    GENERIC_ARCHITECTURE,
+    architecture,
+    timm_args,
+)
 from vit.artifact import ArtifactError as ExportError  # what cannot be exported, as what cannot be opened: one line
 from vit.checks import file_kind
 from vit.commands import check_output, parser, run, write_failed
@@ -34,8 +38,6 @@ _PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "inter
                         "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
 _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: apache-2.0, mit, cc-by-4.0, other, ...
 FILES = ("model.safetensors", "config.json", "README.md")  # what `export` writes into --out
-# The longest `pretrained` looked at for a base model: `hf-hub:`, an `org/name` of 96 + 1 + 96 characters, `@revision`.
-MAX_SOURCE_CHARS = 256
 
 
 def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
@@ -51,72 +53,6 @@ def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
     cfg = {k: v for k, v in exported.pretrained_cfg.items() if k in _PRETRAINED_CFG_KEYS}
     exported.pretrained_cfg = {**cfg, **data_config}
     return exported.eval()
-
-
-def training_record(checkpoint: dict) -> dict:
-    """What the checkpoint says of its training, for the model card: run facts, `model` settings, `metrics`."""
-    data, hparams = checkpoint.get("datamodule_hyper_parameters") or {}, checkpoint.get("hyper_parameters") or {}
-    record = {"data_module": data.get("_class_path"), "seed": data.get("seed"),
-              "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
-              "dataset": hub_dataset(data), "base_model": hub_base_model(hparams.get("pretrained"))}
-    record = {key: value for key, value in record.items()
-              if isinstance(value, (str, int)) and not isinstance(value, bool)}
-    settings = {key: value for key, value in hparams.items()
-                if not key.startswith("_") and key != "backbone" and isinstance(value, (str, int, float, bool, list))}
-    if settings:
-        record["model"] = settings
-    metrics = {f"{state['monitor']} ({label})": float(state[key])
-               for state in (checkpoint.get("callbacks") or {}).values()
-               if isinstance(state, dict) and isinstance(state.get("monitor"), str)
-               for key, label in (("best_model_score", "best"), ("current_score", "at this checkpoint"))
-               if state.get(key) is not None}
-    if metrics:
-        record["metrics"] = metrics
-    return record
-
-
-def hub_dataset(data: dict) -> str | None:
-    """The Hub id of the public dataset a data module's hyperparameters name (CIFAR-10: `cifar10`), else None."""
-    cifar = data.get("_class_path") == "vit.data.cifar.CIFARDataModule"
-    return data["dataset"] if cifar and data.get("dataset") in ("cifar10", "cifar100") else None
-
-
-def hub_base_model(pretrained: object) -> str | None:
-    """The Hub id of the weights `ImageClassifier(pretrained=...)` started from: a hub id without `hf-hub:` and
-    `@revision`, a timm name as its repo (`timm/<name>.<tag>`); None for a local file, a name timm does not know, or
-    anything that is not one line a Hub id could be (`is_hub_id`): the model card's front matter carries no other."""
-    from timm.models import get_pretrained_cfg
-
-    from vit.models.weights import source_kind
-
-    if not isinstance(pretrained, str) or not 0 < len(pretrained) <= MAX_SOURCE_CHARS or not pretrained.isprintable():
-        return None
-    try:
-        kind = source_kind(pretrained)
-    except OSError:  # a name the file system cannot look up (one part longer than it allows): no Hub id either
-        return None
-    if kind == "hub":
-        base = re.sub(r"^hf[-_]hub:", "", pretrained, flags=re.IGNORECASE).split("@", 1)[0]
-        return base if is_hub_id(base) else None
-    try:
-        cfg = get_pretrained_cfg(pretrained) if kind == "name" else None
-    except RuntimeError:  # a tag timm does not have
-        return None
-    return cfg.hf_hub_id if cfg is not None and is_hub_id(cfg.hf_hub_id) else None
-
-
-def is_hub_id(text: object) -> bool:
-    """Whether `text` is a Hub repo id as the Hub spells them: `name` or `org/name`, ASCII letters, digits, `-`, `_`
-    and `.`, at most 96 characters each (huggingface_hub's own check); never a path, never two lines."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not isinstance(text, str) or not text or not text.isascii():
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
 
 
 def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None,
@@ -196,17 +132,15 @@ def markdown_text(value: object) -> str:
 
 
 def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str], dict]:
-    """`(backbone, data_config in timm's keys, class names, training_record)` of a train.py checkpoint."""
-    from vit.training.checkpoint.build import open_model
+    """`(backbone, data_config in timm's keys, class names, training_record)` of a model folder or checkpoint."""
+    import vit.artifact as artifact
 
-    backbone, checkpoint = open_model(ckpt_path, training=False)
-    inputs = checkpoint.inputs
-    timm_args(backbone)  # refuse what timm cannot compute before anything else is done
-    channels = inputs["in_chans"]
-    mean, std = (inputs["mean"], inputs["std"]) if inputs["mean"] is not None else ([0.0] * channels, [1.0] * channels)
-    data_config = dict(input_size=(channels, *inputs["img_size"]), mean=tuple(mean), std=tuple(std),
-                       interpolation=inputs["interpolation"], crop_pct=1.0, crop_mode="squash")
-    return backbone, data_config, list(checkpoint.class_names), training_record(checkpoint.raw)
+    model = artifact.load(ckpt_path)
+    timm_args(model.model)  # refuse what timm cannot compute before anything else is done
+    config = artifact.data_config(model.inputs)
+    data_config = {**config, "input_size": tuple(config["input_size"]), "mean": tuple(config["mean"]),
+                   "std": tuple(config["std"])}
+    return model.model, data_config, list(model.class_names), dict(model.training)
 
 
 def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str],

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import vit.artifact as artifact
 from studies.runner import arrangement
 from studies.runner.arrangement import ArrangementDataModule
 from studies.runner.models import StudyViT
@@ -53,8 +54,7 @@ from vit.data.same_different import make_shapes, render
 from vit.models import VisionTransformer
 from vit.models.masks import mask_attention
 from vit.training.checkpoint import CheckpointError
-from vit.training.checkpoint.build import build_datamodule, open_model
-from vit.training.checkpoint.schema import allow_backbone
+from vit.training.checkpoint.schema import allow_backbone, check_data
 
 allow_backbone(StudyViT)  # the studies' ViT checkpoints (local attention, a sized learned table) open here
 
@@ -187,14 +187,14 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
     """Test accuracy of one checkpoint under each condition, on the images whose parts no token sees both of
     (a CLS condition is "" for a model without a CLS token); with ``max_images``, on the first so many
     test images only."""
-    model, checkpoint = open_model(ckpt_path)
-    if not isinstance(model, VisionTransformer) or checkpoint.data_class not in (SameDifferentDataModule,
-                                                                                  ArrangementDataModule):
-        raise CheckpointError(f"checkpoint {checkpoint.source} holds a {type(model).__name__} trained on "
-                              f"{getattr(checkpoint.data_class, '__name__', 'unrecorded data')}: attention blocking "
+    opened = artifact.load(ckpt_path)
+    model, data_class = opened.model, check_data(opened.data)[0] if opened.data is not None else None
+    if not isinstance(model, VisionTransformer) or data_class not in (SameDifferentDataModule, ArrangementDataModule):
+        raise CheckpointError(f"{opened.source} holds a {type(model).__name__} trained on "
+                              f"{getattr(data_class, '__name__', 'unrecorded data')}: attention blocking "
                               "needs a VisionTransformer trained on SameDifferentDataModule or ArrangementDataModule, "
                               "whose test images say where the two parts are")
-    data = build_datamodule(checkpoint)
+    data = artifact.test_data(opened)
     data.setup("test")
     test = data.test_set
     if max_images is not None and max_images < len(test):

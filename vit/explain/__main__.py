@@ -53,22 +53,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def prepare(args: argparse.Namespace) -> Prepared:
     """Check the arguments, open the checkpoint: model, transforms (input; colour image), methods, target, data."""
+    import vit.artifact as artifact
     from vit.checks import class_index
     from vit.explain.relevance import usable_methods
     from vit.training.checkpoint import CheckpointError
-    from vit.training.checkpoint.build import build_datamodule, inference_transform, open_model
+    from vit.training.checkpoint.build import inference_transform
 
     methods = parse_methods(args.method)
     if args.num_images < 1:
         raise ValueError(f"--num_images {args.num_images} is not allowed: expected an int >= 1")
     check_paths(args)
-    model, ckpt = open_model(args.ckpt_path)
+    ckpt = artifact.load(args.ckpt_path)
+    model = ckpt.model
     transforms = inference_transform(ckpt.inputs), inference_transform({**ckpt.inputs, "in_chans": 3, "mean": None})
     usable = usable_methods(model, methods, option="--method ")
     methods = [m for m in usable if m != "random"] if methods == ["all"] else usable
     target = None if args.target is None else class_index(args.target, ckpt.class_names, option="--target ")
     try:  # without images, the checkpoint's own test images
-        data = build_datamodule(ckpt) if args.input_dir is None and not args.image else None
+        data = artifact.test_data(ckpt) if args.input_dir is None and not args.image else None
     except CheckpointError as err:
         raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
     return (model, ckpt.class_names), transforms, methods, target, data

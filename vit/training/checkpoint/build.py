@@ -1,10 +1,8 @@
-"""What a validated checkpoint builds: this project's model, its input transform, and for generated data its data
-module. Only allowlisted classes are called, with checked values; nothing is fetched, no folder it names is read."""
+"""What a validated checkpoint builds: this project's model and its input transform (a model's data module:
+`vit.artifact.test_data`). Only allowlisted classes are called, with checked values; nothing is fetched."""
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -17,12 +15,8 @@ from vit.training.checkpoint.schema import LIGHTNING_INSTANTIATOR, Checkpoint
 from vit.training.checkpoint.values import CheckpointError, construct
 
 if TYPE_CHECKING:  # imported where used: reading a checkpoint for inference imports no Lightning
-    import lightning as L
 
     from vit.training.classifier import ImageClassifier
-
-MAX_TEST_SET_BYTES = 2**29  # a generated test split built from a checkpoint, as float32 pixels
-
 
 def inference_transform(inputs: dict) -> v2.Compose:
     """The transform of `Checkpoint.inputs` (what a checkpoint records of its input): PIL image -> the model's input."""
@@ -78,31 +72,3 @@ def inference_state(state_dict: Mapping) -> dict:
     state.update({"backbone." + key.removeprefix(prefix): value for key, value in state_dict.items()
                   if key.startswith(prefix)})
     return state
-
-
-def build_datamodule(checkpoint: Checkpoint) -> L.LightningDataModule:
-    """The checkpoint's data module, for its test images: only generated data (a checkpoint chooses no folder)."""
-    from vit.data.base import SyntheticDataModule
-
-    cls = checkpoint.data_class
-    if cls is None:
-        raise CheckpointError(f"checkpoint {checkpoint.source} does not record its data module")
-    if not issubclass(cls, SyntheticDataModule):
-        raise CheckpointError(f"checkpoint {checkpoint.source} was trained on files ({cls.__name__}); its test "
-                              "images are not rebuilt from a checkpoint")
-    values = checkpoint.data_args.get("num_test", 1) * checkpoint.inputs["in_chans"] * math.prod(
-        checkpoint.inputs["img_size"])
-    if values * 4 > MAX_TEST_SET_BYTES:
-        raise CheckpointError(f"checkpoint {checkpoint.source}: its test split (num_test="
-                              f"{checkpoint.data_args.get('num_test')}) would take {values * 4 / 2**30:.1f} GiB to "
-                              f"generate (limit {MAX_TEST_SET_BYTES // 2**20} MiB)")
-    return construct(cls, checkpoint.data_args, f"checkpoint {checkpoint.source}: its data module {cls.__name__} "
-                     "cannot be built here")
-
-
-def open_model(path_or_url: str | os.PathLike, training: bool = True) -> tuple[nn.Module, Checkpoint]:
-    """`(backbone, checkpoint)` of a path or URL: validated whole (`read`), then the trained backbone in eval mode."""
-    from vit.training.checkpoint import read
-
-    checkpoint = read(path_or_url, training)
-    return trained_backbone(checkpoint), checkpoint

@@ -233,6 +233,20 @@ def check_backbone(spec: Any, key: str = "vit.backbone") -> tuple[type[nn.Module
     return cls, _arguments(cls, init_args, f"{key}.init_args")
 
 
+def check_data(spec: Any, key: str = "vit.data") -> tuple[type, dict]:
+    """`(class, arguments)` of a data module recorded as `{"class_path", "init_args"}` (`check_backbone`'s rules,
+    against `DATA_MODULES`); imports Lightning with the class."""
+    if not isinstance(spec, Mapping) or set(spec) - {"class_path", "init_args"}:
+        raise not_allowed(key, spec, "a mapping of class_path and init_args")
+    path = spec.get("class_path")
+    _owned(path, DATA_MODULES, f"{key}.class_path", "data modules")
+    init_args = spec.get("init_args") or {}
+    if not isinstance(init_args, Mapping):
+        raise not_allowed(f"{key}.init_args", init_args, "a mapping")
+    cls = data_module(path)
+    return cls, _arguments(cls, init_args, f"{key}.init_args")
+
+
 def _data(hparams: Any, training: bool) -> tuple[str | None, dict]:
     if hparams is None:
         return None, {}
