@@ -124,12 +124,13 @@ def test_explain_gives_the_map_of_relevance_and_of_vit_explain(checkpoint, image
 
 @pytest.mark.parametrize("shape", ["nested class path", "nested under an owned backbone"])
 def test_a_hostile_checkpoint_raises_and_builds_nothing(shape, checkpoint, tmp_path, monkeypatch):
-    import vit.api
+    import vit.training.checkpoint.build
 
     marker = tmp_path / "MARKER"
     bad = tmp_path / "bad.ckpt"
     torch.save(hostile(torch.load(checkpoint, weights_only=True), shape, marker), bad)
-    monkeypatch.setattr(vit.api, "trained_backbone", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(vit.training.checkpoint.build, "trained_backbone", lambda *a, **k: pytest.fail("a model was "
+                                                                                                       "built"))
     with pytest.raises(CheckpointError, match=NAMED[shape].replace("[", r"\[").replace(".", r"\.")):
         vit.load(bad)
     assert not marker.exists()

@@ -292,3 +292,33 @@ def test_a_run_removes_only_model_folders_it_wrote(tmp_path):
     AtomicCheckpointIO().remove_checkpoint(tmp_path / "epoch2.ckpt")
     assert not ours.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["epoch1"]
     shutil.rmtree(foreign)
+
+
+@pytest.mark.slow
+def test_a_run_with_timer_and_early_stopping_resumes_and_its_checkpoints_open(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import EarlyStopping, Timer
+
+    config = tiny_config(tmp_path, max_epochs=1)
+    # Timer's interval is given: its default, an enum, is what jsonargparse cannot write into config.yaml.
+    callbacks = ["--trainer.callbacks+=Timer", "--trainer.callbacks.interval=step",
+                 "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val/loss",
+                 "--trainer.callbacks.patience=10"]
+    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", *callbacks], monkeypatch)
+    [run_dir] = run_dirs(tmp_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    first = torch.load(last, weights_only=True)
+    states = {key.split("{")[0] for key in first["callbacks"]}
+    assert {Timer.__name__, EarlyStopping.__name__} <= states
+    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", *callbacks,
+                     "--trainer.max_epochs", "2", "--ckpt_path", "last"], monkeypatch)
+    resumed = torch.load(last, weights_only=True)
+    assert resumed["epoch"] == 1 and resumed["global_step"] == 2 * first["global_step"]
+    timer = next(state for key, state in resumed["callbacks"].items() if key.startswith("Timer"))
+    assert timer["time_elapsed"]["train"] > next(state for key, state in first["callbacks"].items()
+                                                 if key.startswith("Timer"))["time_elapsed"]["train"]
+    # validate restores the checkpoint, Timer's and EarlyStopping's states with it (a SystemExit would be a refusal)
+    main_in_process(["validate", "--config", str(config), *callbacks, "--ckpt_path", str(last)], monkeypatch)
+    x = torch.rand(2, 1, 32, 32)
+    with torch.no_grad():
+        assert torch.isfinite(vit.load(last).model(x)).all() and torch.isfinite(vit.load(last.with_suffix("")).model(
+            x)).all()

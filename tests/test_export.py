@@ -229,7 +229,8 @@ def test_the_architecture_names_a_timm_vit_of_the_same_size_or_none(tmp_path, kw
 def test_the_card_front_matter_says_what_the_hub_shows(tmp_path):
     import yaml
 
-    from vit.export import hub_base_model, hub_dataset, model_card
+    from vit.artifact import hub_base_model, hub_dataset
+    from vit.export import model_card
 
     args = timm_args(random_vit())
     training = {"dataset": hub_dataset({"_class_path": "vit.data.cifar.CIFARDataModule", "dataset": "cifar10"}),

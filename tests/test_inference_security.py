@@ -285,7 +285,8 @@ def test_a_huge_num_workers_is_capped_at_the_cores(images, tmp_path, capsys):
     "hf-hub:örg/name",
 ])
 def test_the_card_has_no_base_model_that_is_not_a_hub_id(pretrained):
-    from vit.export import hub_base_model, model_card, timm_args, training_record
+    from vit.artifact import hub_base_model, timm_args, training_record
+    from vit.export import model_card
 
     assert hub_base_model(pretrained) is None
     record = training_record({"hyper_parameters": {"pretrained": pretrained}})
@@ -298,7 +299,7 @@ def test_the_card_has_no_base_model_that_is_not_a_hub_id(pretrained):
 
 
 def test_a_base_model_that_is_a_hub_id_is_kept_on_one_line():
-    from vit.export import hub_base_model
+    from vit.artifact import hub_base_model
 
     assert hub_base_model("hf-hub:org/my-vit.v2@main") == "org/my-vit.v2"
     assert hub_base_model("hf-hub:org/" + "n" * 96) == "org/" + "n" * 96

@@ -17,11 +17,12 @@ from PIL import Image
 from safetensors import SafetensorError
 
 from vit.api import Predictor
+from vit.artifact import timm_args, training_record
 from vit.commands import check_output, print_skipped, write_failed
 from vit.data import ImageFolderDataModule
 from vit.data.files import first_skipped
 from vit.explain.__main__ import check_paths as explain_check_paths
-from vit.export import check_out, model_card, timm_args, training_record, write
+from vit.export import check_out, model_card, write
 from vit.export import main as export_main
 from vit.models import VisionTransformer
 from vit.predict import check_paths as predict_check_paths

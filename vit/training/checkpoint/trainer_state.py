@@ -32,11 +32,15 @@ def check_trainer_state(raw: Mapping, data_key: str | None) -> None:
             raise CheckpointError(f"lr_schedulers[{i}] is a {type(state).__name__}, not a mapping")
     _counters(raw.get("loops", {}), "loops")
     for key, state in (raw.get("callbacks") or {}).items():
-        if not isinstance(key, str) or not key.startswith(("ModelCheckpoint{", "EarlyStopping{", "RestoreRNGState")):
-            raise CheckpointError(f"callbacks has {shown(key)}, a callback whose state this project does not restore")
+        if not isinstance(key, str):
+            raise CheckpointError(f"callbacks has {shown(key)}, not a callback's state key")
+        # The callbacks whose state names files or is replayed here are checked; any other (Timer, a user's own) is
+        # plain data of bounded size (walked with the rest) that Lightning gives to the callback of that key the run
+        # configured, as Lightning resumes it: a state no configured callback takes is never read.
         check = (_model_checkpoint if key.startswith("ModelCheckpoint{") else _early_stopping
-                 if key.startswith("EarlyStopping{") else _rng)
-        check(state, f"callbacks.{key}")
+                 if key.startswith("EarlyStopping{") else _rng if key.startswith("RestoreRNGState") else None)
+        if check is not None:
+            check(state, f"callbacks.{key}")
     if (key := data_key) in raw:  # the data module's own state, under its class name
         state = raw[key]
         if not isinstance(state, Mapping) or set(state) - {"train_position", "world_size"}:
