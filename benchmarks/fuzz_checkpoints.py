@@ -26,8 +26,10 @@ The input doors use `tests/input_mutations.py` (as `tests/test_input_fuzz.py` do
 safetensors header, the zip archive, bytes, a FIFO in its place, its config.json); `decode` (`decode_image`) and
 `predict` (`vit.load` of the reference checkpoint, then `.predict(path)`) open an image Pillow wrote and that was
 mutated (formats, modes, values, sizes, bytes). Each variant has a deadline and a memory bound; its group in the
-summary is the last change made. `hpc` plants a hostile `hpc_ckpt_1.ckpt` once and gives it to the reader behind
-Lightning and to `train.py fit --ckpt_path hpc` (no random variants).
+summary is the last change made. `artifact` opens a tiny ViT's model folder with one `config.json` value, key or
+file changed (`tests/artifact_mutations.py`) through `vit.load` and one forward pass. `hpc` plants a hostile
+`hpc_ckpt_1.ckpt` once and gives it to the reader behind Lightning and to `train.py fit --ckpt_path hpc` (no random
+variants).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 CHECKPOINT_DOORS = ("load", "validate", "fit")
 WEIGHT_DOORS = ("create_vit", "load_pretrained")
 IMAGE_DOORS = ("decode", "predict")
-DOORS = (*CHECKPOINT_DOORS, *WEIGHT_DOORS, *IMAGE_DOORS, "hpc")
+DOORS = (*CHECKPOINT_DOORS, *WEIGHT_DOORS, *IMAGE_DOORS, "artifact", "hpc")
 
 
 @dataclass
@@ -192,7 +194,12 @@ def fuzz_inputs(door: str, root: Path, examples: int, random_seed: int, log: Pat
     )
 
     report, folder = DoorReport(door, reason=input_reason), root / door
-    if door in WEIGHT_DOORS:
+    if door == "artifact":
+        from artifact_mutations import artifact_door, folder_variants, notable_folder_variants, reference_folder
+
+        opener, notable = artifact_door, notable_folder_variants()
+        strategy = folder_variants(reference_folder(root))
+    elif door in WEIGHT_DOORS:
         reference = reference_weights()
         opener, notable, strategy = weights_door(door), notable_weight_variants(reference), weight_variants(reference)
     else:

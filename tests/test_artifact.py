@@ -322,3 +322,27 @@ def test_a_run_with_timer_and_early_stopping_resumes_and_its_checkpoints_open(tm
     with torch.no_grad():
         assert torch.isfinite(vit.load(last).model(x)).all() and torch.isfinite(vit.load(last.with_suffix("")).model(
             x)).all()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_a_model_folder_gets_one_from_the_command(tmp_path, monkeypatch, capsys):
+    from vit.artifact.__main__ import main
+
+    config = tiny_config(tmp_path, max_epochs=1)
+    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], monkeypatch)
+    [run_dir] = run_dirs(tmp_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    written_by_the_run = load_file(last.with_suffix("") / "model.safetensors")
+    shutil.rmtree(last.with_suffix(""))  # as a checkpoint of an earlier version has it
+    assert main(["--ckpt_path", str(last)]) == 0
+    assert f"wrote {last.with_suffix('') / 'model.safetensors'}" in capsys.readouterr().out
+    made = load_file(last.with_suffix("") / "model.safetensors")
+    assert made.keys() == written_by_the_run.keys()
+    for key, tensor in made.items():
+        torch.testing.assert_close(tensor, written_by_the_run[key], rtol=0, atol=0)
+    assert main(["--ckpt_path", str(last)]) == 2
+    assert capsys.readouterr().err == f"error: --out {last.with_suffix('')} exists; pass --overwrite to replace it\n"
+    assert main(["--ckpt_path", str(last), "--overwrite"]) == 0
+    (tmp_path / "mine").mkdir()
+    assert main(["--ckpt_path", str(last), "--out", str(tmp_path / "mine"), "--overwrite"]) == 2
+    assert "it is not a model folder this project wrote, so it is left alone" in capsys.readouterr().err
