@@ -64,10 +64,31 @@ def test_fit_from_a_checkpoint_with_another_batch_size_is_an_error(trained, tmp_
 
 @pytest.mark.slow
 def test_evaluating_with_another_lr_warns_once_and_uses_the_checkpoint(trained, tmp_path, monkeypatch):
+    alone = tmp_path / "alone.ckpt"  # without its model folder: read as a checkpoint, its settings compared
+    alone.write_bytes(trained.read_bytes())
     with pytest.warns(UserWarning, match=r"the checkpoint's value is used for model\.lr: 0\.002 in the checkpoint "
                                          r"vs 0\.01 given"):
-        main_in_process(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(trained),
+        main_in_process(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(alone),
                          "--model.lr", "0.01"], monkeypatch)
+
+
+@pytest.mark.slow
+def test_evaluating_a_model_folder_gives_what_its_checkpoint_gives_and_reads_no_checkpoint(trained, tmp_path,
+                                                                                         monkeypatch, capsys):
+    import vit.training.checkpoint.io as checkpoint_io
+
+    alone = tmp_path / "alone.ckpt"  # the checkpoint without its model folder: Lightning restores it
+    alone.write_bytes(trained.read_bytes())
+    config = str(tiny_config(tmp_path))
+    main_in_process(["test", "--config", config, "--ckpt_path", str(alone)], monkeypatch)
+    from_checkpoint = capsys.readouterr().out
+    monkeypatch.setattr(checkpoint_io.AtomicCheckpointIO, "load_checkpoint",
+                        lambda *a, **k: pytest.fail("Lightning read a checkpoint"))
+    for given in (trained, trained.with_suffix("")):  # the .ckpt (its folder is opened) and the folder itself
+        main_in_process(["test", "--config", config, "--ckpt_path", str(given)], monkeypatch)
+        out = capsys.readouterr().out
+        assert f"({trained.with_suffix('')})" in out
+        assert out.replace(str(trained.with_suffix("")), "X") == from_checkpoint.replace(str(alone), "X")
 
 
 @pytest.mark.slow
@@ -175,7 +196,8 @@ def write_checkpoint_variants(tmp_path: Path, good: Path) -> dict[str, Path]:
 
 BAD_CHECKPOINTS = {
     "missing": r"checkpoint .*nope\.ckpt does not exist",
-    "folder": r"checkpoint .* is a folder, not a checkpoint file",
+    # validate, test and predict open a model folder: a folder without its config.json is not one
+    "folder": r"model folder .* has no config\.json: it is not a model folder",
     "empty": r"checkpoint .*empty\.ckpt is empty \(0 bytes\)",
     "truncated": r"checkpoint .*truncated\.ckpt is truncated: it starts like a checkpoint but its end is missing",
     "garbage": r"checkpoint .*garbage\.ckpt is not a PyTorch checkpoint",

@@ -23,12 +23,14 @@ class Artifact:
     `in_chans`, `mean`, `std`, `interpolation`), `class_names`, `source` (as messages name it), `data` (the data
     module as `{"class_path", "init_args"}`, unchecked until `test_data` builds it; None if not recorded),
     `training` (what the run says of itself, for a model card: `training_record`), `config` (config.json as read;
-    empty for a checkpoint without a model folder)."""
+    empty for a checkpoint without a model folder), `backbone` (`{"class_path", "init_args"}` as checked: what
+    `train.py` records as the run's model)."""
 
     model: nn.Module
     inputs: dict
     class_names: list[str]
     source: str
+    backbone: dict
     data: dict | None = None
     training: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -44,18 +46,18 @@ def read(folder: str | os.PathLike) -> Artifact:
     own = config.get("vit")
     try:
         if own is not None:
-            model, inputs, names = _build(own, folder)
+            model, inputs, names, backbone = _build(own, folder)
         else:
-            model, inputs, names = _build_timm_export(config, folder)
+            model, inputs, names, backbone = _build_timm_export(config, folder)
     except (CheckpointError, PretrainedError) as err:
         raise ArtifactError(f"model folder {folder}: {err}") from None
     training = own.get("training") if isinstance(own, dict) else None
     data = own.get("data") if isinstance(own, dict) else None
-    return Artifact(model.eval(), inputs, names, str(folder), data if isinstance(data, dict) else None,
+    return Artifact(model.eval(), inputs, names, str(folder), backbone, data if isinstance(data, dict) else None,
                     training if isinstance(training, dict) else {}, config)
 
 
-def _build(own: Any, folder: Path) -> tuple[nn.Module, dict, list[str]]:
+def _build(own: Any, folder: Path) -> tuple[nn.Module, dict, list[str], dict]:
     """The model of config.json's "vit" section, its weights from model.safetensors."""
     from vit.training.checkpoint.schema import check_backbone, check_inputs, check_names
     from vit.training.checkpoint.values import not_allowed, shown
@@ -73,7 +75,7 @@ def _build(own: Any, folder: Path) -> tuple[nn.Module, dict, list[str]]:
     inputs = check_inputs(own["inputs"], args)
     model = _load_weights(cls, args, folder)
     names = check_names(own["class_names"], model.num_classes)
-    return model, inputs, names
+    return model, inputs, names, {"class_path": own["backbone"]["class_path"], "init_args": args}
 
 
 def _load_weights(cls: type[nn.Module], args: Mapping, folder: Path) -> nn.Module:
@@ -132,7 +134,7 @@ _FROM_TIMM = {"img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_h
               "qk_norm", "fc_norm", "reg_tokens", "no_embed_class"}
 
 
-def _build_timm_export(config: dict, folder: Path) -> tuple[nn.Module, dict, list[str]]:
+def _build_timm_export(config: dict, folder: Path) -> tuple[nn.Module, dict, list[str], dict]:
     """A folder without a "vit" section: a plain timm ViT as `vit.export` of an earlier version wrote it (its
     `model_args`), rebuilt as this project's `VisionTransformer`; its input from `pretrained_cfg`."""
     from vit.training.checkpoint.schema import check_inputs, check_names
@@ -176,7 +178,8 @@ def _build_timm_export(config: dict, folder: Path) -> tuple[nn.Module, dict, lis
     cls, kwargs = check_backbone({"class_path": "vit.models.VisionTransformer", "init_args": kwargs})
     model = _load_weights(cls, kwargs, folder)
     names = config.get("label_names") or [str(i) for i in range(model.num_classes)]
-    return model, inputs, check_names(names, model.num_classes)
+    backbone = {"class_path": "vit.models.VisionTransformer", "init_args": kwargs}
+    return model, inputs, check_names(names, model.num_classes), backbone
 
 
 def load(source: str | os.PathLike) -> Artifact:
@@ -192,7 +195,10 @@ def load(source: str | os.PathLike) -> Artifact:
     recorded = checkpoint.raw.get("datamodule_hyper_parameters") or {}
     data = {"class_path": recorded["_class_path"], "init_args": dict(checkpoint.data_args)} if (
         "_class_path" in recorded) else None
+    backbone = {"class_path": checkpoint.raw["hyper_parameters"]["backbone"]["class_path"],
+                "init_args": dict(checkpoint.backbone_args)}
     return Artifact(trained_backbone(checkpoint), checkpoint.inputs, list(checkpoint.class_names), checkpoint.source,
+                    backbone,
                     data, training_record(checkpoint.raw))
 
 

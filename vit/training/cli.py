@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+import vit.artifact as artifact
 from vit.checks import check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
@@ -84,7 +85,7 @@ class ViTCLI(LightningCLI):
         torch.set_float32_matmul_precision(config.float32_matmul_precision)
         backbone_args = config.model.get("backbone", {}).get("init_args") or {}
         pretrained = config.model.get("pretrained")
-        if config.get("ckpt_path") is not None and pretrained:
+        if (config.get("ckpt_path") is not None or self._model_folder is not None) and pretrained:
             # The checkpoint's weights replace the pretrained ones; loading these would cost time, or fail offline.
             config.model.pretrained = None
         elif pretrained and any(backbone_args.get(k, 0) is None for k in DEFAULT_SHAPE):
@@ -107,7 +108,8 @@ class ViTCLI(LightningCLI):
     def test(self, **kwargs) -> None:
         """`train.py test`: Lightning's test, then the summary by class name (`format_test_results`)."""
         results = self.trainer.test(**kwargs)
-        self._print_test_report(results, kwargs.get("ckpt_path") or "the configured weights")
+        where = self._model_folder.source if self._model_folder is not None else kwargs.get("ckpt_path")
+        self._print_test_report(results, where or "the configured weights")
 
     def _print_test_report(self, results: list[dict[str, float]], where: str) -> None:
         if self.trainer.is_global_zero and results:
@@ -117,6 +119,7 @@ class ViTCLI(LightningCLI):
         parser.set_defaults({"test.verbose": False})  # `test` prints `format_test_results` instead of the table
         super().parse_arguments(parser, args)
         self._checkpoint: Checkpoint | None = None  # the --ckpt_path checkpoint, read and validated once
+        self._model_folder: artifact.Artifact | None = None  # validate/test/predict: the model folder it names
         subcommand = self.config.get("subcommand")
         if subcommand is None:
             return
@@ -129,7 +132,16 @@ class ViTCLI(LightningCLI):
             config.ckpt_path = os.path.expanduser(str(config.ckpt_path))
         preflight.resolve_resume(subcommand, config)
         preflight.resolve_hpc(subcommand, config)
-        if is_local_file(config.get("ckpt_path")):
+        folder = artifact.locate(config.ckpt_path) if subcommand != "fit" and config.get("ckpt_path") else None
+        if folder is not None:
+            # Evaluating a trained model needs no trainer state: it is built from its model folder (a .ckpt's, when
+            # there is one), and Lightning reads no checkpoint.
+            self._model_folder = opened = artifact.read(folder)
+            recorded = {"hyper_parameters": {"backbone": opened.backbone}}
+            for line in preflight.check_given_config(subcommand, config, recorded, ImageClassifier, opened.source):
+                rank_zero_warn(f"--ckpt_path {config.ckpt_path}: the model's value is used for {line}")
+            config.ckpt_path = None
+        elif is_local_file(config.get("ckpt_path")):
             self._checkpoint = checkpoint = read(config.ckpt_path)
             for line in preflight.check_given_config(subcommand, config, checkpoint.raw, ImageClassifier,
                                                      checkpoint.source):
@@ -148,8 +160,15 @@ class ViTCLI(LightningCLI):
             # The checkpoint's model, built from checked values; config.yaml records it as the run's model.
             self.model = build_classifier(self._checkpoint)
             self._add_configure_optimizers_method_to_model(self.subcommand)
-            preflight.check_data_fits(self._checkpoint, self.datamodule)
+            preflight.check_data_fits(self._checkpoint.source, self._checkpoint.backbone_args, self.datamodule)
             preflight.record_model(self.config[self.subcommand], self._checkpoint)
+        if self._model_folder is not None:
+            opened, backbone = self._model_folder, self._model_folder.backbone
+            self.model = ImageClassifier(opened.model)
+            self.model.class_names = list(opened.class_names)
+            self._add_configure_optimizers_method_to_model(self.subcommand)
+            preflight.check_data_fits(opened.source, backbone["init_args"], self.datamodule)
+            preflight.record_backbone(self.config[self.subcommand], backbone)
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)

@@ -169,16 +169,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def check_data_fits(checkpoint: Checkpoint, datamodule) -> None:
-    """Raise `ConfigError` when the data module's images or classes are not the ones the checkpoint's model takes."""
+def check_data_fits(source: str, backbone_args: dict, datamodule) -> None:
+    """Raise `ConfigError` when the data module's images or classes are not the ones the model of `source` (its
+    backbone built with `backbone_args`) takes."""
     for name in ("num_classes", "in_chans", "img_size"):
-        ours, theirs = getattr(datamodule, name, None), checkpoint.backbone_args.get(name)
+        ours, theirs = getattr(datamodule, name, None), backbone_args.get(name)
         if ours is None or theirs is None:
             continue
         if name == "img_size":
             ours, theirs = list(check_size("data.img_size", ours)), list(check_size("img_size", theirs))
         if ours != theirs:
-            raise ConfigError(f"checkpoint {checkpoint.source} does not fit this config: its model was trained with "
+            raise ConfigError(f"{_named(source)} does not fit this config: its model was trained with "
                               f"{name}={theirs!r}, the data module gives {name}={ours!r}")
 
 
@@ -195,12 +196,22 @@ def check_same_model(checkpoint: Checkpoint, module: torch.nn.Module) -> None:
                               "pass it with --ckpt_path to use its own model")
 
 
+def _named(source: str) -> str:
+    """How a message names a model's source: a checkpoint file as `checkpoint <path>`, a model folder by its path."""
+    return f"checkpoint {source}" if source.endswith(".ckpt") or "://" in source else f"model folder {source}"
+
+
 def record_model(config, checkpoint: Checkpoint) -> None:
     """Write the checkpoint's model settings into the run's config (plain values), so config.yaml says what ran."""
-    config.model.backbone = Namespace(class_path=checkpoint.raw["hyper_parameters"]["backbone"]["class_path"],
-                                      init_args=Namespace(**checkpoint.backbone_args))
+    record_backbone(config, {"class_path": checkpoint.raw["hyper_parameters"]["backbone"]["class_path"],
+                             "init_args": checkpoint.backbone_args})
     for key, value in checkpoint.settings.items():
         config.model[key] = value
+
+
+def record_backbone(config, backbone: dict) -> None:
+    """Write a model's backbone (`{"class_path", "init_args"}`, checked) into the run's config."""
+    config.model.backbone = Namespace(class_path=backbone["class_path"], init_args=Namespace(**backbone["init_args"]))
 
 
 def check_trainer_options(trainer) -> None:
