@@ -346,3 +346,20 @@ def test_a_checkpoint_without_a_model_folder_gets_one_from_the_command(tmp_path,
     (tmp_path / "mine").mkdir()
     assert main(["--ckpt_path", str(last), "--out", str(tmp_path / "mine"), "--overwrite"]) == 2
     assert "it is not a model folder this project wrote, so it is left alone" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_model_with_100_register_tokens_trains_saves_and_opens_through_every_door(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path, max_epochs=1)
+    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
+                     "--model.backbone.init_args.reg_tokens", "100"], monkeypatch)
+    [run_dir] = run_dirs(tmp_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    alone = tmp_path / "alone.ckpt"  # without its folder: read by the checkpoint reader, the constructor's bounds
+    alone.write_bytes(last.read_bytes())
+    x = torch.rand(2, 1, 32, 32)
+    with torch.no_grad():
+        by_folder, by_checkpoint = vit.load(last).model(x), vit.load(alone).model(x)
+    torch.testing.assert_close(by_folder, by_checkpoint, rtol=0, atol=0)
+    assert vit.load(last).model.num_reg_tokens == 100
+    main_in_process(["validate", "--config", str(config), "--ckpt_path", str(alone)], monkeypatch)

@@ -225,3 +225,27 @@ def test_a_hostile_checkpoint_given_to_a_notebook_builds_nothing(trained, tmp_pa
     with pytest.raises(CellExecutionError, match=r"hyper_parameters\.backbone\.class_path='timm\.layers\.Mlp'"):
         execute("attention_rollout_two_circles.ipynb")
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_folder_run_fine_tuned_from_a_local_safetensors_has_model_folders_timm_and_transformers_open(
+        tmp_path, monkeypatch):
+    from transformers import pipeline
+
+    import vit
+
+    last, images, _ = fine_tune(tmp_path, monkeypatch)
+    checkpoints = sorted(last.parent.glob("*.ckpt"))
+    assert checkpoints and all((path.with_suffix("") / "model.safetensors").is_file() for path in checkpoints)
+    folder = last.with_suffix("")
+    photos = [Image.open(path).convert("RGB") for path in sorted(images.rglob("*.png"))]
+    ours = vit.load(folder).probabilities(photos)
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.stack([transform(p) for p in photos])).softmax(-1), ours, rtol=0,
+                                   atol=1e-5)
+    rows = pipeline("image-classification", model=str(folder), device="cpu")(photos, top_k=2)
+    names = vit.load(folder).class_names
+    theirs = torch.tensor([[{r["label"]: r["score"] for r in row}[name] for name in names] for row in rows])
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
