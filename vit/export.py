@@ -85,8 +85,9 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
          f"architecture ({named})."), "", "## Architecture", "",
         (f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
          f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
-        (f"- pooling `{args['global_pool']}`, {args['reg_tokens']} register token(s), "
-         f"position table `{args['pos_embed']}`"),
+        (f"- pooling `{args['global_pool']}`, {args.get('reg_tokens', args.get('num_reg_tokens', 0))} register "
+         f"token(s), " + (f"rotary positions (`{args['rope_type']}`)" if args.get("use_rot_pos_emb")
+                          else f"position table `{args['pos_embed']}`")),
         f"- {params / 1e6:.2f} M parameters", "", "## Classes", "",
         f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "", "## Input", "",
         (f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "

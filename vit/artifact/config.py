@@ -35,7 +35,8 @@ class ArtifactError(CheckpointError):
 
 
 def timm_args(model: nn.Module) -> dict:
-    """The arguments of timm's `VisionTransformer` that compute what `model` computes; `ArtifactError` if none do."""
+    """The arguments of the timm model that computes what `model` computes (its `VisionTransformer`, or its `Eva`
+    for rotary positions); `ArtifactError` naming the option when none does."""
     from torch import nn
 
     from vit.models import VisionTransformer
@@ -50,6 +51,11 @@ def timm_args(model: nn.Module) -> dict:
     if attn.attn_score != "scaled_dot":
         raise ArtifactError(f"attn_score={attn.attn_score!r} cannot be exported: timm's attention is 'scaled_dot' "
                             "only")
+    if model.rope is not None:
+        return _eva_args(model)
+    if model.blocks[0].gamma_1 is not None:
+        raise ArtifactError("init_values (layer scale) without rotary positions cannot be exported: this project "
+                            "names it as timm's Eva does (gamma_1, gamma_2), timm's VisionTransformer as ls1.gamma")
     return dict(img_size=list(embed.img_size), patch_size=embed.patch_size, in_chans=embed.in_chans,
                 num_classes=model.num_classes, embed_dim=model.embed_dim, depth=len(model.blocks),
                 num_heads=attn.num_heads, mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
@@ -59,10 +65,37 @@ def timm_args(model: nn.Module) -> dict:
                 pos_embed="none" if model.pos_embed is None else "learn", dynamic_img_size=False)
 
 
+# timm's registered RoPE ViTs (its `Eva` class) by rotary variant: `model_args` set every size.
+_EVA_ROPE = {"axial": ("vit_small_patch16_rope_224", "cat"), "mixed": ("vit_small_patch16_rope_mixed_224", "mixed")}
+
+
+def _eva_args(model: nn.Module) -> dict:
+    """timm's `Eva` arguments of a rotary-position ViT: no position table, RoPE in every block's attention."""
+    from torch import nn
+
+    attn = model.blocks[0].attn
+    if model.pool == "map":
+        raise ArtifactError("pool='map' with rotary positions cannot be exported: timm's Eva pools by token or avg")
+    return dict(img_size=list(model.patch_embed.img_size), patch_size=model.patch_embed.patch_size,
+                in_chans=model.patch_embed.in_chans, num_classes=model.num_classes, embed_dim=model.embed_dim,
+                depth=len(model.blocks), num_heads=attn.num_heads,
+                mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim, qkv_bias=attn.qkv.bias is not None,
+                qk_norm=not isinstance(attn.q_norm, nn.Identity), class_token=model.cls_token is not None,
+                global_pool=_TIMM_POOL[model.pool], use_fc_norm=model.use_fc_norm,
+                num_reg_tokens=model.num_reg_tokens,
+                init_values=None if model.blocks[0].gamma_1 is None else 1.0,  # the values are the weights'
+                attn_type="rope", use_abs_pos_emb=False, use_rot_pos_emb=True,
+                rope_type=_EVA_ROPE[model.rope.kind][1], rope_temperature=model.rope.temperature,
+                rope_grid_indexing="xy", dynamic_img_size=False)
+
+
 def architecture(args: dict) -> str:
-    """timm's name of a plain ViT of these sizes, at the model's image size or 224; else `GENERIC_ARCHITECTURE`."""
+    """timm's name of a plain ViT of these sizes, at the model's image size or 224, else `GENERIC_ARCHITECTURE`; for
+    rotary positions its RoPE ViT of that variant (the sizes are `model_args`')."""
     import timm
 
+    if args.get("use_rot_pos_emb"):
+        return next(name for name, kind in _EVA_ROPE.values() if kind == args["rope_type"])
     family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
     if family is None or any(args[key] != value for key, value in _PLAIN.items()):
         return GENERIC_ARCHITECTURE

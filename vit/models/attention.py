@@ -9,6 +9,7 @@ from torch import nn
 
 from vit.checks import check_int
 from vit.models.masks import attention_bias
+from vit.models.rope import rotate
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
 # The (rescaled) dot-product scores, by option name and by module: the ones `F.scaled_dot_product_attention` runs.
@@ -48,15 +49,21 @@ class Attention(nn.Module):
         self.recorder: list[torch.Tensor] | None = None  # set by `vit.models.record_attention`
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, value: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-                causal: bool = False) -> torch.Tensor:
-        """`(B, M, dim) -> (B, M, out_dim)`: self-attention, or cross-attention to `context` (values from `value`)."""
+                mask: torch.Tensor | None = None, key_mask: torch.Tensor | None = None, causal: bool = False,
+                rope: torch.Tensor | None = None) -> torch.Tensor:
+        """`(B, M, dim) -> (B, M, out_dim)`: self-attention, or cross-attention to `context` (values from `value`).
+        `rope`: rotary angles `(1 or H, M, d / 2)` (`vit.models.rope`) that turn queries and keys before any score
+        function sees them (self-attention only: both sides need a position)."""
         (B, M, _), H, d = x.shape, self.num_heads, self.head_dim
         if context is None and value is None and self.fused_qkv:  # self-attention: one projection, then split
             q, k, v = self.qkv(x).reshape(B, M, 3, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, M, d) each
         else:
             q, k, v = self._cross_project(x, context, value)  # (B, H, M, d), (B, H, N, d), (B, H, N, d)
         q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            if context is not None:
+                raise ValueError("rope is for self-attention: cross-attention keys have no position on the grid")
+            q, k = rotate(q, rope), rotate(k, rope)
         bias = None  # the additive mask M: 0 where a query may look, -inf where it may not
         if mask is not None or key_mask is not None or causal:
             bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=k.shape[2], mask=mask,

@@ -15,15 +15,18 @@ from vit.models.attention import Attention, check_heads
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
+from vit.models.rope import RotaryEmbedding
 from vit.models.scores import Score
 
-PosEmbed = Literal["learned", "sincos1d", "sincos2d", "none"]
+PosEmbed = Literal["learned", "sincos1d", "sincos2d", "rope", "rope_mixed", "none"]
+ROPE = {"rope": "axial", "rope_mixed": "mixed"}  # pos_embed -> the rotary variant (`vit.models.rope`)
 Pool = Literal["cls", "mean", "map"]
 DEFAULT_SHAPE = {"embed_dim": 192, "depth": 6, "num_heads": 3}  # a ViT-Ti width at half depth, for 32 px images
 # Far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo fails here instead of allocating.
 BOUNDS = {"in_chans": (1, 1024), "num_classes": (1, 10**7), "embed_dim": (1, 65536), "depth": (1, 1024),
           "reg_tokens": (0, 1024), "score_dim": (1, 65536), "mlp_ratio": (0, 64, True, False),
-          "drop_path_rate": (0, 1, False, True), "qk_init_std": (0, 10, True, False)}
+          "drop_path_rate": (0, 1, False, True), "qk_init_std": (0, 10, True, False),
+          "init_values": (0, 10, True, False), "rope_temperature": (1, 1e9, False, False)}
 
 
 class Block(nn.Module):
@@ -31,7 +34,7 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  qk_norm: bool = False, attn_score: Score = "scaled_dot", score_dim: int = 16,
-                 drop_path: float = 0.0) -> None:
+                 drop_path: float = 0.0, init_values: float | None = None) -> None:
         super().__init__()
         # eps=1e-6 as in timm and the original ViT, so timm checkpoints give identical outputs.
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
@@ -41,11 +44,19 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))  # fc1, act (GELU), drop1, norm (Identity), fc2, drop2
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        # Layer scale (Touvron et al. 2021), timm's Eva names: each branch scaled per channel, started at
+        # `init_values` so that a deep model starts near the identity. None: no scale (and no parameters).
+        self.gamma_1 = nn.Parameter(torch.full((dim,), float(init_values))) if init_values is not None else None
+        self.gamma_2 = nn.Parameter(torch.full((dim,), float(init_values))) if init_values is not None else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`(B, N, D) -> (B, N, D)`; `mask` (bool or additive, `vit.models.masks`) limits the attention."""
-        x = x + self.drop_path1(self.attn(self.norm1(x), mask=mask))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, rope: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`(B, N, D) -> (B, N, D)`; `mask` (bool or additive, `vit.models.masks`) limits the attention, `rope` (its
+        rotary angles) turns its queries and keys."""
+        attended = self.attn(self.norm1(x), mask=mask, rope=rope)
+        x = x + self.drop_path1(attended if self.gamma_1 is None else self.gamma_1 * attended)
+        mixed = self.mlp(self.norm2(x))
+        return x + self.drop_path2(mixed if self.gamma_2 is None else self.gamma_2 * mixed)
 
 
 class VisionTransformer(nn.Module):
@@ -63,7 +74,12 @@ class VisionTransformer(nn.Module):
         reg_tokens: learned register tokens after the CLS token (Darcet et al. 2024), never read out.
         no_embed_class: positions for the patches only (timm's register models), not the prefix tokens.
         pos_embed: "learned" (a parameter), "sincos1d" (over the token index), "sincos2d" (over the patch grid,
-            prefix tokens at zero), both non-persistent buffers, or "none" (permutation equivariant over patches).
+            prefix tokens at zero), both non-persistent buffers, added to the tokens; "rope" / "rope_mixed" (rotary,
+            `vit.models.rope`: queries and keys turned by the patch's column and row, axial or with learned mixed
+            frequencies; prefix tokens unturned; no table added); or "none" (permutation equivariant over patches).
+        rope_temperature: the rotary frequencies' base (timm's 100 for "rope", 10 for "rope_mixed" when None).
+        init_values: layer scale, each block's two branches scaled per channel from this value (timm's
+            `init_values`, Eva's `gamma_1` / `gamma_2`); None: none.
         drop_path_rate: stochastic depth of the last block, rising linearly from 0 in the first.
         attn_score: every attention layer's score function (`vit.models.scores`); `score_dim`: the additive ones' width.
         qk_init_std: the init std of the query and key projections (`init_weights`).
@@ -76,7 +92,8 @@ class VisionTransformer(nn.Module):
                  num_heads: int | None = None, mlp_ratio: float = 4.0, pool: Pool = "cls", fc_norm: bool | None = None,
                  reg_tokens: int = 0, no_embed_class: bool = False, qkv_bias: bool = True, qk_norm: bool = False,
                  pos_embed: PosEmbed = "learned", drop_path_rate: float = 0.0, attn_score: Score = "scaled_dot",
-                 score_dim: int = 16, qk_init_std: float = 0.02, patch_kernel: int | None = None) -> None:
+                 score_dim: int = 16, qk_init_std: float = 0.02, patch_kernel: int | None = None,
+                 init_values: float | None = None, rope_temperature: float | None = None) -> None:
         super().__init__()
         embed_dim, depth, num_heads = (DEFAULT_SHAPE[k] if v is None else v for k, v in
                                        (("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads)))
@@ -106,11 +123,16 @@ class VisionTransformer(nn.Module):
                                  persistent=False)
         else:
             self.pos_embed = None
+        self.rope = (RotaryEmbedding(ROPE[pos_embed], grid_size=self.patch_embed.grid_size,
+                                     head_dim=embed_dim // num_heads, depth=depth, num_heads=num_heads,
+                                     num_prefix_tokens=self.num_prefix_tokens, temperature=rope_temperature)
+                     if pos_embed in ROPE else None)
         self.register_buffer("attn_mask", None, persistent=False)  # None: every token sees every token
 
         dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # numbers, also under a meta-device build
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-                                          qk_norm=qk_norm, attn_score=attn_score, score_dim=score_dim, drop_path=p)
+                                          qk_norm=qk_norm, attn_score=attn_score, score_dim=score_dim, drop_path=p,
+                                          init_values=init_values)
                                     for p in dpr)
         self.norm = nn.Identity() if self.use_fc_norm else nn.LayerNorm(embed_dim, eps=1e-6)
         if pool == "map":
@@ -143,7 +165,7 @@ class VisionTransformer(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         """Parameter names that are not weight matrices but still have ndim > 1 (timm's convention)."""
-        return {"cls_token", "reg_token", "pos_embed", "attn_pool.latent"}
+        return {"cls_token", "reg_token", "pos_embed", "attn_pool.latent", "rope.freqs"}  # rope: timm's too
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, str | list]:
@@ -154,8 +176,8 @@ class VisionTransformer(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, C, H, W) -> (B, N, D)`: the tokens after the last block, normalised by `norm`."""
         x = self.embed(x)  # (B, N, D)
-        for block in self.blocks:
-            x = self._run_block(block, x)  # x + attn(norm1(x)), then x + mlp(norm2(x))
+        for i, block in enumerate(self.blocks):
+            x = self._run_block(block, x, i)  # x + attn(norm1(x)), then x + mlp(norm2(x))
         return self.norm(x)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,10 +191,11 @@ class VisionTransformer(nn.Module):
             x = x + self.pos_embed  # learned or fixed, (1, N, D)
         return x
 
-    def _run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _run_block(self, block: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
+        rope = None if self.rope is None else self.rope.angles(index)  # block `index`'s rotary angles
         if self.grad_checkpointing and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(block, x, self.attn_mask, use_reentrant=False)
-        return block(x, self.attn_mask)
+            return torch.utils.checkpoint.checkpoint(block, x, self.attn_mask, rope, use_reentrant=False)
+        return block(x, self.attn_mask, rope)
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, *,
                               return_prefix_tokens: bool = False, norm: bool = False, output_fmt: str = "NCHW",
@@ -191,7 +214,7 @@ class VisionTransformer(nn.Module):
         (gh, gw), prefix = self.patch_embed.grid_size, self.num_prefix_tokens
         x, intermediates = self.embed(x), []
         for i, block in enumerate(self.blocks):
-            x = self._run_block(block, x)
+            x = self._run_block(block, x, i)
             if i in wanted:
                 y = self.norm(x) if norm else x
                 patches = y[:, prefix:]  # (B, num_patches, D)
