@@ -98,7 +98,7 @@ def test_no_pos_embed_makes_the_encoder_permutation_equivariant_over_patches():
         (dict(img_size=30, patch_size=4), "img_size=30 is not divisible by patch_size=4"),
         (dict(patch_size=64), "patch_size=64"),
         (dict(embed_dim=50, num_heads=3), "embed_dim=50 is not divisible by num_heads=3"),
-        (dict(pos_embed="rope"), "pos_embed='rope' is not allowed: expected one of"),
+        (dict(pos_embed="alibi"), "pos_embed='alibi' is not allowed: expected one of"),
         (dict(pool="max"), "pool='max' is not allowed: expected one of"),
         (dict(attn_score="cosine"), "attn_score='cosine' is not allowed: expected one of"),
         (dict(drop_path_rate=1.5), "drop_path_rate=1.5"),

@@ -87,6 +87,7 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
          f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
         (f"- pooling `{args['global_pool']}`, {args.get('reg_tokens', args.get('num_reg_tokens', 0))} register "
          f"token(s), " + (f"rotary positions (`{args['rope_type']}`)" if args.get("use_rot_pos_emb")
+                          else "relative position bias" if args.get("rel_pos_type")
                           else f"position table `{args['pos_embed']}`")),
         f"- {params / 1e6:.2f} M parameters", "", "## Classes", "",
         f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "", "## Input", "",

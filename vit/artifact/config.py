@@ -22,7 +22,7 @@ _FAMILIES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base",
              (1280, 32, 16): "huge"}
 # What a plain timm ViT has besides its sizes: a model that differs here is not the one the name describes.
 _PLAIN = dict(mlp_ratio=4.0, qkv_bias=True, qk_norm=False, class_token=True, reg_tokens=0, no_embed_class=False,
-              pos_embed="learn")
+              pos_embed="learn", init_values=None)
 # timm's one registered ViT whose name states no size: every argument it sets is in `model_args`.
 GENERIC_ARCHITECTURE = "test_vit"
 _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
@@ -37,6 +37,7 @@ class ArtifactError(CheckpointError):
 def timm_args(model: nn.Module) -> dict:
     """The arguments of the timm model that computes what `model` computes (its `VisionTransformer`, or its `Eva`
     for rotary positions); `ArtifactError` naming the option when none does."""
+    from timm.layers import LayerScale
     from torch import nn
 
     from vit.models import VisionTransformer
@@ -53,10 +54,11 @@ def timm_args(model: nn.Module) -> dict:
                             "only")
     if model.rope is not None:
         return _eva_args(model)
-    if model.blocks[0].gamma_1 is not None:
-        raise ArtifactError("init_values (layer scale) without rotary positions cannot be exported: this project "
-                            "names it as timm's Eva does (gamma_1, gamma_2), timm's VisionTransformer as ls1.gamma")
-    return dict(img_size=list(embed.img_size), patch_size=embed.patch_size, in_chans=embed.in_chans,
+    scaled = isinstance(model.blocks[0].ls1, LayerScale)
+    if model.pos_embed_type == "relative":
+        return _relpos_args(model, scaled)
+    return dict(init_values=1.0 if scaled else None,  # only whether there is a scale: its values are the weights'
+                img_size=list(embed.img_size), patch_size=embed.patch_size, in_chans=embed.in_chans,
                 num_classes=model.num_classes, embed_dim=model.embed_dim, depth=len(model.blocks),
                 num_heads=attn.num_heads, mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
                 qkv_bias=attn.qkv.bias is not None, qk_norm=not isinstance(attn.q_norm, nn.Identity),
@@ -89,6 +91,29 @@ def _eva_args(model: nn.Module) -> dict:
                 rope_grid_indexing="xy", dynamic_img_size=False)
 
 
+_RELPOS = "vit_relpos_medium_patch16_cls_224"  # timm's relative-position ViT; `model_args` set every size
+
+
+def _relpos_args(model: nn.Module, scaled: bool) -> dict:
+    """timm's `VisionTransformerRelPos` arguments (its `RelPosBias` table) of a relative-position ViT."""
+    from torch import nn
+
+    attn = model.blocks[0].attn
+    if not scaled:
+        raise ArtifactError("pos_embed='relative' without init_values cannot be exported: timm's relative-position "
+                            "ViT always has layer scale (ls1.gamma); train with init_values")
+    if model.pool == "map":
+        raise ArtifactError("pool='map' with relative positions cannot be exported: timm's relative-position ViT "
+                            "pools by token or avg")
+    return dict(img_size=list(model.patch_embed.img_size), patch_size=model.patch_embed.patch_size,
+                in_chans=model.patch_embed.in_chans, num_classes=model.num_classes, embed_dim=model.embed_dim,
+                depth=len(model.blocks), num_heads=attn.num_heads,
+                mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim, qkv_bias=attn.qkv.bias is not None,
+                qk_norm=not isinstance(attn.q_norm, nn.Identity), class_token=model.cls_token is not None,
+                global_pool=_TIMM_POOL[model.pool], fc_norm=model.use_fc_norm, init_values=1.0,
+                rel_pos_type="bias")
+
+
 def architecture(args: dict) -> str:
     """timm's name of a plain ViT of these sizes, at the model's image size or 224, else `GENERIC_ARCHITECTURE`; for
     rotary positions its RoPE ViT of that variant (the sizes are `model_args`')."""
@@ -96,6 +121,8 @@ def architecture(args: dict) -> str:
 
     if args.get("use_rot_pos_emb"):
         return next(name for name, kind in _EVA_ROPE.values() if kind == args["rope_type"])
+    if args.get("rel_pos_type"):
+        return _RELPOS
     family = _FAMILIES.get((args["embed_dim"], args["depth"], args["num_heads"]))
     if family is None or any(args[key] != value for key, value in _PLAIN.items()):
         return GENERIC_ARCHITECTURE

@@ -131,7 +131,7 @@ def _compare(found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Ten
 
 # timm's `VisionTransformer` arguments that `vit.export` writes, as this project's `VisionTransformer` spells them.
 _FROM_TIMM = {"img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
-              "qk_norm", "fc_norm", "reg_tokens", "no_embed_class"}
+              "init_values", "qk_norm", "fc_norm", "reg_tokens", "no_embed_class"}
 
 
 def _build_timm_export(config: dict, folder: Path) -> tuple[nn.Module, dict, list[str], dict]:

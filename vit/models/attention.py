@@ -9,6 +9,7 @@ from torch import nn
 
 from vit.checks import check_int
 from vit.models.masks import attention_bias
+from vit.models.relpos import RelativePositionBias
 from vit.models.rope import rotate
 from vit.models.scores import DotScore, GeneralScore, Score, build_score
 
@@ -26,7 +27,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, *, num_heads: int = 8, kdim: int | None = None, vdim: int | None = None,
                  attn_dim: int | None = None, out_dim: int | None = None, qkv_bias: bool = True, qk_norm: bool = False,
                  attn_score: Score = "scaled_dot", score_dim: int = 16, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0) -> None:
+                 proj_drop: float = 0.0, relative: tuple[tuple[int, int], int] | None = None) -> None:
         super().__init__()
         inner = attn_dim or dim
         check_heads(inner, num_heads)
@@ -47,6 +48,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, out_dim or dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.recorder: list[torch.Tensor] | None = None  # set by `vit.models.record_attention`
+        # `relative` = (patch grid, prefix tokens): a learned bias per head and offset added to every score
+        self.rel_pos = RelativePositionBias(relative[0], num_heads, relative[1]) if relative is not None else None
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, value: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, key_mask: torch.Tensor | None = None, causal: bool = False,
@@ -68,6 +71,9 @@ class Attention(nn.Module):
         if mask is not None or key_mask is not None or causal:
             bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=k.shape[2], mask=mask,
                                   key_mask=key_mask, causal=causal, device=q.device)
+        if self.rel_pos is not None:  # the scores become f(q, k) + relative bias, before the mask
+            relative = self.rel_pos()  # (1, H, N, N)
+            bias = relative if bias is None else bias + relative
         out = attend_or_record(q, k, v, self.score, self.recorder, bias,
                                dropout_p=self.attn_drop.p if self.training else 0.0)  # (B, H, M, d)
         out = out.transpose(1, 2).reshape(B, M, H * d)  # heads concatenated: (B, M, H * d)

@@ -6,7 +6,7 @@ from typing import Literal
 
 import torch
 import torch.utils.checkpoint
-from timm.layers import DropPath, Mlp
+from timm.layers import DropPath, LayerScale, Mlp
 from torch import nn
 from torch.nn.init import trunc_normal_
 
@@ -18,7 +18,7 @@ from vit.models.pos_embed import sincos_1d, sincos_2d
 from vit.models.rope import RotaryEmbedding
 from vit.models.scores import Score
 
-PosEmbed = Literal["learned", "sincos1d", "sincos2d", "rope", "rope_mixed", "none"]
+PosEmbed = Literal["learned", "sincos1d", "sincos2d", "rope", "rope_mixed", "relative", "none"]
 ROPE = {"rope": "axial", "rope_mixed": "mixed"}  # pos_embed -> the rotary variant (`vit.models.rope`)
 Pool = Literal["cls", "mean", "map"]
 DEFAULT_SHAPE = {"embed_dim": 192, "depth": 6, "num_heads": 3}  # a ViT-Ti width at half depth, for 32 px images
@@ -34,28 +34,33 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  qk_norm: bool = False, attn_score: Score = "scaled_dot", score_dim: int = 16,
-                 drop_path: float = 0.0, init_values: float | None = None) -> None:
+                 drop_path: float = 0.0, init_values: float | None = None, eva_names: bool = False,
+                 relative: tuple[tuple[int, int], int] | None = None) -> None:
         super().__init__()
         # eps=1e-6 as in timm and the original ViT, so timm checkpoints give identical outputs.
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_score=attn_score,
-                              score_dim=score_dim)
+                              score_dim=score_dim, relative=relative)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))  # fc1, act (GELU), drop1, norm (Identity), fc2, drop2
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        # Layer scale (Touvron et al. 2021), timm's Eva names: each branch scaled per channel, started at
-        # `init_values` so that a deep model starts near the identity. None: no scale (and no parameters).
-        self.gamma_1 = nn.Parameter(torch.full((dim,), float(init_values))) if init_values is not None else None
-        self.gamma_2 = nn.Parameter(torch.full((dim,), float(init_values))) if init_values is not None else None
+        # Layer scale (Touvron et al. 2021): each branch scaled per channel, started at `init_values` so that a deep
+        # model starts near the identity; None: none, and no parameters. Named as timm names it: `ls1.gamma` in its
+        # VisionTransformer (and relative-position ViT), `gamma_1` in its Eva (the RoPE ViTs), by `eva_names`.
+        scaled, eva = init_values is not None, init_values is not None and eva_names
+        self.ls1 = LayerScale(dim, init_values) if scaled and not eva else nn.Identity()
+        self.ls2 = LayerScale(dim, init_values) if scaled and not eva else nn.Identity()
+        self.gamma_1 = nn.Parameter(torch.full((dim,), float(init_values))) if eva else None
+        self.gamma_2 = nn.Parameter(torch.full((dim,), float(init_values))) if eva else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, rope: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """`(B, N, D) -> (B, N, D)`; `mask` (bool or additive, `vit.models.masks`) limits the attention, `rope` (its
         rotary angles) turns its queries and keys."""
-        attended = self.attn(self.norm1(x), mask=mask, rope=rope)
+        attended = self.ls1(self.attn(self.norm1(x), mask=mask, rope=rope))
         x = x + self.drop_path1(attended if self.gamma_1 is None else self.gamma_1 * attended)
-        mixed = self.mlp(self.norm2(x))
+        mixed = self.ls2(self.mlp(self.norm2(x)))
         return x + self.drop_path2(mixed if self.gamma_2 is None else self.gamma_2 * mixed)
 
 
@@ -76,10 +81,12 @@ class VisionTransformer(nn.Module):
         pos_embed: "learned" (a parameter), "sincos1d" (over the token index), "sincos2d" (over the patch grid,
             prefix tokens at zero), both non-persistent buffers, added to the tokens; "rope" / "rope_mixed" (rotary,
             `vit.models.rope`: queries and keys turned by the patch's column and row, axial or with learned mixed
-            frequencies; prefix tokens unturned; no table added); or "none" (permutation equivariant over patches).
+            frequencies; prefix tokens unturned; no table added); "relative" (`vit.models.relpos`: every block's
+            heads learn a bias per offset between two patches, and three for a CLS token, added to the scores; at
+            most a CLS token as prefix); or "none" (permutation equivariant over patches).
         rope_temperature: the rotary frequencies' base (timm's 100 for "rope", 10 for "rope_mixed" when None).
         init_values: layer scale, each block's two branches scaled per channel from this value (timm's
-            `init_values`, Eva's `gamma_1` / `gamma_2`); None: none.
+            `init_values`: `ls1.gamma`, or Eva's `gamma_1` with rotary positions); None: none.
         drop_path_rate: stochastic depth of the last block, rising linearly from 0 in the first.
         attn_score: every attention layer's score function (`vit.models.scores`); `score_dim`: the additive ones' width.
         qk_init_std: the init std of the query and key projections (`init_weights`).
@@ -123,6 +130,7 @@ class VisionTransformer(nn.Module):
                                  persistent=False)
         else:
             self.pos_embed = None
+        relative = (self.patch_embed.grid_size, self.num_prefix_tokens) if pos_embed == "relative" else None
         self.rope = (RotaryEmbedding(ROPE[pos_embed], grid_size=self.patch_embed.grid_size,
                                      head_dim=embed_dim // num_heads, depth=depth, num_heads=num_heads,
                                      num_prefix_tokens=self.num_prefix_tokens, temperature=rope_temperature)
@@ -132,7 +140,8 @@ class VisionTransformer(nn.Module):
         dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # numbers, also under a meta-device build
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                                           qk_norm=qk_norm, attn_score=attn_score, score_dim=score_dim, drop_path=p,
-                                          init_values=init_values)
+                                          init_values=init_values, eva_names=pos_embed in ROPE,
+                                          relative=relative)
                                     for p in dpr)
         self.norm = nn.Identity() if self.use_fc_norm else nn.LayerNorm(embed_dim, eps=1e-6)
         if pool == "map":

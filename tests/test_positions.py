@@ -1,7 +1,8 @@
-"""Rotary positions (`pos_embed="rope"` axial, `"rope_mixed"` learned mixed frequencies): timm's RoPE ViTs (its `Eva`
-class) load strictly and give the same logits and attention maps, at their native size and another; the rotation
-makes a query-key product depend on the offset alone; the fused and explicit paths agree for every score function;
-the explanations, the model folder and the export work."""
+"""Rotary positions (`pos_embed="rope"` axial, `"rope_mixed"` learned mixed frequencies) and the relative position
+bias (`"relative"`): timm's RoPE ViTs (its `Eva` class) and its relative-position ViT (`RelPosBias` table) load
+strictly and give the same logits and attention maps, at their native size and another; the rotation makes a
+query-key product depend on the offset alone, as does the bias; the fused and explicit paths agree for every score
+function; the explanations, the model folder and the export work."""
 
 from __future__ import annotations
 
@@ -17,19 +18,30 @@ from vit.explain.relevance import relevance, usable_methods
 from vit.models import VisionTransformer, record_attention
 from vit.models.rope import RotaryEmbedding, axial_angles, grid_coords, mixed_freqs, rotate
 
-TIMM = {"rope": "vit_small_patch16_rope_224", "rope_mixed": "vit_small_patch16_rope_mixed_224"}
+TIMM = {"rope": "vit_small_patch16_rope_224", "rope_mixed": "vit_small_patch16_rope_mixed_224",
+        "relative": "vit_relpos_medium_patch16_cls_224"}
+ROPES = ("rope", "rope_mixed")
+# timm's relative-position ViT with its `RelPosBias` table (its registered ones learn an MLP of log offsets instead)
+RELPOS = dict(rel_pos_type="bias", qkv_bias=True, fc_norm=False)
 SMALL = dict(patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3)
 
 
 def timm_pair(pos_embed: str, img_size, **options) -> tuple[torch.nn.Module, VisionTransformer]:
-    """timm's RoPE ViT with random weights (not its init: every parameter moved), and ours with its state dict."""
+    """timm's model with random weights (not its init: every parameter moved), and ours with its state dict;
+    `options`: timm's (`num_reg_tokens` for RoPE, `class_token` for the relative bias)."""
     torch.manual_seed(0)
-    reference = timm.create_model(TIMM[pos_embed], pretrained=False, img_size=img_size, **SMALL, **options).eval()
+    extra = RELPOS if pos_embed == "relative" else {}
+    if options.get("class_token") is False:
+        extra = {**extra, "global_pool": "avg"}
+    reference = timm.create_model(TIMM[pos_embed], pretrained=False, img_size=img_size, **SMALL, **extra,
+                                  **options).eval()
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     ours = VisionTransformer(img_size=img_size, in_chans=3, pos_embed=pos_embed, init_values=1e-5, **SMALL,
-                             **{"reg_tokens": options["num_reg_tokens"]} if "num_reg_tokens" in options else {})
+                             reg_tokens=options.get("num_reg_tokens", 0),
+                             pool="cls" if options.get("class_token", True) else "mean",
+                             fc_norm=False if pos_embed == "relative" else None)
     ours.load_state_dict(reference.state_dict(), strict=True)
     return reference, ours.eval()
 
@@ -47,10 +59,13 @@ def timm_attention(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor
     return maps
 
 
-@pytest.mark.parametrize("pos_embed", list(TIMM))
+PAIRS = [(p, o) for p in ROPES for o in ({}, {"num_reg_tokens": 2})] + [("relative", {}),
+                                                                          ("relative", {"class_token": False})]
+
+
+@pytest.mark.parametrize("pos_embed, options", PAIRS, ids=lambda v: str(v) if isinstance(v, dict) else v)
 @pytest.mark.parametrize("img_size", [(32, 32), (24, 40)], ids=["square", "another size"])
-@pytest.mark.parametrize("options", [{}, {"num_reg_tokens": 2}], ids=["cls", "cls+registers"])
-def test_timms_rope_vit_loads_strictly_with_equal_logits_and_attention_maps(pos_embed, img_size, options):
+def test_timms_model_loads_strictly_with_equal_logits_and_attention_maps(pos_embed, img_size, options):
     reference, ours = timm_pair(pos_embed, img_size, **options)
     x = torch.randn(2, 3, *img_size)
     with torch.no_grad():
@@ -102,7 +117,7 @@ def test_the_prefix_tokens_are_not_rotated_and_mixed_frequencies_start_at_the_ax
 
 @pytest.mark.parametrize("pos_embed", list(TIMM))
 @pytest.mark.parametrize("score", ["scaled_dot", "dot", "general", "additive", "concat"])
-def test_every_score_function_takes_rotary_positions_and_the_fused_and_explicit_paths_agree(pos_embed, score):
+def test_every_score_function_takes_these_positions_and_the_fused_and_explicit_paths_agree(pos_embed, score):
     torch.manual_seed(0)
     model = VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2,
                               num_heads=2, pos_embed=pos_embed, attn_score=score, score_dim=4).eval()
@@ -116,7 +131,7 @@ def test_every_score_function_takes_rotary_positions_and_the_fused_and_explicit_
 
 
 @pytest.mark.parametrize("pos_embed", list(TIMM))
-def test_the_explanations_of_a_rope_vit_are_maps_summing_to_one(pos_embed):
+def test_the_explanations_of_these_vits_are_maps_summing_to_one(pos_embed):
     torch.manual_seed(0)
     model = VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2,
                               num_heads=2, pos_embed=pos_embed).eval()
@@ -128,15 +143,16 @@ def test_the_explanations_of_a_rope_vit_are_maps_summing_to_one(pos_embed):
 
 
 @pytest.mark.parametrize("pos_embed", list(TIMM))
-def test_a_rope_vits_model_folder_opens_in_timm_as_its_eva_and_in_vit_load(pos_embed, tmp_path):
+def test_the_model_folder_opens_in_timm_as_its_own_model_and_in_vit_load(pos_embed, tmp_path):
     _, model = timm_pair(pos_embed, (32, 32))
-    args = dict(img_size=32, in_chans=3, pos_embed=pos_embed, init_values=1e-5, **SMALL)
+    args = dict(img_size=32, in_chans=3, pos_embed=pos_embed, init_values=1e-5, **SMALL,
+                **({"fc_norm": False} if pos_embed == "relative" else {}))
     inputs = {"img_size": [32, 32], "in_chans": 3, "mean": None, "std": None, "interpolation": "bilinear"}
     config = artifact.describe(model, {"class_path": "vit.models.VisionTransformer", "init_args": args}, inputs,
                                ["a", "b", "c"])
     folder = artifact.write(tmp_path / "model", config, artifact.weights(model))
     written = json.loads((folder / "config.json").read_text())
-    assert written["architecture"] == TIMM[pos_embed] and written["model_args"]["use_rot_pos_emb"]
+    assert written["architecture"] == TIMM[pos_embed]
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         theirs = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()(x)
@@ -144,7 +160,31 @@ def test_a_rope_vits_model_folder_opens_in_timm_as_its_eva_and_in_vit_load(pos_e
         torch.testing.assert_close(vit.load(folder).model(x), model(x), rtol=0, atol=0)
 
 
-def test_what_rotary_positions_cannot_do_is_refused_in_one_line():
+def test_the_relative_bias_is_the_table_at_each_pairs_offset():
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=(8, 12), patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative")
+    rel = model.blocks[0].attn.rel_pos
+    bias = rel()[0]  # (H, N, N): CLS, then the 2 x 3 patches
+    table, (gh, gw) = rel.relative_position_bias_table, (2, 3)
+    offsets = (2 * gh - 1) * (2 * gw - 1)
+    for i in range(gh * gw):
+        for j in range(gh * gw):
+            dy, dx = i // gw - j // gw, i % gw - j % gw
+            torch.testing.assert_close(bias[:, 1 + i, 1 + j], table[(dy + gh - 1) * (2 * gw - 1) + dx + gw - 1])
+        torch.testing.assert_close(bias[:, 0, 1 + i], table[offsets])  # CLS to a patch
+        torch.testing.assert_close(bias[:, 1 + i, 0], table[offsets + 1])  # a patch to CLS
+    torch.testing.assert_close(bias[:, 0, 0], table[offsets + 2])
+    assert table.shape == (offsets + 3, 2)
+
+
+def test_what_these_positions_cannot_do_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"pos_embed='relative' takes at most one prefix token \(a CLS token\), got "
+                                         r"3: register tokens have no offset to the patches"):
+        VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative",
+                          reg_tokens=2)
+    relative = VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative")
+    with pytest.raises(artifact.ArtifactError, match=r"pos_embed='relative' without init_values cannot be exported"):
+        artifact.timm_args(relative)
     with pytest.raises(ValueError, match=r"pos_embed='rope': the head width 6 \(embed_dim / num_heads\) must be a "
                                          r"multiple of 4"):
         VisionTransformer(img_size=16, patch_size=4, embed_dim=12, depth=1, num_heads=2, pos_embed="rope")
@@ -152,10 +192,6 @@ def test_what_rotary_positions_cannot_do_is_refused_in_one_line():
                               pool="map")
     with pytest.raises(artifact.ArtifactError, match=r"pool='map' with rotary positions cannot be exported"):
         artifact.timm_args(model)
-    layer_scale = VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, init_values=0.1)
-    with pytest.raises(artifact.ArtifactError, match=r"init_values \(layer scale\) without rotary positions cannot "
-                                                     r"be exported"):
-        artifact.timm_args(layer_scale)
     attn = model.blocks[0].attn
     with pytest.raises(ValueError, match="rope is for self-attention"):
         attn(torch.randn(1, 17, 16), torch.randn(1, 3, 16), rope=model.rope.angles(0))
