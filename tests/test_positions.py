@@ -195,3 +195,21 @@ def test_what_these_positions_cannot_do_is_refused_in_one_line():
     attn = model.blocks[0].attn
     with pytest.raises(ValueError, match="rope is for self-attention"):
         attn(torch.randn(1, 17, 16), torch.randn(1, 3, 16), rope=model.rope.angles(0))
+
+
+def test_timms_layer_scale_loads_as_ls1_gamma_with_equal_logits_and_exports_back():
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, init_values=1e-5,
+                                  **SMALL).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ours = VisionTransformer(img_size=32, in_chans=3, init_values=0.5, **SMALL).eval()  # the value is the weights'
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), reference(x), rtol=0, atol=1e-5)
+        exported = timm.create_model(artifact.architecture(args := artifact.timm_args(ours)), pretrained=False,
+                                     **args).eval()
+        exported.load_state_dict(ours.state_dict(), strict=True)
+        torch.testing.assert_close(exported(x), reference(x), rtol=0, atol=1e-5)
