@@ -363,3 +363,46 @@ def test_a_model_with_100_register_tokens_trains_saves_and_opens_through_every_d
     torch.testing.assert_close(by_folder, by_checkpoint, rtol=0, atol=0)
     assert vit.load(last).model.num_reg_tokens == 100
     main_in_process(["validate", "--config", str(config), "--ckpt_path", str(alone)], monkeypatch)
+
+
+def hub_cache(cache: Path, repo: str) -> Path:
+    """The snapshot folder of `repo` in a Hugging Face cache laid out as huggingface_hub lays it out."""
+    commit = "1" * 40
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    return snapshot
+
+
+@pytest.mark.slow
+def test_a_timm_model_name_opens_from_timms_cache_offline_as_timm_runs_it(tmp_path, monkeypatch):
+    import timm
+    from timm.models import get_pretrained_cfg, save_for_hf
+
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False).eval()
+    with torch.no_grad():
+        reference.head.weight.mul_(50)  # probabilities far from uniform
+    cache = tmp_path / "hub"
+    save_for_hf(reference, hub_cache(cache, get_pretrained_cfg("vit_tiny_patch16_224").hf_hub_id),
+                safe_serialization=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    predictor = vit.load("vit_tiny_patch16_224")
+    assert predictor.inputs["crop_pct"] == 0.9 and predictor.inputs["crop_mode"] == "center"  # timm's eval crop
+    assert predictor.class_names[:2] == ["tench, Tinca tinca", "goldfish, Carassius auratus"]
+    assert "crane (n02012849)" in predictor.class_names and len(set(predictor.class_names)) == 1000
+    images = photos(6)
+    config = timm.data.resolve_data_config(model=reference)
+    transform = timm.data.create_transform(**config)
+    with torch.no_grad():
+        theirs = reference(torch.stack([transform(image) for image in images])).softmax(-1)
+    ours = predictor.probabilities(images)
+    assert (theirs.argmax(-1) == ours.argmax(-1)).all()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    with pytest.raises(ArtifactError, match=r"hf-hub:timm/vit_small_patch16_224\.augreg_in21k_ft_in1k is not in the "
+                                            r"local Hugging Face cache"):
+        vit.load("vit_small_patch16_224")

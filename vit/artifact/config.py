@@ -133,12 +133,14 @@ def architecture(args: dict) -> str:
 
 
 def data_config(inputs: Mapping) -> dict:
-    """timm's data config of `inputs`: the image squashed to the model's size (no crop), then normalised (raw pixels:
-    mean 0, std 1), as `vit.data.images.build_transform` does."""
+    """timm's data config of `inputs`: the image squashed to the model's size, or with a `crop_pct` resized and
+    centre-cropped (timm's `crop_mode="center"`), then normalised (raw pixels: mean 0, std 1), as
+    `vit.data.images.build_transform` does."""
     channels = inputs["in_chans"]
     mean, std = (inputs["mean"], inputs["std"]) if inputs["mean"] is not None else ([0.0] * channels, [1.0] * channels)
     return dict(input_size=[channels, *inputs["img_size"]], mean=list(mean), std=list(std),
-                interpolation=inputs["interpolation"], crop_pct=1.0, crop_mode="squash")
+                interpolation=inputs["interpolation"], crop_pct=inputs.get("crop_pct", 1.0),
+                crop_mode=inputs.get("crop_mode", "squash"))
 
 
 def describe(model: nn.Module, backbone: Mapping, inputs: Mapping, class_names: list[str],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -109,9 +110,10 @@ def read_config(folder: Path) -> dict:
 
 def locate(source: str | os.PathLike) -> Path | None:
     """The model folder a door was given: the folder itself, the folder beside a `.ckpt` (a link to a checkpoint
-    counts as the checkpoint it names), or an `hf-hub:org/name[@revision]` id's files fetched through
-    `huggingface_hub` (its cache first; offline, only the cache). None for a checkpoint without a model folder (one
-    written before this format) and for URLs: those are read as checkpoints."""
+    counts as the checkpoint it names), an `hf-hub:org/name[@revision]` id's files fetched through
+    `huggingface_hub` (its cache first; offline, only the cache), or a timm model name's pretrained weights (its
+    Hub repo, the same way). None for a checkpoint without a model folder (one written before this format) and for
+    URLs: those are read as checkpoints."""
     text = os.fspath(source)
     if text.lower().startswith(("hf-hub:", "hf_hub:")):
         return _hub_folder(text[len("hf-hub:"):])
@@ -120,8 +122,27 @@ def locate(source: str | os.PathLike) -> Path | None:
     path = Path(text).expanduser()
     if path.is_dir():
         return path
+    if not os.path.lexists(path) and _TIMM_NAME.fullmatch(text):
+        return _timm_folder(text)
     beside = folder_of(path.resolve()) if path.suffix == ".ckpt" else None
     return beside if beside is not None and (beside / CONFIG).is_file() else None
+
+
+_TIMM_NAME = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)?")  # timm's model names, with a pretrained tag: no path
+
+
+def _timm_folder(name: str) -> Path | None:
+    """The Hub folder of a timm model name's pretrained weights (`vit_tiny_patch16_224`, or with its tag), through
+    `_hub_folder` (timm keeps its weights in the same cache); None for a name timm has no Hub weights for."""
+    from timm.models import get_pretrained_cfg
+
+    try:
+        cfg = get_pretrained_cfg(name)
+    except RuntimeError:  # a tag timm does not have
+        cfg = None
+    if cfg is None or not cfg.hf_hub_id:
+        return None
+    return _hub_folder(cfg.hf_hub_id)
 
 
 def _hub_folder(repo: str) -> Path:

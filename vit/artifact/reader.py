@@ -129,57 +129,98 @@ def _compare(found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Ten
                                   f"{reference.dtype}")
 
 
-# timm's `VisionTransformer` arguments that `vit.export` writes, as this project's `VisionTransformer` spells them.
-_FROM_TIMM = {"img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
-              "init_values", "qk_norm", "fc_norm", "reg_tokens", "no_embed_class"}
+# The timm `VisionTransformer` arguments a config.json's `model_args` may set: sizes and switches, never a callable, a
+# file (`checkpoint_path`) or a download (`pretrained_cfg_overlay`), which `timm.create_model` would also take.
+_TIMM_MODEL_ARGS = {"img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
+                    "qk_norm", "init_values", "class_token", "global_pool", "fc_norm", "reg_tokens",
+                    "no_embed_class", "pos_embed", "dynamic_img_size"}
 
 
 def _build_timm_export(config: dict, folder: Path) -> tuple[nn.Module, dict, list[str], dict]:
-    """A folder without a "vit" section: a plain timm ViT as `vit.export` of an earlier version wrote it (its
-    `model_args`), rebuilt as this project's `VisionTransformer`; its input from `pretrained_cfg`."""
-    from vit.training.checkpoint.schema import check_inputs, check_names
+    """A folder without a "vit" section: a timm ViT's (its Hub repo, or `vit.export` of an earlier version), rebuilt
+    as this project's `VisionTransformer` from timm's model of that `architecture` and `model_args`, built on the
+    meta device; its input from `pretrained_cfg`, its class names from `label_names` (else ImageNet's, for a model
+    of ImageNet's classes)."""
+    from vit.training.checkpoint.schema import check_backbone, check_inputs, check_names
     from vit.training.checkpoint.values import not_allowed
 
-    args = config.get("model_args")
-    if not isinstance(args, dict) or config.get("architecture") is None:
-        raise CheckpointError("config.json has neither this project's 'vit' section nor timm's 'architecture' and "
-                              "'model_args': open a timm model with timm.create_model")
-    unknown = sorted(set(args) - _FROM_TIMM - {"global_pool", "class_token", "pos_embed", "dynamic_img_size",
-                                                "num_classes"})
+    architecture, args = config.get("architecture"), config.get("model_args") or {}
+    if not isinstance(architecture, str) or not isinstance(args, dict):
+        raise CheckpointError("config.json has neither this project's 'vit' section nor timm's 'architecture': it "
+                              "is not a model folder of this project or timm")
+    unknown = sorted(set(args) - _TIMM_MODEL_ARGS - {"num_classes"})
     if unknown:
-        raise CheckpointError(f"config.json's model_args has {unknown[0]!r}, which this project's VisionTransformer "
-                              "does not have")
-    pool = {value: key for key, value in _TIMM_POOL.items()}.get(args.get("global_pool", "token"))
-    if pool is None or args.get("class_token", True) != (pool == "cls") or args.get("dynamic_img_size", False):
-        raise not_allowed("model_args", {k: args.get(k) for k in ("global_pool", "class_token", "dynamic_img_size")},
-                          "global_pool token (with class_token), avg or map, and no dynamic_img_size", 200)
-    position = {"learn": "learned", "none": "none"}.get(args.get("pos_embed", "learn"))
-    if position is None:
-        raise not_allowed("model_args.pos_embed", args.get("pos_embed"), "learn or none")
+        raise CheckpointError(f"config.json's model_args has {unknown[0]!r}, which this project does not pass to "
+                              "timm's VisionTransformer")
     num_classes = config.get("num_classes", args.get("num_classes"))
-    kwargs = {key: args[key] for key in _FROM_TIMM if key in args}
-    kwargs.update(pool=pool, pos_embed=position, num_classes=num_classes)
+    kwargs = _from_timm(architecture, {**args, "num_classes": num_classes})
     cfg = config.get("pretrained_cfg")
     if not isinstance(cfg, dict):
         raise not_allowed("pretrained_cfg", cfg, "a mapping")
     size = cfg.get("input_size")
     if not (isinstance(size, list) and len(size) == 3):
         raise not_allowed("pretrained_cfg.input_size", size, "[channels, height, width]")
-    if cfg.get("crop_pct", 1.0) != 1.0 or cfg.get("crop_mode", "squash") != "squash":
-        raise CheckpointError(f"pretrained_cfg crops (crop_pct={cfg.get('crop_pct')}, crop_mode="
-                              f"{cfg.get('crop_mode')!r}): this project resizes the whole image; open it with timm")
     plain = [0.0] * size[0], [1.0] * size[0]
     raw = cfg.get("mean") == plain[0] and cfg.get("std") == plain[1]
     inputs = check_inputs({"img_size": size[1:], "in_chans": size[0], "mean": None if raw else cfg.get("mean"),
-                           "std": None if raw else cfg.get("std"), "interpolation": cfg.get("interpolation")},
-                          {"img_size": kwargs.get("img_size", size[1:]), "in_chans": kwargs.get("in_chans", size[0])})
-    from vit.training.checkpoint.schema import check_backbone
-
+                           "std": None if raw else cfg.get("std"), "interpolation": cfg.get("interpolation"),
+                           "crop_pct": cfg.get("crop_pct", 0.875), "crop_mode": cfg.get("crop_mode", "center")},
+                          kwargs)  # timm's defaults where the config is silent
     cls, kwargs = check_backbone({"class_path": "vit.models.VisionTransformer", "init_args": kwargs})
     model = _load_weights(cls, kwargs, folder)
-    names = config.get("label_names") or [str(i) for i in range(model.num_classes)]
+    names = config.get("label_names") or _imagenet_names(cfg, model.num_classes)
     backbone = {"class_path": "vit.models.VisionTransformer", "init_args": kwargs}
     return model, inputs, check_names(names, model.num_classes), backbone
+
+
+def _from_timm(architecture: str, args: dict) -> dict:
+    """This project's `VisionTransformer` arguments for timm's `architecture` with `args`, read from timm's model
+    built on the meta device (no memory, nothing downloaded); `CheckpointError` for a model of another class."""
+    import timm
+    import torch
+    from timm.layers import LayerScale
+    from timm.models import VisionTransformer as TimmVisionTransformer
+    from torch import nn
+
+    if not timm.is_model(architecture):
+        raise CheckpointError(f"config.json's architecture {architecture!r} is not a model timm knows")
+    with torch.device("meta"):
+        try:
+            model = timm.create_model(architecture, pretrained=False, **args)
+        except (TypeError, ValueError, AssertionError, RuntimeError) as err:
+            raise CheckpointError(f"timm cannot build {architecture} with config.json's model_args: "
+                                  f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}") from None
+    if type(model) is not TimmVisionTransformer:
+        raise CheckpointError(f"config.json's architecture {architecture} is a timm {type(model).__name__}; this "
+                              "project opens timm's VisionTransformer from its folder (its RoPE and relative-position "
+                              "ViTs through this project's own model folders)")
+    pool = {value: key for key, value in _TIMM_POOL.items()}.get(model.global_pool)
+    if pool is None or (pool == "cls") != (model.cls_token is not None) or model.dynamic_img_size:
+        raise CheckpointError(f"{architecture}: global_pool={model.global_pool!r} with class_token="
+                              f"{model.cls_token is not None} and dynamic_img_size={model.dynamic_img_size} is not "
+                              "this project's: global_pool token (with a CLS token), avg or map, a fixed image size")
+    attn = model.blocks[0].attn
+    return dict(img_size=list(model.patch_embed.img_size), patch_size=model.patch_embed.patch_size[0],
+                in_chans=model.patch_embed.proj.in_channels, num_classes=model.num_classes,
+                embed_dim=model.embed_dim, depth=len(model.blocks), num_heads=attn.num_heads,
+                mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim, qkv_bias=attn.qkv.bias is not None,
+                qk_norm=not isinstance(attn.q_norm, nn.Identity), pool=pool,
+                fc_norm=not isinstance(model.fc_norm, nn.Identity), reg_tokens=model.num_reg_tokens,
+                no_embed_class=model.no_embed_class, pos_embed="learned" if model.pos_embed is not None else "none",
+                init_values=1.0 if isinstance(model.blocks[0].ls1, LayerScale) else None)  # the values: the weights'
+
+
+def _imagenet_names(cfg: dict, num_classes: int) -> list[str]:
+    """timm's ImageNet class descriptions for a model of ImageNet's classes (the one repeated, "crane", with its
+    WordNet id), else `"0"`, `"1"`, ..."""
+    from timm.data import ImageNetInfo, infer_imagenet_subset
+
+    subset = infer_imagenet_subset({**cfg, "num_classes": num_classes})
+    if subset is None:
+        return [str(i) for i in range(num_classes)]
+    info = ImageNetInfo(subset)
+    names, ids = info.label_descriptions(), info.label_names()
+    return [f"{name} ({wnid})" if names.count(name) > 1 else name for name, wnid in zip(names, ids)]
 
 
 def load(source: str | os.PathLike) -> Artifact:

@@ -3,6 +3,7 @@ normalised as in training (`build_transform`); a folder's or a list's images, de
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from pathlib import Path
@@ -13,7 +14,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from vit.checks import check_choice, check_size, first_line
+from vit.checks import check_choice, check_float, check_size, first_line
 from vit.data.files import not_a_file, text_name
 
 # A JPEG is decoded at 1/2, 1/4 or 1/8 scale while it stays this many times the input's longest side, so that
@@ -131,15 +132,28 @@ def _unreadable(reason: str) -> UnreadableImageError:
     return UnreadableImageError(f"PIL image: {reason}", reason)
 
 
+CROP_MODES = ("squash", "center")  # timm's eval crops this project reproduces
+
+
 def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization,
-                    interpolation: str = "bilinear") -> v2.Compose:
-    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training, resized to `img_size`."""
+                    interpolation: str = "bilinear", crop_pct: float = 1.0, crop_mode: str = "squash") -> v2.Compose:
+    """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training, as timm's eval transform does it:
+    `squash` resizes to `(floor(H / crop_pct), floor(W / crop_pct))` (the aspect ratio not kept; with crop_pct 1, to
+    `img_size`), `center` resizes the shorter side to `floor(H / crop_pct)` (a square `img_size` only); then the
+    centre `img_size` is cut out."""
     check_choice("interpolation", interpolation, ("bilinear", "bicubic", "nearest"))
+    check_choice("crop_mode", crop_mode, CROP_MODES)
+    check_float("crop_pct", crop_pct, 0.0, 1.0, low_open=True)
+    (height, width), mode = check_size("img_size", img_size), v2.InterpolationMode(interpolation)
+    scaled = (math.floor(height / crop_pct), math.floor(width / crop_pct))
+    if crop_mode == "center" and height != width:
+        raise ValueError(f"crop_mode='center' needs a square img_size, got {height} x {width}: use crop_mode='squash'")
+    resize = [v2.Resize(scaled if crop_mode == "squash" else scaled[0], interpolation=mode, antialias=True)]
+    if crop_mode == "center" or crop_pct != 1.0:
+        resize.append(v2.CenterCrop((height, width)))
     # Resized before `ToImage`: a PIL image by Pillow, as timm's and transformers' transforms resize it, so that the
     # three give the same pixels (a uint8 tensor resized by torch rounds some of them one level apart).
-    steps = [v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),
-             v2.Resize(check_size("img_size", img_size), interpolation=v2.InterpolationMode(interpolation),
-                       antialias=True),  # to (H, W): the aspect ratio is not kept
+    steps = [v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(), *resize,
              v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
     if normalization is not None:
         steps.append(v2.Normalize(*map(list, normalization)))

@@ -22,7 +22,8 @@ def inference_transform(inputs: dict) -> v2.Compose:
     """The transform of `Checkpoint.inputs` (what a checkpoint records of its input): PIL image -> the model's input."""
     normalization = None if inputs["mean"] is None else (inputs["mean"], inputs["std"])
     try:
-        return build_transform(inputs["img_size"], inputs["in_chans"], normalization, inputs["interpolation"])
+        return build_transform(inputs["img_size"], inputs["in_chans"], normalization, inputs["interpolation"],
+                               inputs.get("crop_pct", 1.0), inputs.get("crop_mode", "squash"))
     except ValueError as err:
         raise CheckpointError(f"the checkpoint's inputs cannot be used: {err}") from err
 

@@ -26,6 +26,7 @@ from torch import nn
 import vit.data
 import vit.models
 from vit.checks import check_size, describe, matches
+from vit.data.images import CROP_MODES
 from vit.models.vision_transformer import BOUNDS
 from vit.training.checkpoint.trainer_state import check_trainer_state
 from vit.training.checkpoint.values import SCHEMA_VERSION as VERSION
@@ -313,8 +314,13 @@ def _architecture(state: Any, cls: type[nn.Module], args: dict, settings: dict) 
 def check_inputs(inputs: Any, backbone_args: Mapping) -> dict:
     """`inputs` (what a model records of its input) checked against the backbone's `img_size` and `in_chans`."""
     expected = {"img_size", "in_chans", "mean", "std", "interpolation"}
-    if not isinstance(inputs, Mapping) or set(inputs) != expected:
-        raise not_allowed("inputs", inputs, f"a mapping of {sorted(expected)}", 120)
+    if not isinstance(inputs, Mapping) or not expected <= set(inputs) <= expected | {"crop_pct", "crop_mode"}:
+        raise not_allowed("inputs", inputs, f"a mapping of {sorted(expected)} (and crop_pct, crop_mode)", 120)
+    crop, crop_mode = inputs.get("crop_pct", 1.0), inputs.get("crop_mode", "squash")
+    if not is_number(crop, 0, above=True) or crop > 1:
+        raise not_allowed("inputs.crop_pct", crop, "a number in (0, 1]: the share of the resized image kept")
+    if crop_mode not in CROP_MODES:
+        raise not_allowed("inputs.crop_mode", crop_mode, f"one of {list(CROP_MODES)}")
     try:
         size = list(check_size("inputs.img_size", inputs["img_size"]))
     except ValueError as err:
@@ -345,7 +351,9 @@ def check_inputs(inputs: Any, backbone_args: Mapping) -> dict:
     if inputs["interpolation"] not in INTERPOLATIONS:
         raise not_allowed("inputs.interpolation", inputs["interpolation"], f"one of {list(INTERPOLATIONS)}")
     return {"img_size": size, "in_chans": chans, "mean": None if mean is None else [float(v) for v in mean],
-            "std": None if std is None else [float(v) for v in std], "interpolation": inputs["interpolation"]}
+            "std": None if std is None else [float(v) for v in std], "interpolation": inputs["interpolation"],
+            **({"crop_pct": float(crop)} if crop != 1 else {}), **({"crop_mode": crop_mode} if crop_mode != "squash"
+                                                                     else {})}
 
 
 def check_names(names: Any, num_classes: int) -> list[str]:
