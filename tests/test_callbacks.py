@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from dashboard_helpers import TINY, wandb_records
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 
@@ -23,20 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 VIT_CONFIG = str(ROOT / "configs/two_circles/vit.yaml")
 WANDB_CONFIG = str(ROOT / "configs/logger/wandb.yaml")
 # A tiny version of the two-circles experiment: one epoch, a few batches, a small ViT.
-TINY = [
-    "--trainer.max_epochs=1",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--trainer.log_every_n_steps=1",
-    "--data.init_args.num_train=64",
-    "--data.init_args.num_val=48",
-    "--data.init_args.num_test=32",
-    "--data.init_args.batch_size=16",
-    "--model.backbone.init_args.embed_dim=16",
-    "--model.backbone.init_args.depth=2",
-    "--model.backbone.init_args.num_heads=2",
-    "--model.backbone.init_args.patch_size=8",
-]
 # RolloutImages in vit.yaml: 8 rows of 3-inch cells at 64 dpi; columns: image, rollout, grad rollout; 0.75 inch of
 # colour bars.
 ROLLOUT_PIXELS = (8 * 3 * 64, int((3 * 3 + 0.75) * 64))  # (height, width)
@@ -64,34 +51,6 @@ def offline_wandb(tmp_path, monkeypatch):
     yield
     wandb.finish()
 
-
-def wandb_records(path: Path) -> list:
-    """The protobuf records of a `.wandb` file.
-
-    The file is a 7-byte header (":W&B", magic, version) followed by LevelDB-log framing: 32 KiB
-    blocks of chunks, each a 7-byte header (CRC32, little-endian length, type) and its payload;
-    type 1 is a whole record, 2 / 3 / 4 the first / middle / last piece of one.
-    """
-    from wandb.proto import wandb_internal_pb2
-
-    data, block = path.read_bytes(), 32 * 1024
-    assert data[:4] == b":W&B"
-    records, pending, pos = [], b"", 7
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 1:
-            records.append(chunk)
-        elif kind == 2:
-            pending = chunk
-        elif kind == 3:
-            pending += chunk
-        elif kind == 4:
-            records.append(pending + chunk)
-    return [wandb_internal_pb2.Record.FromString(r) for r in records]
 
 
 def run_cli(args, tmp_path, monkeypatch):

@@ -180,9 +180,8 @@ def test_best_checkpoint_is_a_wandb_artifact_offline_when_asked_for(tmp_path, of
 
 @pytest.mark.slow
 def test_a_finished_run_holds_the_scalars_images_and_hparams_tensorboard_shows(tmp_path, monkeypatch):
+    from dashboard_helpers import TINY, hparams_plugin_data
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from test_callbacks import TINY
-    from test_hparams_table import hparams_plugin_data
 
     from vit.training.cli import main
 
@@ -238,7 +237,7 @@ class ScriptedAccuracy(L.LightningModule):
 def closed_run_records(run_dir: Path) -> list:
     """The records of an offline W&B run once it is closed: finish() can return before W&B's service has written
     the last of them."""
-    from test_callbacks import wandb_records
+    from dashboard_helpers import wandb_records
 
     deadline = time.monotonic() + 30
     while True:

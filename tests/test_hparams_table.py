@@ -7,6 +7,7 @@ import sys
 
 import lightning as L
 import pytest
+from dashboard_helpers import hparams_plugin_data
 from lightning.pytorch.loggers import CSVLogger
 from robust_helpers import run_dirs, tiny_config
 
@@ -14,17 +15,6 @@ from vit.data import TwoCirclesDataModule
 from vit.models import VisionTransformer
 from vit.training.classifier import ImageClassifier
 from vit.training.dashboard import HParamsTable, hp_tag
-
-
-def hparams_plugin_data(events) -> dict:
-    """The hparams plugin's records of a run: {"experiment": ..., "session_start_info": ..., ...} as protos."""
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
-    records = {}
-    for tag, content in events.PluginTagToContent("hparams").items():
-        data = plugin_data_pb2.HParamsPluginData.FromString(content)
-        records[tag.removeprefix("_hparams_/")] = getattr(data, data.WhichOneof("data"))
-    return records
 
 
 def test_metric_names_in_the_table():

@@ -75,7 +75,7 @@ def test_an_unknown_wandb_mode_is_refused_with_the_allowed_values(tmp_path):
 def test_a_study_run_on_wandb_offline_carries_its_cell_as_group_and_its_seed(tmp_path, monkeypatch):
     """Through train.py as the study calls it (a `validate` of the untrained model: no training)."""
     import wandb
-    from test_callbacks import wandb_records
+    from dashboard_helpers import wandb_records
 
     from vit.training.cli import main
 
