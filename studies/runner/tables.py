@@ -74,7 +74,7 @@ def summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             moved = exp.get("shift_region")
             sizes = len(exp["num_train"]) > 1  # then each row names its training-set size
             lines += [f"## {exp['name']}: task `{task}`, train region `{exp['train_region']}`, test region "
-                      f"`{exp['test_region']}`" + (f" (success > {thr * PERCENT:.1f}%)" if thr and thr < 1 else ""), "",
+                      f"`{exp['test_region']}`" + (f" (success > {thr * PERCENT:.2f}%)" if thr and thr < 1 else ""), "",
                       "| model | " + ("train images | " if sizes else "") + "RF (px) | n | median | runs | "
                       "success k/n [95% CI] | " + (f"median moved to `{moved}` | " if moved else "")
                       + "lr | params | MFLOPs/image | s/run |",
@@ -136,7 +136,10 @@ def comparisons(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             models = [m for m in exp["models"] if (exp["name"], task, m, exp["num_train"][-1]) in cells]
             if len(models) < 2:
                 continue
-            lines += [f"## {exp['name']}: task `{task}`", ""]
+            # An experiment over several training-set sizes is compared at its last one (the others: summary.md).
+            size = (f", {exp['num_train'][-1]:,} training images (the last of {len(exp['num_train'])} sizes)"
+                    if len(exp["num_train"]) > 1 else "")
+            lines += [f"## {exp['name']}: task `{task}`{size}", ""]
             for family, pairs in cfg.get("comparisons", {}).get(exp["name"], {}).items():
                 done = [(a, b) for a, b in pairs if a in models and b in models]
                 lines += [f"### {family} ({len(done)} of its {len(pairs)} pairs run; Holm over those)", ""]
