@@ -90,3 +90,13 @@ def test_the_checkpoint_schema_knows_the_study_model_and_all_its_arguments_once_
     assert hints["pool"] == typing.get_type_hints(VisionTransformer.__init__)["pool"]
     meta = meta_backbone(StudyViT, {**CIFAR_CFG, "attn_radius": 1})
     assert meta.state_dict().keys() == VisionTransformer(**CIFAR_CFG).state_dict().keys()  # the mask is no weight
+
+
+def test_a_learned_table_started_at_the_sincos_values_is_the_fixed_table_then_trains():
+    args = dict(img_size=32, in_chans=1, num_classes=2, patch_size=4, embed_dim=32, depth=2, num_heads=2)
+    for pool in ("mean", "cls"):
+        started = StudyViT(**args, pool=pool, pos_embed="learned", pos_init="sincos2d")
+        fixed = VisionTransformer(**args, pool=pool, pos_embed="sincos2d")
+        assert torch.equal(started.pos_embed.detach(), fixed.pos_embed) and started.pos_embed.requires_grad
+    with pytest.raises(ValueError, match=r"pos_init='sincos2d' is not allowed with pos_embed='sincos2d'"):
+        StudyViT(**args, pos_embed="sincos2d", pos_init="sincos2d")

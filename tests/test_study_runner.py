@@ -906,3 +906,22 @@ def test_kill_process_tree_kills_the_processes_a_local_job_started():
     while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
         assert time.monotonic() < deadline, "the controller's child is still running"
         time.sleep(0.05)
+
+
+def test_a_calibration_trains_and_validates_on_the_data_options_it_names(tmp_path):
+    cfg = grid.load_config(Path(__file__).resolve().parents[1] / "studies/arrangement/configs/positions.yaml")
+    calibration = grid.calibration_plan(cfg)
+    assert len(calibration) == 6 * 3 * 2  # families x rates x seeds
+    for run in calibration:
+        init_args = run.overrides["data"]["init_args"]
+        assert init_args["train_max_span"] == 20 and "test_min_span" not in init_args
+        assert run.overrides["trainer"]["max_epochs"] == 3  # 3000 steps of 64 over 64,000 images
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "studies/arrangement/configs/positions.yaml")
+                            .read_text())
+    config["calibration"]["data"] = {"train_max_span": [20]}
+    config["base_config"] = str(Path(__file__).resolve().parents[1] / config["base_config"])
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"calibration: data=\{'train_max_span': \[20\]\} is not allowed: expected a "
+                                         r"mapping of the data module's options to plain values"):
+        grid.load_config(path)

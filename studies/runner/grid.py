@@ -234,7 +234,7 @@ def _check_calibration(cfg: dict, where: str) -> None:
         return
     cal = _require(cfg, "calibration", dict, where)
     w = f"{where}: calibration"
-    extra = set(cal) - {"task", "num_train", "seed", "seeds", "lrs", "models"}
+    extra = set(cal) - {"task", "num_train", "seed", "seeds", "lrs", "models", "data"}
     if extra:
         raise ValueError(f"{w}: unknown keys {sorted(extra)}")
     check_choice(f"{w}.task", _require(cal, "task", str, w), tuple(TASK_DATA))
@@ -250,6 +250,10 @@ def _check_calibration(cfg: dict, where: str) -> None:
         if seed in cfg["seeds"]:
             raise ValueError(f"{w}: seed={seed} is one of the study's seeds {cfg['seeds']}; calibrate on "
                              f"other data than the study is scored on")
+    data = cal.get("data", {})
+    if not isinstance(data, dict) or any(not isinstance(v, PLAIN) for v in data.values()):
+        raise ValueError(f"{w}: data={data!r} is not allowed: expected a mapping of the data module's options to "
+                         "plain values (e.g. train_max_span), as an experiment's data")
     lrs = _require(cal, "lrs", list, w)
     if not lrs or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 for v in lrs):
         raise ValueError(f"{w}: lrs={lrs!r} is not allowed: expected a non-empty list of floats in (0, 1)")
@@ -341,7 +345,7 @@ def calibration_plan(cfg: dict) -> list[Run]:
     cal = cfg["calibration"]
     exp = {"name": CALIBRATE, "tasks": [cal["task"]], "models": list(cal["models"].values()),
            "num_train": [cal["num_train"]], "train_region": "all", "test_region": "all", "shift_region": None,
-           "train_samples": cfg["train_samples"]}
+           "train_samples": cfg["train_samples"], "data": cal.get("data")}  # data: e.g. the spans trained on
     return [run for lr in cal["lrs"] for run in _runs(cfg, [exp], cal["seeds"], lambda model, lr=lr: lr)]
 
 

@@ -10,11 +10,14 @@ open a study's checkpoints once the study's code is imported.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from vit.checks import check_float, check_int
 from vit.models import VisionTransformer
 from vit.models.masks import local_mask
+from vit.models.pos_embed import sincos_2d
 from vit.training.checkpoint.schema import allow_backbone
 
 
@@ -29,11 +32,21 @@ class StudyViT(VisionTransformer):
             published, entries of RMS 0.71, while the patch embedding's output starts near 0.1.
         pos_init_std: the standard deviation of a learned table's initial entries (normal, not truncated);
             None: the library's 0.02 (truncated normal). 0.7 starts it at the size of the sin/cos table.
+        pos_init: "sincos2d" starts a learned table at the sin/cos 2-D table's values (its size and its structure),
+            then trains it; None: random (`pos_init_std`).
     """
 
     def __init__(self, *, attn_radius: int | None = None, pos_scale: float = 1.0, pos_init_std: float | None = None,
-                 **kwargs) -> None:
+                 pos_init: Literal["sincos2d"] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
+        if pos_init is not None:
+            if self.pos_embed_type != "learned" or pos_init_std is not None:
+                raise ValueError(f"pos_init={pos_init!r} is not allowed with pos_embed={self.pos_embed_type!r} and "
+                                 f"pos_init_std={pos_init_std!r}: it starts a learned table, in place of a random one")
+            grid = sincos_2d(*self.patch_embed.grid_size, self.embed_dim)  # (num_patches, D), as the fixed table
+            with torch.no_grad():
+                self.pos_embed.zero_()  # the prefix tokens' rows at 0, as the fixed table has them
+                self.pos_embed[0, -grid.shape[0]:] = grid
         check_float("pos_scale", pos_scale, 0.0, 100.0, low_open=True)
         if pos_init_std is not None:
             check_float("pos_init_std", pos_init_std, 0.0, 100.0, low_open=True)
