@@ -36,6 +36,9 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
     (["--trainer.fast_dev_runn", "1"], "error: unknown option --trainer.fast_dev_runn; did you mean "
                                        "--trainer.fast_dev_run?"),
     (["--model.banana", "1"], "error: unknown option --model.banana. `train.py fit --help` lists the options."),
+    # a prefix is not taken for the option it starts (argparse's abbreviations): named, not run
+    (["--trainer.max_ep", "3"], "error: unknown option --trainer.max_ep; did you mean --trainer.max_epochs?"),
+    (["--model.weight_d", "0.1"], "error: unknown option --model.weight_d; did you mean --model.weight_decay?"),
 ])
 def test_an_unknown_option_is_one_line_naming_the_closest_option(typed, expected, monkeypatch, capsys):
     code, stderr = cli(["fit", "--config", str(BASE_CONFIG), *typed], monkeypatch, capsys)

@@ -34,8 +34,9 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     name = Path(sys.argv[0]).name
     prog = name if name.startswith("vit-") else f"python -m {module}"
     description, example = doc.split("\n\n")[:2]
+    # allow_abbrev=False: a prefix (`--ckpt`) is an unknown option, never another option taken silently
     return argparse.ArgumentParser(prog=prog, description=description, epilog=f"example:\n{example}",
-                                   formatter_class=HelpFormatter)
+                                   formatter_class=HelpFormatter, allow_abbrev=False)
 
 
 def run(args: argparse.Namespace, prepare: Callable[[argparse.Namespace], T],

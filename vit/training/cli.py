@@ -54,7 +54,9 @@ def unknown_options_message(unknown: list[str], options: list[str], prog: str) -
     """`unknown option --model.layer_decy; did you mean --model.layer_decay?`, a sentence per unknown option."""
     sentences = []
     for option in unknown:  # a high cutoff: the options of one group share their prefix (`--model.`)
-        close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
+        # A prefix of one option (abbreviations are refused) names it; else the closest spelling.
+        extended = sorted(o for o in options if o.startswith(option))
+        close = extended[:1] if len(extended) == 1 else difflib.get_close_matches(option, options, n=1, cutoff=0.8)
         sentences.append(f"unknown option {option}" + (f"; did you mean {close[0]}?" if close else "."))
     if len(sentences) > 1 or not sentences[0].endswith("?"):
         sentences.append(f"`{prog.replace(' [options]', '')} --help` lists the options.")
@@ -67,6 +69,9 @@ class ViTCLI(LightningCLI):
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
         self.parser_class = ViTArgumentParser  # the root parser's and each subcommand's
+        # No prefixes of options: argparse would take `--trainer.max_ep 3` as `--trainer.max_epochs 3` without a word,
+        # and a prefix that names another option after an upgrade would change a run silently.
+        kwargs.setdefault("allow_abbrev", False)
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
