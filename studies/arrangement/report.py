@@ -100,20 +100,27 @@ def held_out_table(rows: list[dict], results: Path) -> list[str]:
 def span_ood_table(rows: list[dict], results: Path) -> list[str]:
     """Per model: the validation accuracy on the trained spans (<= 20) against the test on unseen spans (21-32)."""
     lines = ["## span_ood: trained on spans <= 20 px, tested on spans 21-32", "",
+             "Each span bin: the median [min-max] of the runs' accuracies on its images, then (after the slash) all "
+             "runs' images of the bin pooled.", "",
              "| model | n | val (spans <= 20) | test (21-32) | test 21-24 | test 25-28 | test 29-32 | "
              "runs (val / test) |",
              "|---|---|---|---|---|---|---|---|"]
     for model, runs in _by_model(rows, "span_ood").items():
         bins = {b: [] for b in ((21, 24), (25, 28), (29, 32))}
+        pooled = {b: [0, 0] for b in bins}  # (right, images) over every run
         for r in runs:
             z = np.load(results / "predictions" / f"{r['key']}.npz")
             correct, span = z["test_pred"] == z["test_label"], z["test_distance"]
             for lo, hi in bins:
-                bins[(lo, hi)].append(float(correct[(span >= lo) & (span <= hi)].mean()))
+                inside = (span >= lo) & (span <= hi)
+                bins[(lo, hi)].append(float(correct[inside].mean()))
+                pooled[(lo, hi)][0] += int(correct[inside].sum())
+                pooled[(lo, hi)][1] += int(inside.sum())
         each = " ".join(f"{100 * float(r['val_acc']):.1f}/{100 * float(r['test_acc']):.1f}" for r in runs)
         lines.append(f"| {model} | {len(runs)} | {_spread([float(r['val_acc']) for r in runs])} | "
                      f"{_spread([float(r['test_acc']) for r in runs])} | " +
-                     " | ".join(_spread(v) for v in bins.values()) + f" | {each} |")
+                     " | ".join(f"{_spread(v)} / {100 * pooled[b][0] / pooled[b][1]:.1f}" for b, v in bins.items())
+                     + f" | {each} |")
     return lines + [""]
 
 
