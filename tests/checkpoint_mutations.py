@@ -8,7 +8,7 @@
   to each tensor of `state_dict`), and at it a new value (another type, a huge or negative number, NaN,
   a class path, a `..` path, a URL, a tensor of another shape, dtype or layout, a list nested 5,000
   deep), the key deleted, or a key added beside it.
-- `open_with_load` and `open_with_cli` run one door on a written variant and sort what happened into
+- `open_with_reader`, `open_with_load` and `open_with_cli` run one door on a written variant and sort what happened into
   accepted, refused (one `CheckpointError` line; exit 2 with one `error:` line) or failed (any other
   exception, a traceback, another exit code, a marker file, a victim touched).
 """
@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from robust_helpers import error_line, main_in_process, run_dirs, tiny_config
 
 import vit
-from vit.training.checkpoint import CheckpointError
+from vit.checks import CheckpointError
 
 TRAINED_EPOCHS = 1  # the reference run; `fit` doors resume it for one epoch more
 LOAD_SECONDS = 60  # `vit.load` of a tiny checkpoint takes ~20 ms: a minute means it hangs
@@ -115,9 +115,7 @@ class Site:
         config that trains one epoch more than the checkpoint holds."""
         if self.run.exists():
             shutil.rmtree(self.run)
-        self.checkpoint.parent.mkdir(parents=True)
-        for path in trained.checkpoint_files:
-            shutil.copyfile(path, self.checkpoint.parent / path.name)
+        shutil.copytree(trained.run_dir, self.run_dir)  # its config.yaml, checkpoints and model folders
         tiny_config(self.run, max_epochs=TRAINED_EPOCHS + 1)
 
     def write(self, checkpoint: dict) -> Path:
@@ -478,6 +476,33 @@ def open_with_load(site: Site) -> Outcome:
                 inputs = predictor.inputs
                 probabilities = predictor.probabilities(torch.zeros(1, inputs["in_chans"], *inputs["img_size"]))
             outcome = Outcome("accepted", f"probabilities of shape {tuple(probabilities.shape)}")
+        except CheckpointError as err:
+            outcome = Outcome("refused", str(err))
+        except Exception as err:  # noqa: BLE001  (the property: no other exception, whatever the file holds)
+            outcome = Outcome("failed", f"{type(err).__name__}: {_shown(str(err), 300)} | {_traceback_tail()}")
+    return outcome.with_harm(site.harm())
+
+
+def open_with_reader(site: Site, trained: Trained) -> Outcome:
+    """The reader behind Lightning (`AtomicCheckpointIO.load_checkpoint`) bound to the site's run, as `train.py`
+    binds it (the run's `ModelCheckpoint`s: the trained checkpoint's, whatever the variant holds): accepted (with
+    every `ModelCheckpoint` path a file of the run's checkpoint folder, or forgotten),
+    refused with a `CheckpointError`, or failed (another exception, a path out of the run; harm outside the run)."""
+    from vit.artifact.io import PATHS, AtomicCheckpointIO
+
+    reader = AtomicCheckpointIO()
+    folder = site.checkpoint.parent.resolve()
+    keys = [key for key in trained.checkpoint["callbacks"] if key.startswith("ModelCheckpoint")]
+    reader.folders = lambda: dict.fromkeys(keys, folder)
+    with contextlib.chdir(site.run):
+        try:
+            with deadline(LOAD_SECONDS):
+                loaded = reader.load_checkpoint(site.checkpoint)
+            escaping = [path for key, state in (loaded.get("callbacks") or {}).items()
+                        if str(key).startswith("ModelCheckpoint")
+                        for path in [*(state.get(p) for p in PATHS), *state.get("best_k_models", {})]
+                        if path and folder not in Path(path).resolve().parents]
+            outcome = Outcome("failed", f"handed Lightning {escaping}") if escaping else Outcome("accepted")
         except CheckpointError as err:
             outcome = Outcome("refused", str(err))
         except Exception as err:  # noqa: BLE001  (the property: no other exception, whatever the file holds)

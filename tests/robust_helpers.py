@@ -147,3 +147,18 @@ def error_line(stderr: str) -> str:
     assert "Traceback" not in stderr
     [line] = [line for line in stderr.splitlines() if line.startswith("error: ")]
     return line
+
+
+def save_with_folder(checkpoint: dict, path: Path) -> Path:
+    """`torch.save(checkpoint, path)` and its model folder beside it, as a run writes both (its training record made
+    again from the values given): what every inference door opens."""
+    import torch
+
+    import vit.artifact as artifact
+    from vit.training.classifier import training_record
+
+    checkpoint = {**checkpoint, "training_record": training_record(checkpoint)}
+    torch.save(checkpoint, path)
+    made = artifact.from_checkpoint(checkpoint)
+    artifact.write(artifact.folder_of(path), *made)
+    return path

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import vit
 from vit import artifact
 from vit.artifact import ArtifactError
+from vit.hub import HubError
 from vit.models import ConvNet, VisionTransformer
 
 NAMES = ["cat", "dog", "eel"]
@@ -118,8 +119,7 @@ def test_a_cnn_backbone_has_a_model_folder_that_this_project_opens(tmp_path):
 
 @pytest.mark.slow
 def test_every_checkpoint_a_run_keeps_has_its_model_folder_with_the_weights_the_commands_run(tmp_path, monkeypatch):
-    from vit.training.checkpoint import read
-    from vit.training.checkpoint.build import trained_backbone
+    from vit.artifact.config import inference_state
 
     config = tiny_config(tmp_path, max_epochs=3, in_chans=3)
     main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", "--model.ema_decay", "0.5"],
@@ -135,7 +135,8 @@ def test_every_checkpoint_a_run_keeps_has_its_model_folder_with_the_weights_the_
         weights = load_file(path.with_suffix("") / "model.safetensors")
         for key, tensor in weights.items():  # the EMA average, as every command runs it
             torch.testing.assert_close(tensor, state[f"ema.module.{key}"], rtol=0, atol=0)
-        from_checkpoint = trained_backbone(read(path, training=False))
+        from_checkpoint = vit.load(path).model
+        from_checkpoint.load_state_dict(inference_state(state))  # the weights a command runs, taken by hand
         with torch.no_grad():
             torch.testing.assert_close(vit.load(path).model(x), from_checkpoint(x), rtol=0, atol=0)
     by_timm, by_transformers, ours = three_doors(folder / "last", photos())
@@ -200,7 +201,7 @@ def set_in(path: str, value):
 
 HOSTILE_CONFIGS = [
     (set_in("vit.backbone.class_path", "subprocess.Popen"),
-     "vit.backbone.class_path='subprocess.Popen' is not allowed: a checkpoint may name only the backbones"),
+     "vit.backbone.class_path='subprocess.Popen' is not allowed: a saved model may name only the backbones"),
     (set_in("vit.backbone.init_args.depth", 10**9),
      "vit.backbone.init_args.depth=1000000000 is not allowed: expected at most 1024"),
     (set_in("vit.backbone.init_args.args", ["touch", "x"]), "VisionTransformer has no argument 'args'; refused"),
@@ -237,7 +238,7 @@ def test_config_files_that_are_not_plain_json_are_refused(tmp_path):
     with pytest.raises(ArtifactError, match=r"config.json (is not valid JSON|holds a list)"):
         vit.load(folder)
     with open(config, "wb") as f:
-        f.truncate(artifact.MAX_CONFIG_BYTES + 1)
+        f.truncate(artifact.config.MAX_CONFIG_BYTES + 1)
     with pytest.raises(ArtifactError, match=r"config.json is larger than 16 MiB"):
         vit.load(folder)
     config.unlink()
@@ -275,7 +276,7 @@ def test_hostile_weights_are_refused_before_memory_is_spent(tmp_path):
 
 
 def test_a_run_removes_only_model_folders_it_wrote(tmp_path):
-    from vit.training.checkpoint.io import AtomicCheckpointIO
+    from vit.artifact.io import AtomicCheckpointIO
 
     foreign = tmp_path / "epoch1"
     foreign.mkdir()
@@ -350,19 +351,28 @@ def test_a_checkpoint_without_a_model_folder_gets_one_from_the_command(tmp_path,
 
 @pytest.mark.slow
 def test_a_model_with_100_register_tokens_trains_saves_and_opens_through_every_door(tmp_path, monkeypatch):
+    from vit.artifact.__main__ import main as write_folder
+
     config = tiny_config(tmp_path, max_epochs=1)
     main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
                      "--model.backbone.init_args.reg_tokens", "100"], monkeypatch)
     [run_dir] = run_dirs(tmp_path)
     last = run_dir / "checkpoints" / "last.ckpt"
-    alone = tmp_path / "alone.ckpt"  # without its folder: read by the checkpoint reader, the constructor's bounds
+    alone = tmp_path / "alone.ckpt"  # without its folder: written by the command, under the constructor's bounds
     alone.write_bytes(last.read_bytes())
+    assert write_folder(["--ckpt_path", str(alone)]) == 0
     x = torch.rand(2, 1, 32, 32)
     with torch.no_grad():
-        by_folder, by_checkpoint = vit.load(last).model(x), vit.load(alone).model(x)
-    torch.testing.assert_close(by_folder, by_checkpoint, rtol=0, atol=0)
+        by_folder, by_command = vit.load(last).model(x), vit.load(alone).model(x)
+    torch.testing.assert_close(by_folder, by_command, rtol=0, atol=0)
     assert vit.load(last).model.num_reg_tokens == 100
     main_in_process(["validate", "--config", str(config), "--ckpt_path", str(alone)], monkeypatch)
+    before = torch.load(last, weights_only=True)["global_step"]
+    resumed = tiny_config(tmp_path, max_epochs=2)
+    main_in_process(["fit", "--config", str(resumed), "--test_after_fit", "false", "--ckpt_path", "last",
+                     "--model.backbone.init_args.reg_tokens", "100"], monkeypatch)
+    assert torch.load(last, weights_only=True)["global_step"] == 2 * before  # one epoch more
+    assert vit.load(last).model.num_reg_tokens == 100
 
 
 def hub_cache(cache: Path, repo: str) -> Path:
@@ -403,6 +413,6 @@ def test_a_timm_model_name_opens_from_timms_cache_offline_as_timm_runs_it(tmp_pa
     ours = predictor.probabilities(images)
     assert (theirs.argmax(-1) == ours.argmax(-1)).all()
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
-    with pytest.raises(ArtifactError, match=r"hf-hub:timm/vit_small_patch16_224\.augreg_in21k_ft_in1k is not in the "
+    with pytest.raises(HubError, match=r"hf-hub:timm/vit_small_patch16_224\.augreg_in21k_ft_in1k is not in the "
                                             r"local Hugging Face cache"):
         vit.load("vit_small_patch16_224")

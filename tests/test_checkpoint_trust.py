@@ -1,12 +1,9 @@
-"""Opening a checkpoint runs no code, reaches no network, and needs none of the files it was trained from.
+"""Opening a trained model runs no code, reaches no network, and needs none of the files it was trained from.
 
-Hostile checkpoints (a class path nested under an argument, a backbone or data class outside the
-project, an `_instantiator`) are given to every command that opens one: each answers one `error:`
-line with exit status 2 and builds nothing, so the marker file their payload would create never
-appears. A checkpoint whose `pretrained` names a hub repository opens without a request to the
-hub (a local server stands in for it and counts requests). A fine-tuned image-folder checkpoint
-copied alone to another folder, with its pretrained file and training folder renamed and the
-network off, gives the same predictions, explanation and export as before.
+(Hostile model folders and trainer states: `tests/test_checkpoint_owner.py`.) A model folder whose record names a
+hub repository as its `pretrained` opens without a request to the hub (a local server stands in for it and counts
+requests). A fine-tuned image-folder model copied alone to another folder, with its pretrained file and training
+folder renamed and the network off, gives the same predictions, explanation and export as before.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from __future__ import annotations
 import csv
 import http.server
 import json
+import shutil
 import socket
 import threading
 from pathlib import Path
@@ -23,8 +21,8 @@ import numpy as np
 import pytest
 import timm
 import torch
-from checkpoint_doors import NAMED, SHAPES, hostile, train_tiny
 from checkpoint_doors import doors as commands
+from checkpoint_doors import popen, train_tiny
 from notebook_helpers import execute
 from PIL import Image
 from robust_helpers import main_in_process
@@ -33,8 +31,6 @@ from safetensors.torch import load_file, save_file
 from vit.explain.__main__ import main as explain_main
 from vit.export import main as export_main
 from vit.predict import main as predict_main
-from vit.training.checkpoint import CheckpointError
-from vit.training.checkpoint.schema import validate
 
 pytestmark = pytest.mark.slow  # every test opens a checkpoint that train.py wrote in this module
 
@@ -47,36 +43,6 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     return train_tiny(tmp_path_factory.mktemp("trained"))
 
 
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_a_hostile_checkpoint_builds_nothing_in_any_command(shape, trained, tmp_path, monkeypatch, capsys):
-    ckpt, config = trained
-    marker = tmp_path / "MARKER"
-    bad = tmp_path / "bad.ckpt"
-    torch.save(hostile(torch.load(ckpt, weights_only=True), shape, marker), bad)
-    for name, command in commands(bad, config, tmp_path).items():
-        assert command(monkeypatch) == 2, name
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("error: ") and NAMED[shape] in err[-1], (name, err)
-        assert not marker.exists(), name
-    assert not (tmp_path / "p.csv").exists() and not (tmp_path / "exported").exists()
-
-
-def test_only_lightnings_own_instantiator_and_the_projects_classes_pass(trained):
-    checkpoint = torch.load(trained[0], weights_only=True)
-    validate(checkpoint, "x.ckpt")  # what train.py writes passes, LightningCLI's instantiator included
-    assert checkpoint["hyper_parameters"]["_instantiator"] == "lightning.pytorch.cli.instantiate_module"
-    checkpoint["hyper_parameters"]["backbone"]["class_path"] = "vit.models.vision_transformer.VisionTransformer"
-    validate(checkpoint, "x.ckpt")  # the module's path names the same class as the package's
-    checkpoint["hyper_parameters"]["backbone"]["class_path"] = "vit.models.ConvNet"  # allowed, but not these weights
-    with pytest.raises(CheckpointError, match=r"^checkpoint x.ckpt: hyper_parameters.backbone.init_args.patch_size: "
-                                              r"ConvNet has no argument 'patch_size'; refused"):
-        validate(checkpoint, "x.ckpt")
-    checkpoint["hyper_parameters"]["backbone"]["class_path"] = "vit.models.VisionTransformer"
-    checkpoint["hyper_parameters"]["lr"] = torch.nn.Linear  # not plain data
-    with pytest.raises(CheckpointError, match=r"^checkpoint x.ckpt: hyper_parameters.lr holds a type, not plain data"):
-        validate(checkpoint, "x.ckpt")
 
 
 class CountingHub(http.server.BaseHTTPRequestHandler):
@@ -115,10 +81,11 @@ def hub(monkeypatch, tmp_path):
 
 def test_a_pretrained_hub_id_in_a_checkpoint_is_never_requested(trained, tmp_path, monkeypatch, capsys, hub):
     ckpt, config = trained
-    checkpoint = torch.load(ckpt, weights_only=True)
-    checkpoint["hyper_parameters"]["pretrained"] = "hf-hub:someone/anything"
-    moved = tmp_path / "hub.ckpt"
-    torch.save(checkpoint, moved)
+    moved = tmp_path / "hub"
+    shutil.copytree(ckpt.with_suffix(""), moved)
+    recorded = json.loads((moved / "config.json").read_text())
+    recorded["vit"]["training"]["pretrained"] = "hf-hub:someone/anything"  # where a run records what it started from
+    (moved / "config.json").write_text(json.dumps(recorded))
     # The stand-in hub is reached by a pretrained load, so that silence below means no request was made.
     from vit.models.pretrained import create_vit
     with pytest.raises(ValueError):
@@ -187,8 +154,8 @@ def test_a_checkpoint_moved_alone_works_offline_without_its_training_files(tmp_p
 
     elsewhere = tmp_path / "machine b"
     elsewhere.mkdir()
-    moved = elsewhere / "model.ckpt"
-    moved.write_bytes(last.read_bytes())
+    moved = elsewhere / "model"  # the run's model folder, alone
+    shutil.copytree(last.with_suffix(""), moved)
     weights.rename(weights.with_name("gone.safetensors"))
     # train.py validates with the run's own config, which names the pretrained file: its weights are not loaded.
     run_config = last.parents[1] / "config.yaml"
@@ -219,10 +186,14 @@ def test_a_hostile_checkpoint_given_to_a_notebook_builds_nothing(trained, tmp_pa
     from nbclient.exceptions import CellExecutionError
 
     marker = tmp_path / "MARKER"
-    bad = tmp_path / "bad.ckpt"
-    torch.save(hostile(torch.load(trained[0], weights_only=True), "nested class path", marker), bad)
+    bad = tmp_path / "bad"
+    shutil.copytree(trained[0].with_suffix(""), bad)
+    recorded = json.loads((bad / "config.json").read_text())
+    recorded["vit"]["backbone"] = {"class_path": "timm.layers.Mlp",
+                                   "init_args": {"in_features": 4, "device": popen(marker)}}
+    (bad / "config.json").write_text(json.dumps(recorded))
     monkeypatch.setenv("VIT_NB_CHECKPOINT", str(bad))
-    with pytest.raises(CellExecutionError, match=r"hyper_parameters\.backbone\.class_path='timm\.layers\.Mlp'"):
+    with pytest.raises(CellExecutionError, match=r"vit\.backbone\.class_path='timm\.layers\.Mlp'"):
         execute("attention_rollout_two_circles.ipynb")
     assert not marker.exists()
 

@@ -10,8 +10,6 @@ from robust_helpers import main_in_process, tiny_config
 from torch.utils.data import DataLoader, TensorDataset
 
 from vit.models import VisionTransformer
-from vit.training.checkpoint import read
-from vit.training.checkpoint.build import build_backbone
 from vit.training.classifier import ImageClassifier
 
 CFG = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2}
@@ -95,7 +93,7 @@ def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_com
     averaged = {k.removeprefix("ema.module."): v for k, v in state.items() if k.startswith("ema.module.")}
     trained = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
     assert averaged.keys() == trained.keys()
-    by_hand, raw = build_backbone(read(path)), build_backbone(read(path))
+    by_hand, raw = vit.artifact.load(path).model, vit.artifact.load(path).model
     by_hand.load_state_dict(averaged)
     raw.load_state_dict(trained)
     opened = vit.artifact.load(path)

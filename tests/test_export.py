@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from robust_helpers import error_line, run_dirs, shared_run
+from robust_helpers import error_line, run_dirs, save_with_folder, shared_run
 from safetensors.torch import load_file
 
-from vit.export import ExportError, export, main, timm_args
+from vit.checks import CheckpointError
+from vit.export import export, main
 from vit.models import VisionTransformer
 from vit.models.pretrained import create_vit
+from vit.models.timm_compat import NotInTimm, timm_args
 from vit.training.classifier import ImageClassifier
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
@@ -29,7 +31,7 @@ def checkpoint(tmp_path_factory, monkeypatch) -> Path:
     named = tmp_path_factory.getbasetemp() / "named.ckpt"
     if not named.exists():
         content = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-        torch.save({**content, "class_names": ["one circle", "two circles"]}, named)
+        save_with_folder({**content, "class_names": ["one circle", "two circles"]}, named)
     return named
 
 
@@ -111,7 +113,7 @@ def test_every_option_timm_has_exports_with_equal_logits(tmp_path, kwargs):
     (dict(attn_score="additive"), "attn_score='additive' cannot be exported"),
 ])
 def test_what_timm_cannot_compute_is_refused_naming_the_option(kwargs, message):
-    with pytest.raises(ExportError, match=message):
+    with pytest.raises(NotInTimm, match=message):
         timm_args(VisionTransformer(**{**SMALL, **kwargs}))
 
 
@@ -133,7 +135,8 @@ def test_bad_outputs_and_checkpoints_are_refused_in_one_line_before_anything_is_
     assert error_line(capsys.readouterr().err) == (f"error: --out {tmp_path / 'file'} is a file; give a folder "
                                                    "(it is created)")
     assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "new")]) == 2
-    assert error_line(capsys.readouterr().err) == f"error: checkpoint {tmp_path / 'missing.ckpt'} does not exist"
+    missing = f"error: checkpoint {tmp_path / 'missing.ckpt'} does not exist: give "
+    assert error_line(capsys.readouterr().err).startswith(missing)
     assert not (tmp_path / "new").exists()
 
 
@@ -144,7 +147,9 @@ def test_a_checkpoint_without_class_names_is_not_exported(checkpoint, tmp_path, 
     del content["class_names"]
     torch.save(content, plain)
     assert main(["--ckpt_path", str(plain), "--out", str(tmp_path / "out")]) == 2
-    assert f"error: checkpoint {plain}: it has no 'class_names'" in capsys.readouterr().err
+    assert f"error: checkpoint {plain} has no model folder beside it" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="class_names=None is not allowed: expected a list of non-empty strings"):
+        save_with_folder(content, plain)  # nor can one be written
     assert not (tmp_path / "out").exists()
 
 
@@ -229,12 +234,11 @@ def test_the_architecture_names_a_timm_vit_of_the_same_size_or_none(tmp_path, kw
 def test_the_card_front_matter_says_what_the_hub_shows(tmp_path):
     import yaml
 
-    from vit.artifact import hub_base_model, hub_dataset
-    from vit.export import model_card
+    from vit.export import hub_base_model, hub_dataset, model_card
 
     args = timm_args(random_vit())
-    training = {"dataset": hub_dataset({"_class_path": "vit.data.cifar.CIFARDataModule", "dataset": "cifar10"}),
-                "base_model": hub_base_model("vit_tiny_patch16_224.augreg_in21k")}
+    training = {"data_module": "vit.data.cifar.CIFARDataModule", "dataset": "cifar10",
+                "pretrained": "vit_tiny_patch16_224.augreg_in21k"}  # what a run records (`training_record`)
     card = model_card(args, dict(input_size=(3, 32, 32), **DATA), list("abcde"), training, "apache-2.0")
     front = yaml.safe_load(card.split("---\n")[1])
     assert front == {"library_name": "timm", "license": "apache-2.0", "pipeline_tag": "image-classification",
@@ -242,7 +246,7 @@ def test_the_card_front_matter_says_what_the_hub_shows(tmp_path):
                      "metrics": ["accuracy"], "tags": ["image-classification", "timm", "vision-transformer"]}
     bare = yaml.safe_load(model_card(args, dict(input_size=(3, 32, 32), **DATA), list("abcde")).split("---\n")[1])
     assert set(bare) == {"library_name", "pipeline_tag", "metrics", "tags"}  # no license unless given, no base, no data
-    assert hub_dataset({"_class_path": "vit.data.image_folder.ImageFolderDataModule", "data_dir": "cifar10"}) is None
+    assert hub_dataset({"data_module": "vit.data.image_folder.ImageFolderDataModule", "dataset": "cifar10"}) is None
     # A name without a tag: the repo of timm's default tag, where `pretrained="vit_small_patch16_224"` downloads from.
     assert hub_base_model("vit_small_patch16_224") == timm.models.get_pretrained_cfg("vit_small_patch16_224").hf_hub_id
     assert hub_base_model("vit_small_patch16_224").startswith("timm/vit_small_patch16_224.")
@@ -258,8 +262,7 @@ def test_a_pretrained_setting_that_is_no_hub_id_exports_without_a_base_model(pre
 
     recorded = torch.load(checkpoint, weights_only=True)
     recorded["hyper_parameters"]["pretrained"] = pretrained  # 4,000 characters: longer than a file name may be
-    odd = tmp_path / "odd.ckpt"
-    torch.save(recorded, odd)
+    odd = save_with_folder(recorded, tmp_path / "odd.ckpt")
     assert main(["--ckpt_path", str(odd), "--out", str(tmp_path / "out")]) == 0
     front = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---\n")[1])
     assert "base_model" not in front and set(front) == {"library_name", "pipeline_tag", "metrics", "tags"}

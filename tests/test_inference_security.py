@@ -23,8 +23,8 @@ from PIL import Image
 
 import vit
 from vit.api import INPUT_BYTES, MAX_BATCH_SIZE, NonFiniteError, Predictor, fitting_batch_size
+from vit.checks import CheckpointError
 from vit.models import VisionTransformer
-from vit.training.checkpoint import CheckpointError
 
 INPUTS = {"img_size": [16, 16], "in_chans": 1, "mean": None, "std": None, "interpolation": "bilinear"}
 NAMES = ["circle", "square"]
@@ -213,7 +213,7 @@ def test_vit_predict_writes_no_csv_when_the_model_overflows_and_skips_a_nan_imag
 
 def test_vit_explain_draws_nothing_when_the_model_overflows(images, tmp_path, capsys):
     from vit.explain.__main__ import explain
-    from vit.training.checkpoint.build import inference_transform
+    from vit.registry import inference_transform
 
     transforms = inference_transform(INPUTS), inference_transform({**INPUTS, "in_chans": 3})
     args = argparse.Namespace(input_dir=images, image=None, num_images=2, out=tmp_path / "maps.png", scale="row",
@@ -285,8 +285,9 @@ def test_a_huge_num_workers_is_capped_at_the_cores(images, tmp_path, capsys):
     "hf-hub:örg/name",
 ])
 def test_the_card_has_no_base_model_that_is_not_a_hub_id(pretrained):
-    from vit.artifact import hub_base_model, timm_args, training_record
-    from vit.export import model_card
+    from vit.export import hub_base_model, model_card
+    from vit.models.timm_compat import timm_args
+    from vit.training.classifier import training_record
 
     assert hub_base_model(pretrained) is None
     record = training_record({"hyper_parameters": {"pretrained": pretrained}})
@@ -299,7 +300,7 @@ def test_the_card_has_no_base_model_that_is_not_a_hub_id(pretrained):
 
 
 def test_a_base_model_that_is_a_hub_id_is_kept_on_one_line():
-    from vit.artifact import hub_base_model
+    from vit.export import hub_base_model
 
     assert hub_base_model("hf-hub:org/my-vit.v2@main") == "org/my-vit.v2"
     assert hub_base_model("hf-hub:org/" + "n" * 96) == "org/" + "n" * 96

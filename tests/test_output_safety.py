@@ -17,7 +17,6 @@ from PIL import Image
 from safetensors import SafetensorError
 
 from vit.api import Predictor
-from vit.artifact import timm_args, training_record
 from vit.commands import check_output, print_skipped, write_failed
 from vit.data import ImageFolderDataModule
 from vit.data.files import first_skipped
@@ -25,8 +24,10 @@ from vit.explain.__main__ import check_paths as explain_check_paths
 from vit.export import check_out, model_card, write
 from vit.export import main as export_main
 from vit.models import VisionTransformer
+from vit.models.timm_compat import timm_args
 from vit.predict import check_paths as predict_check_paths
 from vit.predict import predict
+from vit.training.classifier import training_record
 
 DATA = {"input_size": (3, 32, 32), "mean": (0.5, 0.4, 0.3), "std": (0.2, 0.2, 0.2), "interpolation": "bilinear",
         "crop_pct": 1.0, "crop_mode": "squash"}

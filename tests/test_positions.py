@@ -14,6 +14,7 @@ import torch
 
 import vit
 import vit.artifact as artifact
+import vit.models.timm_compat as timm_compat
 from vit.explain.relevance import relevance, usable_methods
 from vit.models import VisionTransformer, record_attention
 from vit.models.rope import RotaryEmbedding, axial_angles, grid_coords, mixed_freqs, rotate
@@ -183,15 +184,15 @@ def test_what_these_positions_cannot_do_is_refused_in_one_line():
         VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative",
                           reg_tokens=2)
     relative = VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative")
-    with pytest.raises(artifact.ArtifactError, match=r"pos_embed='relative' without init_values cannot be exported"):
-        artifact.timm_args(relative)
+    with pytest.raises(timm_compat.NotInTimm, match=r"pos_embed='relative' without init_values cannot be exported"):
+        timm_compat.timm_args(relative)
     with pytest.raises(ValueError, match=r"pos_embed='rope': the head width 6 \(embed_dim / num_heads\) must be a "
                                          r"multiple of 4"):
         VisionTransformer(img_size=16, patch_size=4, embed_dim=12, depth=1, num_heads=2, pos_embed="rope")
     model = VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="rope",
                               pool="map")
-    with pytest.raises(artifact.ArtifactError, match=r"pool='map' with rotary positions cannot be exported"):
-        artifact.timm_args(model)
+    with pytest.raises(timm_compat.NotInTimm, match=r"pool='map' with rotary positions cannot be exported"):
+        timm_compat.timm_args(model)
     attn = model.blocks[0].attn
     with pytest.raises(ValueError, match="rope is for self-attention"):
         attn(torch.randn(1, 17, 16), torch.randn(1, 3, 16), rope=model.rope.angles(0))
@@ -209,7 +210,7 @@ def test_timms_layer_scale_loads_as_ls1_gamma_with_equal_logits_and_exports_back
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), reference(x), rtol=0, atol=1e-5)
-        exported = timm.create_model(artifact.architecture(args := artifact.timm_args(ours)), pretrained=False,
+        exported = timm.create_model(timm_compat.architecture(args := timm_compat.timm_args(ours)), pretrained=False,
                                      **args).eval()
         exported.load_state_dict(ours.state_dict(), strict=True)
         torch.testing.assert_close(exported(x), reference(x), rtol=0, atol=1e-5)

@@ -18,10 +18,12 @@ import torch
 from PIL import Image
 from robust_helpers import run_dirs, shared_run
 
+from vit.artifact.__main__ import main as write_folder
+from vit.artifact.io import read_trainer_state as read
+from vit.checks import CheckpointError
 from vit.data import CIFARDataModule, TwoCirclesDataset
 from vit.data.images import build_transform, to_input
 from vit.predict import main
-from vit.training.checkpoint import CheckpointError, read
 from vit.training.classifier import ImageClassifier
 
 
@@ -159,10 +161,13 @@ def test_a_checkpoint_without_class_names_is_refused_in_one_line(checkpoint, ima
     torch.save(old, tmp_path / "old.ckpt")
     output = tmp_path / "p.csv"
     assert main(["--ckpt_path", str(tmp_path / "old.ckpt"), "--input_dir", str(images), "--output", str(output)]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: checkpoint {tmp_path / 'old.ckpt'}: it has no 'class_names': "
-                                               "it was not written by train.py of this version (a plain state dict "
-                                               "loads in Python with `model.load_state_dict(...)`)")
+    assert capsys.readouterr().err.strip() == (
+        f"error: checkpoint {tmp_path / 'old.ckpt'} has no model folder beside it (old/): it was written before model "
+        f"folders; write one with `python -m vit.artifact --ckpt_path {tmp_path / 'old.ckpt'}`")
     assert not output.exists()
+    # Its folder cannot be written either: there is nothing to name its classes by.
+    assert write_folder(["--ckpt_path", str(tmp_path / "old.ckpt")]) == 2
+    assert "class_names=None is not allowed: expected a list of non-empty strings" in capsys.readouterr().err
 
 
 # --- what it skips and what it refuses -------------------------------------------------------------
@@ -268,13 +273,14 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_by_predict(checkpoint, 
     broken = torch.load(checkpoint, weights_only=True)
     bias = broken["state_dict"]["backbone.head.bias"]
     broken["state_dict"]["backbone.head.bias"] = torch.full_like(bias, float("nan"))
-    path = tmp_path / "nan.ckpt"
-    torch.save(broken, path)
+    import vit.artifact
+
+    path = vit.artifact.write(tmp_path / "nan", *vit.artifact.from_checkpoint(broken))
     folder = tmp_path / "images"
     folder.mkdir()
     Image.fromarray(np.zeros((32, 32), np.uint8)).save(folder / "fine.png")
     assert predict(path, folder, tmp_path / "p.csv") == 2
-    assert "backbone.head.bias holds NaN or infinite values" in capsys.readouterr().err
+    assert "head.bias holds NaN or infinite values" in capsys.readouterr().err
     assert not (tmp_path / "p.csv").exists()
 
 
@@ -283,10 +289,10 @@ def test_checkpoints_of_other_layouts_are_refused_in_one_line(checkpoint, tmp_pa
     good = torch.load(checkpoint, weights_only=True)
     as_list = tmp_path / "list.ckpt"
     torch.save([1, 2], as_list)
-    with pytest.raises(CheckpointError, match="it holds a list, not the mapping a Lightning checkpoint is"):
+    with pytest.raises(CheckpointError, match="is not a Lightning checkpoint"):
         read(as_list)
-    string_hparams = tmp_path / "string.ckpt"
-    torch.save({**copy.copy(good), "hyper_parameters": "lr=0.1"}, string_hparams)
-    with pytest.raises(CheckpointError, match="hyper_parameters is a str, not a mapping"):
-        read(string_hparams)
+    no_weights = tmp_path / "string.ckpt"
+    torch.save({**copy.copy(good), "state_dict": "lr=0.1"}, no_weights)
+    with pytest.raises(CheckpointError, match="is not a Lightning checkpoint"):
+        read(no_weights)
 

@@ -27,10 +27,11 @@ from robust_helpers import (
 )
 from torch.utils.data import DataLoader
 
+from vit.artifact.io import AtomicCheckpointIO
 from vit.data import TwoCirclesDataModule
 from vit.data.resumable import ResumableSampler
-from vit.training.checkpoint.io import AtomicCheckpointIO, find_last_checkpoint
 from vit.training.preflight import resolve_resume
+from vit.training.run_dir import find_last_checkpoint
 
 
 @pytest.fixture

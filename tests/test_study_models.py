@@ -9,7 +9,8 @@ import torch
 from studies.runner.models import StudyViT
 from vit.models import VisionTransformer, record_attention
 from vit.models.pos_embed import sincos_1d, sincos_2d
-from vit.training.checkpoint.schema import BACKBONES, _signature, meta_backbone
+from vit.registry import BACKBONES, meta_backbone
+from vit.registry import signature as _signature
 
 CIFAR_CFG = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=2, num_heads=3)
 

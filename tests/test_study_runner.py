@@ -122,7 +122,7 @@ def test_an_experiments_data_options_reach_the_data_module_and_its_fingerprint()
     assert "train_max_span" not in plain.overrides["data"]["init_args"]
     assert held.overrides["data"]["init_args"]["held_out_shape"] == 3
     assert ood.fingerprint != plain.fingerprint
-    from vit.training.checkpoint.schema import data_module  # the plan's data module is one checkpoints can name
+    from vit.registry import data_module  # the plan's data module is one checkpoints can name
     data = data_module(ood.overrides["data"]["class_path"])(**ood.overrides["data"]["init_args"])
     data.setup("test")
     assert int(data.test_set.span.min()) == 21

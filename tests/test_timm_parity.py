@@ -137,13 +137,15 @@ def test_an_old_mean_pooled_checkpoint_is_refused_in_one_line_naming_fc_norm(tmp
     images = tmp_path_factory.mktemp("images")
     assert predict_main(["--ckpt_path", str(old), "--input_dir", str(images), "--output",
                          str(images.parent / "p.csv")]) == 2
-    line = error_line(capsys.readouterr().err)
-    expected = (f"error: checkpoint {old}: state_dict does not fit the backbone its hyper_parameters record "
-                "(VisionTransformer): 2 tensor(s) missing, 2 unexpected; first: 'backbone.fc_norm.bias' missing, "
-                "'backbone.norm.bias' not in the model")
-    assert line == expected
+    assert "has no model folder beside it" in error_line(capsys.readouterr().err)
     assert not (images.parent / "p.csv").exists()
     config = tiny_config(tmp_path_factory.mktemp("cfg"))
     code, stderr = cli(["test", "--config", str(config), "--ckpt_path", str(old)], monkeypatch, capsys)
-    assert code == 2
-    assert error_line(stderr) == expected  # read before anything is built: the same line from every door
+    assert code == 2 and "has no model folder beside it" in error_line(stderr)
+    # The command that writes an old checkpoint's folder names why it cannot: the weights are not the backbone's.
+    from vit.artifact.__main__ import main as write_folder
+
+    assert write_folder(["--ckpt_path", str(old)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: checkpoint {old}: its state_dict does not fit its backbone VisionTransformer: "
+                           'Missing key(s) in state_dict: "fc_norm.weight", "fc_norm.bias"'), line

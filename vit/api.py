@@ -25,11 +25,10 @@ import torch
 from PIL import Image, ImageOps
 from torch import Tensor, nn
 
-from vit.checks import check_choice, check_int, check_topk, class_index
+from vit.checks import CheckpointError, check_choice, check_int, check_topk, class_index
 from vit.data.images import NON_FINITE, decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
-from vit.training.checkpoint import CheckpointError
-from vit.training.checkpoint.build import inference_transform
+from vit.registry import inference_transform
 
 ImageLike = str | os.PathLike | Image.Image
 Images = ImageLike | Iterable[ImageLike] | Tensor

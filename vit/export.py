@@ -19,14 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.artifact import (
-    GENERIC_ARCHITECTURE,
-    architecture,
-    timm_args,
-)
 from vit.artifact import ArtifactError as ExportError  # what cannot be exported, as what cannot be opened: one line
 from vit.checks import file_kind
 from vit.commands import check_output, parser, run, write_failed
+from vit.hub import hub_base_model, hub_dataset
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     from torch import nn
@@ -43,6 +39,8 @@ FILES = ("model.safetensors", "config.json", "README.md")  # what `export` write
 def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
     """A timm `VisionTransformer` with `model`'s weights (loaded strictly), in eval mode, `data_config` in its cfg."""
     import timm
+
+    from vit.models.timm_compat import architecture, timm_args
 
     args = timm_args(model)
     exported = timm.create_model(architecture(args), pretrained=False, **args)
@@ -62,6 +60,8 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     import torch
     import yaml
 
+    from vit.models.timm_compat import GENERIC_ARCHITECTURE, architecture
+
     name, (channels, height, width) = architecture(args), data_config["input_size"]
     with torch.device("meta"):  # the exported model's parameter count, without memory
         params = sum(p.numel() for p in timm.create_model(name, pretrained=False, **args).parameters())
@@ -69,8 +69,8 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
              + (f", ... ({len(names)} in all)" if len(names) > 20 else ""))
     training = training or {}
     front_matter = {"library_name": "timm", "license": license, "pipeline_tag": "image-classification",
-                    "base_model": training.get("base_model"),
-                    "datasets": [training["dataset"]] if "dataset" in training else None,
+                    "base_model": hub_base_model(training.get("pretrained")),
+                    "datasets": [hub_dataset(training)] if hub_dataset(training) else None,
                     "metrics": ["accuracy"], "tags": ["image-classification", "timm", "vision-transformer"]}
     front_matter = {key: value for key, value in front_matter.items() if value is not None}
     if name == GENERIC_ARCHITECTURE:
@@ -136,10 +136,15 @@ def markdown_text(value: object) -> str:
 def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[str], dict]:
     """`(backbone, data_config in timm's keys, class names, training_record)` of a model folder or checkpoint."""
     import vit.artifact as artifact
+    from vit.models.timm_compat import NotInTimm, timm_args
+    from vit.models.timm_compat import data_config as timm_data_config
 
     model = artifact.load(ckpt_path)
-    timm_args(model.model)  # refuse what timm cannot compute before anything else is done
-    config = artifact.data_config(model.inputs)
+    try:
+        timm_args(model.model)  # refuse what timm cannot compute before anything else is done
+    except NotInTimm as err:
+        raise ExportError(str(err)) from None
+    config = timm_data_config(model.inputs)
     data_config = {**config, "input_size": tuple(config["input_size"]), "mean": tuple(config["mean"]),
                    "std": tuple(config["std"])}
     return model.model, data_config, list(model.class_names), dict(model.training)
@@ -149,6 +154,8 @@ def export(backbone: VisionTransformer, out: Path, data_config: dict, names: lis
            training: dict | None = None, license: str | None = None) -> None:
     """Write `FILES` into `out` (created), through a temporary folder beside it."""
     from timm.models import save_for_hf
+
+    from vit.models.timm_compat import timm_args
 
     exported, args = to_timm(backbone, data_config), timm_args(backbone)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 import yaml
+from vit.checks import CheckpointError
+from vit.registry import allow_backbone, check_data
 
 import vit.artifact as artifact
 from studies.runner import arrangement
@@ -53,8 +55,6 @@ from vit.data import SameDifferentDataModule
 from vit.data.same_different import make_shapes, render
 from vit.models import VisionTransformer
 from vit.models.masks import mask_attention
-from vit.training.checkpoint import CheckpointError
-from vit.training.checkpoint.schema import allow_backbone, check_data
 
 allow_backbone(StudyViT)  # the studies' ViT checkpoints (local attention, a sized learned table) open here
 

@@ -4,7 +4,7 @@
 a fixed position table (`pos_scale`, the recipe screen's sin/cos candidate) and the initial size of a
 learned one (`pos_init_std`, the arrangement study's learned-table cells). Configs name it as
 `class_path: studies.runner.models.StudyViT`; importing this module lets checkpoints name it too
-(`vit.training.checkpoint.schema.allow_backbone`), so `vit.load`, attention blocking and `train.py`
+(`vit.registry.allow_backbone`), so `vit.load`, attention blocking and `train.py`
 open a study's checkpoints once the study's code is imported.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from vit.registry import allow_backbone
 
 from vit.checks import check_float, check_int
 from vit.models import VisionTransformer
 from vit.models.masks import local_mask
 from vit.models.pos_embed import sincos_2d
-from vit.training.checkpoint.schema import allow_backbone
 
 
 class StudyViT(VisionTransformer):

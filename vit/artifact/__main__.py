@@ -3,24 +3,24 @@ writes it now (`last.ckpt` -> `last/`), or into --out.
 
     python -m vit.artifact --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt
 
-The checkpoint is read as every door reads one (validated whole, no code from it runs); only a backbone recorded by
-its registry name (as `train.py` records it) has a folder: one built in Python records nothing to build it from."""
+The checkpoint is loaded as data only (`weights_only=True`), its model rebuilt from this project's registered
+classes with checked arguments, and the folder read back as every door reads it before it is kept."""
 
 from __future__ import annotations
 
 import argparse
-import os
+import shutil
 import sys
 from pathlib import Path
 
+from vit.checks import CheckpointError
 from vit.commands import parser, run, write_failed
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parser("vit.artifact", __doc__)
-    options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
-    options.add_argument("--out", type=Path, default=None, help="the model folder to write (default: beside the "
-                         "checkpoint, its name without .ckpt)")
+    options.add_argument("--ckpt_path", type=Path, required=True, help="checkpoint written by train.py")
+    options.add_argument("--out", type=Path, default=None, help="the folder to write (default: beside the checkpoint)")
     options.add_argument("--overwrite", action="store_true", help="replace a model folder this project wrote")
     return run(options.parse_args(argv), prepare, write)
 
@@ -29,20 +29,24 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, dict]:
     """The checkpoint read and its folder's contents made; `ValueError` for an --out that exists (without
     --overwrite, or not a model folder) or a checkpoint whose backbone is not recorded by name."""
     import vit.artifact as artifact
-    from vit.training.checkpoint import read
+    from vit.artifact.io import read_trainer_state
 
-    if args.out is None and "://" in str(args.ckpt_path):
-        raise ValueError("--ckpt_path is a URL: give --out, the folder to write the model into")
-    out = args.out or artifact.folder_of(Path(os.path.expanduser(args.ckpt_path)).resolve())
-    if os.path.lexists(out) and not (args.overwrite and artifact.is_artifact(out)):
-        why = ("pass --overwrite to replace it" if artifact.is_artifact(out) else
-               "it is not a model folder this project wrote, so it is left alone")
+    out = args.out or artifact.folder_of(args.ckpt_path.expanduser().resolve())
+    if out.exists() and not (args.overwrite and artifact.is_artifact(out)):
+        why = (
+            "pass --overwrite to replace it"
+            if artifact.is_artifact(out)
+            else "it is not a model folder this project wrote, so it is left alone"
+        )
         raise ValueError(f"--out {out} exists; {why}")
-    checkpoint = read(args.ckpt_path, training=False)
-    made = artifact.from_checkpoint(checkpoint.raw)
+    try:
+        made = artifact.from_checkpoint(read_trainer_state(args.ckpt_path.expanduser()))
+    except artifact.ArtifactError:
+        raise
+    except CheckpointError as err:  # what the record holds that no door would open: named with the file
+        raise CheckpointError(f"checkpoint {args.ckpt_path}: {err}") from None
     if made is None:
-        raise ValueError(f"checkpoint {checkpoint.source} records no backbone by name (it was built in Python): "
-                         "there is nothing to build its model folder from")
+        raise ValueError(f"checkpoint {args.ckpt_path} records no backbone by name (it was built in Python)")
     return out, *made
 
 
@@ -54,8 +58,12 @@ def write(args: argparse.Namespace, prepared: tuple[Path, dict, dict]) -> int:
         artifact.write(out, config, tensors)
     except OSError as err:
         return write_failed("--out", out, err)
-    print(f"wrote {out / artifact.WEIGHTS} and {artifact.CONFIG} ({len(config['label_names'])} classes); open it "
-          f"with vit.load('{out}') or timm.create_model('local-dir:{out}', pretrained=True)")
+    try:
+        artifact.read(out)
+    except artifact.ArtifactError:
+        shutil.rmtree(out)
+        raise
+    print(f"wrote {out / artifact.WEIGHTS} and {artifact.CONFIG}; open it with vit.load('{out}') or timm (local-dir:)")
     return 0
 
 

@@ -1,21 +1,21 @@
-"""Where a model folder is (beside its checkpoint, or fetched for a Hub id), and writing, reading the config of and
-removing one: whole, regular files only, nothing deleted that this project did not write."""
+"""Where a model folder is (`locate`), and writing (`write`: whole) and removing one (only one this project wrote)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import re
 import secrets
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vit.artifact.config import CONFIG, MAX_CONFIG_BYTES, WEIGHTS, ArtifactError
+from vit.hub import hub_folder, timm_repo
 
 if TYPE_CHECKING:
     import torch
+
 
 def folder_of(checkpoint: str | os.PathLike) -> Path:
     """The model folder beside a checkpoint file: its name without `.ckpt` (`last.ckpt` -> `last`)."""
@@ -77,88 +77,36 @@ def remove(folder: str | os.PathLike) -> None:
         shutil.rmtree(folder)
 
 
-def read_config(folder: Path) -> dict:
-    """config.json of `folder` as a dict: a regular file of at most `MAX_CONFIG_BYTES`, strict JSON (no NaN)."""
-    from vit.models.weights import open_regular_file
-
-    if not folder.is_dir():
-        what = "does not exist" if not os.path.lexists(folder) else "is not a folder"
-        raise ArtifactError(f"model folder {folder} {what}")
-    path = folder / CONFIG
-    if not os.path.lexists(path):
-        raise ArtifactError(f"model folder {folder} has no {CONFIG}: it is not a model folder (a run writes one "
-                            "beside each checkpoint, vit.export writes one)")
-    try:
-        with open_regular_file(path, str(path)) as f:
-            text = f.read(MAX_CONFIG_BYTES + 1)
-    except ValueError as err:
-        raise ArtifactError(str(err)) from None
-    if len(text) > MAX_CONFIG_BYTES:
-        raise ArtifactError(f"{path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB; a model's config.json is a few KB")
-
-    def no_constant(name: str) -> None:
-        raise ValueError(f"{name} is not a JSON number")
-
-    try:
-        config = json.loads(text, parse_constant=no_constant)
-    except (ValueError, RecursionError) as err:
-        raise ArtifactError(f"{path} is not valid JSON: {str(err).splitlines()[0][:200]}") from None
-    if not isinstance(config, dict):
-        raise ArtifactError(f"{path} holds a {type(config).__name__}, not the mapping a config.json is")
-    return config
-
-
-def locate(source: str | os.PathLike) -> Path | None:
-    """The model folder a door was given: the folder itself, the folder beside a `.ckpt` (a link to a checkpoint
-    counts as the checkpoint it names), an `hf-hub:org/name[@revision]` id's files fetched through
-    `huggingface_hub` (its cache first; offline, only the cache), or a timm model name's pretrained weights (its
-    Hub repo, the same way). None for a checkpoint without a model folder (one written before this format) and for
-    URLs: those are read as checkpoints."""
+def locate(source: str | os.PathLike) -> Path:
+    """The model folder a door was given: the folder itself; the folder beside a `.ckpt` (a link to a checkpoint
+    counts as the checkpoint it names); an `hf-hub:org/name[@revision]` id or a timm model name with pretrained
+    weights, through `huggingface_hub` (its cache first; offline, only the cache); an http(s) URL of a model folder,
+    downloaded (`vit.artifact.download`). Anything else is refused in one line saying what to give."""
     text = os.fspath(source)
     if text.lower().startswith(("hf-hub:", "hf_hub:")):
-        return _hub_folder(text[len("hf-hub:"):])
+        return hub_folder(text[len("hf-hub:") :], (CONFIG, WEIGHTS))
     if "://" in text:
-        return None
+        from vit.artifact.download import download_folder
+
+        return download_folder(text)
     path = Path(text).expanduser()
     if path.is_dir():
         return path
-    if not os.path.lexists(path) and _TIMM_NAME.fullmatch(text):
-        return _timm_folder(text)
-    beside = folder_of(path.resolve()) if path.suffix == ".ckpt" else None
-    return beside if beside is not None and (beside / CONFIG).is_file() else None
-
-
-_TIMM_NAME = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)?")  # timm's model names, with a pretrained tag: no path
-
-
-def _timm_folder(name: str) -> Path | None:
-    """The Hub folder of a timm model name's pretrained weights (`vit_tiny_patch16_224`, or with its tag), through
-    `_hub_folder` (timm keeps its weights in the same cache); None for a name timm has no Hub weights for."""
-    from timm.models import get_pretrained_cfg
-
-    try:
-        cfg = get_pretrained_cfg(name)
-    except RuntimeError:  # a tag timm does not have
-        cfg = None
-    if cfg is None or not cfg.hf_hub_id:
-        return None
-    return _hub_folder(cfg.hf_hub_id)
-
-
-def _hub_folder(repo: str) -> Path:
-    """The local folder holding a Hub repo's config.json and model.safetensors (downloaded only where allowed)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    repo_id, _, revision = repo.partition("@")
-    try:
-        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=[CONFIG, WEIGHTS]))
-    except HFValidationError as err:
-        raise ArtifactError(f"hf-hub:{repo} is not a Hub id (org/name[@revision]): {str(err).splitlines()[0]}"
-                            ) from None
-    except LocalEntryNotFoundError:
-        raise ArtifactError(f"hf-hub:{repo} is not in the local Hugging Face cache and the Hub cannot be reached "
-                            "(offline, or HF_HUB_OFFLINE=1): download it where the network allows "
-                            f"(`hf download {repo_id}`), or give its folder") from None
-    except OSError as err:  # the Hub's own errors (no such repo, gated, HTTP) are OSErrors
-        raise ArtifactError(f"hf-hub:{repo} cannot be fetched: {str(err).splitlines()[0][:300]}") from None
+    repo = timm_repo(text) if not os.path.lexists(path) else None
+    if repo is not None:
+        return hub_folder(repo, (CONFIG, WEIGHTS))
+    if path.suffix == ".ckpt" and path.is_file():
+        beside = folder_of(path.resolve())
+        if (beside / CONFIG).is_file():
+            return beside
+        raise ArtifactError(
+            f"checkpoint {text} has no model folder beside it ({beside.name}/): it was written before model folders; "
+            f"write one with `python -m vit.artifact --ckpt_path {text}`"
+        )
+    exists = os.path.lexists(path)
+    named = f"checkpoint {text}" if path.suffix == ".ckpt" else text
+    raise ArtifactError(
+        f"{named} {'is not a model folder or a .ckpt' if exists else 'does not exist'}: give a model folder "
+        "(config.json + model.safetensors), a run's .ckpt, an hf-hub:org/name id, a timm model name with pretrained "
+        "weights, or an http(s) URL of a model folder"
+    )

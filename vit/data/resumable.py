@@ -85,7 +85,17 @@ class ResumableTrainingData:
         return {"train_position": training_position(trainer), "world_size": int(trainer.world_size)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._resume_position = state_dict.get("train_position")
+        trainer = getattr(self, "trainer", None)
+        written, now = state_dict.get("world_size", 1), getattr(trainer, "world_size", 1)
+        if written != now:
+            # Each process's share of the epoch depends on their number: the run cannot continue where it stopped.
+            raise ValueError(f"the data position was written by {written} process(es) and this run has {now}: resume "
+                             f"with {written} (trainer.devices x trainer.num_nodes)")
+        position = state_dict.get("train_position")
+        if position is not None and not (isinstance(position, dict) and set(position) == {"epoch", "batches_done"}
+                                         and all(type(v) is int and v >= 0 for v in position.values())):
+            raise ValueError(f"the data position {str(position)[:80]} is not an epoch and a batch count (ints >= 0)")
+        self._resume_position = position
         if self._resume_position is not None:
             # Lightning warns that a plain DataLoader cannot resume mid-epoch; this one can.
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")

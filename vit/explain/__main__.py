@@ -54,10 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 def prepare(args: argparse.Namespace) -> Prepared:
     """Check the arguments, open the checkpoint: model, transforms (input; colour image), methods, target, data."""
     import vit.artifact as artifact
-    from vit.checks import class_index
+    from vit.checks import CheckpointError, class_index
     from vit.explain.relevance import usable_methods
-    from vit.training.checkpoint import CheckpointError
-    from vit.training.checkpoint.build import inference_transform
+    from vit.registry import inference_transform
 
     methods = parse_methods(args.method)
     if args.num_images < 1:

@@ -1,7 +1,7 @@
 """Pretrained weights as a state dict, from a local file, a Hugging Face Hub id or a timm model name: `load_state_dict`.
 A `.safetensors` file, or a `torch.save` file read with `weights_only=True`, checked whole: complete, finite tensors.
-A file is read under the checkpoint's rules (`vit.training.checkpoint.fetch.load_archive`): a regular file only, its
-sizes read from its header or zip directory and bounded before its tensors are read."""
+A regular file only, its sizes read from its header or zip directory and bounded (`max_bytes`, which every file this
+project reads shares) before its tensors are read."""
 
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".pth", ".bin", ".pt", ".ckpt", ".tar", ".np
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?")  # org/name[@revision]
 _FORMATS = ".safetensors, or a torch.save file (.pth, .pt, .bin, .ckpt, .tar)"
 UNKNOWN_NAME = "pretrained={!r} is neither a file nor a timm model name (see timm.list_models(pretrained=True))"
-# The checkpoint's limits (vit/training/checkpoint/fetch.py), under the same variable: one knob for every file read.
-# They are restated here because vit.models may not import vit.training; both should come from one helper.
+# One knob for every file read: weights, model folders, downloads and a run's checkpoints (`vit.artifact`).
 MAX_BYTES_VARIABLE = "READABLE_VIT_DOWNLOAD_MAX_BYTES"
 _DEFAULT_MAX_BYTES = 4 * 2**30
 MAX_PICKLE_BYTES = 256 * 2**20  # a state dict's data.pkl is a few KB: names, shapes, storage keys
@@ -68,9 +67,13 @@ def weight_shapes(source: str | os.PathLike, name: str | None = None) -> dict[st
 
 
 def _local(source: str | os.PathLike, read, name: str | None = None) -> dict[str, torch.Tensor]:
-    """`read(path, name)` of the local file `source`, its errors told that an `org/name` could be a Hub id."""
+    """`read(path, name)` of the local file `source` (a model folder: its `model.safetensors`, the weights of another
+    run's model), its errors told that an `org/name` could be a Hub id."""
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "model.safetensors").is_file():
+        path = path / "model.safetensors"
     try:
-        return read(Path(source).expanduser(), name or f"pretrained={str(source)!r}")
+        return read(path, name or f"pretrained={str(source)!r}")
     except PretrainedError as err:
         if isinstance(source, str) and _REPO_ID.fullmatch(source) and not source.lower().endswith(_WEIGHT_SUFFIXES):
             # `org/name` is a Hub id unless a file or folder of that name exists; here one did.

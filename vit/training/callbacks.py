@@ -14,8 +14,19 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit.checks import check_int
-from vit.training.checkpoint.trainer_state import rng_states
 from vit.training.run_dir import printable
+
+
+def rng_states() -> dict:
+    """The global random-number states, as tensors and plain values (loadable with `weights_only=True`)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {"torch": torch.get_rng_state(),
+              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+              "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # the current device's
+    return states
 
 
 class NonFiniteError(FloatingPointError):
@@ -206,3 +217,12 @@ class PlainProgress(L.Callback):
             metrics = "".join(f", {k}={v:.4g}" for k, v in trainer.progress_bar_metrics.items())
             print(f"Epoch {trainer.current_epoch}: {self._done}/{trainer.num_training_batches} batches, step "
                   f"{trainer.global_step}, {rate:.2f} it/s{metrics}", flush=True)
+
+
+class FirstStep(L.Callback):
+    """`done` once the first training step has finished: until then a failure is the restored state's (`cli.fit`)."""
+
+    done = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        self.done = True

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -18,7 +20,6 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibratio
 
 from vit.checks import check_float, check_int
 from vit.models.pretrained import load_pretrained
-from vit.training.checkpoint.values import SCHEMA_VERSION
 
 
 def format_test_results(metrics: dict[str, float], where: str = "") -> str:
@@ -240,11 +241,11 @@ class ImageClassifier(L.LightningModule):
                                                  f"{type(self.trainer.datamodule).__name__}.class_names")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["schema_version"] = SCHEMA_VERSION
         checkpoint["class_names"] = list(self.class_names)
         data = self.trainer.datamodule if self._trainer is not None else None
         if hasattr(data, "inputs"):  # what inference needs from the data, so that it needs no data module
             checkpoint["inputs"] = data.inputs()
+        checkpoint["training_record"] = training_record(checkpoint)  # for the model folder's card
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "class_names" not in checkpoint:
@@ -285,3 +286,40 @@ class ImageClassifier(L.LightningModule):
         schedule = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
                                           min_lr_ratio=hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def training_record(checkpoint: Mapping) -> dict:
+    """What a checkpoint says of its training, for a model card: run facts, `model` settings, `metrics` (finite
+    monitored scores). Only strings, ints, floats, bools and lists of those: config.json is strict JSON."""
+    data = checkpoint.get("datamodule_hyper_parameters") or {}
+    hparams = checkpoint.get("hyper_parameters") or {}
+    facts = {
+        "data_module": data.get("_class_path"),
+        "dataset": data.get("dataset"),
+        "seed": data.get("seed"),
+        "epoch": checkpoint.get("epoch"),
+        "global_step": checkpoint.get("global_step"),
+        "pretrained": hparams.get("pretrained"),
+    }
+    record = {key: value for key, value in facts.items() if type(value) in (str, int)}
+    settings = {k: v for k, v in hparams.items() if not k.startswith("_") and k != "backbone" and _json(v)}
+    if settings:
+        record["model"] = settings
+    metrics = {}
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, Mapping) and isinstance(state.get("monitor"), str):
+            for key, label in (("best_model_score", "best"), ("current_score", "at this checkpoint")):
+                score = state.get(key)
+                score = score.item() if isinstance(score, torch.Tensor) and score.numel() == 1 else score
+                if isinstance(score, float) and math.isfinite(score):
+                    metrics[f"{state['monitor']} ({label})"] = score
+    if metrics:
+        record["metrics"] = metrics
+    return record
+
+
+def _json(value: Any) -> bool:
+    """Whether `value` is a plain JSON value: a str, an int, a finite float, a bool, or a list of those."""
+    if isinstance(value, list):
+        return all(_json(v) for v in value)
+    return isinstance(value, (str, int, bool)) or (isinstance(value, float) and math.isfinite(value))

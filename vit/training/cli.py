@@ -16,20 +16,15 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import vit.artifact as artifact
-from vit.checks import check_int, constructor_message, first_line
+from vit.artifact.io import AtomicCheckpointIO
+from vit.checks import CheckpointError, check_int, constructor_message, first_line
 from vit.data.base import DataNotFoundError
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
 from vit.training import callbacks, preflight
-from vit.training.checkpoint import Checkpoint, CheckpointError, read
-from vit.training.checkpoint.build import build_classifier
-from vit.training.checkpoint.io import AtomicCheckpointIO
-from vit.training.checkpoint.resume import check_resume
-from vit.training.checkpoint.trainer_state import without_checkpoint_paths
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.dashboard import HParamsTable
 from vit.training.predictions import PredictionWriter, check_topk
@@ -123,12 +118,11 @@ class ViTCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         parser.set_defaults({"test.verbose": False})  # `test` prints `format_test_results` instead of the table
         super().parse_arguments(parser, args)
-        self._checkpoint: Checkpoint | None = None  # the --ckpt_path checkpoint, read and validated once
-        self._model_folder: artifact.Artifact | None = None  # validate/test/predict: the model folder it names
+        self._model_folder: artifact.Artifact | None = None  # validate/test/predict: the model it names
+        self._resuming: str | None = None  # fit: the checkpoint the run continues from
         subcommand = self.config.get("subcommand")
         if subcommand is None:
             return
-        # Before anything is built: resolve `last`, then read the checkpoint (a file or a URL) and validate it whole.
         config = self.config[subcommand]
         seed = config.get("seed_everything")
         if not isinstance(seed, bool) and seed is not None:  # `true` draws one
@@ -137,20 +131,22 @@ class ViTCLI(LightningCLI):
             config.ckpt_path = os.path.expanduser(str(config.ckpt_path))
         preflight.resolve_resume(subcommand, config)
         preflight.resolve_hpc(subcommand, config)
-        folder = artifact.locate(config.ckpt_path) if subcommand != "fit" and config.get("ckpt_path") else None
-        if folder is not None:
-            # Evaluating a trained model needs no trainer state: it is built from its model folder (a .ckpt's, when
-            # there is one), and Lightning reads no checkpoint.
-            self._model_folder = opened = artifact.read(folder)
+        if subcommand != "fit" and config.get("ckpt_path"):
+            # Evaluating a trained model needs no trainer state: it is built from its model folder (a .ckpt's, a
+            # Hub id's, ...), and Lightning reads no checkpoint.
+            self._model_folder = opened = artifact.load(config.ckpt_path)
             recorded = {"hyper_parameters": {"backbone": opened.backbone}}
             for line in preflight.check_given_config(subcommand, config, recorded, ImageClassifier, opened.source):
                 rank_zero_warn(f"--ckpt_path {config.ckpt_path}: the model's value is used for {line}")
             config.ckpt_path = None
         elif is_local_file(config.get("ckpt_path")):
-            self._checkpoint = checkpoint = read(config.ckpt_path)
-            for line in preflight.check_given_config(subcommand, config, checkpoint.raw, ImageClassifier,
-                                                     checkpoint.source):
-                rank_zero_warn(f"--ckpt_path {checkpoint.source}: the checkpoint's value is used for {line}")
+            # Resuming: the model and data are the run's own (its config.yaml); Lightning then restores the trainer
+            # state through AtomicCheckpointIO, which loads it as data and confines its paths to the run.
+            self._resuming = str(config.ckpt_path)
+            recorded = preflight.run_record(config.ckpt_path)
+            if recorded is not None:  # None: SLURM's requeue checkpoint, restored by the same command
+                preflight.check_given_config(subcommand, config, recorded, ImageClassifier, config.ckpt_path)
+                preflight.record_model(config, recorded)
 
     def _parse_ckpt_path(self) -> None:
         """No merge of the checkpoint's hyperparameters: its model is built from checked values."""
@@ -161,12 +157,6 @@ class ViTCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
             raise ConfigError(constructor_message(str(err))) from err
-        if self._checkpoint is not None:
-            # The checkpoint's model, built from checked values; config.yaml records it as the run's model.
-            self.model = build_classifier(self._checkpoint)
-            self._add_configure_optimizers_method_to_model(self.subcommand)
-            preflight.check_data_fits(self._checkpoint.source, self._checkpoint.backbone_args, self.datamodule)
-            preflight.record_model(self.config[self.subcommand], self._checkpoint)
         if self._model_folder is not None:
             opened, backbone = self._model_folder, self._model_folder.backbone
             self.model = ImageClassifier(opened.model)
@@ -184,8 +174,9 @@ class ViTCLI(LightningCLI):
             # another plugin would unpickle them without this project's checks.
             raise ConfigError(f"trainer.plugins: the checkpoint_io {type(trainer.strategy.checkpoint_io).__name__} "
                               "would read checkpoints without this project's checks; train.py reads and writes them "
-                              "with vit.training.checkpoint.io.AtomicCheckpointIO (or a subclass)")
-        trainer.strategy.checkpoint_io.admit = self._admit
+                              "with vit.artifact.io.AtomicCheckpointIO (or a subclass)")
+        trainer.strategy.checkpoint_io.folders = lambda: {
+            cb.state_key: Path(cb.dirpath).resolve() for cb in trainer.checkpoint_callbacks if cb.dirpath}
         # Lightning's default bar (Rich's where `rich` is installed, else tqdm's) redraws itself: in a log file, lines.
         if type(trainer.progress_bar_callback) in (TQDMProgressBar, RichProgressBar) and not sys.stdout.isatty():
             trainer.callbacks[trainer.callbacks.index(trainer.progress_bar_callback)] = callbacks.PlainProgress()
@@ -195,14 +186,6 @@ class ViTCLI(LightningCLI):
             # A smoke test has no logger, so checkpoints would land in the current folder: none are kept.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
         return trainer
-
-    def _admit(self, checkpoint: Checkpoint) -> dict:
-        """What Lightning may restore from a checkpoint it found by itself (module doc of `checkpoint.io`), validated
-        by the reader: weights of this run's model, and for `fit` the trainer state `check_resume` accepts."""
-        preflight.check_same_model(checkpoint, self.trainer.lightning_module)
-        if self.trainer.state.fn == TrainerFn.FITTING:
-            return check_resume(checkpoint, self.trainer, self.trainer.lightning_module, self.datamodule)
-        return without_checkpoint_paths(checkpoint.raw)  # outside `fit` Lightning restores no callback; keep it so
 
     def _check_before_running(self) -> None:
         """The pre-flight: everything that can be checked before a run folder exists (a failure is exit 2)."""
@@ -217,11 +200,6 @@ class ViTCLI(LightningCLI):
             except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
                 raise ConfigError(f"pre-flight: one training image through the model failed: "
                                   f"{type(err).__name__}: {first_line(err)}") from err
-        if self._checkpoint is not None:  # after the forward pass, which sets up the training data
-            # Lightning restores from this validated dict (for `fit`, what `check_resume` accepts), not the file.
-            validated = (check_resume(self._checkpoint, self.trainer, self.model, self.datamodule)
-                         if self.subcommand == "fit" else self._checkpoint.raw)
-            self.trainer.strategy.checkpoint_io.expect(ckpt_path, validated)
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
                 preflight.check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
@@ -238,6 +216,23 @@ class ViTCLI(LightningCLI):
                                   "limit)")
         preflight.check_trainer_options(self.trainer)
         self._check_before_running()
+
+    def fit(self, **kwargs) -> None:
+        """`train.py fit`; a resume whose trainer state does not fit the run fails in one line (`CheckpointError`):
+        what Lightning raises while restoring it, or in the first step (an optimizer state of other shapes)."""
+        if self._resuming is None:
+            return self.trainer.fit(**kwargs)
+        started = callbacks.FirstStep()
+        self.trainer.callbacks.append(started)
+        try:
+            self.trainer.fit(**kwargs)
+        except (CheckpointError, ConfigError, RunDirectoryError, DataNotFoundError, callbacks.NonFiniteError):
+            raise  # this project's own errors say what they are
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            if started.done:
+                raise
+            raise CheckpointError(f"checkpoint {self._resuming} cannot be resumed: {type(err).__name__}: "
+                                  f"{first_line(err)}") from err
 
 
 def main(args=None) -> ViTCLI:

@@ -18,11 +18,9 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from vit.checks import check_float, check_int, check_size
-from vit.training.checkpoint import Checkpoint, CheckpointError
-from vit.training.checkpoint.io import find_last_checkpoint, remove_partial_writes
-from vit.training.checkpoint.schema import BACKBONES, DATA_MODULES, data_module
-from vit.training.run_dir import version_dir
+from vit.checks import CheckpointError, check_float, check_int, check_size, first_line
+from vit.registry import BACKBONES, DATA_MODULES, check_arguments, check_backbone, data_module
+from vit.training.run_dir import find_last_checkpoint, remove_partial_writes, version_dir
 
 # Data settings that say where and how fast the data are read, not which data: free to change on resume.
 HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt")  # what Lightning's SLURM connector saves on SIGUSR1
@@ -183,17 +181,37 @@ def check_data_fits(source: str, backbone_args: dict, datamodule) -> None:
                               f"{name}={theirs!r}, the data module gives {name}={ours!r}")
 
 
-def check_same_model(checkpoint: Checkpoint, module: torch.nn.Module) -> None:
-    """Raise `CheckpointError` unless the checkpoint's weights are `module`'s names and shapes."""
-    ours = module.state_dict()
-    theirs = checkpoint.raw["state_dict"]
-    differ = sorted(ours.keys() ^ theirs.keys()) or [k for k in ours if tuple(ours[k].shape) != tuple(theirs[k].shape)]
-    if differ:
-        key = differ[0]
-        shapes = [tuple(w[key].shape) if key in w else "absent" for w in (theirs, ours)]
-        raise CheckpointError(f"checkpoint {checkpoint.source} does not hold this run's model: {len(differ)} tensor(s) "
-                              f"differ, first {key} ({shapes[0]} in the checkpoint, {shapes[1]} in the model); "
-                              "pass it with --ckpt_path to use its own model")
+MAX_RUN_CONFIG_BYTES = 2**20  # a run's config.yaml is a few KB
+
+
+def run_record(ckpt_path: str) -> dict | None:
+    """What the run of `ckpt_path` (`<run>/checkpoints/<file>`) was made with, from its `config.yaml`, shaped as
+    Lightning records hyperparameters (`hyper_parameters`, `datamodule_hyper_parameters`); None for SLURM's requeue
+    checkpoint, which the same command restores. A URL or a checkpoint outside a run folder is refused."""
+    import yaml
+
+    if "://" in ckpt_path:
+        raise CheckpointError(f"--ckpt_path {ckpt_path} is a URL: fit resumes a run from its own folder; to start from "
+                              "a model, give its model folder as --model.pretrained")
+    path = Path(ckpt_path).resolve()
+    if HPC_CHECKPOINT.fullmatch(path.name):
+        return None
+    config = path.parent.parent / "config.yaml"
+    if path.parent.name != "checkpoints" or not config.is_file():
+        raise CheckpointError(f"--ckpt_path {ckpt_path} is not in a run folder (<run>/checkpoints/ beside "
+                              "<run>/config.yaml): fit resumes a run from its own config; to start from its model, "
+                              "give the model folder beside it as --model.pretrained")
+    with open(config, "rb") as f:
+        text = f.read(MAX_RUN_CONFIG_BYTES + 1)
+    try:
+        recorded = yaml.safe_load(text) if len(text) <= MAX_RUN_CONFIG_BYTES else None
+    except yaml.YAMLError as err:
+        raise CheckpointError(f"{config} is not valid YAML: {first_line(err)}") from None
+    model, data = (recorded or {}).get("model"), (recorded or {}).get("data")
+    if not isinstance(model, dict) or not isinstance(data, dict) or not isinstance(data.get("init_args", {}), dict):
+        raise CheckpointError(f"{config} does not record the run's model and data (model:, data: class_path)")
+    hparams = {"_class_path": data.get("class_path"), **(data.get("init_args") or {})}
+    return {"hyper_parameters": model, "datamodule_hyper_parameters": hparams, "source": str(config)}
 
 
 def _named(source: str) -> str:
@@ -201,11 +219,20 @@ def _named(source: str) -> str:
     return f"checkpoint {source}" if source.endswith(".ckpt") or "://" in source else f"model folder {source}"
 
 
-def record_model(config, checkpoint: Checkpoint) -> None:
-    """Write the checkpoint's model settings into the run's config (plain values), so config.yaml says what ran."""
-    record_backbone(config, {"class_path": checkpoint.raw["hyper_parameters"]["backbone"]["class_path"],
-                             "init_args": checkpoint.backbone_args})
-    for key, value in checkpoint.settings.items():
+def record_model(config, recorded: dict) -> None:
+    """Write the run's model (`run_record`), checked, into this command's config: the run continues as it was made.
+    Only registered backbones with arguments of their constructor's types are taken (`vit.registry`)."""
+    from vit.training.classifier import ImageClassifier
+
+    model = dict(recorded["hyper_parameters"])
+    cls, args = check_backbone(model.pop("backbone", None), "model.backbone")
+    settings = check_arguments(ImageClassifier, {k: v for k, v in model.items() if not k.startswith("_")}, "model")
+    given = config.model.get("backbone")
+    if isinstance(given, Namespace) and given.get("init_args") is not None:
+        # The sizes linked from the data (num_classes, in_chans, img_size) are not in config.yaml: they stay linked.
+        args = {**given.init_args.as_dict(), **args}
+    record_backbone(config, {"class_path": f"{cls.__module__}.{cls.__name__}", "init_args": args})
+    for key, value in settings.items():
         config.model[key] = value
 
 

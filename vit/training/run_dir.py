@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +21,8 @@ import torch
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+
+from vit.artifact.io import PARTIAL_WRITE
 
 try:
     import fcntl
@@ -328,3 +333,21 @@ def _version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's "last" names
+
+
+def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files and folders of writes a killed process left (as its run resumes); return them."""
+    partial = [p for p in Path(folder).glob(".*") if PARTIAL_WRITE.fullmatch(p.name) and not p.is_symlink()]
+    for path in partial:
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    return partial
+
+
+def find_last_checkpoint(folder: str | os.PathLike, runs: str = "*") -> Path | None:
+    """The newest `last.ckpt` / `last-vN.ckpt` in `folder/<runs>/checkpoints/` (`runs`: a glob or a run), or None."""
+    pattern = f"{runs if runs == '*' else glob.escape(runs)}/checkpoints/last*.ckpt"
+    candidates = [p for p in Path(folder).glob(pattern) if LAST_CHECKPOINT.fullmatch(p.name)]
+    return max(candidates, key=lambda p: p.stat().st_mtime, default=None)

@@ -1,0 +1,99 @@
+"""A model folder at an http(s) URL, downloaded: `<url>/config.json` and `<url>/model.safetensors`, each under one
+byte limit and one deadline, into `<torch hub dir>/readable-vit/<hash of the URL>/`. Redirects go to http(s) only
+(urllib would follow one to ftp). A Hub id goes through `huggingface_hub` instead (`files.locate`)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import threading
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from vit.artifact.config import CONFIG, MAX_CONFIG_BYTES, WEIGHTS, ArtifactError
+from vit.checks import first_line
+from vit.models.weights import MAX_BYTES_VARIABLE, max_bytes
+
+TIMEOUT_VARIABLE = "READABLE_VIT_DOWNLOAD_TIMEOUT"
+DEFAULT_TIMEOUT = 600  # seconds for one file, headers and body: a ViT-B's 350 MB at 1 MB/s fit
+
+
+def redact(url: str) -> str:
+    """`url` as messages show it: without the query string (often a token), a password, or a fragment."""
+    parts = urlsplit(url)
+    return parts._replace(
+        netloc=parts.netloc.rpartition("@")[2], query="..." if parts.query else "", fragment=""
+    ).geturl()
+
+
+def limit(name: str, default: int) -> int:
+    """The whole number > 0 in the environment variable `name`, or `default` when it is unset."""
+    value = os.environ.get(name, "").strip()
+    if value and (not value.isdigit() or int(value) == 0):
+        raise ArtifactError(f"{name}={value!r} is not allowed: expected a whole number > 0 (default {default})")
+    return int(value) if value else default
+
+
+def download_folder(url: str) -> Path:
+    """The local copy of the model folder at `url` (module doc); `ArtifactError` naming the URL, redacted."""
+    import torch
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ArtifactError(
+            f"{redact(url)}: only http(s) URLs are downloaded; download it another way and give its path"
+        )
+    base = parts._replace(query="", fragment="").geturl().rstrip("/")
+    folder = Path(torch.hub.get_dir(), "readable-vit", hashlib.sha256(base.encode()).hexdigest()[:16])
+    folder.mkdir(parents=True, exist_ok=True)
+    query = f"?{parts.query}" if parts.query else ""
+    for name, most in ((CONFIG, MAX_CONFIG_BYTES), (WEIGHTS, max_bytes())):
+        download(f"{base}/{name}{query}", folder / name, most)
+    return folder
+
+
+class _HttpOnly(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urlsplit(newurl).scheme not in ("http", "https"):
+            raise ArtifactError(f"{redact(req.full_url)} redirects to {redact(newurl)}: only http(s) is followed")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def download(url: str, target: Path, max_bytes: int) -> None:
+    """GET `url` into `target`, replaced only by a whole file of at most `max_bytes`, within the deadline. The copy
+    runs in a thread joined with the deadline: a socket timeout bounds each wait, and a server could trickle."""
+    timeout = limit(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT)
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"
+    failure: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            opener = urllib.request.build_opener(_HttpOnly)
+            with opener.open(urllib.request.Request(url), timeout=timeout) as response, open(tmp, "wb") as out:
+                received = 0
+                while chunk := response.read1(2**20):
+                    received += len(chunk)
+                    if received > max_bytes:
+                        raise ArtifactError(
+                            f"{redact(url)} is larger than {max_bytes} bytes (set {MAX_BYTES_VARIABLE})"
+                        )
+                    out.write(chunk)
+        except BaseException as err:  # noqa: BLE001  (handed to the caller, which raises it as one line)
+            failure.append(err)
+
+    worker = threading.Thread(target=copy, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    try:
+        if worker.is_alive():
+            raise ArtifactError(f"{redact(url)} timed out: not downloaded in {timeout} s (set {TIMEOUT_VARIABLE})")
+        if failure:
+            err = failure[0]
+            if isinstance(err, ArtifactError):
+                raise err
+            raise ArtifactError(f"{redact(url)} could not be downloaded: {type(err).__name__}: {first_line(err)}")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)  # a thread still copying writes on into a file no one can see, then stops

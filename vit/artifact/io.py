@@ -1,0 +1,137 @@
+"""The one way Lightning reads and writes a run's checkpoints (`AtomicCheckpointIO`).
+
+Reading: whatever path Lightning takes to a checkpoint (`--ckpt_path`, `hpc`, SLURM's requeue, `best`, `last`),
+the file is loaded with `weights_only=True` (plain data and tensors: no code runs) and the paths in
+`ModelCheckpoint`'s state, which Lightning deletes as it rotates its top-k, are confined to the run's checkpoint
+folder. Everything else goes to Lightning as it is: what does not fit the run fails there, in one caught line.
+Writing: a temporary file fsynced and renamed into place (Lightning's own move is a copy without fsync across file
+systems), then the model folder beside it (`last.ckpt` -> `last/`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import stat
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from vit.artifact.config import from_checkpoint
+from vit.artifact.files import folder_of, remove, write
+from vit.checks import CheckpointError, first_line
+from vit.models.weights import MAX_BYTES_VARIABLE, max_bytes
+from vit.registry import shown
+
+PARTIAL_WRITE = re.compile(r"\..+\.[0-9a-f]{16}\.(tmp|old)")  # this module's and `files.write`'s temporary names
+PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")  # the files a ModelCheckpoint state names
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`TorchCheckpointIO` that reads through `read_trainer_state` and confines `ModelCheckpoint` paths, and writes
+    whole files (module doc). `folders()`: `{state key: checkpoint folder}` of the run's `ModelCheckpoint`s, set by
+    `train.py` once the trainer exists; a state of another key, or of another folder, keeps no path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folders: Callable[[], Mapping[str, Path]] = dict
+
+    def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = read_trainer_state(path)
+        folders = self.folders()
+        callbacks = checkpoint.get("callbacks", {})
+        if not isinstance(callbacks, dict):
+            raise CheckpointError(f"checkpoint {path}: its callbacks are a {type(callbacks).__name__}, not a mapping")
+        for key, state in callbacks.items():
+            if key in folders or (isinstance(key, str) and key.startswith("ModelCheckpoint")):
+                callbacks[key] = confine(state, folders.get(key), f"checkpoint {path}: callbacks.{key}")
+        return checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            # O_EXCL: never someone else's file; mode 0o666: the umask decides, as for any new file
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        model = from_checkpoint(checkpoint)
+        if model is not None:  # None: a backbone built in Python, which nothing records how to build again
+            write(folder_of(path), *model)
+
+    def remove_checkpoint(self, path) -> None:
+        if "://" in str(path):
+            return super().remove_checkpoint(path)
+        path = Path(path)
+        if path.is_symlink() or path.is_file():  # never a folder
+            path.unlink()
+        remove(folder_of(path))  # its model folder goes with it (only a folder this project wrote)
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The dict in a checkpoint file: a regular file of at most `READABLE_VIT_DOWNLOAD_MAX_BYTES`, a zip archive of
+    uncompressed entries (a zip bomb is small on disk), loaded with `weights_only=True`; else one line naming it."""
+    if "://" in str(path):
+        raise CheckpointError(f"checkpoint {path} is a URL: a run's state is read from its own folder only")
+    most = max_bytes()
+    try:  # non-blocking: a pipe opens at once (and is refused) instead of waiting for a writer
+        f = open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK))
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror}") from None
+    with f:
+        size = os.fstat(f.fileno())
+        if not stat.S_ISREG(size.st_mode) or size.st_size == 0:
+            raise CheckpointError(f"checkpoint {path} is not a checkpoint file (a folder, a device or empty)")
+        try:
+            entries = zipfile.ZipFile(f).infolist()
+            if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > most:
+                raise CheckpointError(
+                    f"checkpoint {path} holds compressed entries or more than {most} bytes (torch.save stores "
+                    f"its entries uncompressed; set {MAX_BYTES_VARIABLE} to allow more)"
+                )
+            f.seek(0)
+            checkpoint = torch.load(f, map_location="cpu", weights_only=True)
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001  (zip, unpickling, recursion and storage errors: all one line)
+            raise CheckpointError(f"checkpoint {path} cannot be loaded as data: {first_line(err)}") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise CheckpointError(f"checkpoint {path} is not a Lightning checkpoint (no state_dict)")
+    return checkpoint
+
+
+def confine(state: Any, folder: Path | None, key: str) -> dict:
+    """A `ModelCheckpoint` state whose paths are files inside `folder` (links and `..` resolved); a state of another
+    folder (or none known) forgets its paths, as a run continued elsewhere tracks its own checkpoints from there."""
+    if not isinstance(state, dict) or not isinstance(state.get("best_k_models", {}), dict):
+        raise CheckpointError(f"{key} is not a ModelCheckpoint state")
+    if folder is None or _resolved(state.get("dirpath")) != folder:
+        return {**state, **{name: "" for name in PATHS if name in state}, "best_k_models": {}}
+    for path in [*(state.get(name) for name in PATHS), *state.get("best_k_models", {})]:
+        resolved = _resolved(path)
+        if path and not (resolved is not None and folder in resolved.parents and resolved.is_file()):
+            raise CheckpointError(
+                f"{key} names {shown(path, 300)}, which is not a checkpoint file of this run's {folder}"
+            )
+    return state
+
+
+def _resolved(path: Any) -> Path | None:
+    """`path` with links and `..` resolved; None for what names no file (not a string, a NUL byte, a loop)."""
+    try:
+        return Path(path).resolve() if isinstance(path, str) and path else None
+    except (OSError, ValueError, RuntimeError):
+        return None
