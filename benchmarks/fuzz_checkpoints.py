@@ -1,19 +1,18 @@
 """Fuzz the doors that open a checkpoint, a weight file or an image for longer than the test suite does, and
 summarise what each did.
 
-    python benchmarks/fuzz_checkpoints.py --examples 2000 [--doors load,validate,fit] [--seed 0]
+    python benchmarks/fuzz_checkpoints.py --examples 2000 [--doors reader,fit] [--seed 0]
     python benchmarks/fuzz_checkpoints.py --examples 500 --doors create_vit,load_pretrained,decode,predict,hpc
 
 The same strategy as `tests/test_checkpoint_fuzz.py` (`tests/checkpoint_mutations.py`): one tiny run is
 trained, then each example changes one key path of its `last.ckpt` (a value of another type, a huge
 number, a class path, a `..` path, a URL, a tensor of another shape or layout, a deep nesting, a key
-deleted or added), saves it, and opens it through one door: `vit.load` (then one prediction),
-`train.py validate --ckpt_path`, or `train.py fit --ckpt_path` (one epoch more, in the run's own
-folder; for `fit` the trainer state, which it alone compares with the run, is drawn twice as often),
-each in this process. Before the random examples, the mutations an attacker would try first are
-tried (`notable_mutations`). `--examples` is the number of random examples per door; on a CPU a
-variant takes ~0.05 s through `load`, ~0.4 s through `validate` and `fit` (most are refused before
-any step; an accepted one validates or trains an epoch in 1-3 s).
+deleted or added), saves it as the run's `last.ckpt`, and opens it through one door: the reader behind
+Lightning (`AtomicCheckpointIO.load_checkpoint`, bound to the run as `train.py` binds it) or `train.py fit
+--ckpt_path` (one epoch more, in the run's own folder; the trainer state is drawn twice as often), each in this
+process. (The inference doors open the model folder beside a checkpoint, never the checkpoint: the `artifact` door
+fuzzes that.) Before the random examples, the mutations an attacker would try first are tried
+(`notable_mutations`). `--examples` is the number of random examples per door.
 
 Printed per door: the variants tried, accepted, refused (grouped by the first words of the error,
 values elided) and failed: any other exception, a traceback, an exit code other than 0 or 2, a
@@ -56,13 +55,13 @@ from checkpoint_mutations import (
     mutations,
     notable_mutations,
     open_with_cli,
-    open_with_load,
+    open_with_reader,
     section,
     train_checkpoint,
 )
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-CHECKPOINT_DOORS = ("load", "validate", "fit")
+CHECKPOINT_DOORS = ("reader", "fit")
 WEIGHT_DOORS = ("create_vit", "load_pretrained")
 IMAGE_DOORS = ("decode", "predict")
 DOORS = (*CHECKPOINT_DOORS, *WEIGHT_DOORS, *IMAGE_DOORS, "artifact", "hpc")
@@ -133,7 +132,7 @@ def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: in
     def one(mutation: Mutation) -> None:
         site.reset(trained)
         site.write(mutation.apply(base))
-        outcome = open_with_load(site) if door == "load" else open_with_cli(door, site)
+        outcome = open_with_reader(site, trained) if door == "reader" else open_with_cli(door, site)
         report.outcomes.append((mutation, outcome))
         if log is not None:
             with open(log, "a") as f:
@@ -251,7 +250,7 @@ def fuzz_hpc(trained: Trained, root: Path) -> DoorReport:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=200, help="random variants per door (default 200)")
-    parser.add_argument("--doors", default="load", help=f"comma-separated, of {','.join(DOORS)} (default load)")
+    parser.add_argument("--doors", default="reader", help=f"comma-separated, of {','.join(DOORS)} (default reader)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis's seed: the same seed tries the same variants")
     parser.add_argument("--top", type=int, default=30, help="refusal groups printed per door (default 30)")
     parser.add_argument("--log", type=Path, default=None, help="a JSON-lines file to append every variant and "

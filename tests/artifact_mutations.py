@@ -175,6 +175,7 @@ def artifact_door(path: Path) -> Outcome:
     finite logits of the model's classes, refused with one `ValueError` line."""
     import vit
     import vit.artifact as artifact
+    from vit.registry import test_data
 
     try:
         predictor = vit.load(path)
@@ -186,7 +187,7 @@ def artifact_door(path: Path) -> Outcome:
             logits = predictor.model(x)
         data = artifact.load(path)
         if data.data is not None:
-            artifact.test_data(data)
+            test_data(data.data, data.inputs, data.source)
     except ValueError as err:
         return _one_line(err)
     if logits.shape != (1, len(predictor.class_names)):

@@ -20,6 +20,7 @@ from vit import artifact
 from vit.artifact import ArtifactError
 from vit.hub import HubError
 from vit.models import ConvNet, VisionTransformer
+from vit.models.weights import MAX_CONFIG_BYTES
 
 NAMES = ["cat", "dog", "eel"]
 INPUTS = {"img_size": [32, 32], "in_chans": 3, "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3],
@@ -119,7 +120,7 @@ def test_a_cnn_backbone_has_a_model_folder_that_this_project_opens(tmp_path):
 
 @pytest.mark.slow
 def test_every_checkpoint_a_run_keeps_has_its_model_folder_with_the_weights_the_commands_run(tmp_path, monkeypatch):
-    from vit.artifact.config import inference_state
+    from vit.artifact import inference_state
 
     config = tiny_config(tmp_path, max_epochs=3, in_chans=3)
     main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", "--model.ema_decay", "0.5"],
@@ -238,7 +239,7 @@ def test_config_files_that_are_not_plain_json_are_refused(tmp_path):
     with pytest.raises(ArtifactError, match=r"config.json (is not valid JSON|holds a list)"):
         vit.load(folder)
     with open(config, "wb") as f:
-        f.truncate(artifact.config.MAX_CONFIG_BYTES + 1)
+        f.truncate(MAX_CONFIG_BYTES + 1)
     with pytest.raises(ArtifactError, match=r"config.json is larger than 16 MiB"):
         vit.load(folder)
     config.unlink()
@@ -327,7 +328,7 @@ def test_a_run_with_timer_and_early_stopping_resumes_and_its_checkpoints_open(tm
 
 @pytest.mark.slow
 def test_a_checkpoint_without_a_model_folder_gets_one_from_the_command(tmp_path, monkeypatch, capsys):
-    from vit.artifact.__main__ import main
+    from vit.upgrade import main
 
     config = tiny_config(tmp_path, max_epochs=1)
     main_in_process(["fit", "--config", str(config), "--test_after_fit", "false"], monkeypatch)
@@ -351,7 +352,7 @@ def test_a_checkpoint_without_a_model_folder_gets_one_from_the_command(tmp_path,
 
 @pytest.mark.slow
 def test_a_model_with_100_register_tokens_trains_saves_and_opens_through_every_door(tmp_path, monkeypatch):
-    from vit.artifact.__main__ import main as write_folder
+    from vit.upgrade import main as write_folder
 
     config = tiny_config(tmp_path, max_epochs=1)
     main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",

@@ -101,7 +101,7 @@ def test_validate_of_an_hpc_checkpoint_is_one_line_saying_what_to_do(trained, tm
     assert exit.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # SLURM's requeue checkpoint has no model folder
     assert err.startswith(f"error: checkpoint {tmp_path / 'hpc_ckpt_3.ckpt'} has no model folder beside it")
-    assert "python -m vit.artifact --ckpt_path" in err
+    assert "python -m vit.upgrade --ckpt_path" in err
 
 
 def test_the_reader_behind_lightning_confines_what_nobody_vouched_for(trained, tmp_path):

@@ -308,3 +308,61 @@ def test_the_card_code_as_written_gives_the_checkpoints_logits_on_a_rotated_jpeg
     assert (card_logits - expected).abs().max() < 1e-5
     # Read without the EXIF turn the input differs, and so do the logits by more than the tolerance: the test can fail.
     assert (unturned - scope["x"]).abs().max() > 0.1 and (sideways - expected).abs().max() > 1e-5
+
+
+@pytest.mark.slow
+def test_the_card_reports_the_runs_test_metrics_as_the_model_index(checkpoint, tmp_path):
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    from vit.training.cli import record_test_metrics
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint.with_suffix(""), folder)
+    record_test_metrics(folder, {"test/acc": 0.75, "test/ece": 0.125, "test/loss": float("nan")})
+    assert main(["--ckpt_path", str(folder), "--out", str(tmp_path / "out")]) == 0
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    results = {(r.metric_type, r.dataset_split): r.metric_value for r in card.data.eval_results}
+    assert results == {("accuracy", "test"): 0.75, ("ece", "test"): 0.125}  # the NaN loss is not recorded
+    assert "- test/acc (the test split, after training): 0.7500" in card.text
+
+
+@pytest.mark.slow
+def test_pushing_uploads_the_export_and_offline_says_so_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo, **kw: calls.append(("create", repo,
+                                                                                                       kw)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
+    out = tmp_path / "out"
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(out), "--push_to_hub", "me/tiny-vit", "--private"]) == 0
+    assert calls[0] == ("create", "me/tiny-vit", {"private": True, "exist_ok": True})
+    assert calls[1][1]["repo_id"] == "me/tiny-vit" and calls[1][1]["folder_path"] == out
+    assert calls[1][1]["allow_patterns"] == ["model.safetensors", "config.json", "README.md"]
+    assert "pushed to https://huggingface.co/me/tiny-vit" in capsys.readouterr().out
+    monkeypatch.undo()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "offline"), "--push_to_hub", "me/x"]) == 1
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: --push_to_hub me/x: {tmp_path / 'offline'} is written, but it could not be "
+                           "uploaded: OfflineModeIsEnabled"), line
+    assert (tmp_path / "offline" / "model.safetensors").is_file()
+    with pytest.raises(SystemExit):
+        main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "x"), "--push_to_hub", "../etc/passwd"])
+    assert "is not a Hub repo id: org/name" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_test_after_fit_is_recorded_in_the_best_checkpoints_model_folder(tmp_path, monkeypatch, capsys):
+    import json
+
+    from robust_helpers import main_in_process, tiny_config
+
+    main_in_process(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1))], monkeypatch)
+    out = capsys.readouterr().out
+    [best] = [p for p in (tmp_path / "runs" / "tiny" / "version_0" / "checkpoints").glob("*.ckpt")
+              if p.name.startswith("epoch")]
+    recorded = json.loads((best.with_suffix("") / "config.json").read_text())["vit"]["training"]["test"]
+    assert f"test/acc = {recorded['test/acc']:.4f}  ({best})" in out

@@ -126,7 +126,7 @@ def test_a_checkpoint_recording_an_option_the_model_does_not_have_is_refused_nam
     assert "has no model folder beside it" in error_line(capsys.readouterr().err)
     code, stderr = cli(["test", "--config", str(config), "--ckpt_path", str(ckpt)], monkeypatch, capsys)
     assert code == 2 and "has no model folder beside it" in error_line(stderr)
-    from vit.artifact.__main__ import main as write_folder
+    from vit.upgrade import main as write_folder
 
     assert write_folder(["--ckpt_path", str(ckpt)]) == 2
     assert error_line(capsys.readouterr().err) == (

@@ -18,13 +18,13 @@ import torch
 from PIL import Image
 from robust_helpers import run_dirs, shared_run
 
-from vit.artifact.__main__ import main as write_folder
 from vit.artifact.io import read_trainer_state as read
 from vit.checks import CheckpointError
 from vit.data import CIFARDataModule, TwoCirclesDataset
 from vit.data.images import build_transform, to_input
 from vit.predict import main
 from vit.training.classifier import ImageClassifier
+from vit.upgrade import main as write_folder
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ def test_a_checkpoint_without_class_names_is_refused_in_one_line(checkpoint, ima
     assert main(["--ckpt_path", str(tmp_path / "old.ckpt"), "--input_dir", str(images), "--output", str(output)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: checkpoint {tmp_path / 'old.ckpt'} has no model folder beside it (old/): it was written before model "
-        f"folders; write one with `python -m vit.artifact --ckpt_path {tmp_path / 'old.ckpt'}`")
+        f"folders; write one with `python -m vit.upgrade --ckpt_path {tmp_path / 'old.ckpt'}`")
     assert not output.exists()
     # Its folder cannot be written either: there is nothing to name its classes by.
     assert write_folder(["--ckpt_path", str(tmp_path / "old.ckpt")]) == 2

@@ -143,7 +143,7 @@ def test_an_old_mean_pooled_checkpoint_is_refused_in_one_line_naming_fc_norm(tmp
     code, stderr = cli(["test", "--config", str(config), "--ckpt_path", str(old)], monkeypatch, capsys)
     assert code == 2 and "has no model folder beside it" in error_line(stderr)
     # The command that writes an old checkpoint's folder names why it cannot: the weights are not the backbone's.
-    from vit.artifact.__main__ import main as write_folder
+    from vit.upgrade import main as write_folder
 
     assert write_folder(["--ckpt_path", str(old)]) == 2
     line = error_line(capsys.readouterr().err)

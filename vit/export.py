@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vit.artifact import ArtifactError as ExportError  # what cannot be exported, as what cannot be opened: one line
-from vit.checks import file_kind
+from vit.checks import file_kind, first_line
 from vit.commands import check_output, parser, run, write_failed
-from vit.hub import hub_base_model, hub_dataset
+from vit.hub import hub_base_model, hub_dataset, is_hub_id
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     from torch import nn
@@ -58,7 +58,6 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     """The export's `README.md` from `timm_args` and `training_record`; checkpoint text goes through `markdown_text`."""
     import timm
     import torch
-    import yaml
 
     from vit.models.timm_compat import GENERIC_ARCHITECTURE, architecture
 
@@ -68,18 +67,14 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     shown = (", ".join(markdown_text(n) for n in names[:20])
              + (f", ... ({len(names)} in all)" if len(names) > 20 else ""))
     training = training or {}
-    front_matter = {"library_name": "timm", "license": license, "pipeline_tag": "image-classification",
-                    "base_model": hub_base_model(training.get("pretrained")),
-                    "datasets": [hub_dataset(training)] if hub_dataset(training) else None,
-                    "metrics": ["accuracy"], "tags": ["image-classification", "timm", "vision-transformer"]}
-    front_matter = {key: value for key, value in front_matter.items() if value is not None}
+    front_matter = card_data(name, training, license)
     if name == GENERIC_ARCHITECTURE:
         named = (f"timm's `{name}` entry point: no timm ViT has these sizes, and `{name}` builds the one the sizes "
                  "in `model_args` describe")
     else:
         named = f"`{name}`, at the image size and with the head and pooling in `model_args`"
     lines = [
-        "---", *yaml.safe_dump(front_matter, sort_keys=False).splitlines(), "---", "",
+        "---", *front_matter.to_yaml().splitlines(), "---", "",
         "# Vision Transformer image classifier", "",
         (f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
          f"architecture ({named})."), "", "## Architecture", "",
@@ -114,7 +109,9 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
             lines.append("- settings: " + ", ".join(f"{markdown_text(k)}: {markdown_text(v)}"
                                                     for k, v in training["model"].items()))
         lines += ["", "## Metrics", ""]
-        lines += ([f"- {markdown_text(name)}: {value:.4f}" for name, value in training.get("metrics", {}).items()]
+        measured = {**training.get("metrics", {}), **{f"{k} (the test split, after training)": v
+                                                      for k, v in training.get("test", {}).items()}}
+        lines += ([f"- {markdown_text(name)}: {value:.4f}" for name, value in measured.items()]
                   or ["- none recorded in the checkpoint"])
     else:
         lines.append("- not recorded in the checkpoint")
@@ -122,6 +119,29 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
               "`vit.load(\"last.ckpt\")` (`.predict(...)`, `.explain(...)`), and this folder's weights with "
               "`vit.models.pretrained.create_vit(\"path/to/this/folder/model.safetensors\", ...)` and the sizes above."]
     return "\n".join(lines) + "\n"
+
+
+# The test metrics a run records (`test/<name>`) and how the Hub's model index names them.
+HUB_METRICS = {"test/acc": ("accuracy", "Accuracy"), "test/ece": ("ece", "Expected calibration error")}
+
+
+def card_data(architecture: str, training: dict, license: str | None):
+    """The card's front matter, as `huggingface_hub.ModelCardData`: the library, license, pipeline, the base model
+    and dataset when they are Hub ids (`vit.hub`), and the run's test metrics as the model index's results."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    dataset = hub_dataset(training)
+    results = [
+        EvalResult(task_type="image-classification", dataset_type=dataset or "custom",
+                   dataset_name=dataset or str(training.get("data_module", "custom")).rsplit(".", 1)[-1],
+                   dataset_split="test", metric_type=kind, metric_name=label, metric_value=float(value))
+        for key, (kind, label) in HUB_METRICS.items()
+        if isinstance(value := training.get("test", {}).get(key), (int, float)) and not isinstance(value, bool)
+    ]
+    return ModelCardData(library_name="timm", license=license, pipeline_tag="image-classification",
+                         base_model=hub_base_model(training.get("pretrained")), datasets=[dataset] if dataset else None,
+                         metrics=["accuracy"], tags=["image-classification", "timm", "vision-transformer"],
+                         model_name=architecture if results else None, eval_results=results or None)
 
 
 def markdown_text(value: object) -> str:
@@ -197,7 +217,37 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--license", type=hub_license, help="the Hub license id for the model card's front matter "
                          "(apache-2.0, mit, cc-by-4.0, other, ...); default: none written, because the weights' "
                          "license follows from the base model's and the data's, which only you know")
+    options.add_argument("--push_to_hub", type=hub_repo, metavar="ORG/NAME",
+                         help="after writing --out, upload its files to this Hugging Face Hub repo (created if it does "
+                         "not exist); needs the network and a token (`hf auth login`)")
+    options.add_argument("--private", action="store_true", help="with --push_to_hub: create the repo private")
     return run(options.parse_args(argv), prepare, write)
+
+
+def hub_repo(text: str) -> str:
+    """`--push_to_hub` as the Hub spells a model repo (`org/name`), else an error naming the form."""
+    if text.count("/") != 1 or not is_hub_id(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Hub repo id: org/name, of letters, digits, '-', '_' "
+                                         "and '.'")
+    return text
+
+
+def push(out: Path, repo: str, private: bool) -> int:
+    """Upload the export's `FILES` in `out` to the Hub repo `repo` (through `huggingface_hub`); 1 in one line when
+    it cannot be (offline, no token, no right to the repo): the export itself is written either way."""
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi()
+        api.create_repo(repo, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=out, allow_patterns=list(FILES),
+                          commit_message="Upload a ViT exported by vit.export")
+    except Exception as err:  # noqa: BLE001  (huggingface_hub raises many kinds: offline, HTTP, auth)
+        print(f"error: --push_to_hub {repo}: {out} is written, but it could not be uploaded: "
+              f"{type(err).__name__}: {first_line(err)}", file=sys.stderr)
+        return 1
+    print(f"pushed to https://huggingface.co/{repo}")
+    return 0
 
 
 def hub_license(text: str) -> str:
@@ -226,7 +276,7 @@ def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, lis
                             err)
     print(f"wrote {args.out / 'model.safetensors'}, config.json and README.md ({len(names)} classes); "
           f"load with timm.create_model('local-dir:{args.out}', pretrained=True)")
-    return 0
+    return push(args.out, args.push_to_hub, args.private) if args.push_to_hub else 0
 
 
 if __name__ == "__main__":

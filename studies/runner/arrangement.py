@@ -63,11 +63,11 @@ from typing import Literal
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from vit.registry import allow_datamodule
 
 from vit.checks import check_choice, check_int, check_size
 from vit.data.base import SyntheticDataModule, balanced_labels, check_pixel_options, noisy_images, seeded_rng
 from vit.data.same_different import column_range
+from vit.registry import allow_datamodule
 
 Region = Literal["all", "left", "right"]
 

@@ -42,19 +42,18 @@ from pathlib import Path
 
 import torch
 import yaml
-from vit.checks import CheckpointError
-from vit.registry import allow_backbone, check_data
 
 import vit.artifact as artifact
 from studies.runner import arrangement
 from studies.runner.arrangement import ArrangementDataModule
 from studies.runner.models import StudyViT
 from studies.runner.rows import append_rows
-from vit.checks import check_size
+from vit.checks import CheckpointError, check_size
 from vit.data import SameDifferentDataModule
 from vit.data.same_different import make_shapes, render
 from vit.models import VisionTransformer
 from vit.models.masks import mask_attention
+from vit.registry import allow_backbone, check_data, test_data
 
 allow_backbone(StudyViT)  # the studies' ViT checkpoints (local attention, a sized learned table) open here
 
@@ -194,7 +193,7 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
                               f"{getattr(data_class, '__name__', 'unrecorded data')}: attention blocking "
                               "needs a VisionTransformer trained on SameDifferentDataModule or ArrangementDataModule, "
                               "whose test images say where the two parts are")
-    data = artifact.test_data(opened)
+    data = test_data(opened.data, opened.inputs, opened.source)
     data.setup("test")
     test = data.test_set
     if max_images is not None and max_images < len(test):

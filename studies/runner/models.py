@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from vit.registry import allow_backbone
 
 from vit.checks import check_float, check_int
 from vit.models import VisionTransformer
 from vit.models.masks import local_mask
 from vit.models.pos_embed import sincos_2d
+from vit.registry import allow_backbone
 
 
 class StudyViT(VisionTransformer):

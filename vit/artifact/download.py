@@ -12,9 +12,9 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from vit.artifact.config import CONFIG, MAX_CONFIG_BYTES, WEIGHTS, ArtifactError
+from vit.artifact import CONFIG, WEIGHTS, ArtifactError
 from vit.checks import first_line
-from vit.models.weights import MAX_BYTES_VARIABLE, max_bytes
+from vit.models.weights import MAX_BYTES_VARIABLE, MAX_CONFIG_BYTES, max_bytes
 
 TIMEOUT_VARIABLE = "READABLE_VIT_DOWNLOAD_TIMEOUT"
 DEFAULT_TIMEOUT = 600  # seconds for one file, headers and body: a ViT-B's 350 MB at 1 MB/s fit
@@ -42,9 +42,7 @@ def download_folder(url: str) -> Path:
 
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise ArtifactError(
-            f"{redact(url)}: only http(s) URLs are downloaded; download it another way and give its path"
-        )
+        raise ArtifactError(f"{redact(url)}: only http(s) URLs are downloaded; download it another way, give its path")
     base = parts._replace(query="", fragment="").geturl().rstrip("/")
     folder = Path(torch.hub.get_dir(), "readable-vit", hashlib.sha256(base.encode()).hexdigest()[:16])
     folder.mkdir(parents=True, exist_ok=True)
@@ -62,38 +60,37 @@ class _HttpOnly(urllib.request.HTTPRedirectHandler):
 
 
 def download(url: str, target: Path, max_bytes: int) -> None:
-    """GET `url` into `target`, replaced only by a whole file of at most `max_bytes`, within the deadline. The copy
-    runs in a thread joined with the deadline: a socket timeout bounds each wait, and a server could trickle."""
+    """GET `url` into `target`, replaced only by a whole file of at most `max_bytes`. The copy runs in a thread
+    joined with the deadline: a socket timeout bounds each wait, and a server could trickle forever."""
     timeout = limit(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT)
     tmp = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"
-    failure: list[BaseException] = []
+    failure: list[Exception] = []
 
-    def copy() -> None:
+    def copy(out) -> None:
         try:
-            opener = urllib.request.build_opener(_HttpOnly)
-            with opener.open(urllib.request.Request(url), timeout=timeout) as response, open(tmp, "wb") as out:
-                received = 0
+            with urllib.request.build_opener(_HttpOnly).open(url, timeout=timeout) as response:
                 while chunk := response.read1(2**20):
-                    received += len(chunk)
-                    if received > max_bytes:
+                    if out.tell() + len(chunk) > max_bytes:
                         raise ArtifactError(
                             f"{redact(url)} is larger than {max_bytes} bytes (set {MAX_BYTES_VARIABLE})"
                         )
                     out.write(chunk)
-        except BaseException as err:  # noqa: BLE001  (handed to the caller, which raises it as one line)
+        except Exception as err:  # noqa: BLE001  (handed to the caller, which raises it as one line)
             failure.append(err)
 
-    worker = threading.Thread(target=copy, daemon=True)
-    worker.start()
-    worker.join(timeout)
-    try:
-        if worker.is_alive():
-            raise ArtifactError(f"{redact(url)} timed out: not downloaded in {timeout} s (set {TIMEOUT_VARIABLE})")
-        if failure:
-            err = failure[0]
-            if isinstance(err, ArtifactError):
-                raise err
-            raise ArtifactError(f"{redact(url)} could not be downloaded: {type(err).__name__}: {first_line(err)}")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)  # a thread still copying writes on into a file no one can see, then stops
+    with open(tmp, "wb") as out:  # a thread past the deadline writes on into a file no one sees, then stops
+        worker = threading.Thread(target=copy, args=(out,), daemon=True)
+        worker.start()
+        worker.join(timeout)
+        try:
+            if worker.is_alive():
+                raise ArtifactError(f"{redact(url)} timed out: not downloaded in {timeout} s (set {TIMEOUT_VARIABLE})")
+            if failure and not isinstance(failure[0], ArtifactError):
+                failure[0] = ArtifactError(
+                    f"{redact(url)} could not be downloaded: {type(failure[0]).__name__}: {first_line(failure[0])}"
+                )
+            if failure:
+                raise failure[0]
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)

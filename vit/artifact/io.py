@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from vit.artifact.config import from_checkpoint
-from vit.artifact.files import folder_of, remove, write
+from vit.artifact import folder_of, from_checkpoint, remove, write
 from vit.checks import CheckpointError, first_line
 from vit.models.weights import MAX_BYTES_VARIABLE, max_bytes
 from vit.registry import shown
@@ -121,8 +120,10 @@ def confine(state: Any, folder: Path | None, key: str) -> dict:
     if folder is None or _resolved(state.get("dirpath")) != folder:
         return {**state, **{name: "" for name in PATHS if name in state}, "best_k_models": {}}
     for path in [*(state.get(name) for name in PATHS), *state.get("best_k_models", {})]:
+        if path is None or (isinstance(path, str) and not path):  # no file named
+            continue
         resolved = _resolved(path)
-        if path and not (resolved is not None and folder in resolved.parents and resolved.is_file()):
+        if resolved is None or folder not in resolved.parents or not resolved.is_file():
             raise CheckpointError(
                 f"{key} names {shown(path, 300)}, which is not a checkpoint file of this run's {folder}"
             )

@@ -56,7 +56,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     import vit.artifact as artifact
     from vit.checks import CheckpointError, class_index
     from vit.explain.relevance import usable_methods
-    from vit.registry import inference_transform
+    from vit.registry import inference_transform, test_data
 
     methods = parse_methods(args.method)
     if args.num_images < 1:
@@ -69,7 +69,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     methods = [m for m in usable if m != "random"] if methods == ["all"] else usable
     target = None if args.target is None else class_index(args.target, ckpt.class_names, option="--target ")
     try:  # without images, the checkpoint's own test images
-        data = artifact.test_data(ckpt) if args.input_dir is None and not args.image else None
+        data = test_data(ckpt.data, ckpt.inputs, ckpt.source) if args.input_dir is None and not args.image else None
     except CheckpointError as err:
         raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
     return (model, ckpt.class_names), transforms, methods, target, data

@@ -5,7 +5,6 @@ pretrained=True)` does: position table, patch kernel and first convolution resam
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -17,13 +16,13 @@ from timm.layers import resample_abs_pos_embed, resample_patch_embed
 from timm.models import adapt_input_conv
 from torch import nn
 
-from vit.checks import check_arguments, check_int, first_line
+from vit.checks import check_arguments, check_int
 from vit.models.vision_transformer import BOUNDS, DEFAULT_SHAPE, VisionTransformer
 from vit.models.weights import (
     UNKNOWN_NAME,
     PretrainedError,
     load_state_dict,
-    open_regular_file,
+    read_json,
     source_kind,
     weight_shapes,
 )
@@ -37,7 +36,6 @@ _HEAD_KEYS = ("head.weight", "head.bias")  # of another shape: another num_class
 # The dimensions `adapt_state_dict` may change: the patch kernel's channels and size (D, C, P, P), the position
 # table's token count (1, N, D). Every other dimension of every tensor must be the model's already.
 _ADAPTED_DIMS = {"patch_embed.proj.weight": (1, 2, 3), "pos_embed": (1,)}
-_MAX_CONFIG_BYTES = 16 * 2**20  # a timm config.json, label names included, is far smaller
 
 
 def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None, depth: int | None,
@@ -98,15 +96,7 @@ def _config_heads(source: str) -> object:
     path = (path if path.is_dir() else path.parent) / "config.json"
     if not path.exists():
         return None
-    name = f"pretrained={source!r}: {path}"
-    with open_regular_file(path, name) as f:
-        text = f.read(_MAX_CONFIG_BYTES + 1)
-    if len(text) > _MAX_CONFIG_BYTES:
-        raise PretrainedError(f"{name} is larger than {_MAX_CONFIG_BYTES} bytes, not a model's config.json")
-    try:
-        config = json.loads(text)
-    except (ValueError, RecursionError) as err:
-        raise PretrainedError(f"{name} is not JSON ({first_line(err)})") from None
+    config = read_json(path, f"pretrained={source!r}: {path}")
     args = config.get("model_args") if isinstance(config, dict) else None
     return args.get("num_heads") if isinstance(args, dict) else None
 

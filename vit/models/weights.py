@@ -27,6 +27,7 @@ UNKNOWN_NAME = "pretrained={!r} is neither a file nor a timm model name (see tim
 # One knob for every file read: weights, model folders, downloads and a run's checkpoints (`vit.artifact`).
 MAX_BYTES_VARIABLE = "READABLE_VIT_DOWNLOAD_MAX_BYTES"
 _DEFAULT_MAX_BYTES = 4 * 2**30
+MAX_CONFIG_BYTES = 16 * 2**20  # 100,000 class names of 100 characters fit; a config.json is a few KB
 MAX_PICKLE_BYTES = 256 * 2**20  # a state dict's data.pkl is a few KB: names, shapes, storage keys
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
 # The safetensors format's dtype names (its specification), as torch names them.
@@ -116,6 +117,23 @@ def max_bytes() -> int:
         raise PretrainedError(f"{MAX_BYTES_VARIABLE}={value!r} is not allowed: expected a whole number of bytes > 0 "
                               f"(default {_DEFAULT_MAX_BYTES})")
     return int(value)
+
+
+def read_json(path: Path, name: str) -> object:
+    """The JSON value in the regular file `path` (a model's config.json): at most `MAX_CONFIG_BYTES`, strict (no
+    NaN or Infinity, which JSON does not have); else `PretrainedError` naming `name`."""
+
+    def no_constant(value: str) -> None:
+        raise ValueError(f"{value} is not a JSON number")
+
+    with open_regular_file(path, name) as f:
+        text = f.read(MAX_CONFIG_BYTES + 1)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise PretrainedError(f"{name} is larger than {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a few KB")
+    try:
+        return json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError) as err:
+        raise PretrainedError(f"{name} is not valid JSON: {_first_line(err)[:200]}") from None
 
 
 def open_regular_file(path: Path, name: str) -> BinaryIO:

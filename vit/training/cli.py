@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import json
 import logging
+import math
 import os
+import secrets
 import signal
 import sys
 import warnings
@@ -104,6 +107,8 @@ class ViTCLI(LightningCLI):
         best = self.trainer.checkpoint_callback.best_model_path if self.trainer.checkpoint_callback else ""
         results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best or None, verbose=False)
         self._print_test_report(results, best or "the final weights")
+        if best and results and self.trainer.is_global_zero:
+            record_test_metrics(artifact.folder_of(best), results[0])
 
     def test(self, **kwargs) -> None:
         """`train.py test`: Lightning's test, then the summary by class name (`format_test_results`)."""
@@ -233,6 +238,19 @@ class ViTCLI(LightningCLI):
                 raise
             raise CheckpointError(f"checkpoint {self._resuming} cannot be resumed: {type(err).__name__}: "
                                   f"{first_line(err)}") from err
+
+
+def record_test_metrics(folder: Path, results: dict[str, float]) -> None:
+    """Add the test metrics of a checkpoint to its model folder's record (`vit.training.test` in config.json), for
+    its model card: replaced whole, as the folder was written."""
+    if not artifact.is_artifact(folder):
+        return
+    config = artifact.read_config(folder)
+    record = config["vit"].setdefault("training", {})
+    record["test"] = {name: float(value) for name, value in results.items() if math.isfinite(value)}
+    tmp = folder / f".{artifact.CONFIG}.{secrets.token_hex(8)}.tmp"
+    tmp.write_text(json.dumps(config, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, folder / artifact.CONFIG)
 
 
 def main(args=None) -> ViTCLI:

@@ -1,7 +1,7 @@
 """Write the model folder of a checkpoint that has none (one written before model folders): beside it, as a run
 writes it now (`last.ckpt` -> `last/`), or into --out.
 
-    python -m vit.artifact --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt
+    python -m vit.upgrade --ckpt_path runs/two_circles/vit/version_0/checkpoints/last.ckpt
 
 The checkpoint is loaded as data only (`weights_only=True`), its model rebuilt from this project's registered
 classes with checked arguments, and the folder read back as every door reads it before it is kept."""
@@ -18,7 +18,7 @@ from vit.commands import parser, run, write_failed
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = parser("vit.artifact", __doc__)
+    options = parser("vit.upgrade", __doc__)
     options.add_argument("--ckpt_path", type=Path, required=True, help="checkpoint written by train.py")
     options.add_argument("--out", type=Path, default=None, help="the folder to write (default: beside the checkpoint)")
     options.add_argument("--overwrite", action="store_true", help="replace a model folder this project wrote")
