@@ -14,6 +14,7 @@ import torch
 
 import vit
 import vit.artifact as artifact
+from vit.artifact.download import DownloadError
 from vit.models import VisionTransformer
 
 HANDLERS: dict[str, object] = {}  # path -> bytes to serve, or a callable(handler) that answers itself
@@ -78,7 +79,7 @@ def test_a_model_folder_at_a_url_opens_as_the_folder_does(server, folder):
 
 
 def test_a_missing_file_is_one_line_naming_the_url_without_its_token(server):
-    with pytest.raises(artifact.ArtifactError) as refused:
+    with pytest.raises(DownloadError) as refused:
         vit.load(f"{server}/nothing?token=secret")
     message = str(refused.value)
     assert message == f"{server}/nothing/config.json?... could not be downloaded: HTTPError: HTTP Error 404: Not Found"
@@ -88,7 +89,7 @@ def test_a_missing_file_is_one_line_naming_the_url_without_its_token(server):
 def test_more_than_the_byte_limit_is_refused(server, folder, monkeypatch):
     serve_folder(folder)
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_MAX_BYTES", "1000")
-    with pytest.raises(artifact.ArtifactError, match=r"model.safetensors is larger than 1000 bytes \(set "
+    with pytest.raises(DownloadError, match=r"model.safetensors is larger than 1000 bytes \(set "
                                                      r"READABLE_VIT_DOWNLOAD_MAX_BYTES\)"):
         vit.load(f"{server}/models/tiny")
 
@@ -108,7 +109,7 @@ def test_a_server_that_trickles_is_stopped_at_the_deadline(server, monkeypatch):
     HANDLERS["/slow/config.json"] = trickle
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "1")
     start = time.monotonic()
-    with pytest.raises(artifact.ArtifactError, match=r"/slow/config.json timed out: not downloaded in 1 s \(set "
+    with pytest.raises(DownloadError, match=r"/slow/config.json timed out: not downloaded in 1 s \(set "
                                                      r"READABLE_VIT_DOWNLOAD_TIMEOUT\)"):
         vit.load(f"{server}/slow")
     assert time.monotonic() - start < 5
@@ -129,20 +130,20 @@ def test_redirects_are_followed_to_http_only(server, folder):
     HANDLERS["/old/model.safetensors"] = redirect_to("/moved/model.safetensors")
     assert vit.load(f"{server}/old").class_names == ["no", "yes"]
     HANDLERS["/ftp/config.json"] = redirect_to("ftp://127.0.0.1/config.json")
-    with pytest.raises(artifact.ArtifactError, match=r"redirects to ftp://127.0.0.1/config.json: only http\(s\) is "
+    with pytest.raises(DownloadError, match=r"redirects to ftp://127.0.0.1/config.json: only http\(s\) is "
                                                      "followed"):
         vit.load(f"{server}/ftp")
 
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1/model", "file:///etc/model", "s3://bucket/model"])
 def test_other_schemes_are_refused_without_a_request(url, server):
-    with pytest.raises(artifact.ArtifactError, match="only http"):
+    with pytest.raises(DownloadError, match="only http"):
         vit.load(url)
     assert REQUESTS == []
 
 
 def test_a_bad_limit_is_named(server, monkeypatch):
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "soon")
-    with pytest.raises(artifact.ArtifactError, match=r"READABLE_VIT_DOWNLOAD_TIMEOUT='soon' is not allowed: expected "
+    with pytest.raises(DownloadError, match=r"READABLE_VIT_DOWNLOAD_TIMEOUT='soon' is not allowed: expected "
                                                      r"a whole number > 0 \(default 600\)"):
         vit.load(f"{server}/models/tiny")

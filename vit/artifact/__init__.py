@@ -191,8 +191,9 @@ def locate(source: str | os.PathLike) -> Path:
         return hub_folder(text[len("hf-hub:") :], (CONFIG, WEIGHTS))
     if "://" in text:
         from vit.artifact.download import download_folder
+        from vit.models.weights import MAX_CONFIG_BYTES, max_bytes
 
-        return download_folder(text)
+        return download_folder(text, {CONFIG: MAX_CONFIG_BYTES, WEIGHTS: max_bytes()})
     path = Path(text).expanduser()
     if path.is_dir():
         return path

@@ -12,12 +12,15 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from vit.artifact import CONFIG, WEIGHTS, ArtifactError
-from vit.checks import first_line
-from vit.models.weights import MAX_BYTES_VARIABLE, MAX_CONFIG_BYTES, max_bytes
+from vit.checks import CheckpointError, first_line
+from vit.models.weights import MAX_BYTES_VARIABLE
 
 TIMEOUT_VARIABLE = "READABLE_VIT_DOWNLOAD_TIMEOUT"
 DEFAULT_TIMEOUT = 600  # seconds for one file, headers and body: a ViT-B's 350 MB at 1 MB/s fit
+
+
+class DownloadError(CheckpointError):
+    """A URL that could not be downloaded; one line naming it, its query string left out."""
 
 
 def redact(url: str) -> str:
@@ -32,22 +35,22 @@ def limit(name: str, default: int) -> int:
     """The whole number > 0 in the environment variable `name`, or `default` when it is unset."""
     value = os.environ.get(name, "").strip()
     if value and (not value.isdigit() or int(value) == 0):
-        raise ArtifactError(f"{name}={value!r} is not allowed: expected a whole number > 0 (default {default})")
+        raise DownloadError(f"{name}={value!r} is not allowed: expected a whole number > 0 (default {default})")
     return int(value) if value else default
 
 
-def download_folder(url: str) -> Path:
-    """The local copy of the model folder at `url` (module doc); `ArtifactError` naming the URL, redacted."""
+def download_folder(url: str, files: dict[str, int]) -> Path:
+    """The local copy of the folder at `url`: its `files`, each of at most its number of bytes (module doc)."""
     import torch
 
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise ArtifactError(f"{redact(url)}: only http(s) URLs are downloaded; download it another way, give its path")
+        raise DownloadError(f"{redact(url)}: only http(s) URLs are downloaded; download it another way, give its path")
     base = parts._replace(query="", fragment="").geturl().rstrip("/")
     folder = Path(torch.hub.get_dir(), "readable-vit", hashlib.sha256(base.encode()).hexdigest()[:16])
     folder.mkdir(parents=True, exist_ok=True)
     query = f"?{parts.query}" if parts.query else ""
-    for name, most in ((CONFIG, MAX_CONFIG_BYTES), (WEIGHTS, max_bytes())):
+    for name, most in files.items():
         download(f"{base}/{name}{query}", folder / name, most)
     return folder
 
@@ -55,7 +58,7 @@ def download_folder(url: str) -> Path:
 class _HttpOnly(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         if urlsplit(newurl).scheme not in ("http", "https"):
-            raise ArtifactError(f"{redact(req.full_url)} redirects to {redact(newurl)}: only http(s) is followed")
+            raise DownloadError(f"{redact(req.full_url)} redirects to {redact(newurl)}: only http(s) is followed")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -71,7 +74,7 @@ def download(url: str, target: Path, max_bytes: int) -> None:
             with urllib.request.build_opener(_HttpOnly).open(url, timeout=timeout) as response:
                 while chunk := response.read1(2**20):
                     if out.tell() + len(chunk) > max_bytes:
-                        raise ArtifactError(
+                        raise DownloadError(
                             f"{redact(url)} is larger than {max_bytes} bytes (set {MAX_BYTES_VARIABLE})"
                         )
                     out.write(chunk)
@@ -84,9 +87,9 @@ def download(url: str, target: Path, max_bytes: int) -> None:
         worker.join(timeout)
         try:
             if worker.is_alive():
-                raise ArtifactError(f"{redact(url)} timed out: not downloaded in {timeout} s (set {TIMEOUT_VARIABLE})")
-            if failure and not isinstance(failure[0], ArtifactError):
-                failure[0] = ArtifactError(
+                raise DownloadError(f"{redact(url)} timed out: not downloaded in {timeout} s (set {TIMEOUT_VARIABLE})")
+            if failure and not isinstance(failure[0], DownloadError):
+                failure[0] = DownloadError(
                     f"{redact(url)} could not be downloaded: {type(failure[0]).__name__}: {first_line(failure[0])}"
                 )
             if failure:

@@ -133,7 +133,7 @@ def read_json(path: Path, name: str) -> object:
     try:
         return json.loads(text, parse_constant=no_constant)
     except (ValueError, RecursionError) as err:
-        raise PretrainedError(f"{name} is not valid JSON: {_first_line(err)[:200]}") from None
+        raise PretrainedError(f"{name} is not valid JSON: {str(err).splitlines()[0][:200]}") from None
 
 
 def open_regular_file(path: Path, name: str) -> BinaryIO:
