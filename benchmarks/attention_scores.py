@@ -98,17 +98,21 @@ def main() -> None:
     base = statistics.median(times["scaled_dot"])
     memory = {s: None for s in SCORES} if args.no_memory else {s: peak_memory_mb(s, args) for s in SCORES}
 
-    print(f"one attention layer, forward+backward: B={args.batch} N={args.tokens} D={args.width} "
-          f"H={args.heads} d_a={args.score_dim} on {args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.rounds} rounds")
+    print(
+        f"one attention layer, forward+backward: B={args.batch} N={args.tokens} D={args.width} "
+        f"H={args.heads} d_a={args.score_dim} on {args.device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.rounds} rounds"
+    )
     print(f"{'score':<11} {'path':<9} {'ms':>8} {'min-max ms':>15} {'x time':>7} {'peak MiB':>9} {'x mem':>6}")
     for s in SCORES:
         ms = [1e3 * t for t in times[s]]
         path = "fused" if s in ("scaled_dot", "dot", "general") else "explicit"
         mem = memory[s]
         mem_s = f"{mem:9.0f} {mem / memory['scaled_dot']:6.1f}" if mem is not None else f"{'-':>9} {'-':>6}"
-        print(f"{s:<11} {path:<9} {statistics.median(ms):8.1f} {min(ms):7.1f}-{max(ms):<7.1f} "
-              f"{statistics.median(times[s]) / base:7.2f} {mem_s}")
+        print(
+            f"{s:<11} {path:<9} {statistics.median(ms):8.1f} {min(ms):7.1f}-{max(ms):<7.1f} "
+            f"{statistics.median(times[s]) / base:7.2f} {mem_s}"
+        )
 
 
 if __name__ == "__main__":

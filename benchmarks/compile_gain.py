@@ -78,7 +78,7 @@ def main() -> None:
     times = {key: [] for key in steps}
     keys = list(steps)
     for repeat in range(args.repeats):
-        for key in keys[repeat % len(keys):] + keys[:repeat % len(keys)]:
+        for key in keys[repeat % len(keys) :] + keys[: repeat % len(keys)]:
             start = clock()
             for _ in range(args.steps):
                 steps[key]()
@@ -90,14 +90,18 @@ def main() -> None:
         values = [scale * v for v in values]
         return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
-    print(f"\nbatch {args.batch_size}, {args.repeats} repeats of {args.steps} steps, {args.clock} clock, "
-          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, timm {timm.__version__}")
+    print(
+        f"\nbatch {args.batch_size}, {args.repeats} repeats of {args.steps} steps, {args.clock} clock, "
+        f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, timm {timm.__version__}"
+    )
     print("| model | eager ms/step | compiled ms/step | compile gain (eager / compiled) | gain / timm's gain |")
     print("|---|---|---|---|---|")
     for name in names:
         relative = [g / t for g, t in zip(gains[name], gains["timm"])]
-        print(f"| {name} | {fmt(times[name, False], 1000, 1)} | {fmt(times[name, True], 1000, 1)} | "
-              f"{fmt(gains[name])} | {fmt(relative)} |")
+        print(
+            f"| {name} | {fmt(times[name, False], 1000, 1)} | {fmt(times[name, True], 1000, 1)} | "
+            f"{fmt(gains[name])} | {fmt(relative)} |"
+        )
 
 
 if __name__ == "__main__":

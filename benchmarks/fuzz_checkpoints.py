@@ -136,14 +136,29 @@ def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: in
         report.outcomes.append((mutation, outcome))
         if log is not None:
             with open(log, "a") as f:
-                f.write(json.dumps({"door": door, "mutation": repr(mutation), "section": section(mutation.path),
-                                    "status": outcome.status, "detail": outcome.detail}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "door": door,
+                            "mutation": repr(mutation),
+                            "section": section(mutation.path),
+                            "status": outcome.status,
+                            "detail": outcome.detail,
+                        }
+                    )
+                    + "\n"
+                )
         if outcome.status == "failed":
             print(f"  {door}: FAILED {mutation!r}: {outcome.detail}", flush=True)
 
     # No shrinking: every variant is recorded and the run goes on, instead of stopping at the first failure.
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @seed(random_seed)
     @given(mutations(base, site, weigh_trainer_state=door == "fit"))
     def random_examples(mutation: Mutation) -> None:
@@ -160,18 +175,24 @@ def fuzz(door: str, trained: Trained, root: Path, examples: int, random_seed: in
 
 def summary(reports: list[DoorReport], top: int) -> str:
     lines = [f"{'door':<16}{'tried':>7}{'accepted':>10}{'refused':>9}{'failed':>8}{'seconds':>10}"]
-    lines += [f"{r.door:<16}{len(r.outcomes):>7}{r.count('accepted'):>10}{r.count('refused'):>9}"
-              f"{r.count('failed'):>8}{r.seconds:>10.1f}" for r in reports]
+    lines += [
+        f"{r.door:<16}{len(r.outcomes):>7}{r.count('accepted'):>10}{r.count('refused'):>9}"
+        f"{r.count('failed'):>8}{r.seconds:>10.1f}"
+        for r in reports
+    ]
     for r in reports:
         lines += ["", f"{r.door}: tried / accepted / refused / failed by section or group"]
-        lines += [f"  {name:<34}{sum(c.values()):>5}{c['accepted']:>5}{c['refused']:>5}{c['failed']:>5}"
-                  for name, c in sorted(r.sections().items())]
+        lines += [
+            f"  {name:<34}{sum(c.values()):>5}{c['accepted']:>5}{c['refused']:>5}{c['failed']:>5}"
+            for name, c in sorted(r.sections().items())
+        ]
         reasons = r.reasons()
         lines += ["", f"{r.door}: refused, by the first words of the error ({len(reasons)} groups)"]
         lines += [f"  {n:>5}  {text}" for text, n in reasons.most_common(top)]
         if len(reasons) > top:
-            lines.append(f"  {sum(n for _, n in reasons.most_common()[top:]):>5}  ... in {len(reasons) - top} "
-                         "smaller groups")
+            lines.append(
+                f"  {sum(n for _, n in reasons.most_common()[top:]):>5}  ... in {len(reasons) - top} smaller groups"
+            )
         failed = [(m, o) for m, o in r.outcomes if o.status == "failed"]
         lines += ["", f"{r.door}: failed ({len(failed)})"]
         lines += [f"  {m!r}\n    {o.detail}" for m, o in failed]
@@ -210,13 +231,28 @@ def fuzz_inputs(door: str, root: Path, examples: int, random_seed: int, log: Pat
         report.outcomes.append((variant, outcome))
         if log is not None:
             with open(log, "a") as f:
-                f.write(json.dumps({"door": door, "variant": repr(variant), "group": variant.group,
-                                    "status": outcome.status, "detail": outcome.detail}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "door": door,
+                            "variant": repr(variant),
+                            "group": variant.group,
+                            "status": outcome.status,
+                            "detail": outcome.detail,
+                        }
+                    )
+                    + "\n"
+                )
         if outcome.status == "failed":
             print(f"  {door}: FAILED {variant!r}: {outcome.detail}", flush=True)
 
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @seed(random_seed)
     @given(strategy)
     def random_examples(variant) -> None:
@@ -253,10 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doors", default="reader", help=f"comma-separated, of {','.join(DOORS)} (default reader)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis's seed: the same seed tries the same variants")
     parser.add_argument("--top", type=int, default=30, help="refusal groups printed per door (default 30)")
-    parser.add_argument("--log", type=Path, default=None, help="a JSON-lines file to append every variant and "
-                        "what its door did to")
-    parser.add_argument("--keep", type=Path, default=None, help="a folder to work in and keep (default: a temporary "
-                        "folder, removed at the end)")
+    parser.add_argument(
+        "--log", type=Path, default=None, help="a JSON-lines file to append every variant and what its door did to"
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="a folder to work in and keep (default: a temporary folder, removed at the end)",
+    )
     args = parser.parse_args(argv)
     doors = [d.strip() for d in args.doors.split(",") if d.strip()]
     unknown = [d for d in doors if d not in DOORS]

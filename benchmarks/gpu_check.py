@@ -147,8 +147,10 @@ def throughput(args: argparse.Namespace) -> dict:
     x = torch.randn(args.batch_size, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (args.batch_size,), device=device)
     precision = "bf16" if device.type == "cuda" else "fp32"  # bf16's attention backward is slow on CPUs (docs/cifar.md)
-    steps = {name: make_step(model, "fwd_bwd", precision, False, device)
-             for name, model in (("ours", ours), ("timm", theirs))}
+    steps = {
+        name: make_step(model, "fwd_bwd", precision, False, device)
+        for name, model in (("ours", ours), ("timm", theirs))
+    }
     peaks = {}
     for name, step in steps.items():
         if device.type == "cuda":
@@ -226,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
     if args.num_train < 2 * args.batch_size:
-        parser.error(f"--num_train={args.num_train} must hold a validation batch and a training batch of "
-                     f"{args.batch_size}")
+        parser.error(
+            f"--num_train={args.num_train} must hold a validation batch and a training batch of {args.batch_size}"
+        )
     if args.device == "cuda":
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available to torch (use --device cpu for the plumbing test)")

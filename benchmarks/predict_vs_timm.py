@@ -87,17 +87,51 @@ def build_model(work: Path) -> tuple[Path, Path]:
     if not ckpt.exists():
         for label in ("a", "b"):
             write_images(work / "train" / label, 12, seed=hash(label) % 100)
-        subprocess.run([sys.executable, "train.py", "fit", "--config", "configs/folder/finetune_vit.yaml",
-                        "--data.root", str(work / "train"), "--data.num_workers", "0", "--data.batch_size", "8",
-                        "--model.pretrained", "null", "--model.backbone.init_args.embed_dim", "192",
-                        "--model.backbone.init_args.depth", "12", "--model.backbone.init_args.num_heads", "3",
-                        "--trainer.max_steps", "2", "--trainer.accelerator", "cpu", "--trainer.precision", "32",
-                        "--trainer.logger.init_args.save_dir", str(work / "runs"),
-                        "--trainer.logger.init_args.name", "bench", "--test_after_fit", "false"],
-                       check=True, cwd=ROOT, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "train.py",
+                "fit",
+                "--config",
+                "configs/folder/finetune_vit.yaml",
+                "--data.root",
+                str(work / "train"),
+                "--data.num_workers",
+                "0",
+                "--data.batch_size",
+                "8",
+                "--model.pretrained",
+                "null",
+                "--model.backbone.init_args.embed_dim",
+                "192",
+                "--model.backbone.init_args.depth",
+                "12",
+                "--model.backbone.init_args.num_heads",
+                "3",
+                "--trainer.max_steps",
+                "2",
+                "--trainer.accelerator",
+                "cpu",
+                "--trainer.precision",
+                "32",
+                "--trainer.logger.init_args.save_dir",
+                str(work / "runs"),
+                "--trainer.logger.init_args.name",
+                "bench",
+                "--test_after_fit",
+                "false",
+            ],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
     if not export.exists():
-        subprocess.run([sys.executable, "-m", "vit.export", "--ckpt_path", str(ckpt), "--out", str(export)],
-                       check=True, cwd=ROOT, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "vit.export", "--ckpt_path", str(ckpt), "--out", str(export)],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
     return ckpt, export
 
 
@@ -117,16 +151,43 @@ def main() -> None:
     ckpt, export = build_model(args.work)
     for n in sizes:
         write_images(args.work / f"images_{n}", n)
-    results: dict[str, list] = {"vit_ips": [], "timm_ips": [], "ratio": [], **{f"rss_{n}": [] for n in sizes},
-                                "rss_timm": [], "vit_start": [], "timm_start": [], "start_ratio": []}
+    results: dict[str, list] = {
+        "vit_ips": [],
+        "timm_ips": [],
+        "ratio": [],
+        **{f"rss_{n}": [] for n in sizes},
+        "rss_timm": [],
+        "vit_start": [],
+        "timm_start": [],
+        "start_ratio": [],
+    }
     options = ["--batch_size", str(args.batch_size), "--num_workers", str(args.num_workers), "--device", "cpu"]
     for repeat in range(args.repeats):
         for n in sizes:  # vit.predict on each size: its RSS; on the largest, its images/s against timm's
             folder, out = args.work / f"images_{n}", args.work / "out"
-            vit_run = [sys.executable, "-m", "vit.predict", "--ckpt_path", str(ckpt), "--input_dir", str(folder),
-                       "--output", str(out / "vit.csv"), "--overwrite", *options]
-            timm_run = [sys.executable, "-c", TIMM_LOOP, str(export), str(folder), str(out / "timm.csv"),
-                        str(args.batch_size), str(args.num_workers)]
+            vit_run = [
+                sys.executable,
+                "-m",
+                "vit.predict",
+                "--ckpt_path",
+                str(ckpt),
+                "--input_dir",
+                str(folder),
+                "--output",
+                str(out / "vit.csv"),
+                "--overwrite",
+                *options,
+            ]
+            timm_run = [
+                sys.executable,
+                "-c",
+                TIMM_LOOP,
+                str(export),
+                str(folder),
+                str(out / "timm.csv"),
+                str(args.batch_size),
+                str(args.num_workers),
+            ]
             out.mkdir(exist_ok=True)
             order = ["vit", "timm"] if repeat % 2 == 0 else ["timm", "vit"]
             measured = {}
@@ -156,15 +217,22 @@ def main() -> None:
         results["timm_start"].append(starts["timm"])
         results["start_ratio"].append(starts["vit"] / starts["timm"])
         print(f"repeat {repeat}: " + json.dumps({k: round(v[-1], 3) for k, v in results.items()}), flush=True)
-    print(f"\nimages/s on {sizes[-1]} images (batch {args.batch_size}, {args.num_workers} workers, cpu): "
-          f"vit.predict {summary(results['vit_ips'], 1)}, timm {summary(results['timm_ips'], 1)}, "
-          f"ratio {summary(results['ratio'])}")
+    print(
+        f"\nimages/s on {sizes[-1]} images (batch {args.batch_size}, {args.num_workers} workers, cpu): "
+        f"vit.predict {summary(results['vit_ips'], 1)}, timm {summary(results['timm_ips'], 1)}, "
+        f"ratio {summary(results['ratio'])}"
+    )
     small, large = results[f"rss_{sizes[0]}"], results[f"rss_{sizes[-1]}"]
-    print("peak RSS of vit.predict, MB: " + ", ".join(f"{n} images {summary(results[f'rss_{n}'], 0)}" for n in sizes)
-          + f"; ratio largest/smallest {summary([b / a for a, b in zip(small, large)])}"
-          + f"; timm's loop on {sizes[-1]} images {summary(results['rss_timm'], 0)}")
-    print(f"start-up + one prediction, s: vit.load {summary(results['vit_start'])}, timm.create_model "
-          f"{summary(results['timm_start'])}, ratio {summary(results['start_ratio'])}")
+    print(
+        "peak RSS of vit.predict, MB: "
+        + ", ".join(f"{n} images {summary(results[f'rss_{n}'], 0)}" for n in sizes)
+        + f"; ratio largest/smallest {summary([b / a for a, b in zip(small, large)])}"
+        + f"; timm's loop on {sizes[-1]} images {summary(results['rss_timm'], 0)}"
+    )
+    print(
+        f"start-up + one prediction, s: vit.load {summary(results['vit_start'])}, timm.create_model "
+        f"{summary(results['timm_start'])}, ratio {summary(results['start_ratio'])}"
+    )
 
 
 if __name__ == "__main__":

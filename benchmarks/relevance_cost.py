@@ -26,8 +26,9 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=32)
     args = parser.parse_args()
     torch.manual_seed(0)
-    vit = VisionTransformer(img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=64, depth=4, num_heads=4,
-                            mlp_ratio=2.0).eval()
+    vit = VisionTransformer(
+        img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0
+    ).eval()
     cnn = ResNet(img_size=32, in_chans=1, num_classes=2, widths=(16, 32, 64, 64)).eval()
     x = torch.randn(args.batch_size, 1, 32, 32)
     cases = [("vit", m, vit) for m in METHODS] + [("cnn", m, cnn) for m in ("gradcam", "random")]
@@ -35,7 +36,7 @@ def main() -> None:
         relevance(model, x[:2], method)
     times = {(name, m): [] for name, m, _ in cases}
     for r in range(args.repeats):
-        order = cases[r % len(cases):] + cases[: r % len(cases)]
+        order = cases[r % len(cases) :] + cases[: r % len(cases)]
         for name, method, model in order:
             start = time.perf_counter()
             relevance(model, x, method)
@@ -45,8 +46,10 @@ def main() -> None:
     print("| model | method | ms per batch | x rollout |\n|---|---|---|---|")
     for (name, method), ms in times.items():
         ratios = [a / b for a, b in zip(ms, reference)]
-        print(f"| {name} | {method} | {statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}] | "
-              f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] |")
+        print(
+            f"| {name} | {method} | {statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}] | "
+            f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] |"
+        )
 
 
 if __name__ == "__main__":

@@ -66,13 +66,15 @@ def build(spec: dict, **extra):
 def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
     """The same backbone and data, in a plain loop."""
     data = build(config["data"])
-    model = build(config["model"]["backbone"], img_size=data.img_size, in_chans=data.in_chans,
-                  num_classes=data.num_classes)
+    model = build(
+        config["model"]["backbone"], img_size=data.img_size, in_chans=data.in_chans, num_classes=data.num_classes
+    )
     data.setup("fit")
     x, y = data.train_set.images.contiguous(), data.train_set.labels
     hp = config["model"]
-    groups = param_groups_weight_decay(model, hp.get("weight_decay", 0.05),
-                                       no_weight_decay_list=getattr(model, "no_weight_decay", set)())
+    groups = param_groups_weight_decay(
+        model, hp.get("weight_decay", 0.05), no_weight_decay_list=getattr(model, "no_weight_decay", set)()
+    )
     optimizer = torch.optim.AdamW(groups, lr=hp.get("lr", 1e-3))
     batch = config["data"]["init_args"]["batch_size"]
     for step in range(steps):
@@ -90,9 +92,16 @@ def study_run(cfg: dict, model: str, num_train: int):
     """The study's run of ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs, from ``cfg``."""
     from studies.runner.grid import plan
 
-    experiment = {"name": "relation", "tasks": ["same_different"], "models": [model], "num_train": [num_train],
-                  "train_region": "left", "test_region": "left", "shift_region": "right",
-                  "train_samples": 2 * num_train}
+    experiment = {
+        "name": "relation",
+        "tasks": ["same_different"],
+        "models": [model],
+        "num_train": [num_train],
+        "train_region": "left",
+        "test_region": "left",
+        "shift_region": "right",
+        "train_samples": 2 * num_train,
+    }
     cfg = {k: v for k, v in cfg.items() if k != "calibration"}
     (run,) = plan({**cfg, "seeds": [0], "experiments": [experiment]}, lrs={"vit": 1e-3, "cnn": 2e-3})
     return run
@@ -105,12 +114,14 @@ def main_study(args) -> None:
     cfg = load_config(args.study)
     run = study_run(cfg, args.model, args.num_train)
     steps = run.epochs * -(-args.num_train // cfg["batch_size"])
-    bare_config = {"data": run.overrides["data"],
-                   "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr}}
+    bare_config = {
+        "data": run.overrides["data"],
+        "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr},
+    }
     ratios, runs, bares = [], [], []
     for repeat in range(args.repeats):
         times = {}
-        for which in (("bare", "study") if repeat % 2 == 0 else ("study", "bare")):
+        for which in ("bare", "study") if repeat % 2 == 0 else ("study", "bare"):
             if which == "bare":
                 times["bare"] = bare_seconds_per_step(bare_config, steps, args.skip)
                 continue
@@ -122,11 +133,16 @@ def main_study(args) -> None:
         runs.append(times["study"])
         bares.append(times["bare"])
         ratios.append(times["study"] / times["bare"])
-        print(f"repeat {repeat}: bare {1000 * times['bare']:.1f} ms/step, whole study run {1000 * times['study']:.1f} "
-              f"ms/step ({steps} steps), ratio {ratios[-1]:.2f}", flush=True)
-    print(f"study run / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
-          f"{args.repeats} repeats; bare {1000 * statistics.median(bares):.1f} ms/step, whole study run "
-          f"{1000 * statistics.median(runs):.1f} ms/step (medians); torch threads {torch.get_num_threads()}")
+        print(
+            f"repeat {repeat}: bare {1000 * times['bare']:.1f} ms/step, whole study run {1000 * times['study']:.1f} "
+            f"ms/step ({steps} steps), ratio {ratios[-1]:.2f}",
+            flush=True,
+        )
+    print(
+        f"study run / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
+        f"{args.repeats} repeats; bare {1000 * statistics.median(bares):.1f} ms/step, whole study run "
+        f"{1000 * statistics.median(runs):.1f} ms/step (medians); torch threads {torch.get_num_threads()}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if (args.config is None) == (args.study is None) or (args.study is not None and args.model is None):
         parser.error("give either --config, or --study with --model")
     sys.argv = sys.argv[:1]  # LightningCLI below reads its arguments from the list it is given, not from here
@@ -150,27 +166,45 @@ def main(argv: list[str] | None = None) -> None:
     ratios, bare_all, cli_all = [], [], []
     for repeat in range(args.repeats):
         times = {}
-        for which in (("bare", "cli") if repeat % 2 == 0 else ("cli", "bare")):
+        for which in ("bare", "cli") if repeat % 2 == 0 else ("cli", "bare"):
             if which == "bare":
                 times["bare"] = bare_seconds_per_step(config, args.steps, args.skip)
             else:
                 with tempfile.TemporaryDirectory() as tmp:
-                    train_main(["fit", "--config", args.config, "--trainer.max_steps", str(args.steps),
-                                "--trainer.limit_val_batches", "0", "--test_after_fit", "false",
-                                "--trainer.logger.init_args.save_dir", tmp,
-                                "--trainer.callbacks+=benchmarks.step_overhead.StepTimer",
-                                f"--trainer.callbacks.skip={args.skip}", *extra])
+                    train_main(
+                        [
+                            "fit",
+                            "--config",
+                            args.config,
+                            "--trainer.max_steps",
+                            str(args.steps),
+                            "--trainer.limit_val_batches",
+                            "0",
+                            "--test_after_fit",
+                            "false",
+                            "--trainer.logger.init_args.save_dir",
+                            tmp,
+                            "--trainer.callbacks+=benchmarks.step_overhead.StepTimer",
+                            f"--trainer.callbacks.skip={args.skip}",
+                            *extra,
+                        ]
+                    )
                 # the callback's class as train.py imports it (this file runs as __main__)
                 times["cli"] = import_module("benchmarks.step_overhead").StepTimer.last
         bare_all.append(times["bare"])
         cli_all.append(times["cli"])
         ratios.append(times["cli"] / times["bare"])
-        print(f"repeat {repeat}: bare {1000 * times['bare']:.1f} ms/step, train.py {1000 * times['cli']:.1f} ms/step, "
-              f"ratio {ratios[-1]:.2f}", flush=True)
-    print(f"train.py / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
-          f"{args.repeats} repeats; bare {1000 * statistics.median(bare_all):.1f} ms/step, "
-          f"train.py {1000 * statistics.median(cli_all):.1f} ms/step (medians); "
-          f"torch threads {torch.get_num_threads()}")
+        print(
+            f"repeat {repeat}: bare {1000 * times['bare']:.1f} ms/step, train.py {1000 * times['cli']:.1f} ms/step, "
+            f"ratio {ratios[-1]:.2f}",
+            flush=True,
+        )
+    print(
+        f"train.py / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
+        f"{args.repeats} repeats; bare {1000 * statistics.median(bare_all):.1f} ms/step, "
+        f"train.py {1000 * statistics.median(cli_all):.1f} ms/step (medians); "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
 
 if __name__ == "__main__":

@@ -148,8 +148,9 @@ def csv_choices(value: str, allowed: tuple[str, ...], name: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--precision", default="fp32,bf16",
-                        help="comma-separated: fp32 (float32), bf16 (bf16 autocast)")
+    parser.add_argument(
+        "--precision", default="fp32,bf16", help="comma-separated: fp32 (float32), bf16 (bf16 autocast)"
+    )
     parser.add_argument("--compile", default="off", help="comma-separated: off, on (torch.compile the model)")
     parser.add_argument("--modes", default="infer,fwd_bwd,train", help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--batch_size", type=int, default=128)
@@ -224,8 +225,10 @@ def main() -> None:
         for compile in compiles:
             for mode in modes:
                 torch.manual_seed(args.seed)
-                steps = {"ours": make_step(ours, mode, precision, compile, device),
-                         "timm": make_step(theirs, mode, precision, compile, device)}
+                steps = {
+                    "ours": make_step(ours, mode, precision, compile, device),
+                    "timm": make_step(theirs, mode, precision, compile, device),
+                }
                 compile_note = {}
                 for name, step in steps.items():
                     start = time.perf_counter()

@@ -29,8 +29,13 @@ from input_mutations import (
 )
 
 TINY = dict(img_size=32, patch_size=8, in_chans=3, num_classes=3, embed_dim=32, depth=2, num_heads=2)
-INPUTS = {"img_size": [32, 32], "in_chans": 3, "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
-          "interpolation": "bilinear"}
+INPUTS = {
+    "img_size": [32, 32],
+    "in_chans": 3,
+    "mean": [0.5, 0.5, 0.5],
+    "std": [0.25, 0.25, 0.25],
+    "interpolation": "bilinear",
+}
 
 
 def reference_folder(root: Path) -> Path:
@@ -42,9 +47,13 @@ def reference_folder(root: Path) -> Path:
     if not (folder / artifact.CONFIG).exists():
         torch.manual_seed(0)
         model = VisionTransformer(**TINY).eval()
-        config = artifact.describe(model, {"class_path": "vit.models.VisionTransformer", "init_args": TINY}, INPUTS,
-                                   ["a", "b", "c"], {"class_path": "vit.data.TwoCirclesDataModule",
-                                                     "init_args": {"num_test": 8}})
+        config = artifact.describe(
+            model,
+            {"class_path": "vit.models.VisionTransformer", "init_args": TINY},
+            INPUTS,
+            ["a", "b", "c"],
+            {"class_path": "vit.data.TwoCirclesDataModule", "init_args": {"num_test": 8}},
+        )
         artifact.write(folder, config, artifact.weights(model))
     return folder
 
@@ -63,11 +72,42 @@ def key_paths(value: Any, prefix: tuple = ()) -> list[tuple]:
 
 DELETE = object()  # the value that deletes the key
 # Values an attacker or a broken writer puts anywhere (the JSON encoder writes NaN and Infinity as those tokens).
-HOSTILE_VALUES = (None, True, False, 0, -1, 1, 2**31, 2**63, 10**100, 1e308, -1e308, 0.5, float("nan"), float("inf"),
-                  "", "x", "subprocess.Popen", "os.system", "vit.models.VisionTransformer", "../../../etc/passwd",
-                  "/dev/zero", "http://127.0.0.1:1/x", "\x1b[2J\u202e", "x" * 5000, [], [1] * 100_000, {}, [[[[[[]]]]]],
-                  {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", MARKER]}},
-                  {"__class__": "os.system"}, [0, 0], [4096, 4096], [1, 100000], DELETE)
+HOSTILE_VALUES = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    10**100,
+    1e308,
+    -1e308,
+    0.5,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "subprocess.Popen",
+    "os.system",
+    "vit.models.VisionTransformer",
+    "../../../etc/passwd",
+    "/dev/zero",
+    "http://127.0.0.1:1/x",
+    "\x1b[2J\u202e",
+    "x" * 5000,
+    [],
+    [1] * 100_000,
+    {},
+    [[[[[[]]]]]],
+    {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", MARKER]}},
+    {"__class__": "os.system"},
+    [0, 0],
+    [4096, 4096],
+    [1, 100000],
+    DELETE,
+)
 
 
 @dataclass(frozen=True)
@@ -125,8 +165,9 @@ def config_unknown_key(path: tuple) -> FolderVariant:
             node["__init__"] = {"class_path": "subprocess.Popen"}
         (model / "config.json").write_text(json.dumps(config))
 
-    return FolderVariant(f"config.json {'.'.join(map(str, path)) or '.'} + an unknown key", "config unknown key",
-                         change)
+    return FolderVariant(
+        f"config.json {'.'.join(map(str, path)) or '.'} + an unknown key", "config unknown key", change
+    )
 
 
 def file_change(name: str, change: Change) -> FolderVariant:
@@ -142,8 +183,11 @@ def folder_variants(reference: Path) -> st.SearchStrategy[FolderVariant]:
     return st.one_of(
         st.builds(config_value, st.sampled_from(paths), st.sampled_from(HOSTILE_VALUES)),
         st.builds(config_unknown_key, st.sampled_from(mappings)),
-        st.builds(file_change, st.just("model.safetensors"),
-                  st.one_of(st.sampled_from(safetensors_changes()), byte_changes(), st.sampled_from(special_files()))),
+        st.builds(
+            file_change,
+            st.just("model.safetensors"),
+            st.one_of(st.sampled_from(safetensors_changes()), byte_changes(), st.sampled_from(special_files())),
+        ),
         st.builds(file_change, st.just("config.json"), st.one_of(byte_changes(), st.sampled_from(special_files()))),
     )
 
@@ -156,18 +200,19 @@ def _get(config: Any, path: tuple) -> Any:
 
 def notable_folder_variants() -> list[FolderVariant]:
     """What an attacker tries first: a class path of their own, arguments beyond the bounds, a header that lies."""
-    return [FolderVariant("as written", "as written", lambda model: None),
-            config_value(("vit", "backbone", "class_path"), "subprocess.Popen"),
-            config_value(("vit", "backbone"), {"class_path": "subprocess.Popen",
-                                               "init_args": {"args": ["touch", MARKER]}}),
-            config_value(("vit", "backbone", "init_args", "depth"), 1024),
-            config_value(("vit", "backbone", "init_args", "embed_dim"), 65536),
-            config_value(("vit", "backbone", "init_args", "img_size"), 4096),
-            config_value(("vit", "data", "class_path"), "vit.data.ImageFolderDataModule"),
-            config_value(("vit", "inputs", "img_size"), [4096, 4096]),
-            file_change("model.safetensors", AS_WRITTEN),
-            *[file_change("model.safetensors", change) for change in safetensors_changes()],
-            *[file_change("config.json", change) for change in special_files()]]
+    return [
+        FolderVariant("as written", "as written", lambda model: None),
+        config_value(("vit", "backbone", "class_path"), "subprocess.Popen"),
+        config_value(("vit", "backbone"), {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", MARKER]}}),
+        config_value(("vit", "backbone", "init_args", "depth"), 1024),
+        config_value(("vit", "backbone", "init_args", "embed_dim"), 65536),
+        config_value(("vit", "backbone", "init_args", "img_size"), 4096),
+        config_value(("vit", "data", "class_path"), "vit.data.ImageFolderDataModule"),
+        config_value(("vit", "inputs", "img_size"), [4096, 4096]),
+        file_change("model.safetensors", AS_WRITTEN),
+        *[file_change("model.safetensors", change) for change in safetensors_changes()],
+        *[file_change("config.json", change) for change in special_files()],
+    ]
 
 
 def artifact_door(path: Path) -> Outcome:
@@ -193,8 +238,9 @@ def artifact_door(path: Path) -> Outcome:
     if logits.shape != (1, len(predictor.class_names)):
         return Outcome("failed", f"accepted, and its logits are of shape {tuple(logits.shape)}")
     if not torch.isfinite(logits).all():
-        weights_finite = all(bool(torch.isfinite(p).all()) for p in predictor.model.state_dict().values()
-                             if p.is_floating_point())
+        weights_finite = all(
+            bool(torch.isfinite(p).all()) for p in predictor.model.state_dict().values() if p.is_floating_point()
+        )
         if not weights_finite:
             return Outcome("failed", f"accepted, and its logits are {logits.tolist()}")
         return Outcome("accepted", "finite weights whose logits overflow float32")

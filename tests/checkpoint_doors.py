@@ -43,15 +43,19 @@ def doors(ckpt: Path, config: Path, tmp_path: Path) -> dict[str, Callable]:
             except SystemExit as exit:
                 return exit.code
             return 0
+
         return run
 
     return {
-        "vit.predict": lambda mp: predict_main(["--ckpt_path", str(ckpt), "--input_dir", str(images),
-                                                "--output", str(tmp_path / "p.csv")]),
-        "vit.explain": lambda mp: explain_main(["--ckpt_path", str(ckpt), "--input_dir", str(images),
-                                                "--out", str(tmp_path / "e.png")]),
-        "vit.explain (test split)": lambda mp: explain_main(["--ckpt_path", str(ckpt),
-                                                             "--out", str(tmp_path / "t.png")]),
+        "vit.predict": lambda mp: predict_main(
+            ["--ckpt_path", str(ckpt), "--input_dir", str(images), "--output", str(tmp_path / "p.csv")]
+        ),
+        "vit.explain": lambda mp: explain_main(
+            ["--ckpt_path", str(ckpt), "--input_dir", str(images), "--out", str(tmp_path / "e.png")]
+        ),
+        "vit.explain (test split)": lambda mp: explain_main(
+            ["--ckpt_path", str(ckpt), "--out", str(tmp_path / "t.png")]
+        ),
         "vit.export": lambda mp: export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")]),
         "attention_blocking": lambda mp: blocking_main(["--ckpt_paths", str(ckpt), "--out_dir", str(tmp_path / "b")]),
         **{f"train.py {s}": train(s) for s in ("validate", "test", "predict", "fit")},
@@ -63,8 +67,10 @@ def hostile(base: dict, shape: str, marker: Path) -> dict:
     checkpoint = copy.deepcopy(base)
     hparams, data = checkpoint["hyper_parameters"], checkpoint["datamodule_hyper_parameters"]
     if shape == "nested class path":  # the report's own case: an untyped argument holding a class path
-        hparams["backbone"] = {"class_path": "timm.layers.Mlp",
-                               "init_args": {"in_features": 4, "device": popen(marker)}}
+        hparams["backbone"] = {
+            "class_path": "timm.layers.Mlp",
+            "init_args": {"in_features": 4, "device": popen(marker)},
+        }
     elif shape == "nested under an owned backbone":
         hparams["backbone"]["init_args"]["patch_kernel"] = popen(marker)
     elif shape == "backbone outside vit.models":
@@ -79,11 +85,18 @@ def hostile(base: dict, shape: str, marker: Path) -> dict:
     return checkpoint
 
 
-SHAPES = ["nested class path", "nested under an owned backbone", "backbone outside vit.models",
-          "data module outside vit.data", "instantiator"]
+SHAPES = [
+    "nested class path",
+    "nested under an owned backbone",
+    "backbone outside vit.models",
+    "data module outside vit.data",
+    "instantiator",
+]
 # The key each refusal names.
-NAMED = {"nested class path": "hyper_parameters.backbone.class_path='timm.layers.Mlp'",
-         "nested under an owned backbone": "hyper_parameters.backbone.init_args.patch_kernel={'class_path'",
-         "backbone outside vit.models": "hyper_parameters.backbone.class_path='subprocess.Popen'",
-         "data module outside vit.data": "datamodule_hyper_parameters._class_path='subprocess.Popen'",
-         "instantiator": "hyper_parameters._instantiator='os.system'"}
+NAMED = {
+    "nested class path": "hyper_parameters.backbone.class_path='timm.layers.Mlp'",
+    "nested under an owned backbone": "hyper_parameters.backbone.init_args.patch_kernel={'class_path'",
+    "backbone outside vit.models": "hyper_parameters.backbone.class_path='subprocess.Popen'",
+    "data module outside vit.data": "datamodule_hyper_parameters._class_path='subprocess.Popen'",
+    "instantiator": "hyper_parameters._instantiator='os.system'",
+}

@@ -41,9 +41,19 @@ TRAINED_EPOCHS = 1  # the reference run; `fit` doors resume it for one epoch mor
 LOAD_SECONDS = 60  # `vit.load` of a tiny checkpoint takes ~20 ms: a minute means it hangs
 CLI_SECONDS = 180  # `train.py fit` of one tiny epoch takes ~3 s
 # What `fit` alone compares with its run (`resume.check_resume`) before Lightning restores it.
-TRAINER_SECTIONS = ("loops", "callbacks", "callbacks.ModelCheckpoint", "callbacks.RestoreRNGState", "optimizer_states",
-                    "optimizer_states.param_groups", "optimizer_states.state", "lr_schedulers", "TwoCirclesDataModule",
-                    "epoch", "global_step")
+TRAINER_SECTIONS = (
+    "loops",
+    "callbacks",
+    "callbacks.ModelCheckpoint",
+    "callbacks.RestoreRNGState",
+    "optimizer_states",
+    "optimizer_states.param_groups",
+    "optimizer_states.state",
+    "lr_schedulers",
+    "TwoCirclesDataModule",
+    "epoch",
+    "global_step",
+)
 LONG_LIST = 8  # a list longer than this (Python's RNG state: 625 words) offers only its first two and last items
 
 
@@ -150,17 +160,45 @@ class Site:
             f"{{class_path: subprocess.Popen, init_args: {{args: [touch, {self.marker}]}}}}",
             f"!!python/object/apply:os.system ['touch {self.marker}']",
             f"__import__('os').system('touch {self.marker}')",
-            str(self.popen_yaml), self.popen_yaml.as_uri(),
-            "subprocess.Popen", "os.system", "builtins.eval",
-            "vit.models.VisionTransformer", "vit.models.vision_transformer.VisionTransformer",
-            "vit.data.ImageFolderDataModule", "lightning.pytorch.cli.instantiate_module",
-            "../victim", "../../../../victim", str(self.victim), str(self.victim_dir), "~/victim", "/", ".",
-            f"{folder}/../../../../../victim", f"{folder}/../../../../../victim_dir", f"{folder}/../../../../..",
-            str(self.run_dir), str(folder),
-            "http://127.0.0.1:9/x.ckpt", "https://127.0.0.1:9/x.ckpt", "file:///etc/passwd", self.victim.as_uri(),
-            "s3://bucket/x.ckpt", "last",
-            "", "\0", "x" * 5000, "\udcff", "${HOME}", "%(name)s", "{}", "null",
-            "RestoreRNGState", "ModelCheckpoint{}", "EarlyStopping{}", "kwargs",
+            str(self.popen_yaml),
+            self.popen_yaml.as_uri(),
+            "subprocess.Popen",
+            "os.system",
+            "builtins.eval",
+            "vit.models.VisionTransformer",
+            "vit.models.vision_transformer.VisionTransformer",
+            "vit.data.ImageFolderDataModule",
+            "lightning.pytorch.cli.instantiate_module",
+            "../victim",
+            "../../../../victim",
+            str(self.victim),
+            str(self.victim_dir),
+            "~/victim",
+            "/",
+            ".",
+            f"{folder}/../../../../../victim",
+            f"{folder}/../../../../../victim_dir",
+            f"{folder}/../../../../..",
+            str(self.run_dir),
+            str(folder),
+            "http://127.0.0.1:9/x.ckpt",
+            "https://127.0.0.1:9/x.ckpt",
+            "file:///etc/passwd",
+            self.victim.as_uri(),
+            "s3://bucket/x.ckpt",
+            "last",
+            "",
+            "\0",
+            "x" * 5000,
+            "\udcff",
+            "${HOME}",
+            "%(name)s",
+            "{}",
+            "null",
+            "RestoreRNGState",
+            "ModelCheckpoint{}",
+            "EarlyStopping{}",
+            "kwargs",
         ]
 
 
@@ -237,8 +275,12 @@ def _edit(node: Any, path: tuple, action: str, value: Any, key: Any) -> Any:
 
 def section(path: tuple) -> str:
     """The part of the checkpoint a key path is in: what the strategy draws first, so each part is tried as often."""
-    if not path or path[0] in ("pytorch-lightning_version", "hparams_name", "datamodule_hparams_name",
-                               "schema_version"):
+    if not path or path[0] in (
+        "pytorch-lightning_version",
+        "hparams_name",
+        "datamodule_hparams_name",
+        "schema_version",
+    ):
         return "top level"
     if path[0] == "optimizer_states" and len(path) >= 3:
         return f"optimizer_states.{path[2]}"  # param_groups or state
@@ -271,6 +313,7 @@ def value_at(checkpoint: dict, path: tuple) -> Any:
 
 def nested(kind: str, depth: int) -> Lazy:
     """A list (or dict, or tuple) nested `depth` deep: `torch.load` reads it; recursion over it would overflow."""
+
     def make():
         value: Any = []
         for _ in range(depth):
@@ -285,9 +328,20 @@ def tensor_variants(original: torch.Tensor | None = None) -> list[Lazy]:
     base = original if isinstance(original, torch.Tensor) else torch.ones(2, 3)
     shape = tuple(base.shape)
     real = base.float()
-    variants = [(f"a {dtype} copy", lambda d=dtype: base.to(d)) for dtype in (
-        torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64,
-        torch.float8_e4m3fn)]
+    variants = [
+        (f"a {dtype} copy", lambda d=dtype: base.to(d))
+        for dtype in (
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.float8_e4m3fn,
+        )
+    ]
     variants += [
         (f"zeros{(*shape, 1)}", lambda: torch.zeros(*shape, 1)),
         (f"zeros{shape[:-1]}", lambda: torch.zeros(shape[:-1])),
@@ -314,27 +368,72 @@ def tensor_variants(original: torch.Tensor | None = None) -> list[Lazy]:
 ODD_INTS = [-1, -(2**63), 2**31, 2**53, 2**53 + 1, 2**63, 2**64, 10**30, -(10**30)]
 ODD_FLOATS = [math.nan, math.inf, -math.inf, -0.0, 1e308, -1e308, 5e-324]
 # Values `torch.load(weights_only=True)` reads that are not plain data (a frozenset or a slice it refuses itself).
-ODD_OBJECTS = [b"bytes", bytearray(b"bytes"), {1, 2}, frozenset({1}), 1 + 2j, OrderedDict(a=1), torch.Size([2, 3]),
-               torch.float32, torch.device("cpu"), slice(1, 2)]
-ODD_KEYS = ["extra", "class_path", "init_args", "_instantiator", "_class_path", "__class__", "", "a.b", 0, -1, 2**40,
-            None, 1.5, (1, 2), b"key", True, "MixedPrecision", "schema_version", "EarlyStopping{'monitor': 'x'}",
-            "RestoreRNGState", "ModelCheckpoint{'monitor': None}", "cuda"]
+ODD_OBJECTS = [
+    b"bytes",
+    bytearray(b"bytes"),
+    {1, 2},
+    frozenset({1}),
+    1 + 2j,
+    OrderedDict(a=1),
+    torch.Size([2, 3]),
+    torch.float32,
+    torch.device("cpu"),
+    slice(1, 2),
+]
+ODD_KEYS = [
+    "extra",
+    "class_path",
+    "init_args",
+    "_instantiator",
+    "_class_path",
+    "__class__",
+    "",
+    "a.b",
+    0,
+    -1,
+    2**40,
+    None,
+    1.5,
+    (1, 2),
+    b"key",
+    True,
+    "MixedPrecision",
+    "schema_version",
+    "EarlyStopping{'monitor': 'x'}",
+    "RestoreRNGState",
+    "ModelCheckpoint{'monitor': None}",
+    "cuda",
+]
 
 
 def hostile_values(site: Site) -> st.SearchStrategy:
     """Any value a checkpoint could hold: every type, odd numbers, hostile strings, tensors, deep nesting."""
     scalars = st.one_of(
-        st.none(), st.booleans(), st.integers(), st.sampled_from(ODD_INTS), st.floats(), st.sampled_from(ODD_FLOATS),
-        st.text(max_size=12), st.sampled_from(site.strings()), st.sampled_from(ODD_OBJECTS))
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.sampled_from(ODD_INTS),
+        st.floats(),
+        st.sampled_from(ODD_FLOATS),
+        st.text(max_size=12),
+        st.sampled_from(site.strings()),
+        st.sampled_from(ODD_OBJECTS),
+    )
     keys = st.one_of(st.text(max_size=8), st.integers(), st.sampled_from(ODD_KEYS))
     popen = {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", str(site.marker)]}}
     return st.one_of(
         scalars,
         st.sampled_from(tensor_variants()),
-        st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
-                     | st.dictionaries(keys, inner, max_size=3), max_leaves=6),
+        st.recursive(
+            scalars,
+            lambda inner: (
+                st.lists(inner, max_size=3) | st.tuples(inner, inner) | st.dictionaries(keys, inner, max_size=3)
+            ),
+            max_leaves=6,
+        ),
         st.just(popen),
-        st.builds(nested, st.sampled_from(["list", "dict", "tuple"]), st.sampled_from([25, 5000])))
+        st.builds(nested, st.sampled_from(["list", "dict", "tuple"]), st.sampled_from([25, 5000])),
+    )
 
 
 def near_values(value: Any, site: Site) -> list:
@@ -343,20 +442,53 @@ def near_values(value: Any, site: Site) -> list:
     if isinstance(value, bool):
         return [not value, int(value), str(value).lower(), None, [value]]
     if isinstance(value, int):
-        return [value + 1, value - 1, -value, 0, -1, value * 2, value * 1000, *ODD_INTS, float(value), str(value),
-                True, None, [value], [value, value]]
+        return [
+            value + 1,
+            value - 1,
+            -value,
+            0,
+            -1,
+            value * 2,
+            value * 1000,
+            *ODD_INTS,
+            float(value),
+            str(value),
+            True,
+            None,
+            [value],
+            [value, value],
+        ]
     if isinstance(value, float):
         return [-value, 0.0, value * 1e6, *ODD_FLOATS, int(value), str(value), None, [value]]
     if isinstance(value, str):
-        return ["", value + "x", value.upper(), value * 2, value + "\0", f"{value}/../../../../victim", 0, None,
-                [value], {"class_path": value}, *site.strings()]
+        return [
+            "",
+            value + "x",
+            value.upper(),
+            value * 2,
+            value + "\0",
+            f"{value}/../../../../victim",
+            0,
+            None,
+            [value],
+            {"class_path": value},
+            *site.strings(),
+        ]
     if value is None:
         return [0, -1, "", "null", "None", [], {}, False, 0.0, math.nan]
     if isinstance(value, (list, tuple)):
         other = tuple if isinstance(value, list) else list
-        return [type(value)(), type(value)(value[:-1]), type(value)([*value, value[-1] if value else 0]),
-                type(value)(reversed(value)), other(value), [value], {"0": value[0]} if value else {}, None,
-                str(value)[:100]]
+        return [
+            type(value)(),
+            type(value)(value[:-1]),
+            type(value)([*value, value[-1] if value else 0]),
+            type(value)(reversed(value)),
+            other(value),
+            [value],
+            {"0": value[0]} if value else {},
+            None,
+            str(value)[:100],
+        ]
     if isinstance(value, dict):
         return [{}, list(value.values())[:3], {**value, "extra": 1}, None, str(list(value))[:100]]
     if isinstance(value, torch.Tensor):
@@ -378,9 +510,12 @@ def mutations(checkpoint: dict, site: Site, *, weigh_trainer_state: bool = False
     def at(place: tuple[tuple, str]) -> st.SearchStrategy[Mutation]:
         path, where = place
         value = value_at(checkpoint, path)
-        choices = [st.builds(Mutation, st.just(path), st.just(where), st.just("replace"), hostile),
-                   st.builds(Mutation, st.just(path), st.just(where), st.just("replace"),
-                             st.sampled_from(near_values(value, site)))]
+        choices = [
+            st.builds(Mutation, st.just(path), st.just(where), st.just("replace"), hostile),
+            st.builds(
+                Mutation, st.just(path), st.just(where), st.just("replace"), st.sampled_from(near_values(value, site))
+            ),
+        ]
         if path:
             choices.append(st.just(Mutation(path, where, "delete")))
         if isinstance(value, dict):
@@ -401,22 +536,44 @@ def notable_mutations(checkpoint: dict, site: Site) -> list[Mutation]:
     popen = {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", str(site.marker)]}}
     return [
         Mutation(("hyper_parameters", "backbone"), "hyper_parameters.backbone", "replace", popen),
-        Mutation(("hyper_parameters", "backbone", "class_path"), "hyper_parameters.backbone.class_path", "replace",
-                 f"{{class_path: subprocess.Popen, init_args: {{args: [touch, {site.marker}]}}}}"),
-        Mutation(("hyper_parameters", "backbone", "class_path"), "hyper_parameters.backbone.class_path", "replace",
-                 str(site.popen_yaml)),
-        Mutation(("hyper_parameters", "backbone", "class_path"), "hyper_parameters.backbone.class_path", "replace",
-                 "os.system"),
+        Mutation(
+            ("hyper_parameters", "backbone", "class_path"),
+            "hyper_parameters.backbone.class_path",
+            "replace",
+            f"{{class_path: subprocess.Popen, init_args: {{args: [touch, {site.marker}]}}}}",
+        ),
+        Mutation(
+            ("hyper_parameters", "backbone", "class_path"),
+            "hyper_parameters.backbone.class_path",
+            "replace",
+            str(site.popen_yaml),
+        ),
+        Mutation(
+            ("hyper_parameters", "backbone", "class_path"),
+            "hyper_parameters.backbone.class_path",
+            "replace",
+            "os.system",
+        ),
         Mutation(("hyper_parameters", "_instantiator"), "hyper_parameters._instantiator", "replace", "os.system"),
-        Mutation(("datamodule_hyper_parameters", "_class_path"), "datamodule_hyper_parameters._class_path", "replace",
-                 "subprocess.Popen"),
-        Mutation(("hyper_parameters", "backbone", "init_args", "num_heads"),
-                 "hyper_parameters.backbone.init_args.num_heads", "replace", 0),
+        Mutation(
+            ("datamodule_hyper_parameters", "_class_path"),
+            "datamodule_hyper_parameters._class_path",
+            "replace",
+            "subprocess.Popen",
+        ),
+        Mutation(
+            ("hyper_parameters", "backbone", "init_args", "num_heads"),
+            "hyper_parameters.backbone.init_args.num_heads",
+            "replace",
+            0,
+        ),
         Mutation(("inputs", "img_size"), "inputs.img_size", "replace", [2**53, 2**53]),
         Mutation(("class_names",), "class_names", "replace", nested("list", 5000)),
-        *(Mutation(("state_dict", "backbone.head.weight"), "state_dict.backbone.head.weight", "replace", variant)
-          for variant in tensor_variants(checkpoint["state_dict"]["backbone.head.weight"])
-          if variant.label.endswith(("sparse COO>", "a nested tensor>", "a meta tensor>", "float8_e4m3fn copy>"))),
+        *(
+            Mutation(("state_dict", "backbone.head.weight"), "state_dict.backbone.head.weight", "replace", variant)
+            for variant in tensor_variants(checkpoint["state_dict"]["backbone.head.weight"])
+            if variant.label.endswith(("sparse COO>", "a nested tensor>", "a meta tensor>", "float8_e4m3fn copy>"))
+        ),
         Mutation((*mc, "best_model_path"), f"{mc_where}.best_model_path", "replace", escape),
         Mutation((*mc, "kth_best_model_path"), f"{mc_where}.kth_best_model_path", "replace", str(site.victim)),
         Mutation((*mc, "best_k_models"), f"{mc_where}.best_k_models", "add key", torch.tensor(-1.0), escape),
@@ -437,8 +594,11 @@ class Outcome:
     detail: str = ""
 
     def with_harm(self, harm: list[str]) -> Outcome:
-        return Outcome("failed", "; ".join(harm) + (f" ({self.status}: {self.detail})" if self.detail else "")) \
-            if harm else self
+        return (
+            Outcome("failed", "; ".join(harm) + (f" ({self.status}: {self.detail})" if self.detail else ""))
+            if harm
+            else self
+        )
 
 
 class Hung(Exception):
@@ -448,6 +608,7 @@ class Hung(Exception):
 @contextlib.contextmanager
 def deadline(seconds: float) -> Iterator[None]:
     """Raise `Hung` in this (the main) thread after `seconds`: a door that never returns is a failure, not a stall."""
+
     def stop(signum, frame):
         raise Hung(f"still running after {seconds} s")
 
@@ -498,10 +659,13 @@ def open_with_reader(site: Site, trained: Trained) -> Outcome:
         try:
             with deadline(LOAD_SECONDS):
                 loaded = reader.load_checkpoint(site.checkpoint)
-            escaping = [path for key, state in (loaded.get("callbacks") or {}).items()
-                        if str(key).startswith("ModelCheckpoint")
-                        for path in [*(state.get(p) for p in PATHS), *state.get("best_k_models", {})]
-                        if path and folder not in Path(path).resolve().parents]
+            escaping = [
+                path
+                for key, state in (loaded.get("callbacks") or {}).items()
+                if str(key).startswith("ModelCheckpoint")
+                for path in [*(state.get(p) for p in PATHS), *state.get("best_k_models", {})]
+                if path and folder not in Path(path).resolve().parents
+            ]
             outcome = Outcome("failed", f"handed Lightning {escaping}") if escaping else Outcome("accepted")
         except CheckpointError as err:
             outcome = Outcome("refused", str(err))
@@ -518,8 +682,12 @@ def open_with_cli(subcommand: Literal["validate", "fit"], site: Site) -> Outcome
     if subcommand == "fit":
         args += ["--test_after_fit", "false"]
     stderr = io.StringIO()
-    with (pytest.MonkeyPatch.context() as monkeypatch, contextlib.chdir(site.run),
-          contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO())):
+    with (
+        pytest.MonkeyPatch.context() as monkeypatch,
+        contextlib.chdir(site.run),
+        contextlib.redirect_stderr(stderr),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         try:
             with deadline(CLI_SECONDS):
                 main_in_process(args, monkeypatch)
@@ -527,8 +695,9 @@ def open_with_cli(subcommand: Literal["validate", "fit"], site: Site) -> Outcome
         except SystemExit as exit_info:
             code = exit_info.code
         except Exception as err:  # noqa: BLE001  (the property: no exception escapes the CLI)
-            return Outcome("failed", f"{type(err).__name__}: {_shown(str(err), 300)} | {_traceback_tail()}"
-                           ).with_harm(site.harm())
+            return Outcome("failed", f"{type(err).__name__}: {_shown(str(err), 300)} | {_traceback_tail()}").with_harm(
+                site.harm()
+            )
     return _exit_outcome(code, stderr.getvalue()).with_harm(site.harm())
 
 

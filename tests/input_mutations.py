@@ -136,13 +136,29 @@ def save_weights(state: dict, path: Path) -> None:
 
 # What a tensor is replaced by: another dtype (float64 1e300 is finite there and infinite in float32), values the
 # loader must find, shapes the model must not be built from.
-DTYPES = ("float64 1e300", "float64", "float16", "bfloat16", "int64", "int8", "uint8", "bool", "complex64",
-          "float8_e4m3fn")
+DTYPES = (
+    "float64 1e300",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int8",
+    "uint8",
+    "bool",
+    "complex64",
+    "float8_e4m3fn",
+)
 VALUES = ("nan", "inf", "-inf")
 SHAPES = ("dim 0 first", "dim 0 last", "flattened", "a dim more", "each dim +1", "scalar")
 RENAMES = ("{}_x", "module.{}", "backbone.{}", "blocks.1000000.{}", "{}.weight", "", "\0{}", "..{}")
-EXTRA_KEYS = ("extra", "blocks.2.norm1.weight", "blocks.99999999.norm1.weight", "reg_token", "head_drop.x",
-              "norm_pre.weight")
+EXTRA_KEYS = (
+    "extra",
+    "blocks.2.norm1.weight",
+    "blocks.99999999.norm1.weight",
+    "reg_token",
+    "head_drop.x",
+    "norm_pre.weight",
+)
 
 
 def _with_dtype(tensor: torch.Tensor, kind: str) -> torch.Tensor:
@@ -174,8 +190,9 @@ def _with_shape(tensor: torch.Tensor, kind: str) -> torch.Tensor:
 
 def renamed(key: str, pattern: str) -> Change:
     new = pattern.format(key)
-    return Change(f"{key} renamed {new!r}", "renamed",
-                  lambda state: {(new if k == key else k): v for k, v in state.items()})
+    return Change(
+        f"{key} renamed {new!r}", "renamed", lambda state: {(new if k == key else k): v for k, v in state.items()}
+    )
 
 
 def state_changes(keys: list[str]) -> st.SearchStrategy[Change]:
@@ -188,20 +205,29 @@ def state_changes(keys: list[str]) -> st.SearchStrategy[Change]:
     return st.one_of(
         st.just(AS_WRITTEN),
         st.builds(lambda k, d: at(k, f"as {d}", "dtype", lambda t: _with_dtype(t, d)), key, st.sampled_from(DTYPES)),
-        st.builds(lambda k, v, e: at(k, f"{v} {'everywhere' if e else 'in one place'}", "values",
-                                     lambda t: _with_values(t, v, e)), key, st.sampled_from(VALUES), st.booleans()),
+        st.builds(
+            lambda k, v, e: at(
+                k, f"{v} {'everywhere' if e else 'in one place'}", "values", lambda t: _with_values(t, v, e)
+            ),
+            key,
+            st.sampled_from(VALUES),
+            st.booleans(),
+        ),
         st.builds(lambda k, s: at(k, s, "shape", lambda t: _with_shape(t, s)), key, st.sampled_from(SHAPES)),
-        st.builds(lambda k: Change(f"{k} deleted", "deleted", lambda state: {x: v for x, v in state.items() if x != k}),
-                  key),
+        st.builds(
+            lambda k: Change(f"{k} deleted", "deleted", lambda state: {x: v for x, v in state.items() if x != k}), key
+        ),
         st.builds(renamed, key, st.sampled_from(RENAMES)),
-        st.builds(lambda k: Change(f"{k} added", "added", lambda state: {**state, k: torch.zeros(1, 32)}),
-                  st.sampled_from(EXTRA_KEYS)),
+        st.builds(
+            lambda k: Change(f"{k} added", "added", lambda state: {**state, k: torch.zeros(1, 32)}),
+            st.sampled_from(EXTRA_KEYS),
+        ),
     )
 
 
 def _split_safetensors(data: bytes) -> tuple[dict, bytes]:
     length = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + length]), data[8 + length:]
+    return json.loads(data[8 : 8 + length]), data[8 + length :]
 
 
 def _join_safetensors(header: Any, rest: bytes, raw: bytes | None = None) -> bytes:
@@ -250,8 +276,11 @@ def _header_edit(where: str, value: Any) -> Change:
 
 def _raw_header(label: str, make: Callable[[dict, bytes], bytes]) -> Change:
     """The header replaced by the bytes `make(header, data)` returns (not necessarily JSON), its length field true."""
-    return Change(f"header {label}", "safetensors header", _edit_bytes(
-        lambda data: _join_safetensors(None, _split_safetensors(data)[1], make(*_split_safetensors(data)))))
+    return Change(
+        f"header {label}",
+        "safetensors header",
+        _edit_bytes(lambda data: _join_safetensors(None, _split_safetensors(data)[1], make(*_split_safetensors(data)))),
+    )
 
 
 def _length_field(value: Callable[[int, int], int], label: str) -> Change:
@@ -269,20 +298,30 @@ HUGE_SHAPE = [2**20, 2**20, 2**20]  # 2**60 floats: said by a header, never held
 def safetensors_changes() -> list[Change]:
     """Changes to a safetensors file's header (`data_offsets` are `[begin, end]` after the header)."""
     changes = [_length_field(lambda n, size, v=v: v, str(v)) for v in (0, 1, 7, 2**32, 2**63, 2**64 - 1, 100_000_001)]
-    changes += [_length_field(lambda n, size: n - 1, "length - 1"), _length_field(lambda n, size: n + 1, "length + 1"),
-                _length_field(lambda n, size: size - 8, "size - 8"), _length_field(lambda n, size: size, "size")]
+    changes += [
+        _length_field(lambda n, size: n - 1, "length - 1"),
+        _length_field(lambda n, size: n + 1, "length + 1"),
+        _length_field(lambda n, size: size - 8, "size - 8"),
+        _length_field(lambda n, size: size, "size"),
+    ]
     for tensor in ("first", "last"):
-        changes += [_header_edit(f"dtype of {tensor}", v) for v in ("F32x", "f32", "I4", "", 5, None, "F64", "BOOL",
-                                                                     "U8", "C64")]
-        changes += [_header_edit(f"shape of {tensor}", v) for v in ([], [0], [-1], [1.5], ["2"], [True], HUGE_SHAPE,
-                                                                     [2**63], [2**64], [0, 2**62], [2**62, 0])]
-        changes += [_header_edit(f"shape of {tensor}", (lambda s: list(reversed(s)))),
-                    _header_edit(f"shape of {tensor}", (lambda s: [*s, 1])),
-                    _header_edit(f"data_offsets of {tensor}", (lambda o: list(reversed(o)))),
-                    _header_edit(f"data_offsets of {tensor}", (lambda o: [o[0] + 4, o[1] + 4])),
-                    _header_edit(f"data_offsets of {tensor}", (lambda o: [0, o[1] - o[0]])),
-                    _header_edit(f"data_offsets of {tensor}", (lambda o: [o[0], 10**30])),
-                    _header_edit(f"data_offsets of {tensor}", (lambda o: [*o, 1]))]
+        changes += [
+            _header_edit(f"dtype of {tensor}", v)
+            for v in ("F32x", "f32", "I4", "", 5, None, "F64", "BOOL", "U8", "C64")
+        ]
+        changes += [
+            _header_edit(f"shape of {tensor}", v)
+            for v in ([], [0], [-1], [1.5], ["2"], [True], HUGE_SHAPE, [2**63], [2**64], [0, 2**62], [2**62, 0])
+        ]
+        changes += [
+            _header_edit(f"shape of {tensor}", (lambda s: list(reversed(s)))),
+            _header_edit(f"shape of {tensor}", (lambda s: [*s, 1])),
+            _header_edit(f"data_offsets of {tensor}", (lambda o: list(reversed(o)))),
+            _header_edit(f"data_offsets of {tensor}", (lambda o: [o[0] + 4, o[1] + 4])),
+            _header_edit(f"data_offsets of {tensor}", (lambda o: [0, o[1] - o[0]])),
+            _header_edit(f"data_offsets of {tensor}", (lambda o: [o[0], 10**30])),
+            _header_edit(f"data_offsets of {tensor}", (lambda o: [*o, 1])),
+        ]
         changes += [_header_edit(f"data_offsets of {tensor}", v) for v in ([0, 0], [-1, 4], [0, 2**64], [], None)]
         changes += [_header_edit(f"entry of {tensor}", v) for v in ("x", [], None, {}, {"dtype": "F32"})]
         changes.append(_header_edit(f"deleted of {tensor}", None))
@@ -298,8 +337,14 @@ def safetensors_changes() -> list[Change]:
         _raw_header("with trailing garbage", lambda h, d: json.dumps(h).encode() + b"}}"),
         _raw_header("padded with spaces", lambda h, d: json.dumps(h).encode() + b" " * 7),
         _raw_header("with a NUL byte", lambda h, d: json.dumps(h).encode()[:-1] + b"\0}"),
-        _raw_header("with the first tensor twice", lambda h, d: json.dumps(h).encode()[:-1] + b", "
-                    + json.dumps({_first_tensor(h): {**h[_first_tensor(h)], "shape": HUGE_SHAPE}}).encode()[1:]),
+        _raw_header(
+            "with the first tensor twice",
+            lambda h, d: (
+                json.dumps(h).encode()[:-1]
+                + b", "
+                + json.dumps({_first_tensor(h): {**h[_first_tensor(h)], "shape": HUGE_SHAPE}}).encode()[1:]
+            ),
+        ),
     ]
     return changes
 
@@ -368,8 +413,9 @@ def torch_changes() -> list[Change]:
     changes = [
         _rezipped("every entry ZIP_DEFLATED", lambda i: (i.filename, deflated)),
         _rezipped("data.pkl ZIP_DEFLATED", lambda i: (i.filename, deflated if i.filename.endswith(".pkl") else stored)),
-        _rezipped("data/0 ZIP_DEFLATED",
-                  lambda i: (i.filename, deflated if i.filename.endswith("/data/0") else stored)),
+        _rezipped(
+            "data/0 ZIP_DEFLATED", lambda i: (i.filename, deflated if i.filename.endswith("/data/0") else stored)
+        ),
         _rezipped("without data/0", lambda i: None if i.filename.endswith("/data/0") else (i.filename, stored)),
         _rezipped("without data.pkl", lambda i: None if i.filename.endswith("data.pkl") else (i.filename, stored)),
         _rezipped("without version", lambda i: None if i.filename.endswith("/version") else (i.filename, stored)),
@@ -377,8 +423,11 @@ def torch_changes() -> list[Change]:
         *(_sizes_lied(entry, value) for entry in ("data.pkl", "/data/0") for value in (0, 1, 0xFFFFFFFF)),
     ]
     changes += [
-        Change("torch.save of the state dict in its legacy format (a bare pickle)", "pickle", lambda path, state: (
-            torch.save(state, path, _use_new_zipfile_serialization=False), path)[1]),
+        Change(
+            "torch.save of the state dict in its legacy format (a bare pickle)",
+            "pickle",
+            lambda path, state: (torch.save(state, path, _use_new_zipfile_serialization=False), path)[1],
+        ),
         _pickled("{'state_dict': state}", lambda s, f: {"state_dict": s}),
         _pickled("{'model': state, 'epoch': 3}", lambda s, f: {"model": s, "epoch": 3}),
         _pickled("[state]", lambda s, f: [s]),
@@ -391,16 +440,21 @@ def torch_changes() -> list[Change]:
         _pickled("{1: tensor}", lambda s, f: {**s, 1: _token(s)}),
         _pickled("a sparse tensor", lambda s, f: {**s, "cls_token": _token(s).to_sparse()}),
         _pickled("a 10**9-element stride-0 view", lambda s, f: {**s, "extra": torch.zeros(1).expand(10**9)}),
-        _pickled("a quantized tensor", lambda s, f: {**s, "cls_token": torch.quantize_per_tensor(
-            _token(s), 0.1, 0, torch.qint8)}),
+        _pickled(
+            "a quantized tensor",
+            lambda s, f: {**s, "cls_token": torch.quantize_per_tensor(_token(s), 0.1, 0, torch.qint8)},
+        ),
         _pickled("an object that runs code", lambda s, f: {**s, "payload": WritesAMarker(f / MARKER)}),
     ]
     return changes
 
 
 def _truncated(fraction: float) -> Change:
-    return Change(f"truncated to {fraction:.3f} of its bytes", "truncated",
-                  _edit_bytes(lambda data: data[:int(len(data) * fraction)]))
+    return Change(
+        f"truncated to {fraction:.3f} of its bytes",
+        "truncated",
+        _edit_bytes(lambda data: data[: int(len(data) * fraction)]),
+    )
 
 
 def _flipped(places: list[tuple[float, int]]) -> Change:
@@ -415,8 +469,13 @@ def _flipped(places: list[tuple[float, int]]) -> Change:
 
 
 def _flipped_at(index: int, xor: int) -> Change:
-    return Change(f"byte {index} ^ {xor:#x}", "flipped", _edit_bytes(
-        lambda data: data[:index] + bytes([data[index] ^ xor]) + data[index + 1:] if index < len(data) else data))
+    return Change(
+        f"byte {index} ^ {xor:#x}",
+        "flipped",
+        _edit_bytes(
+            lambda data: data[:index] + bytes([data[index] ^ xor]) + data[index + 1 :] if index < len(data) else data
+        ),
+    )
 
 
 def byte_changes() -> st.SearchStrategy[Change]:
@@ -473,11 +532,23 @@ def other_format(suffix: str) -> Change:
     return Change(f"{other[1:]} bytes under {suffix}", "other format", apply)
 
 
-CONFIGS = ("not JSON", "[]", '{"model_args": []}', '{"model_args": {"num_heads": "2"}}',
-           '{"model_args": {"num_heads": 0}}', '{"model_args": {"num_heads": -2}}', '{"model_args": {"num_heads": 3}}',
-           '{"model_args": {"num_heads": 1e300}}', '{"model_args": {"num_heads": true}}',
-           '{"model_args": {"num_heads": null}}', '{"model_args": {"num_heads": 1099511627776}}',
-           '{"model_args": {"num_heads": 2.5}}', "a FIFO", "a folder", "missing")
+CONFIGS = (
+    "not JSON",
+    "[]",
+    '{"model_args": []}',
+    '{"model_args": {"num_heads": "2"}}',
+    '{"model_args": {"num_heads": 0}}',
+    '{"model_args": {"num_heads": -2}}',
+    '{"model_args": {"num_heads": 3}}',
+    '{"model_args": {"num_heads": 1e300}}',
+    '{"model_args": {"num_heads": true}}',
+    '{"model_args": {"num_heads": null}}',
+    '{"model_args": {"num_heads": 1099511627776}}',
+    '{"model_args": {"num_heads": 2.5}}',
+    "a FIFO",
+    "a folder",
+    "missing",
+)
 
 
 def config_change(text: str) -> Change:
@@ -505,18 +576,24 @@ def weight_variants(reference: dict[str, torch.Tensor]) -> st.SearchStrategy[Var
 
     def file_changes(suffix: str) -> st.SearchStrategy[Change]:
         own = headers if suffix == ".safetensors" else archives
-        return st.one_of(st.just(AS_WRITTEN), st.sampled_from(own), byte_changes(), st.sampled_from(specials),
-                         st.just(other_format(suffix)), st.sampled_from(CONFIGS).map(config_change))
+        return st.one_of(
+            st.just(AS_WRITTEN),
+            st.sampled_from(own),
+            byte_changes(),
+            st.sampled_from(specials),
+            st.just(other_format(suffix)),
+            st.sampled_from(CONFIGS).map(config_change),
+        )
 
     def for_suffix(suffix: str) -> st.SearchStrategy[Variant]:
-        return st.builds(weight_variant, st.just(reference), st.just(suffix), state_changes(keys),
-                         file_changes(suffix))
+        return st.builds(weight_variant, st.just(reference), st.just(suffix), state_changes(keys), file_changes(suffix))
 
     return st.sampled_from(WEIGHT_SUFFIXES).flatmap(for_suffix)
 
 
-def weight_variant(reference: dict[str, torch.Tensor], suffix: str, state_change: Change,
-                   file_change: Change) -> Variant:
+def weight_variant(
+    reference: dict[str, torch.Tensor], suffix: str, state_change: Change, file_change: Change
+) -> Variant:
     """`reference` changed by `state_change`, saved as `weights<suffix>` with the `config.json` that names its heads,
     then its file changed by `file_change`."""
 
@@ -535,29 +612,58 @@ def notable_weight_variants(reference: dict[str, torch.Tensor]) -> list[Variant]
     """The weight files an attacker or a broken download gives first, tried on every run."""
     variants = []
     for suffix in WEIGHT_SUFFIXES:
+
         def made(change: Change, state_change: Change = AS_WRITTEN, suffix: str = suffix) -> Variant:
             return weight_variant(reference, suffix, state_change, change)
 
-        variants += [made(AS_WRITTEN), made(special_files()[0]), made(config_change("a FIFO")),
-                     made(_truncated(0.5)),
-                     made(AS_WRITTEN, Change("cls_token: as float64 1e300", "dtype",
-                                              lambda s: {**s, "cls_token": _with_dtype(_token(s),
-                                                                                      "float64 1e300")})),
-                     made(AS_WRITTEN, Change("cls_token: as float8_e4m3fn", "dtype",
-                                             lambda s: {**s, "cls_token": _with_dtype(_token(s),
-                                                                                     "float8_e4m3fn")})),
-                     made(AS_WRITTEN, Change("patch_embed.proj.weight: dim 0 first", "shape",
-                                              lambda s: {**s, "patch_embed.proj.weight": torch.zeros(0, 3, 8, 8)})),
-                     made(AS_WRITTEN, renamed("pos_embed", "blocks.1000000.{}"))]
+        variants += [
+            made(AS_WRITTEN),
+            made(special_files()[0]),
+            made(config_change("a FIFO")),
+            made(_truncated(0.5)),
+            made(
+                AS_WRITTEN,
+                Change(
+                    "cls_token: as float64 1e300",
+                    "dtype",
+                    lambda s: {**s, "cls_token": _with_dtype(_token(s), "float64 1e300")},
+                ),
+            ),
+            made(
+                AS_WRITTEN,
+                Change(
+                    "cls_token: as float8_e4m3fn",
+                    "dtype",
+                    lambda s: {**s, "cls_token": _with_dtype(_token(s), "float8_e4m3fn")},
+                ),
+            ),
+            made(
+                AS_WRITTEN,
+                Change(
+                    "patch_embed.proj.weight: dim 0 first",
+                    "shape",
+                    lambda s: {**s, "patch_embed.proj.weight": torch.zeros(0, 3, 8, 8)},
+                ),
+            ),
+            made(AS_WRITTEN, renamed("pos_embed", "blocks.1000000.{}")),
+        ]
         if suffix == ".safetensors":
-            variants += [made(_header_edit("+huge", {"dtype": "F32", "shape": HUGE_SHAPE,
-                                                     "data_offsets": [0, 4 * 2**60]})),
-                         made(_header_edit("shape of first", [0, 2**62])),
-                         made(_length_field(lambda n, size: 2**63, str(2**63)))]
+            variants += [
+                made(_header_edit("+huge", {"dtype": "F32", "shape": HUGE_SHAPE, "data_offsets": [0, 4 * 2**60]})),
+                made(_header_edit("shape of first", [0, 2**62])),
+                made(_length_field(lambda n, size: 2**63, str(2**63))),
+            ]
         else:
-            variants += [made(c) for c in torch_changes() if c.label in (
-                "zip every entry ZIP_DEFLATED", "torch.save of an object that runs code",
-                "torch.save of a 10**9-element stride-0 view")]
+            variants += [
+                made(c)
+                for c in torch_changes()
+                if c.label
+                in (
+                    "zip every entry ZIP_DEFLATED",
+                    "torch.save of an object that runs code",
+                    "torch.save of a 10**9-element stride-0 view",
+                )
+            ]
     return variants
 
 
@@ -566,11 +672,28 @@ def notable_weight_variants(reference: dict[str, torch.Tensor]) -> list[Variant]
 IMAGE_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "I;16", "I", "F", "LAB", "YCbCr", "HSV")
 # Formats Pillow writes that `decode_image` must not read (EPS would hand its program to Ghostscript), beside the
 # ones it reads.
-OTHER_FORMATS = ("EPS", "PDF", "ICO", "PCX", "SGI", "IM", "DDS", "SPIDER", "QOI", "JPEG2000", "XBM", "MSP", "PALM",
-                 "ICNS")
+OTHER_FORMATS = (
+    "EPS",
+    "PDF",
+    "ICO",
+    "PCX",
+    "SGI",
+    "IM",
+    "DDS",
+    "SPIDER",
+    "QOI",
+    "JPEG2000",
+    "XBM",
+    "MSP",
+    "PALM",
+    "ICNS",
+)
 EXTENSIONS = {"JPEG": "jpg", "JPEG2000": "jp2", "TIFF": "tif", "SPIDER": "spi"}
-VALUE_KINDS = {"F": ("random", "zeros", "nan", "inf", "-inf", "1e38", "-1e38", "constant 5", "tiny"),
-               "I": ("random", "zeros", "negative", "2**31 - 1", "-2**31"), "I;16": ("random", "zeros", "65535")}
+VALUE_KINDS = {
+    "F": ("random", "zeros", "nan", "inf", "-inf", "1e38", "-1e38", "constant 5", "tiny"),
+    "I": ("random", "zeros", "negative", "2**31 - 1", "-2**31"),
+    "I;16": ("random", "zeros", "65535"),
+}
 SIZES = ((1, 1), (2, 3), (31, 17), (64, 64), (1, 3000), (3000, 1))  # (width, height)
 
 
@@ -592,8 +715,15 @@ def make_image(mode: str, size: tuple[int, int], values: str, seed: int) -> Imag
     width, height = size
     if mode == "F":
         pixels = rng.random((height, width), dtype=np.float32)
-        special = {"zeros": 0.0, "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "1e38": 1e38, "-1e38": -1e38,
-                   "constant 5": 5.0}
+        special = {
+            "zeros": 0.0,
+            "nan": math.nan,
+            "inf": math.inf,
+            "-inf": -math.inf,
+            "1e38": 1e38,
+            "-1e38": -1e38,
+            "constant 5": 5.0,
+        }
         if values in special:
             pixels.flat[pixels.size // 2] = special[values]
             if values in ("zeros", "constant 5"):
@@ -673,14 +803,23 @@ def hand_written_images() -> list[tuple[str, Callable[[Path], Path]]]:
     ]
 
 
-def _image_writer(fmt: str, mode: str, size: tuple[int, int], values: str, seed: int, frames: int,
-                  orientation: int | None, name: str | None) -> Callable[[Path], Path]:
+def _image_writer(
+    fmt: str,
+    mode: str,
+    size: tuple[int, int],
+    values: str,
+    seed: int,
+    frames: int,
+    orientation: int | None,
+    name: str | None,
+) -> Callable[[Path], Path]:
     def write(folder: Path) -> Path:
         image = make_image(mode, size, values, seed)
         options: dict[str, Any] = {}
         if frames > 1:
-            options.update(save_all=True, append_images=[make_image(mode, size, values, seed + i)
-                                                         for i in range(1, frames)])
+            options.update(
+                save_all=True, append_images=[make_image(mode, size, values, seed + i) for i in range(1, frames)]
+            )
         if orientation is not None:
             exif = Image.Exif()
             exif[0x0112] = orientation
@@ -707,12 +846,18 @@ def image_files() -> st.SearchStrategy[Change]:
         values = draw(st.sampled_from(VALUE_KINDS.get(mode, ("random", "zeros"))))
         seed = draw(st.integers(0, 2**16))
         frames = draw(st.sampled_from((1, 1, 1, 2))) if fmt in ("GIF", "TIFF", "WEBP", "PNG", "PDF") else 1
-        orientation = draw(st.sampled_from((None, None, 1, 3, 6, 8, 0, 9, 65535))) if fmt in (
-            "JPEG", "PNG", "WEBP", "TIFF") else None
+        orientation = (
+            draw(st.sampled_from((None, None, 1, 3, 6, 8, 0, 9, 65535)))
+            if fmt in ("JPEG", "PNG", "WEBP", "TIFF")
+            else None
+        )
         name = draw(st.sampled_from((None, None, None, "image.jpg", "a\nb.png", "noext", "ímage ✓.png")))
-        label = (f"{fmt} {mode} {size[0]}x{size[1]} {values}" + (f", {frames} frames" if frames > 1 else "")
-                 + (f", EXIF orientation {orientation}" if orientation is not None else "")
-                 + (f", named {name!r}" if name else ""))
+        label = (
+            f"{fmt} {mode} {size[0]}x{size[1]} {values}"
+            + (f", {frames} frames" if frames > 1 else "")
+            + (f", EXIF orientation {orientation}" if orientation is not None else "")
+            + (f", named {name!r}" if name else "")
+        )
         group = f"{fmt} {mode}" if fmt in IMAGE_FORMATS else f"{fmt} (not read)"
         return Change(label, group, _image_writer(fmt, mode, size, values, seed, frames, orientation, name))
 
@@ -747,24 +892,37 @@ def image_variants() -> st.SearchStrategy[Variant]:
 def notable_image_variants() -> list[tuple[Variant, str]]:
     """Images tried on every run, each with what a door must do with it (`accepted` or `refused`): each hand-written
     file, formats not read, NaN and extremes in a float TIFF, a FIFO and the other files in an image's place."""
+
     def made(first: Change, then: Change = AS_WRITTEN) -> Variant:
         return Variant((first, then), lambda folder: then.apply(first.apply(folder)))
 
     def image(fmt: str, mode: str, values: str = "random", size: tuple[int, int] = (31, 17)) -> Change:
-        return Change(f"{fmt} {mode} {size[0]}x{size[1]} {values}", f"{fmt} {mode}",
-                      _image_writer(fmt, mode, size, values, 0, 1, None, None))
+        return Change(
+            f"{fmt} {mode} {size[0]}x{size[1]} {values}",
+            f"{fmt} {mode}",
+            _image_writer(fmt, mode, size, values, 0, 1, None, None),
+        )
 
     # Pillow reads a PNG whose rows stop early as far as they go, and a top-down BMP as any other.
     readable = ("a PNG claiming 12000x12000 with one row", "a BMP of height -4 (top-down)")
-    variants = [(made(Change(label, "hand-written", write)), "accepted" if label in readable else "refused")
-                for label, write in hand_written_images()]
+    variants = [
+        (made(Change(label, "hand-written", write)), "accepted" if label in readable else "refused")
+        for label, write in hand_written_images()
+    ]
     variants += [(made(image(fmt, "RGB")), "refused") for fmt in ("EPS", "PDF", "ICO", "PCX", "SGI")]
-    variants += [(made(image("TIFF", "F", v)), "refused" if v in ("nan", "inf") else "accepted")
-                 for v in ("nan", "inf", "1e38", "-1e38", "constant 5")]
-    variants += [(made(image("PNG", "RGB"), change), "accepted" if change.label == "a link to the file" else "refused")
-                 for change in special_files()]
-    variants += [(made(image("PNG", "RGB")), "accepted"), (made(image("TIFF", "I", "-2**31")), "accepted"),
-                 (made(image("PNG", "I;16", "65535")), "accepted")]
+    variants += [
+        (made(image("TIFF", "F", v)), "refused" if v in ("nan", "inf") else "accepted")
+        for v in ("nan", "inf", "1e38", "-1e38", "constant 5")
+    ]
+    variants += [
+        (made(image("PNG", "RGB"), change), "accepted" if change.label == "a link to the file" else "refused")
+        for change in special_files()
+    ]
+    variants += [
+        (made(image("PNG", "RGB")), "accepted"),
+        (made(image("TIFF", "I", "-2**31")), "accepted"),
+        (made(image("PNG", "I;16", "65535")), "accepted"),
+    ]
     return variants
 
 
@@ -806,8 +964,11 @@ def _failure(err: BaseException) -> Outcome:
 
 def _one_line(err: Exception) -> Outcome:
     text = str(err)
-    return Outcome("refused", text) if text and "\n" not in text else Outcome(
-        "failed", f"{type(err).__name__} of {len(text.splitlines())} lines: {text[:300]!r}")
+    return (
+        Outcome("refused", text)
+        if text and "\n" not in text
+        else Outcome("failed", f"{type(err).__name__} of {len(text.splitlines())} lines: {text[:300]!r}")
+    )
 
 
 def _harm(folder: Path, before: set[str]) -> list[str]:
@@ -875,8 +1036,12 @@ def decode_door(path: Path) -> Outcome:
     except UnreadableImageError as err:
         return _one_line(err)
     if isinstance(image, torch.Tensor):
-        ok = image.ndim == 3 and image.shape[0] == 1 and bool(torch.isfinite(image).all()) and bool(
-            ((image >= 0) & (image <= 1)).all())
+        ok = (
+            image.ndim == 3
+            and image.shape[0] == 1
+            and bool(torch.isfinite(image).all())
+            and bool(((image >= 0) & (image <= 1)).all())
+        )
         shown = f"a tensor {tuple(image.shape)} of {image.dtype}"
     else:
         ok, shown = image.mode in ("L", "RGB") and image.width > 0 and image.height > 0, f"a {image.mode} image"

@@ -26,6 +26,10 @@ def execute(name):
 
 def noise_in(nb):
     """The lines of the executed notebook's outputs (printed, logged, warned or raised) that hold one of `NOISE`."""
-    texts = [o.get("text", "") or "\n".join(o.get("traceback", [])) or o.get("data", {}).get("text/plain", "")
-             for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    texts = [
+        o.get("text", "") or "\n".join(o.get("traceback", [])) or o.get("data", {}).get("text/plain", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for o in cell.outputs
+    ]
     return [line for text in texts for line in text.splitlines() if any(n in line for n in NOISE)]

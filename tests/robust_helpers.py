@@ -20,19 +20,25 @@ STEPS_PER_EPOCH = 8  # num_train 256 / batch_size 32
 
 
 def tiny_config(tmp_path: Path, *, max_epochs: int = 3, every_n_train_steps: int = 3, **data) -> Path:
-    """The shipped resumable two-circles config (base + overlay), shrunk to seconds on a CPU; returns the YAML's path.
-    """
+    """The shipped resumable two-circles config (base + overlay), shrunk to seconds on a CPU; returns its path."""
     config = overlay(yaml.safe_load(BASE_CONFIG.read_text()), yaml.safe_load(RESUMABLE_OVERLAY.read_text()))
     trainer = config["trainer"]
-    trainer.update(max_epochs=max_epochs, accelerator="cpu", devices=1, log_every_n_steps=1,
-                   enable_progress_bar=False, enable_model_summary=False)
+    trainer.update(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer["logger"]["init_args"].update(save_dir=str(tmp_path / "runs"), name="tiny")
     step_checkpoint = trainer["callbacks"][1]["init_args"]
     assert "every_n_train_steps" in step_checkpoint  # the shipped config keeps its fault-tolerance checkpoint
     step_checkpoint["every_n_train_steps"] = every_n_train_steps
     # Stochastic depth draws random numbers every step (depth 2: the first block's rate is 0, the second's 0.2).
-    config["model"]["backbone"]["init_args"].update(patch_size=8, embed_dim=32, depth=2, num_heads=2,
-                                                   drop_path_rate=0.2)
+    config["model"]["backbone"]["init_args"].update(
+        patch_size=8, embed_dim=32, depth=2, num_heads=2, drop_path_rate=0.2
+    )
     config["data"]["init_args"].update(num_train=256, num_val=64, num_test=64, batch_size=32, **data)
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "tiny.yaml"
@@ -63,8 +69,9 @@ def subprocess_env() -> dict[str, str]:
 
 
 def run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(*args), cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        train_command(*args), cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 class PauseAtStep(L.Callback):
@@ -128,9 +135,18 @@ def shared_run(root: Path, monkeypatch) -> Path:
     if root not in _SHARED:
         root.mkdir(parents=True, exist_ok=True)
         config = tiny_config(root)
-        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
-                         "--trainer.callbacks+=robust_helpers.RecordMetrics",
-                         f"--trainer.callbacks.path={root / 'metrics.jsonl'}"], monkeypatch)
+        main_in_process(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--test_after_fit",
+                "false",
+                "--trainer.callbacks+=robust_helpers.RecordMetrics",
+                f"--trainer.callbacks.path={root / 'metrics.jsonl'}",
+            ],
+            monkeypatch,
+        )
         _SHARED[root] = root
     return _SHARED[root]
 

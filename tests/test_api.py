@@ -64,8 +64,23 @@ def test_import_vit_does_not_import_torch():
 
 def test_predict_gives_the_csv_of_vit_predict(checkpoint, images, tmp_path):
     output = tmp_path / "p.csv"
-    assert predict_main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
-                         "--topk", "2", "--device", "cpu"]) == 0
+    assert (
+        predict_main(
+            [
+                "--ckpt_path",
+                str(checkpoint),
+                "--input_dir",
+                str(images),
+                "--output",
+                str(output),
+                "--topk",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     rows = list(csv.DictReader(output.open()))
     predictor = vit.load(checkpoint)
     assert isinstance(predictor, Predictor) and not predictor.model.training
@@ -84,7 +99,8 @@ def test_predict_gives_the_csv_of_vit_predict(checkpoint, images, tmp_path):
     # batch of one and a batch of four run through differently blocked matrix products).
     def same(a: list[Prediction], b: list[Prediction]) -> bool:
         return [p.class_name for p in a] == [p.class_name for p in b] and all(
-            p.probability == pytest.approx(q.probability, abs=1e-6) for p, q in zip(a, b))
+            p.probability == pytest.approx(q.probability, abs=1e-6) for p, q in zip(a, b)
+        )
 
     [one] = predictor.predict(str(files[0]), topk=2)
     assert same(one, predictions[0])
@@ -116,8 +132,23 @@ def test_explain_gives_the_map_of_relevance_and_of_vit_explain(checkpoint, image
         return Figure()
 
     monkeypatch.setattr(vit.explain.plot, "rollout_grid", keep)
-    assert explain_main(["--ckpt_path", str(checkpoint), "--image", str(file), "--method", "rollout,chefer",
-                         "--target", "diagonal", "--out", str(tmp_path / "maps.png")]) == 0
+    assert (
+        explain_main(
+            [
+                "--ckpt_path",
+                str(checkpoint),
+                "--image",
+                str(file),
+                "--method",
+                "rollout,chefer",
+                "--target",
+                "diagonal",
+                "--out",
+                str(tmp_path / "maps.png"),
+            ]
+        )
+        == 0
+    )
     assert torch.equal(drawn["rollout"][0], rollout)
     assert torch.equal(drawn["chefer: diagonal"][0], chefer)
 
@@ -133,18 +164,47 @@ def test_a_hostile_checkpoint_raises_and_builds_nothing(shape, checkpoint, tmp_p
     assert not marker.exists()
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda p, f: p.predict(f, topk=3), "topk=3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
-    (lambda p, f: p.predict(f, topk=0), "topk=0 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
-    (lambda p, f: p.explain(f, method="lime"), ("method='lime' is not allowed: expected one of ['attention', "
-     "'rollout', 'grad_rollout', 'flow', 'chefer', 'gradcam', 'random']")),
-    (lambda p, f: p.explain(f, method="chefer", target="cat"), ("target='cat' is not a class of this model: expected "
-     "one of ['not_diagonal', 'diagonal'] or an index in [0, 1]")),
-    (lambda p, f: p.explain(f, method="chefer", target=2), ("target=2 is not a class of this model: expected "
-     "one of ['not_diagonal', 'diagonal'] or an index in [0, 1]")),
-    (lambda p, f: p.explain(f, method="rollout", target="diagonal"), ("target='diagonal' applies to the "
-     "class-specific methods ['grad_rollout', 'chefer', 'gradcam'] only; method='rollout' is class-agnostic")),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda p, f: p.predict(f, topk=3),
+            "topk=3 is not allowed: expected an int in [1, 2] (the model has 2 classes)",
+        ),
+        (
+            lambda p, f: p.predict(f, topk=0),
+            "topk=0 is not allowed: expected an int in [1, 2] (the model has 2 classes)",
+        ),
+        (
+            lambda p, f: p.explain(f, method="lime"),
+            (
+                "method='lime' is not allowed: expected one of ['attention', "
+                "'rollout', 'grad_rollout', 'flow', 'chefer', 'gradcam', 'random']"
+            ),
+        ),
+        (
+            lambda p, f: p.explain(f, method="chefer", target="cat"),
+            (
+                "target='cat' is not a class of this model: expected "
+                "one of ['not_diagonal', 'diagonal'] or an index in [0, 1]"
+            ),
+        ),
+        (
+            lambda p, f: p.explain(f, method="chefer", target=2),
+            (
+                "target=2 is not a class of this model: expected "
+                "one of ['not_diagonal', 'diagonal'] or an index in [0, 1]"
+            ),
+        ),
+        (
+            lambda p, f: p.explain(f, method="rollout", target="diagonal"),
+            (
+                "target='diagonal' applies to the "
+                "class-specific methods ['grad_rollout', 'chefer', 'gradcam'] only; method='rollout' is class-agnostic"
+            ),
+        ),
+    ],
+)
 def test_bad_arguments_get_the_commands_messages(call, message, checkpoint, images):
     with pytest.raises(ValueError) as err:
         call(vit.load(checkpoint), images / "gray.png")
@@ -157,9 +217,25 @@ def test_a_predict_run_prints_no_head_or_lightning_noise(checkpoint, images, tmp
     recorded = torch.load(checkpoint, weights_only=True)
     recorded["hyper_parameters"]["pretrained"] = str(tmp_path / "gone.safetensors")
     finetuned = save_with_folder(recorded, tmp_path / "finetuned.ckpt")
-    done = subprocess.run([sys.executable, "-m", "vit.predict", "--ckpt_path", str(finetuned), "--input_dir",
-                           str(images), "--output", str(tmp_path / "p.csv"), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vit.predict",
+            "--ckpt_path",
+            str(finetuned),
+            "--input_dir",
+            str(images),
+            "--output",
+            str(tmp_path / "p.csv"),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     for noise in ("re-initialised", "litlogger", "LeafSpec", "Warning"):
         assert noise not in done.stderr, done.stderr
@@ -184,20 +260,43 @@ def test_explain_decodes_only_the_images_it_draws(checkpoint, images, tmp_path, 
 
     decoded = []
     original = vit.data.images.decode_image
-    monkeypatch.setattr(vit.data.images, "decode_image", lambda path, size=None: decoded.append(path.name) or
-                        original(path, size))
+    monkeypatch.setattr(
+        vit.data.images, "decode_image", lambda path, size=None: decoded.append(path.name) or original(path, size)
+    )
     files = sorted(p.name for p in images.iterdir())
-    assert explain_main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--num_images", "1",
-                         "--method", "rollout", "--out", str(tmp_path / "maps.png")]) == 0
+    assert (
+        explain_main(
+            [
+                "--ckpt_path",
+                str(checkpoint),
+                "--input_dir",
+                str(images),
+                "--num_images",
+                "1",
+                "--method",
+                "rollout",
+                "--out",
+                str(tmp_path / "maps.png"),
+            ]
+        )
+        == 0
+    )
     assert decoded == files[:1]  # the first readable file only, not the whole folder
     assert f"note: explaining the first 1 readable images of {len(files)} files" in capsys.readouterr().err
 
 
 def test_vit_load_and_a_prediction_import_no_lightning(checkpoint, images):
-    code = ("import sys, vit; p = vit.load(sys.argv[1]); p.predict([sys.argv[2]]); p.explain(sys.argv[2]); "
-            "print(sorted(m for m in ('lightning', 'torchmetrics', 'jsonargparse') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(images / "rgb.png")],
-                          capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys, vit; p = vit.load(sys.argv[1]); p.predict([sys.argv[2]]); p.explain(sys.argv[2]); "
+        "print(sorted(m for m in ('lightning', 'torchmetrics', 'jsonargparse') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint), str(images / "rgb.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert done.stdout == "[]\n"
 
 
@@ -218,15 +317,31 @@ def test_predict_streams_any_iterable_in_batches_with_the_one_pass_result(checkp
     assert passes == [3, 1] and pulled[3] == (files[3].name, 1)  # the 4th image is read after the first pass
     for top, probs in zip(predictions, one_pass, strict=True):
         assert [p.class_name for p in top] == [predictor.class_names[k] for k in probs.topk(2).indices]
-        torch.testing.assert_close(torch.tensor([p.probability for p in top]), probs.topk(2).values,
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.tensor([p.probability for p in top]), probs.topk(2).values, rtol=0, atol=1e-6)
     torch.testing.assert_close(predictor.probabilities(files, batch_size=1), one_pass, rtol=0, atol=1e-6)
 
 
 def test_vit_predict_streaming_equals_the_one_pass_result(checkpoint, images, tmp_path):
     output = tmp_path / "p.csv"
-    assert predict_main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
-                         "--batch_size", "3", "--num_workers", "2", "--device", "cpu"]) == 0
+    assert (
+        predict_main(
+            [
+                "--ckpt_path",
+                str(checkpoint),
+                "--input_dir",
+                str(images),
+                "--output",
+                str(output),
+                "--batch_size",
+                "3",
+                "--num_workers",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     rows = list(csv.DictReader(output.open()))
     predictor = vit.load(checkpoint)
     with torch.no_grad():
@@ -244,11 +359,16 @@ def test_to_device_and_precision(checkpoint, images):
     assert bf16.dtype == torch.float32 and not torch.equal(bf16, full)  # computed in bfloat16, returned as float
     torch.testing.assert_close(bf16, full, rtol=0, atol=3e-2)
     for call, message in [
-            (lambda: vit.load(checkpoint, precision="fp8"), "precision='fp8' is not allowed: expected one of ['32', "
-             "'bf16', 'fp16']"),
-            (lambda: predictor.to("tpu"), "device='tpu' is not allowed: expected auto, cpu, cuda, cuda:N or mps"),
-            (lambda: vit.load(checkpoint, precision="fp16"), "precision='fp16' runs on a GPU; on the CPU use "
-             "precision='bf16' or '32'")]:
+        (
+            lambda: vit.load(checkpoint, precision="fp8"),
+            "precision='fp8' is not allowed: expected one of ['32', 'bf16', 'fp16']",
+        ),
+        (lambda: predictor.to("tpu"), "device='tpu' is not allowed: expected auto, cpu, cuda, cuda:N or mps"),
+        (
+            lambda: vit.load(checkpoint, precision="fp16"),
+            "precision='fp16' runs on a GPU; on the CPU use precision='bf16' or '32'",
+        ),
+    ]:
         if torch.cuda.is_available() and "fp16" in message:
             continue
         with pytest.raises(ValueError) as err:

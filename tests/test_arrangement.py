@@ -92,8 +92,9 @@ def test_same_seed_same_images_other_seed_other_pairs():
 
 
 def test_datamodule_splits_are_separate_draws_with_their_span_limits():
-    dm = ArrangementDataModule(num_train=2000, num_val=500, num_test=1000, train_max_span=16, test_min_span=17,
-                               batch_size=64)
+    dm = ArrangementDataModule(
+        num_train=2000, num_val=500, num_test=1000, train_max_span=16, test_min_span=17, batch_size=64
+    )
     dm.setup()
     assert dm.class_names == ["clockwise", "counterclockwise"]
     seeds = dm.split_seeds()
@@ -116,11 +117,14 @@ def test_token_labels_mark_the_two_disc_centres():
     assert {int(r // 4 * 8 + col // 4) for r, col in c.tolist()} == set(torch.nonzero(labels[0]).flatten().tolist())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"train_region": "top"}, "train_region='top' is not allowed"),
-    ({"train_max_span": 8}, "train_max_span=8 is not allowed"),
-    ({"noise": -1.0}, "noise=-1.0 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"train_region": "top"}, "train_region='top' is not allowed"),
+        ({"train_max_span": 8}, "train_max_span=8 is not allowed"),
+        ({"noise": -1.0}, "noise=-1.0 is not allowed"),
+    ],
+)
 def test_bad_options_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ArrangementDataModule(**kwargs)

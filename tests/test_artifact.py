@@ -23,8 +23,13 @@ from vit.models import ConvNet, VisionTransformer
 from vit.models.weights import MAX_CONFIG_BYTES
 
 NAMES = ["cat", "dog", "eel"]
-INPUTS = {"img_size": [32, 32], "in_chans": 3, "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3],
-          "interpolation": "bicubic"}
+INPUTS = {
+    "img_size": [32, 32],
+    "in_chans": 3,
+    "mean": [0.5, 0.4, 0.3],
+    "std": [0.2, 0.25, 0.3],
+    "interpolation": "bicubic",
+}
 VIT = dict(img_size=32, patch_size=8, in_chans=3, num_classes=3, embed_dim=32, depth=2, num_heads=2)
 
 
@@ -40,8 +45,9 @@ def photos(count: int = 20, seed: int = 0, mode: str = "RGB") -> list[Image.Imag
     return images
 
 
-def written(folder: Path, model: torch.nn.Module, init_args: dict, inputs: dict = INPUTS,
-            names: list[str] = NAMES) -> Path:
+def written(
+    folder: Path, model: torch.nn.Module, init_args: dict, inputs: dict = INPUTS, names: list[str] = NAMES
+) -> Path:
     class_path = f"vit.models.{type(model).__name__}"
     config = artifact.describe(model, {"class_path": class_path, "init_args": init_args}, inputs, names)
     return artifact.write(folder, config, artifact.weights(model))
@@ -83,9 +89,17 @@ def test_timm_transformers_and_vit_load_give_the_same_probabilities_from_a_model
     assert ours.max(-1).values.min() < 0.99 and (ours.argmax(-1) != ours.argmax(-1)[0]).any()  # not a flat answer
 
 
-@pytest.mark.parametrize("options", [dict(reg_tokens=100), dict(pool="mean"), dict(pool="map"),
-                                     dict(pos_embed="none", qk_norm=True), dict(attn_score="additive")],
-                         ids=["reg_tokens=100", "mean", "map", "no-positions-qk-norm", "additive"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(reg_tokens=100),
+        dict(pool="mean"),
+        dict(pool="map"),
+        dict(pos_embed="none", qk_norm=True),
+        dict(attn_score="additive"),
+    ],
+    ids=["reg_tokens=100", "mean", "map", "no-positions-qk-norm", "additive"],
+)
 def test_a_model_of_any_size_its_constructor_takes_round_trips_exactly(tmp_path, options):
     model, args = random_vit(**options)
     folder = written(tmp_path / "model", model, args)
@@ -114,8 +128,10 @@ def test_a_cnn_backbone_has_a_model_folder_that_this_project_opens(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(vit.load(folder).model(x), model(x), rtol=0, atol=0)
-    assert "ConvNet; only a VisionTransformer exports to timm" in json.loads((folder / "config.json").read_text())[
-        "vit"]["timm"]
+    assert (
+        "ConvNet; only a VisionTransformer exports to timm"
+        in json.loads((folder / "config.json").read_text())["vit"]["timm"]
+    )
 
 
 @pytest.mark.slow
@@ -123,8 +139,9 @@ def test_every_checkpoint_a_run_keeps_has_its_model_folder_with_the_weights_the_
     from vit.artifact import inference_state
 
     config = tiny_config(tmp_path, max_epochs=3, in_chans=3)
-    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", "--model.ema_decay", "0.5"],
-                    monkeypatch)
+    main_in_process(
+        ["fit", "--config", str(config), "--test_after_fit", "false", "--model.ema_decay", "0.5"], monkeypatch
+    )
     [run_dir] = run_dirs(tmp_path)
     folder = run_dir / "checkpoints"
     checkpoints = sorted(folder.glob("*.ckpt"))
@@ -163,17 +180,25 @@ def test_an_hf_hub_id_opens_from_the_local_cache_offline(tmp_path, monkeypatch):
         torch.testing.assert_close(vit.load("hf-hub:someone/tiny-vit").model(x), model(x), rtol=0, atol=0)
     with pytest.raises(HubError) as err:
         vit.load("hf-hub:someone/elsewhere")
-    assert str(err.value) == ("hf-hub:someone/elsewhere is not in the local Hugging Face cache and the Hub cannot be "
-                              "reached (offline, or HF_HUB_OFFLINE=1): download it where the network allows (`hf "
-                              "download someone/elsewhere`), or give its folder")
+    assert str(err.value) == (
+        "hf-hub:someone/elsewhere is not in the local Hugging Face cache and the Hub cannot be "
+        "reached (offline, or HF_HUB_OFFLINE=1): download it where the network allows (`hf "
+        "download someone/elsewhere`), or give its folder"
+    )
 
 
 def test_an_exported_folder_opens_in_vit_load_and_in_transformers(tmp_path):
     from vit.export import export
 
     model, _ = random_vit()
-    data = dict(input_size=(3, 32, 32), mean=INPUTS["mean"], std=INPUTS["std"], interpolation="bicubic",
-                crop_pct=1.0, crop_mode="squash")
+    data = dict(
+        input_size=(3, 32, 32),
+        mean=INPUTS["mean"],
+        std=INPUTS["std"],
+        interpolation="bicubic",
+        crop_pct=1.0,
+        crop_mode="squash",
+    )
     export(model, tmp_path / "out", data, NAMES)
     images = photos(6)
     by_timm, by_transformers, ours = three_doors(tmp_path / "out", images)
@@ -201,13 +226,19 @@ def set_in(path: str, value):
 
 
 HOSTILE_CONFIGS = [
-    (set_in("vit.backbone.class_path", "subprocess.Popen"),
-     "vit.backbone.class_path='subprocess.Popen' is not allowed: a saved model may name only the backbones"),
-    (set_in("vit.backbone.init_args.depth", 10**9),
-     "vit.backbone.init_args.depth=1000000000 is not allowed: expected at most 1024"),
+    (
+        set_in("vit.backbone.class_path", "subprocess.Popen"),
+        "vit.backbone.class_path='subprocess.Popen' is not allowed: a saved model may name only the backbones",
+    ),
+    (
+        set_in("vit.backbone.init_args.depth", 10**9),
+        "vit.backbone.init_args.depth=1000000000 is not allowed: expected at most 1024",
+    ),
     (set_in("vit.backbone.init_args.args", ["touch", "x"]), "VisionTransformer has no argument 'args'; refused"),
-    (set_in("vit.backbone.init_args.embed_dim", 64), "model.safetensors: cls_token has shape (1, 1, 32), the "
-                                                     "backbone config.json records needs (1, 1, 64)"),
+    (
+        set_in("vit.backbone.init_args.embed_dim", 64),
+        "model.safetensors: cls_token has shape (1, 1, 32), the backbone config.json records needs (1, 1, 64)",
+    ),
     (set_in("vit.format_version", 99), "vit.format_version=99 is not allowed"),
     (set_in("vit.inputs.img_size", [64, 64]), "inputs.img_size=[64, 64] disagrees with the backbone's img_size=32"),
     (set_in("vit.class_names", ["a", "b"]), "class_names holds 2 name(s) (2 distinct); the model has 3 classes"),
@@ -258,8 +289,10 @@ def test_hostile_weights_are_refused_before_memory_is_spent(tmp_path):
     cases = [
         ({**weights, "payload": torch.zeros(3)}, "1 unexpected; first: 'payload' not in the model"),
         ({k: v for k, v in weights.items() if k != "head.bias"}, "1 tensor(s) missing"),
-        ({**weights, "head.bias": torch.full((3,), 1e300, dtype=torch.float64)},
-         "head.bias holds NaN or infinite values (as torch.float32)"),
+        (
+            {**weights, "head.bias": torch.full((3,), 1e300, dtype=torch.float64)},
+            "head.bias holds NaN or infinite values (as torch.float32)",
+        ),
         ({**weights, "head.bias": torch.tensor([1, 2, 3])}, "head.bias is a torch.int64 tensor, the backbone needs"),
     ]
     for tensors, message in cases:
@@ -270,9 +303,12 @@ def test_hostile_weights_are_refused_before_memory_is_spent(tmp_path):
     # A header that promises a 4096 x 65536 head in a file of a few bytes: refused from the header alone.
     header = json.dumps({"head.weight": {"dtype": "F32", "shape": [4096, 65536], "data_offsets": [0, 0]}}).encode()
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
-    with pytest.raises(ArtifactError, match=r"model.safetensors is not a safetensors file, or it is corrupted "
-                       r"\(head.weight: data_offsets \[0, 0\] hold 0 bytes, and a F32 tensor of shape \[4096, 65536\] "
-                       r"has 1073741824\)"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"model.safetensors is not a safetensors file, or it is corrupted "
+        r"\(head.weight: data_offsets \[0, 0\] hold 0 bytes, and a F32 tensor of shape \[4096, 65536\] "
+        r"has 1073741824\)",
+    ):
         vit.load(folder)
 
 
@@ -302,28 +338,49 @@ def test_a_run_with_timer_and_early_stopping_resumes_and_its_checkpoints_open(tm
 
     config = tiny_config(tmp_path, max_epochs=1)
     # Timer's interval is given: its default, an enum, is what jsonargparse cannot write into config.yaml.
-    callbacks = ["--trainer.callbacks+=Timer", "--trainer.callbacks.interval=step",
-                 "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val/loss",
-                 "--trainer.callbacks.patience=10"]
+    callbacks = [
+        "--trainer.callbacks+=Timer",
+        "--trainer.callbacks.interval=step",
+        "--trainer.callbacks+=EarlyStopping",
+        "--trainer.callbacks.monitor=val/loss",
+        "--trainer.callbacks.patience=10",
+    ]
     main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", *callbacks], monkeypatch)
     [run_dir] = run_dirs(tmp_path)
     last = run_dir / "checkpoints" / "last.ckpt"
     first = torch.load(last, weights_only=True)
     states = {key.split("{")[0] for key in first["callbacks"]}
     assert {Timer.__name__, EarlyStopping.__name__} <= states
-    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", *callbacks,
-                     "--trainer.max_epochs", "2", "--ckpt_path", "last"], monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--test_after_fit",
+            "false",
+            *callbacks,
+            "--trainer.max_epochs",
+            "2",
+            "--ckpt_path",
+            "last",
+        ],
+        monkeypatch,
+    )
     resumed = torch.load(last, weights_only=True)
     assert resumed["epoch"] == 1 and resumed["global_step"] == 2 * first["global_step"]
     timer = next(state for key, state in resumed["callbacks"].items() if key.startswith("Timer"))
-    assert timer["time_elapsed"]["train"] > next(state for key, state in first["callbacks"].items()
-                                                 if key.startswith("Timer"))["time_elapsed"]["train"]
+    assert (
+        timer["time_elapsed"]["train"]
+        > next(state for key, state in first["callbacks"].items() if key.startswith("Timer"))["time_elapsed"]["train"]
+    )
     # validate restores the checkpoint, Timer's and EarlyStopping's states with it (a SystemExit would be a refusal)
     main_in_process(["validate", "--config", str(config), *callbacks, "--ckpt_path", str(last)], monkeypatch)
     x = torch.rand(2, 1, 32, 32)
     with torch.no_grad():
-        assert torch.isfinite(vit.load(last).model(x)).all() and torch.isfinite(vit.load(last.with_suffix("")).model(
-            x)).all()
+        assert (
+            torch.isfinite(vit.load(last).model(x)).all()
+            and torch.isfinite(vit.load(last.with_suffix("")).model(x)).all()
+        )
 
 
 @pytest.mark.slow
@@ -355,8 +412,10 @@ def test_a_model_with_100_register_tokens_trains_saves_and_opens_through_every_d
     from vit.upgrade import main as write_folder
 
     config = tiny_config(tmp_path, max_epochs=1)
-    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
-                     "--model.backbone.init_args.reg_tokens", "100"], monkeypatch)
+    main_in_process(
+        ["fit", "--config", str(config), "--test_after_fit", "false", "--model.backbone.init_args.reg_tokens", "100"],
+        monkeypatch,
+    )
     [run_dir] = run_dirs(tmp_path)
     last = run_dir / "checkpoints" / "last.ckpt"
     alone = tmp_path / "alone.ckpt"  # without its folder: written by the command, under the constructor's bounds
@@ -370,8 +429,20 @@ def test_a_model_with_100_register_tokens_trains_saves_and_opens_through_every_d
     main_in_process(["validate", "--config", str(config), "--ckpt_path", str(alone)], monkeypatch)
     before = torch.load(last, weights_only=True)["global_step"]
     resumed = tiny_config(tmp_path, max_epochs=2)
-    main_in_process(["fit", "--config", str(resumed), "--test_after_fit", "false", "--ckpt_path", "last",
-                     "--model.backbone.init_args.reg_tokens", "100"], monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(resumed),
+            "--test_after_fit",
+            "false",
+            "--ckpt_path",
+            "last",
+            "--model.backbone.init_args.reg_tokens",
+            "100",
+        ],
+        monkeypatch,
+    )
     assert torch.load(last, weights_only=True)["global_step"] == 2 * before  # one epoch more
     assert vit.load(last).model.num_reg_tokens == 100
 
@@ -397,8 +468,9 @@ def test_a_timm_model_name_opens_from_timms_cache_offline_as_timm_runs_it(tmp_pa
     with torch.no_grad():
         reference.head.weight.mul_(50)  # probabilities far from uniform
     cache = tmp_path / "hub"
-    save_for_hf(reference, hub_cache(cache, get_pretrained_cfg("vit_tiny_patch16_224").hf_hub_id),
-                safe_serialization=True)
+    save_for_hf(
+        reference, hub_cache(cache, get_pretrained_cfg("vit_tiny_patch16_224").hf_hub_id), safe_serialization=True
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
@@ -414,6 +486,9 @@ def test_a_timm_model_name_opens_from_timms_cache_offline_as_timm_runs_it(tmp_pa
     ours = predictor.probabilities(images)
     assert (theirs.argmax(-1) == ours.argmax(-1)).all()
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
-    with pytest.raises(HubError, match=r"hf-hub:timm/vit_small_patch16_224\.augreg_in21k_ft_in1k is not in the "
-                                            r"local Hugging Face cache"):
+    with pytest.raises(
+        HubError,
+        match=r"hf-hub:timm/vit_small_patch16_224\.augreg_in21k_ft_in1k is not in the "
+        r"local Hugging Face cache",
+    ):
         vit.load("vit_small_patch16_224")

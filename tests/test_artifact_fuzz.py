@@ -39,8 +39,12 @@ def test_random_hostile_model_folders_are_refused_or_harmless(tmp_path_factory):
     root = tmp_path_factory.mktemp("artifact_fuzz_random")
     failures = []
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(folder_variants(reference_folder(root)))
     def one(variant) -> None:
         outcome = opened(artifact_door, variant, root / "variant")

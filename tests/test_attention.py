@@ -49,8 +49,13 @@ def reference_scores(attn, q, k):
     if s == "general":  # q^T W k
         return torch.einsum("bhmd,hde,bhne->bhmn", q, attn.score.weight, k)
     if s == "additive":  # w_a^T tanh(W_b [q ; k]), the concatenation built for every pair
-        pairs = torch.cat([q[:, :, :, None, :].expand(-1, -1, -1, k.shape[2], -1),
-                           k[:, :, None, :, :].expand(-1, -1, q.shape[2], -1, -1)], dim=-1)  # (B,H,M,N,2d)
+        pairs = torch.cat(
+            [
+                q[:, :, :, None, :].expand(-1, -1, -1, k.shape[2], -1),
+                k[:, :, None, :, :].expand(-1, -1, q.shape[2], -1, -1),
+            ],
+            dim=-1,
+        )  # (B,H,M,N,2d)
         hidden = torch.tanh(torch.einsum("hae,bhmne->bhmna", attn.score.w_b, pairs))
         return torch.einsum("ha,bhmna->bhmn", attn.score.w_a, hidden)
     if s == "concat":  # w_a^T tanh(W_q q + W_k k)
@@ -239,8 +244,10 @@ def test_an_integer_mask_is_refused_rather_than_read_as_a_bias(dtype):
     # Read as a bias, a 0/1 mask would add 0 or 1 to the scores: nothing would be blocked.
     model = VisionTransformer(**TINY).eval()
     allowed = torch.eye(17, dtype=dtype)[None, None]  # (1, 1, N, N): each token may see only itself
-    message = re.escape(f"a mask of dtype {dtype} is not allowed: pass a bool mask (True = may attend; "
-                        "`mask.bool()` for a 0/1 mask) or a float additive bias (0 = may attend, -inf = blocked)")
+    message = re.escape(
+        f"a mask of dtype {dtype} is not allowed: pass a bool mask (True = may attend; "
+        "`mask.bool()` for a 0/1 mask) or a float additive bias (0 = may attend, -inf = blocked)"
+    )
     with pytest.raises(ValueError, match=message), mask_attention(model, allowed):
         pass
     assert model.attn_mask is None
@@ -256,8 +263,9 @@ def test_a_bias_holding_nan_or_plus_inf_is_refused_naming_it(value, name):
     model = VisionTransformer(**TINY).eval()
     bias = torch.zeros(1, 1, 17, 17)
     bias[0, 0, 3, 5] = value
-    message = (f"the mask holds {name} (1 of 289 values): an additive bias must be finite (0 = may attend) or "
-               "-inf (blocked)")
+    message = (
+        f"the mask holds {name} (1 of 289 values): an additive bias must be finite (0 = may attend) or -inf (blocked)"
+    )
     with pytest.raises(ValueError, match=re.escape(message)), mask_attention(model, bias):
         pass
     bias[0, 0, 3, 5] = float("-inf")  # -inf blocks: allowed

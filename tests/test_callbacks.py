@@ -52,7 +52,6 @@ def offline_wandb(tmp_path, monkeypatch):
     wandb.finish()
 
 
-
 def run_cli(args, tmp_path, monkeypatch):
     """`python train.py ARGS` in `tmp_path`, in this process."""
     monkeypatch.chdir(tmp_path)
@@ -92,9 +91,7 @@ def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch
     assert logged["val/acc"][-1] == pytest.approx(val_acc)
     assert {"test/acc", "test/loss", "train/loss_step", "train/lr", "train/loss_epoch", "val/loss"} <= set(logged)
     assert (logged["val/rollout/height"], logged["val/rollout/width"]) == ([ROLLOUT_PIXELS[0]], [ROLLOUT_PIXELS[1]])
-    config = {
-        item.key: json.loads(item.value_json) for record in records for item in record.config.update
-    }
+    config = {item.key: json.loads(item.value_json) for record in records for item in record.config.update}
     # The resolved config of both YAML files, as the run's config: the second file's logger wins.
     assert config["trainer"]["logger"]["class_path"] == "vit.training.loggers.WandbLogger"
     assert "default_hp_metric" not in config["trainer"]["logger"]["init_args"]
@@ -104,8 +101,13 @@ def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch
     assert len(keys) == len(set(keys))
 
     # W&B's own confusion matrix of the test set, with the class names: a table of (Actual, Predicted, nPredictions).
-    charts = [entry.local_path for record in records if record.WhichOneof("record_type") == "artifact"
-              for entry in record.artifact.manifest.contents if entry.path == "test/confusion_matrix_table.table.json"]
+    charts = [
+        entry.local_path
+        for record in records
+        if record.WhichOneof("record_type") == "artifact"
+        for entry in record.artifact.manifest.contents
+        if entry.path == "test/confusion_matrix_table.table.json"
+    ]
     assert len(charts) == 1
     chart = json.loads(Path(charts[0]).read_text())
     assert {row[0] for row in chart["data"]} == set(cli.model.class_names)
@@ -116,8 +118,13 @@ def test_wandb_offline_run_holds_metrics_images_and_config(tmp_path, monkeypatch
     assert {"TestPredictionsTable", "RolloutImages", "ConfusionMatrix"} <= callbacks
     # test/predictions: every test image (32 < num_rows=64), mistakes first, most confident mistake first.
     # W&B keeps a table with its images in a run_table artifact; offline, its files wait in the staging folder.
-    staged = [entry.local_path for record in records if record.WhichOneof("record_type") == "artifact"
-              for entry in record.artifact.manifest.contents if entry.path == "test/predictions.table.json"]
+    staged = [
+        entry.local_path
+        for record in records
+        if record.WhichOneof("record_type") == "artifact"
+        for entry in record.artifact.manifest.contents
+        if entry.path == "test/predictions.table.json"
+    ]
     assert len(staged) == 1
     table = json.loads(Path(staged[0]).read_text())
     assert table["columns"] == ["image", "true", "predicted", "probability", "rollout"]
@@ -179,11 +186,15 @@ def tiny_data():
 def test_csv_rollout_every_n_epochs_fixed_images_and_confusion_matrix(tmp_path, monkeypatch):
     drawn_with = []
     figure = ConfusionMatrix._figure
-    monkeypatch.setattr(ConfusionMatrix, "_figure", lambda self, title, names=None: (drawn_with.append(names),
-                                                                                   figure(self, title, names))[1])
+    monkeypatch.setattr(
+        ConfusionMatrix,
+        "_figure",
+        lambda self, title, names=None: (drawn_with.append(names), figure(self, title, names))[1],
+    )
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2,
-                                 num_heads=2)
+    backbone = VisionTransformer(
+        img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2
+    )
     rollout = RolloutImages(every_n_epochs=2, num_images=5, methods=["rollout"], class_names=["neg", "pos"])
     confusion = ConfusionMatrix()
     trainer = tiny_trainer(tmp_path, [rollout, confusion], max_epochs=3)
@@ -294,8 +305,9 @@ def test_relevance_scores_are_logged_and_equal_the_scores_of_the_maps(tmp_path):
     from vit.explain.scores import pointing_game, relevance_mass
 
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2,
-                                 num_heads=2)
+    backbone = VisionTransformer(
+        img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2
+    )
     scores = RelevanceScores(methods=["rollout", "gradcam"], num_images=10)
     trainer = tiny_trainer(tmp_path, [scores], max_epochs=1)
     data = tiny_data()
@@ -308,15 +320,17 @@ def test_relevance_scores_are_logged_and_equal_the_scores_of_the_maps(tmp_path):
         logged = trainer.callback_metrics
         assert float(logged[f"val/pointing_game/{method}"]) == pytest.approx(float(pointing_game(maps, masks).mean()))
         assert float(logged[f"val/relevance_mass/{method}"]) == pytest.approx(
-            float(relevance_mass(maps, masks).mean()), abs=1e-6)
+            float(relevance_mass(maps, masks).mean()), abs=1e-6
+        )
     csv_metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
     assert "val/pointing_game/rollout" in csv_metrics  # on the dashboard (CSV here; TensorBoard and W&B alike)
 
 
 def test_rollout_images_draws_any_relevance_method(tmp_path):
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2,
-                                 num_heads=2)
+    backbone = VisionTransformer(
+        img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2
+    )
     rollout = RolloutImages(every_n_epochs=1, num_images=3, methods=["rollout", "chefer", "gradcam"])
     trainer = tiny_trainer(tmp_path, [rollout], max_epochs=1)
     trainer.fit(ImageClassifier(backbone, lr=1e-3), tiny_data())
@@ -347,15 +361,25 @@ def test_figures_name_the_epoch_and_step_as_the_checkpoints_do(tmp_path, monkeyp
 
     monkeypatch.setattr("vit.explain.callbacks.figure_to_array", rollout_array)
     monkeypatch.setattr(ConfusionMatrix, "_figure", confusion_figure)
-    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="epoch{epoch:02d}-step{step}",
-                                  auto_insert_metric_name=False, save_top_k=-1)
-    trainer = L.Trainer(max_epochs=2, logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[checkpoints, RolloutImages(num_images=2, every_n_epochs=1), ConfusionMatrix()])
-    model = ImageClassifier(VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2,
-                                              in_chans=1, num_classes=2))
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", filename="epoch{epoch:02d}-step{step}", auto_insert_metric_name=False, save_top_k=-1
+    )
+    trainer = L.Trainer(
+        max_epochs=2,
+        logger=CSVLogger(tmp_path, name="csv"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[checkpoints, RolloutImages(num_images=2, every_n_epochs=1), ConfusionMatrix()],
+    )
+    model = ImageClassifier(
+        VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, in_chans=1, num_classes=2)
+    )
     trainer.fit(model, datamodule=tiny_data())  # 2 steps an epoch
 
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch00-step2.ckpt", "epoch01-step4.ckpt"]
-    assert titles == [("rollout", "after epoch 00 (step 2)"), ("rollout", "after epoch 01 (step 4)"),
-                      ("confusion", "the last validation, after epoch 01 (step 4)")]
+    assert titles == [
+        ("rollout", "after epoch 00 (step 2)"),
+        ("rollout", "after epoch 01 (step 4)"),
+        ("confusion", "the last validation, after epoch 01 (step 4)"),
+    ]

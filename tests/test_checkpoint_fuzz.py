@@ -54,9 +54,12 @@ FIT_EXAMPLES = max(1, READER_EXAMPLES // 10)
 def fuzzing(examples: int):
     # The fixtures (the trained checkpoint, the site folder) are shared by every example on purpose: `Site.reset`
     # lays out a fresh run folder for each. No example database: nothing is written into the repository.
-    return settings(max_examples=examples, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +134,12 @@ def plant_hpc(trained: Trained, site: Site) -> Path:
     score = torch.tensor(0.5)
     for key, state in checkpoint["callbacks"].items():
         if key.startswith("ModelCheckpoint{"):
-            state.update(dict(zip(HPC_PATHS, bad, strict=True)), best_k_models={bad[0]: score, bad[1]: score},
-                         best_model_score=score, kth_value=score)
+            state.update(
+                dict(zip(HPC_PATHS, bad, strict=True)),
+                best_k_models={bad[0]: score, bad[1]: score},
+                best_model_score=score,
+                kth_value=score,
+            )
     path = site.run / "hpc_ckpt_1.ckpt"
     torch.save(checkpoint, path)
     return path
@@ -165,11 +172,16 @@ def open_hpc(door: str, site: Site) -> Outcome:
                 outcome = Outcome("failed", f"{type(err).__name__}: {err}")
             return outcome.with_harm(site.harm())
         stderr = io.StringIO()
-        with (pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stderr(stderr),
-              contextlib.redirect_stdout(io.StringIO())):
+        with (
+            pytest.MonkeyPatch.context() as monkeypatch,
+            contextlib.redirect_stderr(stderr),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
             try:
-                main_in_process(["fit", "--config", str(site.config), "--ckpt_path", "hpc", "--test_after_fit",
-                                 "false"], monkeypatch)
+                main_in_process(
+                    ["fit", "--config", str(site.config), "--ckpt_path", "hpc", "--test_after_fit", "false"],
+                    monkeypatch,
+                )
                 code = 0
             except SystemExit as exit_info:
                 code = exit_info.code

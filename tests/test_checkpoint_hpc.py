@@ -23,8 +23,15 @@ from vit.checks import CheckpointError
 
 pytestmark = pytest.mark.slow  # a real train.py run makes the checkpoint the hostile one is made from
 
-SLURM = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1", "SLURM_NODELIST": "node1",
-         "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+SLURM = {
+    "SLURM_NTASKS": "1",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_ID": "1",
+    "SLURM_NODELIST": "node1",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+}
 PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 
@@ -46,8 +53,14 @@ def plant(ckpt: Path, work: Path) -> list[Path]:
             state["dirpath"] = str(next_run)
             score = torch.tensor(0.5)
             bad = [f"{next_run}/{escape}/{v.name}" for v in victims]
-            state.update(best_model_path=bad[0], kth_best_model_path=bad[1], last_model_path=bad[2],
-                         best_k_models={bad[0]: score, bad[1]: score}, best_model_score=score, kth_value=score)
+            state.update(
+                best_model_path=bad[0],
+                kth_best_model_path=bad[1],
+                last_model_path=bad[2],
+                best_k_models={bad[0]: score, bad[1]: score},
+                best_model_score=score,
+                kth_value=score,
+            )
     torch.save(checkpoint, work / "hpc_ckpt_1.ckpt")
     return victims
 
@@ -59,8 +72,17 @@ def test_a_planted_hpc_checkpoint_touches_no_file_outside_the_run(way, trained, 
     work.mkdir()
     victims = plant(ckpt, work)
     monkeypatch.chdir(work)  # Lightning's default_root_dir, where it looks for hpc checkpoints
-    args = ["fit", "--config", str(config), "--trainer.max_epochs", "3", "--test_after_fit", "false",
-            "--trainer.logger.init_args.save_dir", str(work / "runs")]
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.max_epochs",
+        "3",
+        "--test_after_fit",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(work / "runs"),
+    ]
     if way.startswith("SLURM"):
         for name, value in SLURM.items():
             monkeypatch.setenv(name, value)
@@ -81,11 +103,19 @@ def test_a_planted_hpc_checkpoint_touches_no_file_outside_the_run(way, trained, 
 def test_hpc_and_best_name_a_file_or_say_why_not(trained, tmp_path, monkeypatch, capsys):
     ckpt, config = trained
     monkeypatch.chdir(tmp_path)
-    for value, line in (("hpc", f"error: --ckpt_path hpc: there is no hpc_ckpt_N.ckpt in {tmp_path} "
-                                "(trainer.default_root_dir, where Lightning saves SLURM's requeue checkpoints)"),
-                        ("best", "error: --ckpt_path best is the best checkpoint of a fit in the same process, and "
-                                 "validate starts a new one: pass the checkpoint's file "
-                                 "(runs/<name>/version_N/checkpoints/...)")):
+    for value, line in (
+        (
+            "hpc",
+            f"error: --ckpt_path hpc: there is no hpc_ckpt_N.ckpt in {tmp_path} "
+            "(trainer.default_root_dir, where Lightning saves SLURM's requeue checkpoints)",
+        ),
+        (
+            "best",
+            "error: --ckpt_path best is the best checkpoint of a fit in the same process, and "
+            "validate starts a new one: pass the checkpoint's file "
+            "(runs/<name>/version_N/checkpoints/...)",
+        ),
+    ):
         with pytest.raises(SystemExit) as exit:
             main_in_process(["validate", "--config", str(config), "--ckpt_path", value], monkeypatch)
         assert exit.value.code == 2
@@ -127,8 +157,20 @@ def test_slurms_requeue_of_a_real_hpc_checkpoint_continues_the_training(trained,
         monkeypatch.setenv(name, value)
     saved = torch.load(ckpt, weights_only=True)
     torch.save(saved, tmp_path / "hpc_ckpt_1.ckpt")
-    main_in_process(["fit", "--config", str(config), "--trainer.max_epochs", "2", "--test_after_fit", "false",
-                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.max_epochs",
+            "2",
+            "--test_after_fit",
+            "false",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "runs"),
+        ],
+        monkeypatch,
+    )
     (run,) = run_dirs(tmp_path)
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     steps_per_epoch = saved["global_step"] // (saved["epoch"] + 1)

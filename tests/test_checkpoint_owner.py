@@ -88,10 +88,20 @@ def change(own: dict, case: str, marker: Path) -> str:
     raise AssertionError(case)
 
 
-CASES = ["backbone a YAML string naming Popen", "backbone outside vit.models", "a class path nested under an argument",
-         "embed_dim 4096 with small weights", "num_classes 10**9", "mean of the wrong length", "std 0",
-         "mean a string", "inputs img_size not the backbone's", "a list nested 5,000 deep",
-         "a class name with a terminal escape", "format version 2"]
+CASES = [
+    "backbone a YAML string naming Popen",
+    "backbone outside vit.models",
+    "a class path nested under an argument",
+    "embed_dim 4096 with small weights",
+    "num_classes 10**9",
+    "mean of the wrong length",
+    "std 0",
+    "mean a string",
+    "inputs img_size not the backbone's",
+    "a list nested 5,000 deep",
+    "a class name with a terminal escape",
+    "format version 2",
+]
 
 
 def hostile_folder(trained, tmp_path: Path, case: str, marker: Path) -> tuple[Path, str]:
@@ -110,8 +120,9 @@ def hostile_folder(trained, tmp_path: Path, case: str, marker: Path) -> tuple[Pa
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_every_door_refuses_a_hostile_model_folder_in_one_line_naming_the_key(case, trained, tmp_path, monkeypatch,
-                                                                               capsys):
+def test_every_door_refuses_a_hostile_model_folder_in_one_line_naming_the_key(
+    case, trained, tmp_path, monkeypatch, capsys
+):
     marker = tmp_path / "MARKER"
     folder, expected = hostile_folder(trained, tmp_path, case, marker)
     with pytest.raises(CheckpointError) as refused:
@@ -143,12 +154,15 @@ def test_an_oversize_architecture_is_refused_before_memory_is_spent(trained, tmp
     """A model folder recording a ViT of 1.6 billion parameters beside small weights: refused by comparing shapes on
     the meta device. The peak memory of the process grows by less than 1 GB over what importing the library takes."""
     folder, _ = hostile_folder(trained, tmp_path, "embed_dim 4096 with small weights", tmp_path / "m")
-    script = ("import resource, vit.api\n"
-              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-              f"try:\n    vit.api.load({str(folder)!r})\nexcept ValueError as err:\n    print('refused:', err)\n"
-              "print('grew_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
-                         cwd=REPO, timeout=300).stdout
+    script = (
+        "import resource, vit.api\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"try:\n    vit.api.load({str(folder)!r})\nexcept ValueError as err:\n    print('refused:', err)\n"
+        "print('grew_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=300
+    ).stdout
     assert "refused: model folder" in out and "does not fit the backbone" in out, out
     grew_kb = int(out.split("grew_kb")[1])
     assert grew_kb < 2**20, f"peak memory grew by {grew_kb / 2**20:.2f} GB"
@@ -191,21 +205,27 @@ def model_checkpoint_state(checkpoint: dict) -> dict:
 
 
 def fit(ckpt: Path, config: Path, monkeypatch, capsys) -> tuple[int, str]:
-    return cli(["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--test_after_fit", "false"], monkeypatch,
-               capsys)
+    return cli(
+        ["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--test_after_fit", "false"], monkeypatch, capsys
+    )
 
 
-def test_fit_refuses_checkpoint_paths_that_lead_out_of_the_run_and_deletes_nothing(trained, tmp_path, monkeypatch,
-                                                                                    capsys):
+def test_fit_refuses_checkpoint_paths_that_lead_out_of_the_run_and_deletes_nothing(
+    trained, tmp_path, monkeypatch, capsys
+):
     victim = tmp_path / "victim"
     (victim / "inside").mkdir(parents=True)
     (victim / "inside" / "precious.txt").write_text("keep me")
 
     def edit(checkpoint, folder):
         escape = f"{folder}/../../../../victim/inside/precious.txt"
-        model_checkpoint_state(checkpoint).update(dirpath=str(folder), last_model_path=escape,
-                                                  best_model_path=escape, kth_best_model_path=escape,
-                                                  best_k_models={escape: torch.tensor(0.1)})
+        model_checkpoint_state(checkpoint).update(
+            dirpath=str(folder),
+            last_model_path=escape,
+            best_model_path=escape,
+            kth_best_model_path=escape,
+            best_k_models={escape: torch.tensor(0.1)},
+        )
 
     ckpt, config = edited(trained, tmp_path, edit)
     code, stderr = fit(ckpt, config, monkeypatch, capsys)
@@ -291,8 +311,9 @@ def test_a_compressed_or_oversize_archive_is_refused_before_it_is_unpacked(train
 
 
 @pytest.mark.parametrize("where", ["model.backbone", "model.backbone.init_args.patch_kernel", "data"])
-def test_a_class_path_planted_in_the_runs_config_is_refused_and_never_built(where, trained, tmp_path, monkeypatch,
-                                                                           capsys):
+def test_a_class_path_planted_in_the_runs_config_is_refused_and_never_built(
+    where, trained, tmp_path, monkeypatch, capsys
+):
     marker = tmp_path / "MARKER"
     ckpt, config = run_copy(trained, tmp_path)
     recorded = yaml.safe_load((ckpt.parent.parent / "config.yaml").read_text())
@@ -322,6 +343,7 @@ def _set(keys: tuple, value):
         for key in keys[:-1]:
             target = target[key]
         target[keys[-1]] = value
+
     return edit
 
 
@@ -335,9 +357,13 @@ RESUME_CASES = {
     "a scheduler of the wrong type": (("lr_schedulers", 0, "last_epoch"), "x"),
     "optimizer groups missing": (("optimizer_states", 0, "param_groups"), []),
     "weights of another shape": (("state_dict", "backbone.head.bias"), torch.zeros(7)),
+    # Found by benchmarks/fuzz_checkpoints.py: the cosine after the warmup would fail only once it starts.
+    "the cosine's rates for fewer groups": (("lr_schedulers", 0, "_schedulers", 1, "base_lrs"), [1e-3]),
     # What an earlier version saved: a LambdaLR's state (its lambda itself is not saved).
-    "the schedule of an earlier version": (("lr_schedulers",), [{"base_lrs": [1e-3, 1e-3], "last_epoch": 8,
-                                                                 "_step_count": 9, "lr_lambdas": [None]}]),
+    "the schedule of an earlier version": (
+        ("lr_schedulers",),
+        [{"base_lrs": [1e-3, 1e-3], "last_epoch": 8, "_step_count": 9, "lr_lambdas": [None]}],
+    ),
 }
 
 
@@ -351,8 +377,10 @@ def test_a_trainer_state_that_does_not_fit_the_run_fails_in_one_line(case, train
     line = error_line(stderr)
     assert line.startswith(f"error: checkpoint {ckpt} cannot be resumed: "), line
     if case == "another number of processes":
-        assert line.endswith("the data position was written by 4 process(es) and this run has 1: resume with 4 "
-                             "(trainer.devices x trainer.num_nodes)"), line
+        assert line.endswith(
+            "the data position was written by 4 process(es) and this run has 1: resume with 4 "
+            "(trainer.devices x trainer.num_nodes)"
+        ), line
     assert victim.read_text() == "keep me"
 
 
@@ -360,8 +388,17 @@ def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypa
     """The checkpoints a resumed run writes have their model folders, which every door opens."""
     for epochs in (1, 2, 3):
         config = tiny_config(tmp_path, max_epochs=epochs)
-        main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
-                         *(["--ckpt_path", "last"] if epochs > 1 else [])], monkeypatch)
+        main_in_process(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--test_after_fit",
+                "false",
+                *(["--ckpt_path", "last"] if epochs > 1 else []),
+            ],
+            monkeypatch,
+        )
     last = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["epoch"] == 2
     main_in_process(["validate", "--config", str(config), "--ckpt_path", str(last)], monkeypatch)
@@ -370,7 +407,10 @@ def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypa
 
 def test_fit_refuses_model_settings_other_than_the_runs(trained, tmp_path, monkeypatch, capsys):
     ckpt, config = run_copy(trained, tmp_path)
-    code, stderr = cli(["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--model.backbone.init_args.depth",
-                        "3"], monkeypatch, capsys)
+    code, stderr = cli(
+        ["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--model.backbone.init_args.depth", "3"],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2
     assert "model.backbone.init_args.depth: 2 in the checkpoint vs 3 given" in error_line(stderr)

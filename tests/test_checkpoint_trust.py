@@ -43,8 +43,6 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     return train_tiny(tmp_path_factory.mktemp("trained"))
 
 
-
-
 class CountingHub(http.server.BaseHTTPRequestHandler):
     """A local stand-in for the Hugging Face Hub: answers 404 to everything and counts the requests."""
 
@@ -71,8 +69,9 @@ def hub(monkeypatch, tmp_path):
     # went to huggingface.co (and, offline, to 23 s of retries), never reaching the stand-in.
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub cache"))
     yield CountingHub.requests
@@ -88,9 +87,19 @@ def test_a_pretrained_hub_id_in_a_checkpoint_is_never_requested(trained, tmp_pat
     (moved / "config.json").write_text(json.dumps(recorded))
     # The stand-in hub is reached by a pretrained load, so that silence below means no request was made.
     from vit.models.pretrained import create_vit
+
     with pytest.raises(ValueError):
-        create_vit(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=32, depth=1, num_heads=2,
-                   mlp_ratio=2.0, pretrained="hf-hub:someone/anything")
+        create_vit(
+            img_size=32,
+            patch_size=8,
+            in_chans=1,
+            num_classes=2,
+            embed_dim=32,
+            depth=1,
+            num_heads=2,
+            mlp_ratio=2.0,
+            pretrained="hf-hub:someone/anything",
+        )
     # (Asked for the repository's files, not only for huggingface_hub's own registry of agents.)
     assert any(path.startswith("/someone/anything/") for path in hub), f"the stand-in hub was not asked: {hub}"
     hub.clear()
@@ -114,19 +123,48 @@ def fine_tune(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
             pixels[8:24, 8:24, channel] = 255
             Image.fromarray(pixels).save(images / label / f"{i}.png")
     torch.manual_seed(0)
-    timm_model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,
-                                   depth=1, num_heads=2)
+    timm_model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2
+    )
     weights = tmp_path / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in timm_model.state_dict().items()}, str(weights))
     monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
-    main_in_process(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"),
-                     "--data.root", images.name, "--data.img_size", "32", "--data.batch_size", "8",
-                     "--data.num_workers", "0", "--trainer.precision", "32-true", "--trainer.max_epochs", "1",
-                     "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", "runs",
-                     "--test_after_fit", "false", "--model.pretrained", weights.name,
-                     "--model.backbone.init_args.embed_dim", "32", "--model.backbone.init_args.depth", "1",
-                     "--model.backbone.init_args.num_heads", "2", "--model.backbone.init_args.patch_size", "8"],
-                    monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs/folder/finetune_vit.yaml"),
+            "--data.root",
+            images.name,
+            "--data.img_size",
+            "32",
+            "--data.batch_size",
+            "8",
+            "--data.num_workers",
+            "0",
+            "--trainer.precision",
+            "32-true",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.logger.init_args.save_dir",
+            "runs",
+            "--test_after_fit",
+            "false",
+            "--model.pretrained",
+            weights.name,
+            "--model.backbone.init_args.embed_dim",
+            "32",
+            "--model.backbone.init_args.depth",
+            "1",
+            "--model.backbone.init_args.num_heads",
+            "2",
+            "--model.backbone.init_args.patch_size",
+            "8",
+        ],
+        monkeypatch,
+    )
     [last] = (tmp_path / "runs").glob("folder/finetune_vit/version_0/checkpoints/last.ckpt")
     return last, images, weights
 
@@ -134,10 +172,27 @@ def fine_tune(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
 def outputs(ckpt: Path, photos: Path, out: Path) -> tuple[list[dict], bytes, dict]:
     """What predict, explain and export make of `ckpt`: the CSV rows, the figure's bytes and the exported weights."""
     out.mkdir()
-    assert predict_main(["--ckpt_path", str(ckpt), "--input_dir", str(photos), "--output", str(out / "p.csv"),
-                         "--topk", "2"]) == 0
-    assert explain_main(["--ckpt_path", str(ckpt), "--input_dir", str(photos), "--method", "rollout,gradcam",
-                         "--out", str(out / "e.png")]) == 0
+    assert (
+        predict_main(
+            ["--ckpt_path", str(ckpt), "--input_dir", str(photos), "--output", str(out / "p.csv"), "--topk", "2"]
+        )
+        == 0
+    )
+    assert (
+        explain_main(
+            [
+                "--ckpt_path",
+                str(ckpt),
+                "--input_dir",
+                str(photos),
+                "--method",
+                "rollout,gradcam",
+                "--out",
+                str(out / "e.png"),
+            ]
+        )
+        == 0
+    )
     assert export_main(["--ckpt_path", str(ckpt), "--out", str(out / "exported")]) == 0
     config = json.loads((out / "exported" / "config.json").read_text())
     return list(csv.DictReader((out / "p.csv").open())), config, load_file(out / "exported" / "model.safetensors")
@@ -159,8 +214,18 @@ def test_a_checkpoint_moved_alone_works_offline_without_its_training_files(tmp_p
     weights.rename(weights.with_name("gone.safetensors"))
     # train.py validates with the run's own config, which names the pretrained file: its weights are not loaded.
     run_config = last.parents[1] / "config.yaml"
-    main_in_process(["validate", "--config", str(run_config), "--ckpt_path", str(last),
-                     "--trainer.logger.init_args.save_dir", str(tmp_path / "validate runs")], monkeypatch)
+    main_in_process(
+        [
+            "validate",
+            "--config",
+            str(run_config),
+            "--ckpt_path",
+            str(last),
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "validate runs"),
+        ],
+        monkeypatch,
+    )
     assert "val/acc" in capsys.readouterr().out
     images.rename(images.with_name("gone"))
     monkeypatch.chdir(elsewhere)
@@ -189,8 +254,10 @@ def test_a_hostile_checkpoint_given_to_a_notebook_builds_nothing(trained, tmp_pa
     bad = tmp_path / "bad"
     shutil.copytree(trained[0].with_suffix(""), bad)
     recorded = json.loads((bad / "config.json").read_text())
-    recorded["vit"]["backbone"] = {"class_path": "timm.layers.Mlp",
-                                   "init_args": {"in_features": 4, "device": popen(marker)}}
+    recorded["vit"]["backbone"] = {
+        "class_path": "timm.layers.Mlp",
+        "init_args": {"in_features": 4, "device": popen(marker)},
+    }
     (bad / "config.json").write_text(json.dumps(recorded))
     monkeypatch.setenv("VIT_NB_CHECKPOINT", str(bad))
     with pytest.raises(CellExecutionError, match=r"vit\.backbone\.class_path='timm\.layers\.Mlp'"):
@@ -200,7 +267,8 @@ def test_a_hostile_checkpoint_given_to_a_notebook_builds_nothing(trained, tmp_pa
 
 @pytest.mark.slow
 def test_a_folder_run_fine_tuned_from_a_local_safetensors_has_model_folders_timm_and_transformers_open(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     from transformers import pipeline
 
     import vit
@@ -214,8 +282,9 @@ def test_a_folder_run_fine_tuned_from_a_local_safetensors_has_model_folders_timm
     model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))
     with torch.no_grad():
-        torch.testing.assert_close(model(torch.stack([transform(p) for p in photos])).softmax(-1), ours, rtol=0,
-                                   atol=1e-5)
+        torch.testing.assert_close(
+            model(torch.stack([transform(p) for p in photos])).softmax(-1), ours, rtol=0, atol=1e-5
+        )
     rows = pipeline("image-classification", model=str(folder), device="cpu")(photos, top_k=2)
     names = vit.load(folder).class_names
     theirs = torch.tensor([[{r["label"]: r["score"] for r in row}[name] for name in names] for row in rows])

@@ -13,8 +13,14 @@ from vit.training.classifier import ImageClassifier, format_test_results
 
 
 def quiet_trainer(**kwargs) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 def test_every_data_module_names_its_classes(tmp_path, fake_cifar):
@@ -166,11 +172,20 @@ def test_train_py_predict_writes_named_predictions_in_its_run_folder(tmp_path_fa
         assert int(row["class_index"]) == int(p.argmax())
         assert float(row["probability"]) == pytest.approx(float(p.max()), abs=1e-6)
 
-    code, err = cli([*predict, "--trainer.logger.init_args.save_dir", str(tmp_path / "refused"),
-                     "--trainer.callbacks+=vit.training.predictions.PredictionWriter", "--trainer.callbacks.topk=3"],
-                    monkeypatch, capsys)
-    assert code == 2 and error_line(err) == ("error: PredictionWriter topk=3 is not allowed: expected an int in [1, 2] "
-                                             "(the model has 2 classes)")
+    code, err = cli(
+        [
+            *predict,
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "refused"),
+            "--trainer.callbacks+=vit.training.predictions.PredictionWriter",
+            "--trainer.callbacks.topk=3",
+        ],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2 and error_line(err) == (
+        "error: PredictionWriter topk=3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"
+    )
     assert not (tmp_path / "refused").exists()
 
 

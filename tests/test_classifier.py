@@ -40,16 +40,20 @@ def test_frozen_parameters_are_not_given_to_the_optimizer():
     assert given == {id(p) for p in model.backbone.head.parameters()}
 
 
-@pytest.mark.parametrize("trainable, trained, pool", [
-    ("head", {"head"}, "cls"),
-    (1, {"head", "norm", "blocks.1"}, "cls"),
-    (1, {"head", "fc_norm", "blocks.1"}, "mean"),  # timm's average pooling normalises after the mean
-    ("all", {"head", "norm", "blocks.1", "blocks.0", "patch_embed", "cls_token", "pos_embed"}, "cls"),
-])
+@pytest.mark.parametrize(
+    "trainable, trained, pool",
+    [
+        ("head", {"head"}, "cls"),
+        (1, {"head", "norm", "blocks.1"}, "cls"),
+        (1, {"head", "fc_norm", "blocks.1"}, "mean"),  # timm's average pooling normalises after the mean
+        ("all", {"head", "norm", "blocks.1", "blocks.0", "patch_embed", "cls_token", "pos_embed"}, "cls"),
+    ],
+)
 def test_freezing_trains_only_what_it_names(trainable, trained, pool):
     torch.manual_seed(0)
-    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2,
-                                 pool=pool)
+    backbone = VisionTransformer(
+        img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2, pool=pool
+    )
     model = ImageClassifier(backbone, trainable=trainable, lr=0.1, weight_decay=0.0)
     before = {n: p.detach().clone() for n, p in backbone.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -123,8 +127,9 @@ def layer_of(name: str, depth: int) -> int:
 @pytest.mark.parametrize("pool", ["cls", "map"])
 def test_layer_decay_gives_each_layer_lr_times_decay_to_the_depth_above_it_at_every_step(pool):
     depth, decay, lr, total_steps, warmup_steps = 3, 0.75, 0.01, 20, 10
-    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=depth, num_heads=2,
-                                 pool=pool, reg_tokens=1)
+    backbone = VisionTransformer(
+        img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=depth, num_heads=2, pool=pool, reg_tokens=1
+    )
     model = ImageClassifier(backbone, lr=lr, weight_decay=0.05, warmup_epochs=1.0, layer_decay=decay)
     optimizer, schedule = optimizer_and_schedule(model, total_steps=total_steps, max_epochs=2)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
@@ -150,13 +155,24 @@ def test_layer_decay_groups_are_those_timm_gives_its_own_vision_transformer():
     import timm
     from timm.optim import param_groups_layer_decay
 
-    cfg = {"img_size": 16, "patch_size": 8, "num_classes": 3, "embed_dim": 16, "depth": 2, "num_heads": 2,
-           "reg_tokens": 1}
+    cfg = {
+        "img_size": 16,
+        "patch_size": 8,
+        "num_classes": 3,
+        "embed_dim": 16,
+        "depth": 2,
+        "num_heads": 2,
+        "reg_tokens": 1,
+    }
     ours, theirs = VisionTransformer(**cfg), timm.create_model("vit_tiny_patch16_224", pretrained=False, **cfg)
 
     def scales(model):
-        return {name: group["lr_scale"] for group in param_groups_layer_decay(model, layer_decay=0.5)
-                for name, p in model.named_parameters() if any(p is q for q in group["params"])}
+        return {
+            name: group["lr_scale"]
+            for group in param_groups_layer_decay(model, layer_decay=0.5)
+            for name, p in model.named_parameters()
+            if any(p is q for q in group["params"])
+        }
 
     assert scales(ours) == scales(theirs)
     assert len(set(scales(ours).values())) == 4  # stem, 2 blocks, head: the matcher is used, not timm's fallback

@@ -29,17 +29,21 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 # --- A misspelt option: one line with the closest valid option -------------------------------------
 
 
-@pytest.mark.parametrize(("typed", "expected"), [
-    (["--model.layer_decy", "0.7"],
-     "error: unknown option --model.layer_decy; did you mean --model.layer_decay?"),
-    (["--model.lrr=3"], "error: unknown option --model.lrr; did you mean --model.lr?"),
-    (["--trainer.fast_dev_runn", "1"], "error: unknown option --trainer.fast_dev_runn; did you mean "
-                                       "--trainer.fast_dev_run?"),
-    (["--model.banana", "1"], "error: unknown option --model.banana. `train.py fit --help` lists the options."),
-    # a prefix is not taken for the option it starts (argparse's abbreviations): named, not run
-    (["--trainer.max_ep", "3"], "error: unknown option --trainer.max_ep; did you mean --trainer.max_epochs?"),
-    (["--model.weight_d", "0.1"], "error: unknown option --model.weight_d; did you mean --model.weight_decay?"),
-])
+@pytest.mark.parametrize(
+    ("typed", "expected"),
+    [
+        (["--model.layer_decy", "0.7"], "error: unknown option --model.layer_decy; did you mean --model.layer_decay?"),
+        (["--model.lrr=3"], "error: unknown option --model.lrr; did you mean --model.lr?"),
+        (
+            ["--trainer.fast_dev_runn", "1"],
+            "error: unknown option --trainer.fast_dev_runn; did you mean --trainer.fast_dev_run?",
+        ),
+        (["--model.banana", "1"], "error: unknown option --model.banana. `train.py fit --help` lists the options."),
+        # a prefix is not taken for the option it starts (argparse's abbreviations): named, not run
+        (["--trainer.max_ep", "3"], "error: unknown option --trainer.max_ep; did you mean --trainer.max_epochs?"),
+        (["--model.weight_d", "0.1"], "error: unknown option --model.weight_d; did you mean --model.weight_decay?"),
+    ],
+)
 def test_an_unknown_option_is_one_line_naming_the_closest_option(typed, expected, monkeypatch, capsys):
     code, stderr = cli(["fit", "--config", str(BASE_CONFIG), *typed], monkeypatch, capsys)
     assert code == 2
@@ -48,19 +52,24 @@ def test_an_unknown_option_is_one_line_naming_the_closest_option(typed, expected
 
 
 def test_several_unknown_options_are_named_in_the_one_line(monkeypatch, capsys):
-    code, stderr = cli(["fit", "--config", str(BASE_CONFIG), "--model.ema_decy", "0.9", "--model.zzz", "2"],
-                       monkeypatch, capsys)
+    code, stderr = cli(
+        ["fit", "--config", str(BASE_CONFIG), "--model.ema_decy", "0.9", "--model.zzz", "2"], monkeypatch, capsys
+    )
     assert code == 2
-    assert error_line(stderr) == ("error: unknown option --model.ema_decy; did you mean --model.ema_decay? "
-                                  "unknown option --model.zzz. `train.py fit --help` lists the options.")
+    assert error_line(stderr) == (
+        "error: unknown option --model.ema_decy; did you mean --model.ema_decay? "
+        "unknown option --model.zzz. `train.py fit --help` lists the options."
+    )
 
 
 def test_a_suggestion_needs_a_close_option_not_just_the_shared_prefix():
     options = ["--model.lr", "--model.betas", "--model.layer_decay"]
     assert unknown_options_message(["--model.foo"], options, "train.py [options] fit") == (
-        "unknown option --model.foo. `train.py fit --help` lists the options.")
+        "unknown option --model.foo. `train.py fit --help` lists the options."
+    )
     assert unknown_options_message(["--model.lx"], options, "train.py") == (
-        "unknown option --model.lx; did you mean --model.lr?")
+        "unknown option --model.lx; did you mean --model.lr?"
+    )
 
 
 def test_other_refusals_keep_jsonargparse_message(monkeypatch, capsys):
@@ -76,13 +85,22 @@ def test_other_refusals_keep_jsonargparse_message(monkeypatch, capsys):
 
 def _fit(ema_decay: float | None, *, steps: int, **trainer) -> list[str]:
     """`fit` for `steps` optimizer steps on random images; the messages of the warnings it raised."""
-    backbone = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=1,
-                                 num_heads=2)
+    backbone = VisionTransformer(
+        img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=1, num_heads=2
+    )
     model = ImageClassifier(backbone, ema_decay=ema_decay)
     x, y = torch.rand(4 * steps, 1, 32, 32), torch.tensor([0, 1] * 2 * steps)
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **trainer)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        **trainer,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, loader)
@@ -92,7 +110,8 @@ def _fit(ema_decay: float | None, *, steps: int, **trainer) -> list[str]:
 def test_an_ema_longer_than_the_run_is_warned_naming_both_numbers():
     assert _fit(0.99, steps=6) == [
         "ema_decay=0.99 averages over ~100 optimizer steps, but this run makes 6: validation, test and the "
-        "checkpoint use the average, which stays near the initial weights; lower ema_decay or train longer"]
+        "checkpoint use the average, which stays near the initial weights; lower ema_decay or train longer"
+    ]
 
 
 def test_an_ema_shorter_than_the_run_or_none_is_not_warned():
@@ -119,8 +138,7 @@ def test_usable_workers_caps_at_the_cores_and_keeps_zero():
 def test_a_data_module_asked_for_64_workers_builds_loaders_with_at_most_the_cores():
     data = TwoCirclesDataModule(num_train=8, num_val=8, num_test=8, batch_size=4, num_workers=64)
     data.setup()
-    for loader in (data.train_dataloader(), data.val_dataloader(), data.test_dataloader(),
-                   data.predict_dataloader()):
+    for loader in (data.train_dataloader(), data.val_dataloader(), data.test_dataloader(), data.predict_dataloader()):
         assert 1 <= loader.num_workers <= CORES
         assert loader.num_workers == min(64, CORES)
     assert data.hparams.num_workers == 64  # the config's value is what is recorded
@@ -143,8 +161,9 @@ def one_core(monkeypatch):
 
 
 def test_a_data_module_with_its_own_loader_is_capped_too_without_torch_warning(tmp_path, one_core):
-    data = ImageFolderDataModule(root=_image_folder(tmp_path), img_size=8, val_fraction=0.25, test_fraction=0.25,
-                                 num_workers=64)
+    data = ImageFolderDataModule(
+        root=_image_folder(tmp_path), img_size=8, val_fraction=0.25, test_fraction=0.25, num_workers=64
+    )
     data.setup("fit")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -159,10 +178,16 @@ def test_the_cap_survives_lightning_rebuilding_the_loader(tmp_path, one_core):
         def predict_step(self, batch, batch_idx):
             return batch[0].mean()
 
-    data = ImageFolderDataModule(root=_image_folder(tmp_path), img_size=8, val_fraction=0.25, test_fraction=0.5,
-                                 num_workers=64, batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path / "run")  # where the image folder writes split.json
+    data = ImageFolderDataModule(
+        root=_image_folder(tmp_path), img_size=8, val_fraction=0.25, test_fraction=0.5, num_workers=64, batch_size=2
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path / "run",
+    )  # where the image folder writes split.json
     assert len(trainer.predict(Mean(), datamodule=data)) == 2
     assert trainer.predict_dataloaders.num_workers == 1
 
@@ -175,12 +200,22 @@ DEFAULT_BAR = RichProgressBar if importlib.util.find_spec("rich") else TQDMProgr
 
 
 @pytest.mark.parametrize(("terminal", "progress"), [(True, DEFAULT_BAR), (False, PlainProgress)])
-def test_the_progress_bar_is_tqdm_in_a_terminal_and_plain_lines_in_a_log_file(terminal, progress, monkeypatch,
-                                                                               tmp_path):
+def test_the_progress_bar_is_tqdm_in_a_terminal_and_plain_lines_in_a_log_file(
+    terminal, progress, monkeypatch, tmp_path
+):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
     monkeypatch.setattr(sys, "argv", ["train.py"])
-    run = main(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar", "true",
-                "--trainer.fast_dev_run", "1"])
+    run = main(
+        [
+            "fit",
+            "--config",
+            str(tiny_config(tmp_path)),
+            "--trainer.enable_progress_bar",
+            "true",
+            "--trainer.fast_dev_run",
+            "1",
+        ]
+    )
     shown = [c for c in run.trainer.callbacks if isinstance(c, (TQDMProgressBar, RichProgressBar, PlainProgress))]
     assert [type(c) for c in shown] == [progress]
 
@@ -188,12 +223,22 @@ def test_the_progress_bar_is_tqdm_in_a_terminal_and_plain_lines_in_a_log_file(te
 @pytest.mark.slow
 def test_plain_progress_writes_a_line_every_n_seconds_within_an_epoch(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["train.py"])
-    main(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false",
-          "--trainer.callbacks+=vit.training.callbacks.PlainProgress", "--trainer.callbacks.every_n_seconds=0"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(tiny_config(tmp_path, max_epochs=1)),
+            "--test_after_fit",
+            "false",
+            "--trainer.callbacks+=vit.training.callbacks.PlainProgress",
+            "--trainer.callbacks.every_n_seconds=0",
+        ]
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch 0: ")]
     # A line after each batch (every 0 seconds), then the epoch's line with the validation metrics.
     assert [line.split(", ")[0] for line in lines] == [f"Epoch 0: {b}/8 batches" for b in range(1, 9)] + [
-        "Epoch 0: 8/8 batches"]
+        "Epoch 0: 8/8 batches"
+    ]
     assert "val/acc=" not in lines[0] and "val/acc=" in lines[-1]
 
 
@@ -203,15 +248,22 @@ def test_a_fit_logged_to_a_file_prints_plain_progress_lines_and_says_once_that_w
     config = tiny_config(tmp_path, num_workers=2)  # on one core: one worker per loader
     log = tmp_path / "train.log"
     with log.open("w") as out:  # `python train.py fit ... > train.log 2>&1`
-        done = subprocess.run(train_command("fit", "--config", str(config), "--trainer.enable_progress_bar", "true"),
-                              cwd=tmp_path, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, timeout=300,
-                              preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+        done = subprocess.run(
+            train_command("fit", "--config", str(config), "--trainer.enable_progress_bar", "true"),
+            cwd=tmp_path,
+            env=subprocess_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+            preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+        )
     text = log.read_text()
     assert done.returncode == 0, text
     assert "\r" not in text
     lines = [line for line in text.splitlines() if line.startswith("Epoch ")]
     assert [line.split(", ")[:2] for line in lines] == [
-        [f"Epoch {epoch}: 8/8 batches", f"step {8 * (epoch + 1)}"] for epoch in range(3)]
+        [f"Epoch {epoch}: 8/8 batches", f"step {8 * (epoch + 1)}"] for epoch in range(3)
+    ]
     for line in lines:
         assert re.search(r", \d+\.\d\d it/s, train/loss_step=\d\.\d+, val/loss=\d\.\d+, val/acc=", line), line
     assert text.count("num_workers=2 is capped at 1, the number of cores this process may use") == 1

@@ -33,11 +33,13 @@ def _gradient_support(model: ConvNet, size: int) -> tuple[int, int]:
     return int(rows.max() - rows.min() + 1), int(cols.max() - cols.min() + 1)
 
 
-@pytest.mark.parametrize("strides,kernel", [((1, 1, 1), 3), ((2, 1, 1), 3), ((1, 2, 1, 2, 1), 3), ((2, 1, 2), 5),
-                                            ((1, 2, 1, 2, 1, 2, 1), 3)])
+@pytest.mark.parametrize(
+    "strides,kernel", [((1, 1, 1), 3), ((2, 1, 1), 3), ((1, 2, 1, 2, 1), 3), ((2, 1, 2), 5), ((1, 2, 1, 2, 1, 2, 1), 3)]
+)
 def test_receptive_field_equals_the_gradient_support(strides, kernel):
-    model = ConvNet(img_size=96, in_chans=1, num_classes=2, widths=(2,) * len(strides), strides=strides,
-                    kernel_size=kernel)
+    model = ConvNet(
+        img_size=96, in_chans=1, num_classes=2, widths=(2,) * len(strides), strides=strides, kernel_size=kernel
+    )
     # a 96 px input is wide enough that the centre unit's field lies inside it, away from the padding
     assert _gradient_support(model, 96) == (model.receptive_field, model.receptive_field)
 
@@ -46,8 +48,9 @@ def test_circular_padding_is_blind_to_circular_shifts_and_zero_padding_is_not():
     torch.manual_seed(0)
     x = torch.rand(2, 1, 16, 16)
     shifted = torch.roll(x, shifts=(4, 8), dims=(2, 3))  # a multiple of the total stride (4)
-    circular = ConvNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2),
-                       padding="circular").eval()
+    circular = ConvNet(
+        img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2), padding="circular"
+    ).eval()
     torch.testing.assert_close(circular(shifted), circular(x), rtol=1e-4, atol=1e-5)
     zero = ConvNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 4, 4), strides=(1, 2, 2), padding="zero").eval()
     assert not torch.allclose(zero(shifted), zero(x), rtol=1e-4, atol=1e-5)
@@ -60,12 +63,15 @@ def test_valid_padding_shrinks_the_map_and_refuses_an_empty_one():
         ConvNet(img_size=8, in_chans=1, widths=(4,) * 5, padding="valid")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"padding": "reflect"}, "padding='reflect' is not allowed"),
-    ({"strides": (1, 2)}, r"strides=\(1, 2\) is not allowed: expected 3 ints"),
-    ({"kernel_size": 4}, "kernel_size=4 is not allowed: expected an odd int"),
-    ({"widths": ()}, r"widths=\(\) is not allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"padding": "reflect"}, "padding='reflect' is not allowed"),
+        ({"strides": (1, 2)}, r"strides=\(1, 2\) is not allowed: expected 3 ints"),
+        ({"kernel_size": 4}, "kernel_size=4 is not allowed: expected an odd int"),
+        ({"widths": ()}, r"widths=\(\) is not allowed"),
+    ],
+)
 def test_bad_options_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ConvNet(**kwargs)
@@ -99,8 +105,9 @@ def test_max_pool_and_mlp_head_follow_their_formulas_and_the_defaults_keep_the_k
     x = torch.randn(3, 1, 16, 16)
     maxed = ConvNet(img_size=16, in_chans=1, num_classes=2, widths=(4, 4), strides=(2, 1), pool="max").eval()
     fmap = maxed.forward_features(x)  # (B, 4, 8, 8)
-    brute = torch.stack([torch.stack([max(fmap[b, c].flatten().tolist()) * torch.ones(()) for c in range(4)])
-                         for b in range(3)])  # the largest unit of each channel, found one by one
+    brute = torch.stack(
+        [torch.stack([max(fmap[b, c].flatten().tolist()) * torch.ones(()) for c in range(4)]) for b in range(3)]
+    )  # the largest unit of each channel, found one by one
     torch.testing.assert_close(maxed(x), maxed.head(brute))
     mlp = ConvNet(img_size=16, in_chans=1, num_classes=2, widths=(4, 4), strides=(2, 1), head="mlp").eval()
     h = mlp.head
@@ -113,8 +120,9 @@ def test_max_pool_and_mlp_head_follow_their_formulas_and_the_defaults_keep_the_k
     assert isinstance(default.pool, torch.nn.AdaptiveAvgPool2d)
 
 
-@pytest.mark.parametrize("kwargs,match", [({"pool": "mean"}, "pool='mean' is not allowed"),
-                                          ({"head": "attn"}, "head='attn' is not allowed")])
+@pytest.mark.parametrize(
+    "kwargs,match", [({"pool": "mean"}, "pool='mean' is not allowed"), ({"head": "attn"}, "head='attn' is not allowed")]
+)
 def test_bad_readout_names_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ConvNet(**kwargs)

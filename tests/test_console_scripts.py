@@ -40,11 +40,13 @@ HEAVY = ("torch", "lightning", "timm", "matplotlib")
 
 def help_of(module: str, argv0: str, *args: str) -> subprocess.CompletedProcess:
     """`main(args)` of `module` in a fresh interpreter run as `argv0`; prints the heavy modules it imported."""
-    code = (f"import sys; sys.argv = [{argv0!r}]\n"
-            f"from {module} import main\n"
-            f"try:\n    main({list(args)!r})\n"
-            f"except SystemExit:\n    pass\n"
-            f"print('imported:', [m for m in {HEAVY!r} if m in sys.modules])")
+    code = (
+        f"import sys; sys.argv = [{argv0!r}]\n"
+        f"from {module} import main\n"
+        f"try:\n    main({list(args)!r})\n"
+        f"except SystemExit:\n    pass\n"
+        f"print('imported:', [m for m in {HEAVY!r} if m in sys.modules])"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -57,7 +59,8 @@ def test_help_loads_no_torch_names_the_program_and_shows_defaults_and_an_example
     assert "(default: None)" not in shown.stdout
     module = COMMANDS[name].removesuffix(".__main__")
     assert help_of(COMMANDS[name], f"/src/{module.replace('.', '/')}.py", "--help").stdout.startswith(
-        f"usage: python -m {module} [-h]")
+        f"usage: python -m {module} [-h]"
+    )
 
 
 def test_defaults_appear_in_help_and_argument_errors_load_no_torch():

@@ -37,17 +37,21 @@ def one_thread():
 
 def tiny_vit(depth: int = 1) -> ImageClassifier:
     torch.manual_seed(0)
-    return ImageClassifier(VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16,
-                                             depth=depth, num_heads=2), lr=1e-3)
+    return ImageClassifier(
+        VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=depth, num_heads=2),
+        lr=1e-3,
+    )
 
 
 def quiet_trainer(**kwargs) -> L.Trainer:
-    return L.Trainer(enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     log_every_n_steps=1, **kwargs)
+    return L.Trainer(
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, **kwargs
+    )
 
 
-def brute_force_order(probability: torch.Tensor, predicted: torch.Tensor, labels: torch.Tensor,
-                      mistakes_only: bool) -> list[int]:
+def brute_force_order(
+    probability: torch.Tensor, predicted: torch.Tensor, labels: torch.Tensor, mistakes_only: bool
+) -> list[int]:
     """The test indices a predictions view shows, by a plain sort over the whole test set at once."""
     n = len(labels)
     mistakes = sorted((i for i in range(n) if predicted[i] != labels[i]), key=lambda i: (-float(probability[i]), i))
@@ -64,7 +68,7 @@ def test_ranked_predictions_batch_by_batch_equal_one_sort_of_the_whole_test_set(
     labels[10] = labels[11] = (logits[10].argmax() + 1) % 3
     kept = RankedPredictions(size, mistakes_only=mistakes_only)
     for start in range(0, 60, 16):  # batches of 16, the last of 12
-        kept.update(images[start:start + 16], labels[start:start + 16], logits[start:start + 16])
+        kept.update(images[start : start + 16], labels[start : start + 16], logits[start : start + 16])
 
     probability, predicted = logits.softmax(-1).max(-1)
     expected = brute_force_order(probability, predicted, labels, mistakes_only)[:size]
@@ -83,8 +87,11 @@ def test_mistakes_grid_logs_the_most_confident_mistakes_with_class_names_to_tens
     model = tiny_vit()
     data = TwoCirclesDataModule(num_train=16, num_val=16, num_test=64, batch_size=16, seed=3)
     grid = callbacks.TestMistakesGrid(num_images=5, columns=3)
-    trainer = quiet_trainer(logger=TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False), callbacks=[grid],
-                            enable_checkpointing=False)
+    trainer = quiet_trainer(
+        logger=TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False),
+        callbacks=[grid],
+        enable_checkpointing=False,
+    )
     trainer.test(model, datamodule=data, verbose=False)  # an untrained model: about half of them wrong
 
     model.eval()
@@ -101,8 +108,9 @@ def test_mistakes_grid_logs_the_most_confident_mistakes_with_class_names_to_tens
     assert model.class_names == names
     figure = grid.render(lambda i: names[int(i)])
     titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
-    assert titles == [f"true {names[labels[i]]}\npredicted {names[predicted[i]]} ({probability[i]:.2f})"
-                      for i in expected]
+    assert titles == [
+        f"true {names[labels[i]]}\npredicted {names[predicted[i]]} ({probability[i]:.2f})" for i in expected
+    ]
     assert figure.get_suptitle() == f"the 5 most confident of {grid.kept.mistakes} mistakes in 64 test images"
 
     events = EventAccumulator(trainer.logger.log_dir, size_guidance={"images": 0})
@@ -118,12 +126,16 @@ def test_mistakes_grid_goes_to_csv_as_a_png_and_is_left_to_the_table_on_wandb(tm
 
     csv = CSVLogger(tmp_path, name="csv")
     grid = callbacks.TestMistakesGrid(num_images=4, columns=4)
-    trainer = quiet_trainer(logger=[csv, WandbLogger(save_dir=str(tmp_path), offline=True)], callbacks=[grid],
-                            enable_checkpointing=False)
+    trainer = quiet_trainer(
+        logger=[csv, WandbLogger(save_dir=str(tmp_path), offline=True)], callbacks=[grid], enable_checkpointing=False
+    )
     assert grid._loggers(trainer) == [csv]  # W&B shows the mistakes in TestPredictionsTable's table instead
     trainer = quiet_trainer(logger=csv, callbacks=[grid], enable_checkpointing=False)
-    trainer.test(tiny_vit(), datamodule=TwoCirclesDataModule(num_train=16, num_val=16, num_test=32, batch_size=16,
-                                                             seed=3), verbose=False)
+    trainer.test(
+        tiny_vit(),
+        datamodule=TwoCirclesDataModule(num_train=16, num_val=16, num_test=32, batch_size=16, seed=3),
+        verbose=False,
+    )
     (png,) = (Path(csv.log_dir) / "images").glob("*.png")
     assert png.name == "test_mistakes-step000000.png" and len(grid.kept) == 4
     with pytest.raises(ValueError, match="num_images"):
@@ -157,8 +169,14 @@ def test_best_checkpoint_is_a_wandb_artifact_offline_when_asked_for(tmp_path, of
 
     logger = WandbLogger(save_dir=str(tmp_path / "runs"), log_model=True)
     assert logger.is_offline
-    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/acc", mode="max", save_last=True,
-                           filename="epoch{epoch:02d}", auto_insert_metric_name=False)
+    best = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        monitor="val/acc",
+        mode="max",
+        save_last=True,
+        filename="epoch{epoch:02d}",
+        auto_insert_metric_name=False,
+    )
     trainer = quiet_trainer(max_epochs=2, logger=logger, callbacks=[best])
     trainer.fit(tiny_vit(), TwoCirclesDataModule(num_train=32, num_val=32, num_test=16, batch_size=16, seed=3))
     run_dir = Path(logger.experiment.dir).parent
@@ -192,8 +210,17 @@ def test_a_finished_run_holds_the_scalars_images_and_hparams_tensorboard_shows(t
     events.Reload()
     tags = events.Tags()
 
-    assert {"train/loss_step", "train/lr", "val/acc", "val/loss", "test/acc", "test/loss",
-            "val/pointing_game/rollout", "hp/val_acc", "hp/test_acc"} <= set(tags["scalars"])
+    assert {
+        "train/loss_step",
+        "train/lr",
+        "val/acc",
+        "val/loss",
+        "test/acc",
+        "test/loss",
+        "val/pointing_game/rollout",
+        "hp/val_acc",
+        "hp/test_acc",
+    } <= set(tags["scalars"])
     assert set(tags["images"]) == {"val/rollout", "val/confusion_matrix", "test/mistakes"}
     (mistakes,) = events.Images("test/mistakes")
     grid = next(c for c in cli.trainer.callbacks if isinstance(c, callbacks.TestMistakesGrid))
@@ -271,8 +298,11 @@ def test_wandb_summary_holds_the_best_monitored_value_and_the_run_keeps_its_conf
     parser.add_argument("--lr", type=float, default=0.1)
     logger = WandbLogger(save_dir=str(tmp_path / "runs"))
     best = ModelCheckpoint(monitor="val/acc", mode="max")
-    trainer = quiet_trainer(max_epochs=3, logger=logger, callbacks=[
-        best, HParamsTable(), RunConfig(parser, parser.parse_args([]), command=["train.py", "fit"])])
+    trainer = quiet_trainer(
+        max_epochs=3,
+        logger=logger,
+        callbacks=[best, HParamsTable(), RunConfig(parser, parser.parse_args([]), command=["train.py", "fit"])],
+    )
     data = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=4)
     trainer.fit(ScriptedAccuracy([0.5, 0.75, 0.625]), data, data)  # the last epoch is worse than the second
     run_dir, run_folder = Path(logger.experiment.dir).parent, Path(best.dirpath).parent

@@ -99,8 +99,12 @@ def test_token_labels_mark_the_patch_of_each_strokes_centre_pixel():
         expected = torch.full((64,), -1)
         for k in range(2):
             r, c = data.positions[n, k].tolist()
-            ink = [(r + i, c + j) for i in range(SHAPE_SIZE) for j in range(SHAPE_SIZE)
-                   if shapes[data.shape_ids[n, k]][i, j]]
+            ink = [
+                (r + i, c + j)
+                for i in range(SHAPE_SIZE)
+                for j in range(SHAPE_SIZE)
+                if shapes[data.shape_ids[n, k]][i, j]
+            ]
             row, col = sorted(ink)[len(ink) // 2]  # every stroke's middle pixel is its box's centre
             expected[(row // 4) * 8 + col // 4] = data.shape_ids[n, k]
         assert torch.equal(labels[n], expected)
@@ -108,11 +112,22 @@ def test_token_labels_mark_the_patch_of_each_strokes_centre_pixel():
 
 def test_the_callback_logs_every_diagnostic_during_a_fit(tmp_path):
     data = SameDifferentDataModule(num_train=64, num_val=32, num_test=16, batch_size=16, seed=0)
-    model = ImageClassifier(VisionTransformer(img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=16,
-                                              depth=2, num_heads=2, pool="mean"), lr=1e-3)
-    trainer = L.Trainer(max_steps=4, logger=L.pytorch.loggers.CSVLogger(tmp_path), log_every_n_steps=1,
-                        callbacks=[PlateauDiagnostics(every_n_steps=2, num_images=32)], enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    model = ImageClassifier(
+        VisionTransformer(
+            img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2, pool="mean"
+        ),
+        lr=1e-3,
+    )
+    trainer = L.Trainer(
+        max_steps=4,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        callbacks=[PlateauDiagnostics(every_n_steps=2, num_images=32)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(model, datamodule=data)
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     logged = {k for row in rows for k, v in row.items() if v}

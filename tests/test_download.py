@@ -54,11 +54,13 @@ def server(tmp_path, monkeypatch):
 @pytest.fixture
 def folder(tmp_path) -> Path:
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=16, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=1,
-                              num_heads=2).eval()
-    backbone = {"class_path": "vit.models.VisionTransformer",
-                "init_args": dict(img_size=16, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=1,
-                                  num_heads=2)}
+    model = VisionTransformer(
+        img_size=16, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=1, num_heads=2
+    ).eval()
+    backbone = {
+        "class_path": "vit.models.VisionTransformer",
+        "init_args": dict(img_size=16, patch_size=8, in_chans=1, num_classes=2, embed_dim=16, depth=1, num_heads=2),
+    }
     inputs = {"img_size": [16, 16], "in_chans": 1, "mean": None, "std": None, "interpolation": "bilinear"}
     config = artifact.describe(model, backbone, inputs, ["no", "yes"])
     return artifact.write(tmp_path / "model", config, artifact.weights(model))
@@ -89,8 +91,11 @@ def test_a_missing_file_is_one_line_naming_the_url_without_its_token(server):
 def test_more_than_the_byte_limit_is_refused(server, folder, monkeypatch):
     serve_folder(folder)
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_MAX_BYTES", "1000")
-    with pytest.raises(DownloadError, match=r"model.safetensors is larger than 1000 bytes \(set "
-                                                     r"READABLE_VIT_DOWNLOAD_MAX_BYTES\)"):
+    with pytest.raises(
+        DownloadError,
+        match=r"model.safetensors is larger than 1000 bytes \(set "
+        r"READABLE_VIT_DOWNLOAD_MAX_BYTES\)",
+    ):
         vit.load(f"{server}/models/tiny")
 
 
@@ -109,8 +114,11 @@ def test_a_server_that_trickles_is_stopped_at_the_deadline(server, monkeypatch):
     HANDLERS["/slow/config.json"] = trickle
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "1")
     start = time.monotonic()
-    with pytest.raises(DownloadError, match=r"/slow/config.json timed out: not downloaded in 1 s \(set "
-                                                     r"READABLE_VIT_DOWNLOAD_TIMEOUT\)"):
+    with pytest.raises(
+        DownloadError,
+        match=r"/slow/config.json timed out: not downloaded in 1 s \(set "
+        r"READABLE_VIT_DOWNLOAD_TIMEOUT\)",
+    ):
         vit.load(f"{server}/slow")
     assert time.monotonic() - start < 5
 
@@ -121,6 +129,7 @@ def redirect_to(location: str):
         handler.send_header("Location", location)
         handler.send_header("Content-Length", "0")
         handler.end_headers()
+
     return answer
 
 
@@ -130,8 +139,11 @@ def test_redirects_are_followed_to_http_only(server, folder):
     HANDLERS["/old/model.safetensors"] = redirect_to("/moved/model.safetensors")
     assert vit.load(f"{server}/old").class_names == ["no", "yes"]
     HANDLERS["/ftp/config.json"] = redirect_to("ftp://127.0.0.1/config.json")
-    with pytest.raises(DownloadError, match=r"redirects to ftp://127.0.0.1/config.json: only http\(s\) is "
-                                                     "followed"):
+    with pytest.raises(
+        DownloadError,
+        match=r"redirects to ftp://127.0.0.1/config.json: only http\(s\) is "
+        "followed",
+    ):
         vit.load(f"{server}/ftp")
 
 
@@ -144,6 +156,9 @@ def test_other_schemes_are_refused_without_a_request(url, server):
 
 def test_a_bad_limit_is_named(server, monkeypatch):
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "soon")
-    with pytest.raises(DownloadError, match=r"READABLE_VIT_DOWNLOAD_TIMEOUT='soon' is not allowed: expected "
-                                                     r"a whole number > 0 \(default 600\)"):
+    with pytest.raises(
+        DownloadError,
+        match=r"READABLE_VIT_DOWNLOAD_TIMEOUT='soon' is not allowed: expected "
+        r"a whole number > 0 \(default 600\)",
+    ):
         vit.load(f"{server}/models/tiny")

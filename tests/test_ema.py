@@ -30,8 +30,9 @@ def test_the_average_after_k_steps_is_the_formula():
     averaged = dict(model.ema.module.named_parameters())
     for name in weights[0]:
         # e_k = d^k w_0 + sum_{i=1..k} (1 - d) d^(k - i) w_i
-        expected = decay ** k * weights[0][name] + sum((1 - decay) * decay ** (k - i) * weights[i][name]
-                                                       for i in range(1, k + 1))
+        expected = decay**k * weights[0][name] + sum(
+            (1 - decay) * decay ** (k - i) * weights[i][name] for i in range(1, k + 1)
+        )
         torch.testing.assert_close(averaged[name], expected, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(averaged["head.weight"], weights[-1]["head.weight"])  # the average is not the weights
     assert not any(p.requires_grad for p in model.ema.parameters())
@@ -59,9 +60,16 @@ def _fit(root, ckpt_path=None) -> ImageClassifier:
     L.seed_everything(0)
     data = TensorDataset(torch.randn(12, 3, 16, 16), torch.randint(0, 3, (12,)))
     model = ImageClassifier(VisionTransformer(**CFG), lr=0.01, warmup_epochs=0.5, ema_decay=0.7)
-    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0,
-                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1)])
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1)],
+    )
     trainer.fit(model, DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     return model
 
@@ -85,8 +93,9 @@ def test_a_checkpoint_with_ema_gives_the_predictions_of_the_average_in_every_com
     from vit.export import load as export_load
 
     config = tiny_config(tmp_path, max_epochs=1)
-    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false", "--model.ema_decay", "0.9"],
-                    monkeypatch)
+    main_in_process(
+        ["fit", "--config", str(config), "--test_after_fit", "false", "--model.ema_decay", "0.9"], monkeypatch
+    )
     path = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(path, weights_only=True)
     state = checkpoint["state_dict"]

@@ -14,8 +14,17 @@ from vit.models import ResNet, VisionTransformer, record_attention
 
 def tiny_vit(pool="cls", seed=0, reg_tokens=0):
     torch.manual_seed(seed)
-    return VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=3, embed_dim=16, depth=2,
-                             num_heads=2, pool=pool, reg_tokens=reg_tokens).eval()
+    return VisionTransformer(
+        img_size=16,
+        patch_size=4,
+        in_chans=1,
+        num_classes=3,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        pool=pool,
+        reg_tokens=reg_tokens,
+    ).eval()
 
 
 def images(B=2, seed=1):
@@ -153,6 +162,7 @@ def test_grad_cam_matches_pytorch_grad_cam(model):
     ours = grad_cam(net, x, target).numpy()  # (B, gh, gw), before any rescaling
     with GradCAM(model=net, target_layers=[layer], reshape_transform=reshape) as cam:
         theirs = cam(input_tensor=x, targets=[ClassifierOutputTarget(int(t)) for t in target])  # (B, 16, 16)
+
     def min_max(a):
         a = a - a.min()
         return a / (a.max() + 1e-7)
@@ -174,20 +184,38 @@ def test_attention_methods_on_the_cnn_say_it_has_no_attention_layers_and_what_wo
     net = ResNet(img_size=16, in_chans=1, num_classes=3, widths=(4, 8)).eval()
     with pytest.raises(ValueError) as caught:
         relevance(net, images(), method)
-    assert str(caught.value) == (f"method={method!r} needs a model with attention layers (a ViT); "
-                                 "ResNet has none: use 'gradcam' or 'random'")
+    assert str(caught.value) == (
+        f"method={method!r} needs a model with attention layers (a ViT); ResNet has none: use 'gradcam' or 'random'"
+    )
 
 
-@pytest.mark.parametrize("method, options, message", [
-    ("chefer", {"start_layer": 1}, "start_layer applies to method='rollout' and 'grad_rollout' only; "
-                                   "got method='chefer', start_layer=1"),
-    ("attention", {"discard_ratio": 0.5}, "head_fusion and discard_ratio apply to method='rollout' only; "
-                                          "got method='attention', head_fusion='mean', discard_ratio=0.5"),
-    ("flow", {"target": 1}, "target=1 applies to the class-specific methods ['grad_rollout', 'chefer', 'gradcam'] "
-                            "only; method='flow' is class-agnostic"),
-    ("rollout", {"head_fusion": "median"},
-     "head_fusion='median' is not allowed: expected one of ['mean', 'max', 'min']"),
-])
+@pytest.mark.parametrize(
+    "method, options, message",
+    [
+        (
+            "chefer",
+            {"start_layer": 1},
+            "start_layer applies to method='rollout' and 'grad_rollout' only; got method='chefer', start_layer=1",
+        ),
+        (
+            "attention",
+            {"discard_ratio": 0.5},
+            "head_fusion and discard_ratio apply to method='rollout' only; "
+            "got method='attention', head_fusion='mean', discard_ratio=0.5",
+        ),
+        (
+            "flow",
+            {"target": 1},
+            "target=1 applies to the class-specific methods ['grad_rollout', 'chefer', 'gradcam'] "
+            "only; method='flow' is class-agnostic",
+        ),
+        (
+            "rollout",
+            {"head_fusion": "median"},
+            "head_fusion='median' is not allowed: expected one of ['mean', 'max', 'min']",
+        ),
+    ],
+)
 def test_options_a_method_does_not_take_are_refused_before_the_model_runs(method, options, message):
     model = tiny_vit()
     model.forward = None  # calling the model would fail with a TypeError
@@ -256,8 +284,9 @@ def test_rank_correlation_and_normalise():
     a = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     assert float(rank_correlation(a, a * 10)[0]) == pytest.approx(1.0)
     assert float(rank_correlation(a, -a)[0]) == pytest.approx(-1.0)
-    torch.testing.assert_close(normalise(torch.tensor([[0.0, -1.0], [2.0, 0.0]])[None]),
-                               torch.tensor([[[0.0, 0.0], [1.0, 0.0]]]))
+    torch.testing.assert_close(
+        normalise(torch.tensor([[0.0, -1.0], [2.0, 0.0]])[None]), torch.tensor([[[0.0, 0.0], [1.0, 0.0]]])
+    )
 
 
 @pytest.mark.parametrize("out", ["maps.txt", "maps"])
@@ -268,8 +297,10 @@ def test_the_explain_command_refuses_an_output_format_before_any_work(out, tmp_p
     assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / out)]) == 2
     [line] = capsys.readouterr().err.splitlines()
     suffix = ".txt" if out == "maps.txt" else "no extension"
-    assert line.startswith(f"error: --out {tmp_path / out}: {suffix} is not an image format matplotlib writes: "
-                           "expected a name ending in one of ")
+    assert line.startswith(
+        f"error: --out {tmp_path / out}: {suffix} is not an image format matplotlib writes: "
+        "expected a name ending in one of "
+    )
     assert ".png" in line and ".pdf" in line and ".svg" in line
     assert list(tmp_path.iterdir()) == []
 
@@ -282,10 +313,14 @@ def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods,
 
     from vit.explain.__main__ import main
 
-    extra = ["--model.backbone.class_path", "vit.models.ResNet", "--model.backbone.init_args.widths", "[4, 8]"] \
-        if backbone == "cnn" else []
-    main_in_process(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false", *extra],
-                    monkeypatch)
+    extra = (
+        ["--model.backbone.class_path", "vit.models.ResNet", "--model.backbone.init_args.widths", "[4, 8]"]
+        if backbone == "cnn"
+        else []
+    )
+    main_in_process(
+        ["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false", *extra], monkeypatch
+    )
     [last] = (tmp_path / "runs").glob("tiny/version_0/checkpoints/last.ckpt")
     out = tmp_path / "maps.png"
     assert main(["--ckpt_path", str(last), "--method", methods, "--out", str(out), "--num_images", "3"]) == 0
@@ -334,15 +369,21 @@ def record_grids(monkeypatch) -> list[dict]:
     import vit.explain.plot as plot  # the command imports rollout_grid from here when it draws
 
     drawn, draw = [], plot.rollout_grid
-    monkeypatch.setattr(plot, "rollout_grid", lambda images, maps, titles, scale: (
-        drawn.append({"images": images, "maps": maps, "titles": titles, "scale": scale}),
-        draw(images, maps, titles, scale))[1])
+    monkeypatch.setattr(
+        plot,
+        "rollout_grid",
+        lambda images, maps, titles, scale: (
+            drawn.append({"images": images, "maps": maps, "titles": titles, "scale": scale}),
+            draw(images, maps, titles, scale),
+        )[1],
+    )
     return drawn
 
 
 @pytest.mark.slow
-def test_the_explain_command_explains_any_image_with_class_names_and_a_target(shared_checkpoint, tmp_path,
-                                                                              monkeypatch, capsys):
+def test_the_explain_command_explains_any_image_with_class_names_and_a_target(
+    shared_checkpoint, tmp_path, monkeypatch, capsys
+):
     from PIL import Image
 
     from vit.explain.__main__ import main
@@ -350,13 +391,29 @@ def test_the_explain_command_explains_any_image_with_class_names_and_a_target(sh
 
     folder, drawn = circle_pngs(tmp_path / "new photos"), record_grids(monkeypatch)
     out = tmp_path / "maps.png"
-    assert main(["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), "--method", "rollout,chefer",
-                 "--target", "diagonal", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--ckpt_path",
+                str(shared_checkpoint),
+                "--input_dir",
+                str(folder),
+                "--method",
+                "rollout,chefer",
+                "--target",
+                "diagonal",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "skipped notes.txt: not a readable image" in capsys.readouterr().err and out.is_file()
     [grid] = drawn
     # The files' own pixels scaled to [0, 1], as the two-circles data was in training; drawn as RGB.
-    x = torch.stack([torch.from_numpy(np.array(Image.open(folder / f"c{i}.png"))).float()[None] / 255
-                     for i in range(3)])
+    x = torch.stack(
+        [torch.from_numpy(np.array(Image.open(folder / f"c{i}.png"))).float()[None] / 255 for i in range(3)]
+    )
     torch.testing.assert_close(grid["images"], x.expand(-1, 3, -1, -1))
     backbone = ImageClassifier.load_from_checkpoint(shared_checkpoint, map_location="cpu", weights_only=True).backbone
     with torch.no_grad():
@@ -373,14 +430,30 @@ def test_the_explain_command_explains_any_image_with_class_names_and_a_target(sh
     torch.testing.assert_close(grid["maps"]["rollout"], relevance(backbone, x, "rollout"))
 
     # One file by --image, the target by its index: the same map as by its name.
-    assert main(["--ckpt_path", str(shared_checkpoint), "--image", str(folder / "c1.png"), "--method", "chefer",
-                 "--target", "1", "--out", str(tmp_path / "one.png")]) == 0
+    assert (
+        main(
+            [
+                "--ckpt_path",
+                str(shared_checkpoint),
+                "--image",
+                str(folder / "c1.png"),
+                "--method",
+                "chefer",
+                "--target",
+                "1",
+                "--out",
+                str(tmp_path / "one.png"),
+            ]
+        )
+        == 0
+    )
     torch.testing.assert_close(drawn[1]["maps"]["chefer: diagonal"], grid["maps"]["chefer: diagonal"][1:2])
 
 
 @pytest.mark.slow
-def test_the_explain_command_draws_the_maps_over_each_photo_in_colour_at_the_models_size(shared_checkpoint, tmp_path,
-                                                                                        monkeypatch):
+def test_the_explain_command_draws_the_maps_over_each_photo_in_colour_at_the_models_size(
+    shared_checkpoint, tmp_path, monkeypatch
+):
     from PIL import Image
     from torchvision.transforms.v2 import functional as TF
 
@@ -391,8 +464,21 @@ def test_the_explain_command_draws_the_maps_over_each_photo_in_colour_at_the_mod
     pixels = np.zeros((48, 40, 3), dtype=np.uint8)  # (H, W, RGB): red left, blue right; the model takes 32 x 32 grey
     pixels[:, :20, 0], pixels[:, 20:, 2] = 200, 120
     Image.fromarray(pixels).save(photo)
-    assert main(["--ckpt_path", str(shared_checkpoint), "--image", str(photo), "--method", "rollout",
-                 "--out", str(tmp_path / "maps.png")]) == 0
+    assert (
+        main(
+            [
+                "--ckpt_path",
+                str(shared_checkpoint),
+                "--image",
+                str(photo),
+                "--method",
+                "rollout",
+                "--out",
+                str(tmp_path / "maps.png"),
+            ]
+        )
+        == 0
+    )
     [grid] = drawn
     # The photo as decoded, resized to the model's input: RGB in [0, 200 / 255], neither grey nor normalised.
     colour = TF.resize(torch.from_numpy(pixels).permute(2, 0, 1), [32, 32], antialias=True).float() / 255
@@ -405,34 +491,72 @@ def test_the_explain_command_draws_the_maps_over_each_photo_in_colour_at_the_mod
 
 
 @pytest.mark.slow
-def test_the_explain_command_leaves_the_random_baseline_out_of_all_unless_named(shared_checkpoint, tmp_path,
-                                                                               monkeypatch):
+def test_the_explain_command_leaves_the_random_baseline_out_of_all_unless_named(
+    shared_checkpoint, tmp_path, monkeypatch
+):
     from vit.explain.__main__ import main
 
     folder, drawn = circle_pngs(tmp_path / "photos", n=1), record_grids(monkeypatch)
     for method in ("all", "rollout,random"):
-        assert main(["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), "--method", method,
-                     "--out", str(tmp_path / f"{method}.png")]) == 0
+        assert (
+            main(
+                [
+                    "--ckpt_path",
+                    str(shared_checkpoint),
+                    "--input_dir",
+                    str(folder),
+                    "--method",
+                    method,
+                    "--out",
+                    str(tmp_path / f"{method}.png"),
+                ]
+            )
+            == 0
+        )
     assert list(drawn[0]["maps"]) == [m for m in METHODS if m != "random"]
     assert list(drawn[1]["maps"]) == ["rollout", "random"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["--target", "cow"], "error: --target 'cow' is not a class of this model: expected one of "
-                          "['not_diagonal', 'diagonal'] or an index in [0, 1]"),
-    (["--target", "2"], "error: --target '2' is not a class of this model: expected one of "
-                        "['not_diagonal', 'diagonal'] or an index in [0, 1]"),
-    (["--method", "saliency"], "error: --method 'saliency': ['saliency'] is not allowed: expected names from "
-                               f"{list(METHODS)} or 'all'"),
-])
-def test_the_explain_command_refuses_an_unknown_target_or_method_in_one_line(args, message, shared_checkpoint, tmp_path,
-                                                                            capsys):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--target", "cow"],
+            "error: --target 'cow' is not a class of this model: expected one of "
+            "['not_diagonal', 'diagonal'] or an index in [0, 1]",
+        ),
+        (
+            ["--target", "2"],
+            "error: --target '2' is not a class of this model: expected one of "
+            "['not_diagonal', 'diagonal'] or an index in [0, 1]",
+        ),
+        (
+            ["--method", "saliency"],
+            f"error: --method 'saliency': ['saliency'] is not allowed: expected names from {list(METHODS)} or 'all'",
+        ),
+    ],
+)
+def test_the_explain_command_refuses_an_unknown_target_or_method_in_one_line(
+    args, message, shared_checkpoint, tmp_path, capsys
+):
     from vit.explain.__main__ import main
 
     folder = circle_pngs(tmp_path / "photos")
-    assert main(["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), *args,
-                 "--out", str(tmp_path / "maps.png")]) == 2
+    assert (
+        main(
+            [
+                "--ckpt_path",
+                str(shared_checkpoint),
+                "--input_dir",
+                str(folder),
+                *args,
+                "--out",
+                str(tmp_path / "maps.png"),
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == message and not (tmp_path / "maps.png").exists()
 
 
@@ -442,8 +566,10 @@ def test_the_explain_command_refuses_an_unknown_target_or_method_in_one_line(arg
 def grid_norms(fig, B: int, M: int) -> list[list[tuple[float, float]]]:
     """`(vmin, vmax)` of each overlay of a `rollout_grid` of B rows and M methods (its second image: the map)."""
     panels = fig.axes[: B * (1 + M)]
-    return [[(ax.images[1].norm.vmin, ax.images[1].norm.vmax) for ax in panels[row * (1 + M) + 1:(row + 1) * (1 + M)]]
-            for row in range(B)]
+    return [
+        [(ax.images[1].norm.vmin, ax.images[1].norm.vmax) for ax in panels[row * (1 + M) + 1 : (row + 1) * (1 + M)]]
+        for row in range(B)
+    ]
 
 
 @pytest.mark.parametrize("scale", ["panel", "row", "figure"])
@@ -462,13 +588,16 @@ def test_the_grid_shares_one_colour_scale_per_row_or_figure_with_its_colour_bars
         assert (ax.images[1].get_cmap().name, ax.images[1].get_alpha()) == ("inferno", 0.6)
         row_max = max(float(m[row].max()) for m in maps.values())
         for (vmin, vmax), m in zip(norms[row], maps.values()):
-            expected = {"panel": (float(m[row].min()), float(m[row].max())), "row": (0.0, row_max),
-                        "figure": (0.0, max(float(m.max()) for m in maps.values()))}[scale]
+            expected = {
+                "panel": (float(m[row].min()), float(m[row].max())),
+                "row": (0.0, row_max),
+                "figure": (0.0, max(float(m.max()) for m in maps.values())),
+            }[scale]
             assert (vmin, vmax) == pytest.approx(expected)
     assert (norms[0][0] != norms[0][1]) == (scale == "panel")  # a row shares its scale unless per panel
     assert (norms[0][0] != norms[1][0]) == (scale != "figure")  # rows differ unless one scale for the figure
     # The colour bars after the panels: one per row for per-row scales, else one; each spans its scale.
-    bars = fig.axes[2 * 3:]
+    bars = fig.axes[2 * 3 :]
     assert len(bars) == (2 if scale == "row" else 1)
     if scale == "panel":
         assert [t.get_text() for t in bars[0].get_yticklabels()] == ["min", "max"]
@@ -508,34 +637,54 @@ def test_overlay_is_pytorch_grad_cams_show_cam_on_image_with_inferno():
     image, patch_map = torch.rand(3, 32, 24) * 0.8 + 0.1, torch.rand(4, 3)  # (C, H, W) in [0, 1], (gh, gw)
     heat = F.interpolate(patch_map[None, None], size=(32, 24), mode="bilinear", align_corners=False)[0, 0]
     mask = ((heat - patch_map.min()) / (patch_map.max() - patch_map.min())).numpy()  # (H, W) in [0, 1]
-    theirs = show_cam_on_image(image.permute(1, 2, 0).numpy(), mask, use_rgb=True, colormap=cv2.COLORMAP_INFERNO,
-                               image_weight=0.4) / 255  # (H, W, 3), divided by its max
+    theirs = (
+        show_cam_on_image(
+            image.permute(1, 2, 0).numpy(), mask, use_rgb=True, colormap=cv2.COLORMAP_INFERNO, image_weight=0.4
+        )
+        / 255
+    )  # (H, W, 3), divided by its max
     ours = overlay(image, patch_map, alpha=0.6)
     # Up to OpenCV's and matplotlib's 256-colour tables (one step apart at most) and pytorch-grad-cam's uint8.
     np.testing.assert_allclose(ours / ours.max(), theirs, atol=0.02)
 
 
 @pytest.mark.parametrize("existing", [True, False])
-def test_the_explain_command_refuses_save_maps_it_would_overwrite_or_cannot_write_before_any_work(existing, tmp_path,
-                                                                                                  capsys):
+def test_the_explain_command_refuses_save_maps_it_would_overwrite_or_cannot_write_before_any_work(
+    existing, tmp_path, capsys
+):
     from vit.explain.__main__ import main
 
     npz = tmp_path / "maps.npz" if existing else tmp_path / "missing" / "maps.npz"
     if existing:
         npz.write_bytes(b"earlier maps")
     # The checkpoint does not exist either: the file is checked first, before anything is loaded.
-    assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "maps.png"),
-                 "--save-maps", str(npz)]) == 2
+    assert (
+        main(
+            [
+                "--ckpt_path",
+                str(tmp_path / "missing.ckpt"),
+                "--out",
+                str(tmp_path / "maps.png"),
+                "--save-maps",
+                str(npz),
+            ]
+        )
+        == 2
+    )
     [line] = capsys.readouterr().err.splitlines()
-    assert line == (f"error: --save-maps {npz} already exists; pass --overwrite to replace it" if existing else
-                    f"error: --save-maps {npz}: its folder {npz.parent} does not exist")
+    assert line == (
+        f"error: --save-maps {npz} already exists; pass --overwrite to replace it"
+        if existing
+        else f"error: --save-maps {npz}: its folder {npz.parent} does not exist"
+    )
     assert (npz.read_bytes() == b"earlier maps") if existing else not npz.parent.exists()
     assert not (tmp_path / "maps.png").exists()
 
 
 @pytest.mark.slow
-def test_the_explain_command_saves_the_maps_it_draws_at_the_scale_asked(shared_checkpoint, tmp_path, monkeypatch,
-                                                                        capsys):
+def test_the_explain_command_saves_the_maps_it_draws_at_the_scale_asked(
+    shared_checkpoint, tmp_path, monkeypatch, capsys
+):
     from PIL import Image
 
     from vit.explain.__main__ import main
@@ -543,12 +692,25 @@ def test_the_explain_command_saves_the_maps_it_draws_at_the_scale_asked(shared_c
 
     folder, drawn = circle_pngs(tmp_path / "photos"), record_grids(monkeypatch)
     npz, out = tmp_path / "maps.npz", tmp_path / "maps.png"
-    args = ["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), "--method", "rollout,chefer",
-            "--scale", "figure", "--out", str(out), "--save-maps", str(npz)]
+    args = [
+        "--ckpt_path",
+        str(shared_checkpoint),
+        "--input_dir",
+        str(folder),
+        "--method",
+        "rollout,chefer",
+        "--scale",
+        "figure",
+        "--out",
+        str(out),
+        "--save-maps",
+        str(npz),
+    ]
     assert main(args) == 0
     assert drawn[0]["scale"] == "figure"
-    x = torch.stack([torch.from_numpy(np.array(Image.open(folder / f"c{i}.png"))).float()[None] / 255
-                     for i in range(3)])
+    x = torch.stack(
+        [torch.from_numpy(np.array(Image.open(folder / f"c{i}.png"))).float()[None] / 255 for i in range(3)]
+    )
     backbone = ImageClassifier.load_from_checkpoint(shared_checkpoint, map_location="cpu", weights_only=True).backbone
     with torch.no_grad():
         probs = backbone.eval()(x).softmax(-1)

@@ -68,8 +68,12 @@ def test_the_export_is_read_by_timm_and_by_this_project_with_equal_logits(checkp
     hub = timm.create_model(f"local-dir:{out}", pretrained=True)
     assert (logits(hub.eval(), x) - expected).abs().max() < 1e-5
     # ... the file given to the architecture by name (the sizes from config.json's model_args) ...
-    by_name = timm.create_model(config["architecture"], pretrained=True, **config["model_args"],
-                                pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=2))
+    by_name = timm.create_model(
+        config["architecture"],
+        pretrained=True,
+        **config["model_args"],
+        pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=2),
+    )
     assert (logits(by_name.eval(), x) - expected).abs().max() < 1e-5
     # ... and this project's pretrained loader, from the folder or the file.
     hparams = torch.load(checkpoint, map_location="cpu", weights_only=True)["hyper_parameters"]
@@ -87,18 +91,29 @@ def test_a_timm_sized_vit_exports_under_its_timm_name(tmp_path):
     assert config["architecture"] == "vit_tiny_patch16_224"
     assert set(config["pretrained_cfg"]) >= {"input_size", "mean", "std", "num_classes"}
     assert "tag" not in config["pretrained_cfg"]  # timm's own weights' tag does not describe these
-    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, num_classes=4, pretrained_cfg_overlay=dict(
-        file=str(tmp_path / "out" / "model.safetensors"), num_classes=4)).eval()
+    reference = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=True,
+        num_classes=4,
+        pretrained_cfg_overlay=dict(file=str(tmp_path / "out" / "model.safetensors"), num_classes=4),
+    ).eval()
     x = torch.randn(2, 3, 224, 224)
     assert (logits(reference, x) - logits(model, x)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(pool="mean", reg_tokens=2), dict(pool="map"), dict(pool="mean", fc_norm=False),
-    dict(pos_embed="sincos2d"), dict(pos_embed="sincos1d", pool="mean"),  # fixed encodings: a table of their values
-    dict(pos_embed="none", qk_norm=True, qkv_bias=False),
-    dict(img_size=(32, 48), in_chans=1, mlp_ratio=2.0, reg_tokens=1, no_embed_class=True),
-], ids=str)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(pool="mean", reg_tokens=2),
+        dict(pool="map"),
+        dict(pool="mean", fc_norm=False),
+        dict(pos_embed="sincos2d"),
+        dict(pos_embed="sincos1d", pool="mean"),  # fixed encodings: a table of their values
+        dict(pos_embed="none", qk_norm=True, qkv_bias=False),
+        dict(img_size=(32, 48), in_chans=1, mlp_ratio=2.0, reg_tokens=1, no_embed_class=True),
+    ],
+    ids=str,
+)
 def test_every_option_timm_has_exports_with_equal_logits(tmp_path, kwargs):
     model = random_vit(**kwargs)
     C, (H, W) = model.patch_embed.in_chans, model.patch_embed.img_size
@@ -108,10 +123,13 @@ def test_every_option_timm_has_exports_with_equal_logits(tmp_path, kwargs):
     assert (logits(exported, x) - logits(model, x)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(patch_kernel=10), r"patch_kernel=10 cannot be exported: .* equal to the patch size \(8\)"),
-    (dict(attn_score="additive"), "attn_score='additive' cannot be exported"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(patch_kernel=10), r"patch_kernel=10 cannot be exported: .* equal to the patch size \(8\)"),
+        (dict(attn_score="additive"), "attn_score='additive' cannot be exported"),
+    ],
+)
 def test_what_timm_cannot_compute_is_refused_naming_the_option(kwargs, message):
     with pytest.raises(NotInTimm, match=message):
         timm_args(VisionTransformer(**{**SMALL, **kwargs}))
@@ -123,17 +141,20 @@ def test_bad_outputs_and_checkpoints_are_refused_in_one_line_before_anything_is_
     full.mkdir()
     (full / "notes.txt").write_text("mine")
     assert main(["--ckpt_path", str(checkpoint), "--out", str(full)]) == 2
-    assert error_line(capsys.readouterr().err) == (f"error: --out {full} is a folder that is not empty; pass "
-                                                   "--overwrite to write model.safetensors, config.json and README.md "
-                                                   "into it (other files are left alone)")
+    assert error_line(capsys.readouterr().err) == (
+        f"error: --out {full} is a folder that is not empty; pass "
+        "--overwrite to write model.safetensors, config.json and README.md "
+        "into it (other files are left alone)"
+    )
     assert sorted(p.name for p in full.iterdir()) == ["notes.txt"]
     assert main(["--ckpt_path", str(checkpoint), "--out", str(full), "--overwrite"]) == 0
     assert sorted(p.name for p in full.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
     capsys.readouterr()
     (tmp_path / "file").write_text("x")
     assert main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "file")]) == 2
-    assert error_line(capsys.readouterr().err) == (f"error: --out {tmp_path / 'file'} is a file; give a folder "
-                                                   "(it is created)")
+    assert error_line(capsys.readouterr().err) == (
+        f"error: --out {tmp_path / 'file'} is a file; give a folder (it is created)"
+    )
     assert main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "new")]) == 2
     missing = f"error: checkpoint {tmp_path / 'missing.ckpt'} does not exist: give "
     assert error_line(capsys.readouterr().err).startswith(missing)
@@ -208,12 +229,16 @@ def test_a_model_card_without_a_training_record_says_so(tmp_path):
     assert "5 classes, label i is the i-th (`config.json`'s `label_names`): a, b, c, d, e." in card
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(img_size=96, patch_size=16, embed_dim=192, depth=12, num_heads=3), "vit_tiny_patch16_224"),
-    (dict(img_size=(96, 128), patch_size=16, embed_dim=192, depth=12, num_heads=3), "vit_tiny_patch16_224"),
-    (dict(img_size=32, patch_size=8, embed_dim=40, depth=2, num_heads=4), "test_vit"),  # no timm ViT this wide
-    (dict(img_size=96, patch_size=16, embed_dim=192, depth=12, num_heads=3, reg_tokens=1), "test_vit"),
-], ids=str)
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(img_size=96, patch_size=16, embed_dim=192, depth=12, num_heads=3), "vit_tiny_patch16_224"),
+        (dict(img_size=(96, 128), patch_size=16, embed_dim=192, depth=12, num_heads=3), "vit_tiny_patch16_224"),
+        (dict(img_size=32, patch_size=8, embed_dim=40, depth=2, num_heads=4), "test_vit"),  # no timm ViT this wide
+        (dict(img_size=96, patch_size=16, embed_dim=192, depth=12, num_heads=3, reg_tokens=1), "test_vit"),
+    ],
+    ids=str,
+)
 def test_the_architecture_names_a_timm_vit_of_the_same_size_or_none(tmp_path, kwargs, name):
     model = random_vit(**kwargs)
     C, (H, W) = model.patch_embed.in_chans, model.patch_embed.img_size
@@ -223,9 +248,12 @@ def test_the_architecture_names_a_timm_vit_of_the_same_size_or_none(tmp_path, kw
     if name != "test_vit":  # the name's own sizes are the model's: timm builds it from the name and the image size
         with torch.device("meta"):
             default = timm.create_model(name, pretrained=False, img_size=(H, W))
-        assert (default.embed_dim, len(default.blocks), default.blocks[0].attn.num_heads,
-                default.patch_embed.patch_size[0]) == (model.embed_dim, len(model.blocks),
-                                                       model.blocks[0].attn.num_heads, model.patch_embed.patch_size)
+        assert (
+            default.embed_dim,
+            len(default.blocks),
+            default.blocks[0].attn.num_heads,
+            default.patch_embed.patch_size[0],
+        ) == (model.embed_dim, len(model.blocks), model.blocks[0].attn.num_heads, model.patch_embed.patch_size)
     exported = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
     x = torch.randn(2, C, H, W)
     assert (logits(exported, x) - logits(model, x)).abs().max() < 1e-5
@@ -237,13 +265,22 @@ def test_the_card_front_matter_says_what_the_hub_shows(tmp_path):
     from vit.export import hub_base_model, hub_dataset, model_card
 
     args = timm_args(random_vit())
-    training = {"data_module": "vit.data.cifar.CIFARDataModule", "dataset": "cifar10",
-                "pretrained": "vit_tiny_patch16_224.augreg_in21k"}  # what a run records (`training_record`)
+    training = {
+        "data_module": "vit.data.cifar.CIFARDataModule",
+        "dataset": "cifar10",
+        "pretrained": "vit_tiny_patch16_224.augreg_in21k",
+    }  # what a run records (`training_record`)
     card = model_card(args, dict(input_size=(3, 32, 32), **DATA), list("abcde"), training, "apache-2.0")
     front = yaml.safe_load(card.split("---\n")[1])
-    assert front == {"library_name": "timm", "license": "apache-2.0", "pipeline_tag": "image-classification",
-                     "base_model": "timm/vit_tiny_patch16_224.augreg_in21k", "datasets": ["cifar10"],
-                     "metrics": ["accuracy"], "tags": ["image-classification", "timm", "vision-transformer"]}
+    assert front == {
+        "library_name": "timm",
+        "license": "apache-2.0",
+        "pipeline_tag": "image-classification",
+        "base_model": "timm/vit_tiny_patch16_224.augreg_in21k",
+        "datasets": ["cifar10"],
+        "metrics": ["accuracy"],
+        "tags": ["image-classification", "timm", "vision-transformer"],
+    }
     bare = yaml.safe_load(model_card(args, dict(input_size=(3, 32, 32), **DATA), list("abcde")).split("---\n")[1])
     assert set(bare) == {"library_name", "pipeline_tag", "metrics", "tags"}  # no license unless given, no base, no data
     assert hub_dataset({"data_module": "vit.data.image_folder.ImageFolderDataModule", "dataset": "cifar10"}) is None
@@ -333,8 +370,9 @@ def test_pushing_uploads_the_export_and_offline_says_so_in_one_line(checkpoint, 
     import huggingface_hub
 
     calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo, **kw: calls.append(("create", repo,
-                                                                                                       kw)))
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "create_repo", lambda self, repo, **kw: calls.append(("create", repo, kw))
+    )
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
     out = tmp_path / "out"
     assert main(["--ckpt_path", str(checkpoint), "--out", str(out), "--push_to_hub", "me/tiny-vit", "--private"]) == 0
@@ -346,8 +384,10 @@ def test_pushing_uploads_the_export_and_offline_says_so_in_one_line(checkpoint, 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "offline"), "--push_to_hub", "me/x"]) == 1
     line = error_line(capsys.readouterr().err)
-    assert line.startswith(f"error: --push_to_hub me/x: {tmp_path / 'offline'} is written, but it could not be "
-                           "uploaded: OfflineModeIsEnabled"), line
+    assert line.startswith(
+        f"error: --push_to_hub me/x: {tmp_path / 'offline'} is written, but it could not be "
+        "uploaded: OfflineModeIsEnabled"
+    ), line
     assert (tmp_path / "offline" / "model.safetensors").is_file()
     with pytest.raises(SystemExit):
         main(["--ckpt_path", str(checkpoint), "--out", str(tmp_path / "x"), "--push_to_hub", "../etc/passwd"])
@@ -362,7 +402,10 @@ def test_the_test_after_fit_is_recorded_in_the_best_checkpoints_model_folder(tmp
 
     main_in_process(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1))], monkeypatch)
     out = capsys.readouterr().out
-    [best] = [p for p in (tmp_path / "runs" / "tiny" / "version_0" / "checkpoints").glob("*.ckpt")
-              if p.name.startswith("epoch")]
+    [best] = [
+        p
+        for p in (tmp_path / "runs" / "tiny" / "version_0" / "checkpoints").glob("*.ckpt")
+        if p.name.startswith("epoch")
+    ]
     recorded = json.loads((best.with_suffix("") / "config.json").read_text())["vit"]["training"]["test"]
     assert f"test/acc = {recorded['test/acc']:.4f}  ({best})" in out

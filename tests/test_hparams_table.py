@@ -41,8 +41,10 @@ def test_a_run_fills_the_hparams_table_with_its_settings_and_final_metrics(tmp_p
     assert set(plugin) == {"session_start_info"}
     columns = {"hp/val_acc", "hp/val_loss", "hp/test_acc", "hp/test_loss"}
     assert sorted(events.Tags()["scalars"])[:5] == ["epoch", *sorted(columns)]
-    settings = {name: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
-                for name, value in plugin["session_start_info"].hparams.items()}
+    settings = {
+        name: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
+        for name, value in plugin["session_start_info"].hparams.items()
+    }
     assert settings["backbone/class_path"] == "vit.models.VisionTransformer"
     assert settings["backbone/init_args/embed_dim"] == 32  # tiny_config's, over the YAML's 64
     assert settings["backbone/init_args/pos_embed"] == "learned"
@@ -65,12 +67,19 @@ def test_a_run_fills_the_hparams_table_with_its_settings_and_final_metrics(tmp_p
 
 
 def test_loggers_other_than_tensorboard_are_left_alone(tmp_path):
-    model = ImageClassifier(VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, in_chans=1,
-                                              num_classes=2))
+    model = ImageClassifier(
+        VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, in_chans=1, num_classes=2)
+    )
     data = TwoCirclesDataModule(num_train=16, num_val=16, num_test=16, batch_size=16, seed=3)
-    trainer = L.Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="csv"), callbacks=[HParamsTable()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, name="csv"),
+        callbacks=[HParamsTable()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, datamodule=data)
     trainer.test(model, datamodule=data, verbose=False)
     metrics = (tmp_path / "csv/version_0/metrics.csv").read_text()

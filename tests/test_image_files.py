@@ -50,14 +50,44 @@ def predict(checkpoint: Path, folder: Path, output: Path) -> int:
 
 def train_folder(root: Path, runs: Path, monkeypatch) -> None:
     """`train.py fit` (then test) of a tiny ViT on `root` for one epoch, from no pretrained weights."""
-    main_in_process(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"), "--data.root", str(root),
-                     "--data.img_size", "32", "--data.batch_size", "4", "--data.num_workers", "0",
-                     "--data.val_fraction", "0.25", "--trainer.precision", "32-true", "--trainer.max_epochs", "1",
-                     "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
-                     "--trainer.logger.init_args.save_dir", str(runs),
-                     "--model.pretrained", "null", "--model.backbone.init_args.patch_size", "8",
-                     "--model.backbone.init_args.embed_dim", "32", "--model.backbone.init_args.depth", "1",
-                     "--model.backbone.init_args.num_heads", "2"], monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs/folder/finetune_vit.yaml"),
+            "--data.root",
+            str(root),
+            "--data.img_size",
+            "32",
+            "--data.batch_size",
+            "4",
+            "--data.num_workers",
+            "0",
+            "--data.val_fraction",
+            "0.25",
+            "--trainer.precision",
+            "32-true",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger.init_args.save_dir",
+            str(runs),
+            "--model.pretrained",
+            "null",
+            "--model.backbone.init_args.patch_size",
+            "8",
+            "--model.backbone.init_args.embed_dim",
+            "32",
+            "--model.backbone.init_args.depth",
+            "1",
+            "--model.backbone.init_args.num_heads",
+            "2",
+        ],
+        monkeypatch,
+    )
 
 
 @pytest.mark.slow
@@ -102,10 +132,14 @@ def test_a_symlink_loop_and_a_second_link_to_a_file_count_each_image_once(tmp_pa
     with pytest.warns(UserWarning) as warned:
         dm.setup("fit")
     [message] = [str(w.message) for w in warned]
-    assert message == (f"skipped 2 file(s) under {root}: a/again.png: the same file as 0.png, listed once; "
-                       "b/current: a link to a folder listed already (not entered again)")
-    train, val, test = ({os.path.realpath(split.dataset.samples[i][0]) for i in split.indices}
-                        for split in (dm.train_set, dm.val_set, dm.test_set))
+    assert message == (
+        f"skipped 2 file(s) under {root}: a/again.png: the same file as 0.png, listed once; "
+        "b/current: a link to a folder listed already (not entered again)"
+    )
+    train, val, test = (
+        {os.path.realpath(split.dataset.samples[i][0]) for i in split.indices}
+        for split in (dm.train_set, dm.val_set, dm.test_set)
+    )
     assert len(train) + len(val) + len(test) == 6 and not (train & val or train & test or val & test)  # no image twice
 
 
@@ -136,8 +170,12 @@ def test_a_fifo_and_devices_in_a_class_folder_are_skipped_not_waited_on(tmp_path
     open_fifo_for_writing(root / "a" / "pipe.png")
     thread.join(timeout=10)
     assert not hung, "setup waited on the FIFO"
-    assert caught == [(f"skipped 2 file(s) under {root}: a/pipe.png: a named pipe (FIFO), not a regular file; "
-                       "b/zero.png: a character device, not a regular file")]
+    assert caught == [
+        (
+            f"skipped 2 file(s) under {root}: a/pipe.png: a named pipe (FIFO), not a regular file; "
+            "b/zero.png: a character device, not a regular file"
+        )
+    ]
     assert len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 6
 
 
@@ -166,7 +204,8 @@ def test_names_a_spreadsheet_would_run_as_formulas_are_quoted(checkpoint, tmp_pa
     output = tmp_path / "p.csv"
     assert predict(checkpoint, folder, output) == 0
     assert sorted(row["file"] for row in csv.DictReader(output.open())) == sorted(
-        ["'=HYPERLINK(1).png", "'+1.png", "'-2.png", "'@SUM(1).png", "plain.png", "x=1.png"])
+        ["'=HYPERLINK(1).png", "'+1.png", "'-2.png", "'@SUM(1).png", "plain.png", "x=1.png"]
+    )
     # Class names come from folder names (or a checkpoint): the same rule, and valid text.
     _, rows = prediction_table(["x.png"], torch.tensor([[0.1, 0.2, 0.7]]), ["ok", "-cats", f"=caf{FF}"], topk=3)
     assert rows[0][1::3] == ["'=caf\\xff", "'-cats", "ok"]
@@ -215,8 +254,11 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_scale_but_never_below_four_times_t
     # The data module and vit.predict ask for it with their own input size.
     asked = []
     original = JpegImagePlugin.JpegImageFile.draft
-    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft",
-                        lambda image, mode, size: asked.append(size) or original(image, mode, size))
+    monkeypatch.setattr(
+        JpegImagePlugin.JpegImageFile,
+        "draft",
+        lambda image, mode, size: asked.append(size) or original(image, mode, size),
+    )
     files = ImageFiles(image_files(tmp_path), build_transform((24, 40), 3, None))
     [files[i] for i in range(len(files))]
     assert asked == [(160, 160)] * 2
@@ -232,9 +274,11 @@ def test_an_image_over_the_decompression_bomb_limit_is_refused_with_its_name(tmp
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64 x 64 = 4096 > 2 x 1000
     with pytest.raises(UnreadableImageError) as error:
         decode_image(tmp_path / "bomb.png", size=(32, 32))
-    assert str(error.value) == (f"{tmp_path / 'bomb.png'}: too large to decode safely (Image size (4096 pixels) "
-                                "exceeds limit of 2000 pixels, twice PIL.Image.MAX_IMAGE_PIXELS, Pillow's guard "
-                                "against decompression bombs; raise that limit only for a file you trust)")
+    assert str(error.value) == (
+        f"{tmp_path / 'bomb.png'}: too large to decode safely (Image size (4096 pixels) "
+        "exceeds limit of 2000 pixels, twice PIL.Image.MAX_IMAGE_PIXELS, Pillow's guard "
+        "against decompression bombs; raise that limit only for a file you trust)"
+    )
 
 
 @pytest.mark.slow
@@ -243,13 +287,32 @@ def test_a_class_whose_only_file_is_broken_is_named_with_the_file_and_why(tmp_pa
     for path in (root / "b").iterdir():
         path.unlink()
     (root / "b" / "only.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
-    code, err = cli(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"), "--data.root", str(root),
-                     "--data.img_size", "32", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
-                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-                     "--model.pretrained", "null"], monkeypatch, capsys)
-    assert code == 1 and error_line(err) == (f"error: class folder {root / 'b'} has no readable image (only.png: "
-                                             "cannot identify image file: not a format Pillow reads): every class "
-                                             "folder needs at least one")
+    code, err = cli(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs/folder/finetune_vit.yaml"),
+            "--data.root",
+            str(root),
+            "--data.img_size",
+            "32",
+            "--data.num_workers",
+            "0",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "runs"),
+            "--model.pretrained",
+            "null",
+        ],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 1 and error_line(err) == (
+        f"error: class folder {root / 'b'} has no readable image (only.png: "
+        "cannot identify image file: not a format Pillow reads): every class "
+        "folder needs at least one"
+    )
 
 
 def test_a_file_broken_after_setup_is_named_when_the_loader_reads_it(tmp_path):
@@ -262,8 +325,9 @@ def test_a_file_broken_after_setup_is_named_when_the_loader_reads_it(tmp_path):
         dm.train_set[0]
 
 
-def test_a_folder_is_decoded_a_batch_at_a_time_and_unreadable_files_are_reported_with_their_batch(tmp_path,
-                                                                                                   monkeypatch):
+def test_a_folder_is_decoded_a_batch_at_a_time_and_unreadable_files_are_reported_with_their_batch(
+    tmp_path, monkeypatch
+):
     import vit.data.images as images
 
     for i in range(5):
@@ -271,8 +335,9 @@ def test_a_folder_is_decoded_a_batch_at_a_time_and_unreadable_files_are_reported
     (tmp_path / "2.png").write_bytes(b"not an image")
     decoded = []
     original = images.decode_image
-    monkeypatch.setattr(images, "decode_image",
-                        lambda path, size=None: decoded.append(path.name) or original(path, size))
+    monkeypatch.setattr(
+        images, "decode_image", lambda path, size=None: decoded.append(path.name) or original(path, size)
+    )
     files = images.ImageFiles(image_files(tmp_path), build_transform(8, 1, None))
     batches = images.readable_batches(files, batch_size=2)
     indices, x, unread = next(batches)

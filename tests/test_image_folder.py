@@ -35,7 +35,7 @@ def write_folder(root: Path, per_class: int = 12, seed: int = 0) -> Path:
             size = int(rng.integers(40, 57))
             pixels = rng.integers(0, 60, size=(size, size, 3)).astype(np.uint8)
             x, y = rng.integers(0, size - 16, size=2)
-            pixels[y:y + 16, x:x + 16, channel] = 255
+            pixels[y : y + 16, x : x + 16, channel] = 255
             Image.fromarray(pixels).convert(modes[i % len(modes)]).save(folder / f"{i:02d}.png")
     (root / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     (root / "blue" / "notes.txt").write_text("not an image")
@@ -54,8 +54,9 @@ def write_truncated_jpeg(path: Path) -> Path:
 def weights(tmp_path) -> Path:
     """A timm ViT (random weights, no download) of the tiny test architecture, as a .safetensors file."""
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,
-                              depth=2, num_heads=2)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2
+    )
     path = tmp_path / "tiny_vit.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     return path
@@ -68,15 +69,46 @@ def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
     images = write_folder(tmp_path / "my images", per_class=40)
     write_truncated_jpeg(images / "blue" / "cut.jpg")  # would stop training mid-epoch if it were not found at setup
     with pytest.warns(UserWarning, match=r"skipped 3 file\(s\).*blue/cut.jpg: image file is truncated"):
-        main_in_process(["fit", "--config", str(REPO / "configs/folder/finetune_vit.yaml"),
-                         "--data.root", str(images), "--data.img_size", "32", "--data.batch_size", "8",
-                         "--data.num_workers", "0", "--data.val_fraction", "0.2", "--data.test_fraction", "0.2",
-                         "--data.normalization", "imagenet",
-                         "--trainer.precision", "32-true", "--trainer.max_epochs", "8", "--trainer.accelerator", "cpu",
-                         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--model.lr", "3e-3",
-                         "--model.pretrained", str(weights), "--model.backbone.init_args.patch_size",
-                         "8", "--model.backbone.init_args.num_heads", "2",  # width and depth: the file's
-                         "--model.backbone.init_args.drop_path_rate", "0.0"], monkeypatch)
+        main_in_process(
+            [
+                "fit",
+                "--config",
+                str(REPO / "configs/folder/finetune_vit.yaml"),
+                "--data.root",
+                str(images),
+                "--data.img_size",
+                "32",
+                "--data.batch_size",
+                "8",
+                "--data.num_workers",
+                "0",
+                "--data.val_fraction",
+                "0.2",
+                "--data.test_fraction",
+                "0.2",
+                "--data.normalization",
+                "imagenet",
+                "--trainer.precision",
+                "32-true",
+                "--trainer.max_epochs",
+                "8",
+                "--trainer.accelerator",
+                "cpu",
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path / "runs"),
+                "--model.lr",
+                "3e-3",
+                "--model.pretrained",
+                str(weights),
+                "--model.backbone.init_args.patch_size",
+                "8",
+                "--model.backbone.init_args.num_heads",
+                "2",  # width and depth: the file's
+                "--model.backbone.init_args.drop_path_rate",
+                "0.0",
+            ],
+            monkeypatch,
+        )
     out = capsys.readouterr().out
     accuracy = float(re.search(r"test/acc = ([0-9.]+)", out)[1])
     assert accuracy >= 0.75, accuracy  # 16 test images (not the 16 that chose the checkpoint); colour solves the task
@@ -105,8 +137,12 @@ def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
 
     # The two best classes of each image, by name, in order.
     top2 = tmp_path / "top2.csv"
-    assert predict_main(["--ckpt_path", str(last), "--input_dir", str(images / "blue"), "--output", str(top2),
-                         "--topk", "2"]) == 0
+    assert (
+        predict_main(
+            ["--ckpt_path", str(last), "--input_dir", str(images / "blue"), "--output", str(top2), "--topk", "2"]
+        )
+        == 0
+    )
     for row in csv.DictReader(top2.open()):
         assert {row["class_name"], row["class_name_2"]} == {"blue", "red"}
         assert abs(float(row["probability"]) + float(row["probability_2"]) - 1) < 1e-5
@@ -117,8 +153,21 @@ def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
     pixels = rng.integers(0, 60, size=(48, 48, 3)).astype(np.uint8)
     pixels[10:26, 20:36, 0] = 255
     Image.fromarray(pixels).save(tmp_path / "new photo.png")
-    assert explain_main(["--ckpt_path", str(last), "--image", str(tmp_path / "new photo.png"), "--method", "all",
-                         "--out", str(tmp_path / "explained.png")]) == 0
+    assert (
+        explain_main(
+            [
+                "--ckpt_path",
+                str(last),
+                "--image",
+                str(tmp_path / "new photo.png"),
+                "--method",
+                "all",
+                "--out",
+                str(tmp_path / "explained.png"),
+            ]
+        )
+        == 0
+    )
     assert Image.open(tmp_path / "explained.png").size[0] > 0
 
     # Out of the project: timm reads the export with the checkpoint's logits and class names.
@@ -165,7 +214,8 @@ def test_the_test_split_is_held_out_from_val_and_train_and_recorded(tmp_path):
     assert dm.test_set is not dm.val_set and len(dm.test_set) == 6
     # The recorded names are the files the test loader reads, and the validation images stay those of test_fraction=0.
     assert [dm.test_set.dataset.samples[i][0] for i in dm.test_set.indices] == [
-        str(tmp_path / "data" / name) for name in dm.split_files["test"]]
+        str(tmp_path / "data" / name) for name in dm.split_files["test"]
+    ]
     old = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, val_fraction=0.2, test_fraction=0, seed=3)
     with pytest.warns(UserWarning):
         old.setup("fit")
@@ -184,11 +234,14 @@ def test_a_missing_test_folder_is_split_off_train_and_fractions_must_leave_train
         ImageFolderDataModule(root=str(tmp_path / "data"), val_fraction=0.5, test_fraction=0.5)
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda root: root.mkdir(), "holds no class folders"),
-    (lambda root: (root / "only").mkdir(parents=True), r"holds one class folder \(only\)"),
-    (lambda root: None, "is not a folder"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda root: root.mkdir(), "holds no class folders"),
+        (lambda root: (root / "only").mkdir(parents=True), r"holds one class folder \(only\)"),
+        (lambda root: None, "is not a folder"),
+    ],
+)
 def test_folders_that_cannot_train_a_classifier_are_named(tmp_path, make, message):
     root = tmp_path / "data"
     make(root)
@@ -201,9 +254,12 @@ def test_a_class_folder_without_a_readable_image_is_named(tmp_path):
     (root / "empty_class").mkdir()
     (root / "empty_class" / "cut.png").write_bytes(b"nope")
     dm = ImageFolderDataModule(root=str(root), img_size=32)
-    with pytest.raises(NoReadableImageError, match=r"class folder .*/empty_class has no readable image \(cut\.png: "
-                                                   r"cannot identify image file: not a format Pillow reads\): every "
-                                                   r"class folder needs at least one$"):
+    with pytest.raises(
+        NoReadableImageError,
+        match=r"class folder .*/empty_class has no readable image \(cut\.png: "
+        r"cannot identify image file: not a format Pillow reads\): every "
+        r"class folder needs at least one$",
+    ):
         dm.setup("fit")
 
 
@@ -223,6 +279,7 @@ def test_a_truncated_jpeg_is_found_at_setup_not_mid_epoch(tmp_path):
 
 def test_hidden_entries_are_ignored_everywhere(tmp_path):
     """Jupyter's .ipynb_checkpoints, a .git folder, macOS's .DS_Store and ._ files, at every level of both layouts."""
+
     def add_hidden(folder: Path) -> None:
         (folder / ".ipynb_checkpoints").mkdir()
         Image.new("RGB", (40, 40)).save(folder / ".ipynb_checkpoints" / "00-checkpoint.png")  # a readable image
@@ -251,12 +308,15 @@ def test_hidden_entries_are_ignored_everywhere(tmp_path):
     assert (dm.classes, len(dm.train_set) + len(dm.test_set), len(dm.val_set)) == (["blue", "red"], 6, 6)
 
 
-@pytest.mark.parametrize(("splits", "named"), [
-    (["val"], "val/ but no train/"),
-    (["test"], "test/ but no train/"),
-    (["val", "test"], "val/ and test/ but no train/"),
-    (["train", "valid"], r"train/ beside other folders \(valid/\)"),
-])
+@pytest.mark.parametrize(
+    ("splits", "named"),
+    [
+        (["val"], "val/ but no train/"),
+        (["test"], "test/ but no train/"),
+        (["val", "test"], "val/ and test/ but no train/"),
+        (["train", "valid"], r"train/ beside other folders \(valid/\)"),
+    ],
+)
 def test_a_root_that_fits_neither_layout_is_refused_in_one_line(tmp_path, splits, named):
     root = tmp_path / "data"
     write_folder(root, per_class=2)  # class folders blue/ and red/ at the root
@@ -270,10 +330,13 @@ def test_a_root_that_fits_neither_layout_is_refused_in_one_line(tmp_path, splits
     with pytest.raises(ValueError) as error:
         ImageFolderDataModule(root=str(root))
     message = str(error.value)
-    assert "\n" not in message and re.match(rf"{re.escape(str(root))} has {named}, so it fits neither layout: expected "
-                                             r"root/<class>/<image> \(split into train, val and test by val_fraction "
-                                             r"and test_fraction\) or root/train/<class>/<image> with optional "
-                                             r"root/val/ and root/test/", message)
+    assert "\n" not in message and re.match(
+        rf"{re.escape(str(root))} has {named}, so it fits neither layout: expected "
+        r"root/<class>/<image> \(split into train, val and test by val_fraction "
+        r"and test_fraction\) or root/train/<class>/<image> with optional "
+        r"root/val/ and root/test/",
+        message,
+    )
 
 
 def test_non_square_images_keep_their_height_and_width(tmp_path):
@@ -283,8 +346,11 @@ def test_non_square_images_keep_their_height_and_width(tmp_path):
         with pytest.warns(UserWarning):
             dm.setup("fit")
         assert dm.train_set[0][0].shape == dm.val_set[0][0].shape == (3, 32, 48)
-    with pytest.raises(ValueError, match=r"img_size=\(32, 4\) is not allowed: expected an int >= 8 \(a square\) "
-                                         r"or a pair"):
+    with pytest.raises(
+        ValueError,
+        match=r"img_size=\(32, 4\) is not allowed: expected an int >= 8 \(a square\) "
+        r"or a pair",
+    ):
         ImageFolderDataModule(root=str(root), img_size=(32, 4))
 
 
@@ -292,8 +358,15 @@ def test_mixup_and_cutmix_give_folder_batches_soft_targets_that_sum_to_one(tmp_p
     from types import SimpleNamespace
 
     write_folder(tmp_path / "data", per_class=6)
-    dm = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, batch_size=4, num_workers=0,
-                               mixup_alpha=0.8, cutmix_alpha=1.0, test_fraction=0)
+    dm = ImageFolderDataModule(
+        root=str(tmp_path / "data"),
+        img_size=32,
+        batch_size=4,
+        num_workers=0,
+        mixup_alpha=0.8,
+        cutmix_alpha=1.0,
+        test_fraction=0,
+    )
     with pytest.warns(UserWarning):
         dm.setup("fit")
     dm.trainer = SimpleNamespace(training=True)  # what on_after_batch_transfer reads of the trainer

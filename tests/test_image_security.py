@@ -146,8 +146,9 @@ def test_an_image_without_pixels_is_refused_with_its_size(size):
 def lab_red(path: Path) -> tuple[Path, torch.Tensor]:
     """A LAB TIFF of pure red, and its sRGB pixel in [0, 1] by littleCMS (ImageCms), the reference."""
     srgb, lab = ImageCms.createProfile("sRGB"), ImageCms.createProfile("LAB")
-    image = ImageCms.applyTransform(Image.new("RGB", (6, 6), (255, 0, 0)), ImageCms.buildTransform(
-        srgb, lab, "RGB", "LAB"))
+    image = ImageCms.applyTransform(
+        Image.new("RGB", (6, 6), (255, 0, 0)), ImageCms.buildTransform(srgb, lab, "RGB", "LAB")
+    )
     image.save(path)
     back = ImageCms.applyTransform(image, ImageCms.buildTransform(lab, srgb, "LAB", "RGB"))
     return path, torch.tensor(back.getpixel((0, 0)), dtype=torch.float32) / 255
@@ -192,15 +193,25 @@ def test_image_folder_training_reads_every_mode_its_setup_check_accepted(tmp_pat
     pixels[0, 0] = np.nan
     Image.fromarray(pixels).save(root / "a" / "nan.tif")
     for in_chans in (1, 3):
-        dm = ImageFolderDataModule(root=str(root), img_size=16, in_chans=in_chans, num_workers=0, val_fraction=0.2,
-                                   test_fraction=0.2, normalization="none", auto_augment="trivialaugment")
+        dm = ImageFolderDataModule(
+            root=str(root),
+            img_size=16,
+            in_chans=in_chans,
+            num_workers=0,
+            val_fraction=0.2,
+            test_fraction=0.2,
+            normalization="none",
+            auto_augment="trivialaugment",
+        )
         with pytest.warns(UserWarning) as warned:
             dm.setup("fit")
-        assert [str(w.message) for w in warned] == [f"skipped 1 file(s) under {root}: a/nan.tif: has NaN or infinite "
-                                                    "pixels"]
+        assert [str(w.message) for w in warned] == [
+            f"skipped 1 file(s) under {root}: a/nan.tif: has NaN or infinite pixels"
+        ]
         full = dm.train_set.dataset  # every readable file, with the training transform
         assert sorted(Path(path).name for path, _ in full.samples) == sorted(
-            ["lab.tif", "plain.png", "RGBA.png", "P.gif", "1.bmp", "CMYK.jpg", "RGB.webp"])
+            ["lab.tif", "plain.png", "RGBA.png", "P.gif", "1.bmp", "CMYK.jpg", "RGB.webp"]
+        )
         torch.manual_seed(0)
         for _ in range(10):  # trivialaugment draws an operation per item: each file meets several
             for i in range(len(full)):
@@ -220,7 +231,8 @@ def test_control_characters_in_names_are_escaped_wherever_a_name_is_shown():
     assert text_name("été 東京.png") == "été 東京.png"  # letters of any script stay as they are
     assert text_name(text_name("\x1b\udcff")) == text_name("\x1b\udcff")
     assert first_skipped({"\x1b[2Jbad.png": "why\x1b[1A"}, "skipped {name}: {why}") == [
-        "skipped \\x1b[2Jbad.png: why\\x1b[1A"]
+        "skipped \\x1b[2Jbad.png: why\\x1b[1A"
+    ]
 
 
 def test_predict_shows_a_skipped_file_whose_name_holds_escape_sequences_escaped(tmp_path, monkeypatch, capsys):
@@ -231,17 +243,36 @@ def test_predict_shows_a_skipped_file_whose_name_holds_escape_sequences_escaped(
     noise(folder / "\x1b]0;title\x07ok.png", seed=1)
     monkeypatch.setattr(vit.api, "load", lambda path, device, precision: predictor())  # no checkpoint needed
     output = tmp_path / "p.csv"
-    assert predict_main(["--ckpt_path", "unused.ckpt", "--input_dir", str(folder), "--output", str(output),
-                         "--num_workers", "0", "--device", "cpu"]) == 0
+    assert (
+        predict_main(
+            [
+                "--ckpt_path",
+                "unused.ckpt",
+                "--input_dir",
+                str(folder),
+                "--output",
+                str(output),
+                "--num_workers",
+                "0",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "\x1b" not in out + err and "\x07" not in out + err
-    assert ("skipped \\x1b[2J\\x1b[1A.png: not a readable image (cannot identify image file: not a format Pillow "
-            "reads)") in err.splitlines()
+    assert (
+        "skipped \\x1b[2J\\x1b[1A.png: not a readable image (cannot identify image file: not a format Pillow reads)"
+    ) in err.splitlines()
     assert sorted(row["file"] for row in csv.DictReader(output.open())) == ["\\x1b]0;title\\x07ok.png", "fine.png"]
 
 
 def test_a_one_channel_image_folder_refuses_a_normalization_of_three_channels(tmp_path):
     # ImageNet's mean and std would broadcast each grey image to three channels: a model of one channel fails later.
-    with pytest.raises(ValueError, match=r"^normalization='imagenet' is a mean and std for 3 \(RGB\) channels, but "
-                                         r"in_chans=1: use normalization='none' for one channel$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^normalization='imagenet' is a mean and std for 3 \(RGB\) channels, but "
+        r"in_chans=1: use normalization='none' for one channel$",
+    ):
         ImageFolderDataModule(root=str(tmp_path), in_chans=1)

@@ -34,8 +34,9 @@ HUGE = "1" + "0" * 30  # far beyond any C integer
 def tiny_vit(**kwargs) -> VisionTransformer:
     """A random 16 x 16 grayscale ViT on a (4, 4) patch grid, its weights large enough that every layer matters."""
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2,
-                              num_heads=2, **kwargs).eval()
+    model = VisionTransformer(
+        img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2, **kwargs
+    ).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3)
     return model
@@ -65,8 +66,18 @@ def images(tmp_path) -> Path:
 
 def command_args(images: Path, output: Path, **overrides) -> argparse.Namespace:
     """The parsed options `vit.predict`'s `predict` works from, as `prepare` leaves them."""
-    return argparse.Namespace(**{"ckpt_path": "model.ckpt", "input_dir": images, "output": output, "topk": 1,
-                                 "batch_size": 256, "num_workers": 0, "device": "cpu", **overrides})
+    return argparse.Namespace(
+        **{
+            "ckpt_path": "model.ckpt",
+            "input_dir": images,
+            "output": output,
+            "topk": 1,
+            "batch_size": 256,
+            "num_workers": 0,
+            "device": "cpu",
+            **overrides,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- one Predictor, many threads
@@ -75,8 +86,11 @@ def command_args(images: Path, output: Path, **overrides) -> argparse.Namespace:
 def test_predict_probabilities_and_explain_from_many_threads_equal_the_serial_results_exactly(images):
     predictor = Predictor(tiny_vit(), INPUTS, NAMES)
     files = sorted(images.iterdir())
-    calls = ([("predict", f) for f in files] + [("probabilities", files)]
-             + [("explain", f, m) for f in files for m in ("rollout", "chefer", "gradcam")])
+    calls = (
+        [("predict", f) for f in files]
+        + [("probabilities", files)]
+        + [("explain", f, m) for f in files for m in ("rollout", "chefer", "gradcam")]
+    )
 
     def call(c):
         if c[0] == "predict":
@@ -129,7 +143,8 @@ def test_predict_reads_a_large_image_checkpoints_images_five_at_a_time_and_says_
     assert pulled == [5, 5, 2]  # the iterator is read five images at a time
     assert [str(w.message) for w in caught] == [
         "batch_size=256 images of 3 x 4096 x 4096 would hold 48.0 GiB of input; running 5 per forward pass "
-        "(at most 1 GiB)"]
+        "(at most 1 GiB)"
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per predictor
         predictor.predict(iter(range(6)))
@@ -151,8 +166,10 @@ def test_vit_predict_decodes_a_large_image_checkpoints_images_five_per_batch(ima
     assert predict(command_args(images, tmp_path / "p.csv"), predictor) == 1  # nothing decoded: no row
     assert asked == [5]
     err = capsys.readouterr().err
-    assert err.startswith("note: --batch_size 256 images of 3 x 4096 x 4096 would hold 48.0 GiB of input; decoding 5 "
-                          "per batch (at most 1 GiB)\n")
+    assert err.startswith(
+        "note: --batch_size 256 images of 3 x 4096 x 4096 would hold 48.0 GiB of input; decoding 5 "
+        "per batch (at most 1 GiB)\n"
+    )
     assert err.count("note:") == 1
 
 
@@ -163,8 +180,10 @@ def test_logits_that_overflow_are_an_error_naming_the_image(images):
     predictor = Predictor(overflowing_vit(), INPUTS, NAMES)
     assert all(math.isfinite(p) for p in predictor.model.head.weight.flatten().tolist())  # finite weights
     file = sorted(images.iterdir())[2]
-    overflow = ("the model's probabilities are NaN or infinite although the image is finite: its logits overflow "
-                "float32; the checkpoint's weights cannot classify it")
+    overflow = (
+        "the model's probabilities are NaN or infinite although the image is finite: its logits overflow "
+        "float32; the checkpoint's weights cannot classify it"
+    )
     with pytest.raises(NonFiniteError) as err:
         predictor.predict([file, images / "image_0.png"])
     assert str(err.value) == f"{file}: {overflow}"
@@ -184,8 +203,7 @@ def test_a_nan_input_is_an_error_naming_it_never_a_nan_probability():
     assert err.value.index == 2 and not isinstance(err.value, CheckpointError)  # the input's fault
     with pytest.raises(NonFiniteError) as err:
         predictor.explain(x[2])
-    assert str(err.value) == ("the input: its rollout map is NaN or infinite: the image holds NaN or infinite "
-                              "values")
+    assert str(err.value) == ("the input: its rollout map is NaN or infinite: the image holds NaN or infinite values")
     assert len(predictor.predict(x[:2])) == 2  # the finite ones classify
 
 
@@ -195,9 +213,11 @@ def test_vit_predict_writes_no_csv_when_the_model_overflows_and_skips_a_nan_imag
     output = tmp_path / "p.csv"
     assert predict(command_args(images, output), Predictor(overflowing_vit(), INPUTS, NAMES)) == 1
     err = capsys.readouterr().err
-    assert err.endswith("error: image_0.png: the model's probabilities are NaN or infinite although the image is "
-                        "finite: its logits overflow float32; the checkpoint's weights cannot classify it; nothing "
-                        "was written\n")
+    assert err.endswith(
+        "error: image_0.png: the model's probabilities are NaN or infinite although the image is "
+        "finite: its logits overflow float32; the checkpoint's weights cannot classify it; nothing "
+        "was written\n"
+    )
     assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["images"]  # no temporary file
 
     pixels = np.full((16, 16), 0.5, np.float32)
@@ -216,13 +236,20 @@ def test_vit_explain_draws_nothing_when_the_model_overflows(images, tmp_path, ca
     from vit.registry import inference_transform
 
     transforms = inference_transform(INPUTS), inference_transform({**INPUTS, "in_chans": 3})
-    args = argparse.Namespace(input_dir=images, image=None, num_images=2, out=tmp_path / "maps.png", scale="row",
-                              save_maps=tmp_path / "maps.npz")
+    args = argparse.Namespace(
+        input_dir=images,
+        image=None,
+        num_images=2,
+        out=tmp_path / "maps.png",
+        scale="row",
+        save_maps=tmp_path / "maps.npz",
+    )
     prepared = (overflowing_vit(), NAMES), transforms, ["rollout", "gradcam"], None, None
     assert explain(args, prepared) == 1
     assert capsys.readouterr().err.endswith(
         "error: image_0.png: the model's probabilities or relevance maps are NaN or infinite although the image is "
-        "finite (its logits overflow float32); nothing was written\n")
+        "finite (its logits overflow float32); nothing was written\n"
+    )
     assert not args.out.exists() and not args.save_maps.exists()
     prepared = (tiny_vit(), NAMES), transforms, ["rollout", "gradcam"], None, None
     assert explain(args, prepared) == 0 and args.out.is_file()  # the same images through a sound model draw
@@ -235,8 +262,9 @@ def test_vit_explain_draws_nothing_when_the_model_overflows(images, tmp_path, ca
 def test_vit_load_refuses_what_is_not_a_path_or_url_naming_the_value(value):
     with pytest.raises(TypeError) as err:
         vit.load(value)
-    assert str(err.value) == (f"path_or_url={value!r} is not allowed: expected a path (a str or os.PathLike) or an "
-                              "http(s) URL")
+    assert str(err.value) == (
+        f"path_or_url={value!r} is not allowed: expected a path (a str or os.PathLike) or an http(s) URL"
+    )
 
 
 def test_vit_load_refuses_an_empty_string():
@@ -255,10 +283,24 @@ def test_a_huge_batch_size_is_refused_in_one_line_before_anything_is_read(images
     from vit.predict import main
 
     # The checkpoint is not there: the bound is checked before it is opened.
-    assert main(["--ckpt_path", str(tmp_path / "x.ckpt"), "--input_dir", str(images), "--output",
-                 str(tmp_path / "p.csv"), "--batch_size", HUGE]) == 2
-    assert capsys.readouterr().err == (f"error: --batch_size {HUGE} is not allowed: expected an int in "
-                                       f"[1, {MAX_BATCH_SIZE}]\n")
+    assert (
+        main(
+            [
+                "--ckpt_path",
+                str(tmp_path / "x.ckpt"),
+                "--input_dir",
+                str(images),
+                "--output",
+                str(tmp_path / "p.csv"),
+                "--batch_size",
+                HUGE,
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        f"error: --batch_size {HUGE} is not allowed: expected an int in [1, {MAX_BATCH_SIZE}]\n"
+    )
     with pytest.raises(ValueError) as err:
         Predictor(tiny_vit(), INPUTS, NAMES).predict(torch.zeros(1, 1, 16, 16), batch_size=int(HUGE))
     assert str(err.value) == f"batch_size={HUGE} is not allowed: expected an int in [1, {MAX_BATCH_SIZE}]"
@@ -275,15 +317,18 @@ def test_a_huge_num_workers_is_capped_at_the_cores(images, tmp_path, capsys):
 # ----------------------------------------------------------------------------- the model card's base_model
 
 
-@pytest.mark.parametrize("pretrained", [
-    "a" * 4000,  # longer than a file name may be: looking it up as a path raised
-    "hf-hub:org/name\nlicense: mit",  # two lines would be two keys of the front matter
-    "org/name\n",
-    "hf-hub:/home/me/weights",  # a local path, not a Hub id
-    "hf-hub:org/" + "n" * 97,  # longer than the Hub allows
-    "hf-hub:org/na me",
-    "hf-hub:örg/name",
-])
+@pytest.mark.parametrize(
+    "pretrained",
+    [
+        "a" * 4000,  # longer than a file name may be: looking it up as a path raised
+        "hf-hub:org/name\nlicense: mit",  # two lines would be two keys of the front matter
+        "org/name\n",
+        "hf-hub:/home/me/weights",  # a local path, not a Hub id
+        "hf-hub:org/" + "n" * 97,  # longer than the Hub allows
+        "hf-hub:org/na me",
+        "hf-hub:örg/name",
+    ],
+)
 def test_the_card_has_no_base_model_that_is_not_a_hub_id(pretrained):
     from vit.export import hub_base_model, model_card
     from vit.models.timm_compat import timm_args
@@ -292,8 +337,9 @@ def test_the_card_has_no_base_model_that_is_not_a_hub_id(pretrained):
     assert hub_base_model(pretrained) is None
     record = training_record({"hyper_parameters": {"pretrained": pretrained}})
     assert "base_model" not in record
-    data = dict(input_size=(1, 16, 16), mean=(0.0,), std=(1.0,), interpolation="bilinear", crop_pct=1.0,
-                crop_mode="squash")
+    data = dict(
+        input_size=(1, 16, 16), mean=(0.0,), std=(1.0,), interpolation="bilinear", crop_pct=1.0, crop_mode="squash"
+    )
     card = model_card(timm_args(tiny_vit()), data, NAMES, record)
     front = yaml.safe_load(card.split("---\n")[1])
     assert set(front) == {"library_name", "pipeline_tag", "metrics", "tags"}

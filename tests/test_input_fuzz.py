@@ -55,15 +55,19 @@ PREDICT_EXAMPLES = max(1, EXAMPLES // 2)
 WEIGHT_DOORS = ("create_vit", "load_pretrained")
 IMAGE_DOORS = ("decode", "predict")
 
+
 # Changes the fuzzer found failing that are still open in the weights reader: `{part of a change's label: (suffixes,
 # what raised)}`. The random draws leave them out (they are tried, as xfail, below), so that a run fails only for
 # something new; delete an entry once its case passes.
 def fuzzing(examples: int):
     # The fixtures (the reference weights, the predictor, the folder) are shared by every example on purpose: each
     # variant is written into a fresh folder. No example database: nothing is written into the repository.
-    return settings(max_examples=examples, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +120,11 @@ def test_weight_files_an_attacker_or_a_broken_download_gives_are_refused(door, r
         outcome = assert_accepted_or_refused(weights_door(door), variant, tmp_path / "w", door)
         # Only the unchanged file is good, and float8 values, which are finite in the model's float32 (timm copies
         # them in the same way); load_pretrained is given the heads and never reads config.json.
-        harmless = (repr(variant) in (".safetensors", ".pth") or "float8" in repr(variant)
-                    or (door == "load_pretrained" and "config.json" in repr(variant)))
+        harmless = (
+            repr(variant) in (".safetensors", ".pth")
+            or "float8" in repr(variant)
+            or (door == "load_pretrained" and "config.json" in repr(variant))
+        )
         assert outcome.status == ("accepted" if harmless else "refused"), f"{door}: {variant!r}: {outcome.detail}"
 
 

@@ -31,8 +31,9 @@ def test_forward_intermediates_are_the_blocks_outputs():
 
 def test_grad_checkpointing_gives_the_same_outputs_and_gradients():
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=32, patch_size=4, num_classes=10, embed_dim=32, depth=3, num_heads=2,
-                              drop_path_rate=0.0)
+    model = VisionTransformer(
+        img_size=32, patch_size=4, num_classes=10, embed_dim=32, depth=3, num_heads=2, drop_path_rate=0.0
+    )
     x = torch.randn(4, 3, 32, 32)
     plain = model(x)
     plain.sum().backward()
@@ -68,16 +69,21 @@ def test_pytorch_grad_cam_works_on_our_vit_as_on_timms():
     assert maps.shape == (2, 32, 32) and np.isfinite(maps).all() and maps.max() > 0
 
 
-@pytest.mark.parametrize("model", [VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=2, embed_dim=8,
-                                                     depth=1, num_heads=2),
-                                   ResNet(img_size=8, in_chans=1, num_classes=2, widths=(4,))], ids=["vit", "resnet"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=2, embed_dim=8, depth=1, num_heads=2),
+        ResNet(img_size=8, in_chans=1, num_classes=2, widths=(4,)),
+    ],
+    ids=["vit", "resnet"],
+)
 def test_inputs_of_the_wrong_dtype_are_named(model):
     with pytest.raises(ValueError, match=r"expected a floating-point input, got torch\.uint8: .*x\.float\(\) / 255"):
         model(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))
     for dtype in (torch.float64, torch.float16):
-        with pytest.raises(ValueError,
-                           match=rf"input dtype {dtype} does not match the model's weights \(torch\.float32\)"):
+        with pytest.raises(
+            ValueError, match=rf"input dtype {dtype} does not match the model's weights \(torch\.float32\)"
+        ):
             model(torch.zeros(2, 1, 8, 8, dtype=dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision keeps float32 inputs: allowed
         assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 2)
-

@@ -41,10 +41,13 @@ def test_a_token_sees_exactly_its_receptive_field():
     assert _input_window(overlap, (2, 3)).nonzero().tolist() == [[r, c] for r in range(6, 14) for c in range(10, 18)]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(kernel_size=5), "expected patch_size=4 plus an even number"),
-    (dict(kernel_size=2), "kernel_size=2 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kernel_size=5), "expected patch_size=4 plus an even number"),
+        (dict(kernel_size=2), "kernel_size=2 is not allowed"),
+    ],
+)
 def test_bad_patch_options_name_the_value(kwargs, message):
     args = dict(img_size=(32, 32), patch_size=4, in_chans=1, embed_dim=8) | kwargs
     with pytest.raises(ValueError, match=message):
@@ -90,8 +93,9 @@ def test_masks_do_not_nest_and_are_removed_on_exit():
 @pytest.mark.parametrize("std", [0.02, 0.125])
 def test_qk_init_std_sets_the_attention_logits_std_to_width_times_its_square(std):
     """q = W_q x with x layer-normalised (unit variance): var(q_i) = D std^2; q.k / sqrt(d) then has std D std^2."""
-    model = VisionTransformer(img_size=32, patch_size=4, in_chans=3, num_classes=2, embed_dim=64, depth=1,
-                              num_heads=4, qk_init_std=std)
+    model = VisionTransformer(
+        img_size=32, patch_size=4, in_chans=3, num_classes=2, embed_dim=64, depth=1, num_heads=4, qk_init_std=std
+    )
     w = model.blocks[0].attn.qkv.weight
     assert w[:128].std().item() == pytest.approx(std, rel=0.05)  # q and k rows
     assert w[128:].std().item() == pytest.approx(0.02, rel=0.05)  # v rows keep timm's std
@@ -103,7 +107,8 @@ def test_qk_init_std_sets_the_attention_logits_std_to_width_times_its_square(std
 
 @pytest.mark.slow
 def test_a_checkpoint_recording_an_option_the_model_does_not_have_is_refused_naming_it(
-        tmp_path_factory, monkeypatch, capsys):
+    tmp_path_factory, monkeypatch, capsys
+):
     # Checkpoints written while the model had `stem` and `qk_init` (the recipe screen tried them) record them:
     # the schema takes only the arguments VisionTransformer has, so each door refuses them in one line.
     from PIL import Image
@@ -121,8 +126,12 @@ def test_a_checkpoint_recording_an_option_the_model_does_not_have_is_refused_nam
     ckpt = folder / "old.ckpt"
     torch.save(content, ckpt)
     # It has no model folder (written before them): every door says so, and the command that writes one refuses it.
-    assert predict_main(["--ckpt_path", str(ckpt), "--input_dir", str(folder / "images"),
-                         "--output", str(folder / "p.csv")]) == 2
+    assert (
+        predict_main(
+            ["--ckpt_path", str(ckpt), "--input_dir", str(folder / "images"), "--output", str(folder / "p.csv")]
+        )
+        == 2
+    )
     assert "has no model folder beside it" in error_line(capsys.readouterr().err)
     code, stderr = cli(["test", "--config", str(config), "--ckpt_path", str(ckpt)], monkeypatch, capsys)
     assert code == 2 and "has no model folder beside it" in error_line(stderr)
@@ -131,5 +140,6 @@ def test_a_checkpoint_recording_an_option_the_model_does_not_have_is_refused_nam
     assert write_folder(["--ckpt_path", str(ckpt)]) == 2
     assert error_line(capsys.readouterr().err) == (
         f"error: checkpoint {ckpt}: hyper_parameters.backbone.init_args.stem: VisionTransformer has no argument "
-        "'stem'; refused")
+        "'stem'; refused"
+    )
     assert not (folder / "p.csv").exists() and not (folder / "cfg" / "runs").exists()

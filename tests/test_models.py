@@ -19,9 +19,18 @@ def _seed():
 
 def test_state_dict_names_are_timms():
     keys = set(VisionTransformer(**CIFAR_CFG).state_dict())
-    for name in ["cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.0.norm1.weight",
-                 "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc1.weight",
-                 "blocks.1.mlp.fc2.bias", "norm.weight", "head.weight"]:
+    for name in [
+        "cls_token",
+        "pos_embed",
+        "patch_embed.proj.weight",
+        "blocks.0.norm1.weight",
+        "blocks.0.attn.qkv.weight",
+        "blocks.0.attn.proj.weight",
+        "blocks.0.mlp.fc1.weight",
+        "blocks.1.mlp.fc2.bias",
+        "norm.weight",
+        "head.weight",
+    ]:
         assert name in keys
 
 
@@ -87,6 +96,7 @@ def test_no_pos_embed_makes_the_encoder_permutation_equivariant_over_patches():
             for b in model.blocks:
                 t = b(t)
             return t
+
         out, out_perm = run(tokens), run(tokens[:, perm])
     torch.testing.assert_close(out_perm[:, 1:], out[:, 1:][:, perm], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_perm[:, 0], out[:, 0], atol=1e-5, rtol=1e-5)

@@ -25,8 +25,10 @@ def same_different_config(tmp_path, backbone: dict | None = None):
     only, and, if given, another backbone."""
     path = tiny_config(tmp_path)
     config = yaml.safe_load(path.read_text())
-    config["data"] = {"class_path": "vit.data.SameDifferentDataModule",
-                      "init_args": {"num_train": 64, "num_val": 32, "num_test": 32, "batch_size": 32}}
+    config["data"] = {
+        "class_path": "vit.data.SameDifferentDataModule",
+        "init_args": {"num_train": 64, "num_val": 32, "num_test": 32, "batch_size": 32},
+    }
     if backbone is not None:
         config["model"]["backbone"] = backbone
     # The checkpoints only: the explanation callbacks cost seconds and same-different has no masks to score.
@@ -46,9 +48,22 @@ class RecordInputs(L.Callback):
 
 @pytest.mark.slow
 def test_fit_then_predict_on_32_by_48_images(tmp_path, monkeypatch):
-    main_in_process(["fit", "--config", str(same_different_config(tmp_path)), "--data.init_args.img_size", "[32,48]",
-                     "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "1", "--test_after_fit", "false"],
-                    monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(same_different_config(tmp_path)),
+            "--data.init_args.img_size",
+            "[32,48]",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_val_batches",
+            "1",
+            "--test_after_fit",
+            "false",
+        ],
+        monkeypatch,
+    )
     [last] = (tmp_path / "runs" / "tiny").glob("version_0/checkpoints/last.ckpt")
     checkpoint = torch.load(last, weights_only=True)
     assert tuple(checkpoint["datamodule_hyper_parameters"]["img_size"]) == (32, 48)
@@ -70,22 +85,34 @@ def test_fit_then_predict_on_32_by_48_images(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_resnet_fast_dev_run_on_32_by_48_images(tmp_path, monkeypatch):
     RecordInputs.seen.clear()
-    main_in_process(["fit", "--config", str(same_different_config(tmp_path, RESNET)),
-                     "--data.init_args.img_size", "[32,48]", "--trainer.fast_dev_run", "2",
-                     "--trainer.callbacks+=test_non_square.RecordInputs"], monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(same_different_config(tmp_path, RESNET)),
+            "--data.init_args.img_size",
+            "[32,48]",
+            "--trainer.fast_dev_run",
+            "2",
+            "--trainer.callbacks+=test_non_square.RecordInputs",
+        ],
+        monkeypatch,
+    )
     assert RecordInputs.seen == [("ResNet", (32, 1, 32, 48))] * 2
 
 
 @pytest.mark.slow
 def test_two_circles_refuses_a_non_square_size_in_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main_in_process(["fit", "--config", str(tiny_config(tmp_path)), "--data.init_args.img_size", "[32,48]"],
-                        monkeypatch)
+        main_in_process(
+            ["fit", "--config", str(tiny_config(tmp_path)), "--data.init_args.img_size", "[32,48]"], monkeypatch
+        )
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("error: ")] == [
         "error: img_size=(32, 48) is not allowed for two-circles: expected a square (one int), because its quadrants "
-        "and inner/border regions are defined on a square image; same_different and image folders take [H, W]"]
+        "and inner/border regions are defined on a square image; same_different and image folders take [H, W]"
+    ]
     assert not (tmp_path / "runs").exists()
     assert TwoCirclesDataModule(img_size=[24, 24]).make_split("val", 4, "all").images.shape == (4, 1, 24, 24)
 
@@ -101,13 +128,18 @@ def test_same_different_places_both_shapes_inside_a_32_by_48_image():
 
 
 def test_resnet_and_coordconv_take_32_by_48_inputs():
-    for model in (ResNet(img_size=(32, 48), in_chans=1, num_classes=3, widths=(8, 16)),
-                  CoordConvResNet(img_size=(32, 48), in_chans=1, num_classes=3, widths=(8, 16))):
+    for model in (
+        ResNet(img_size=(32, 48), in_chans=1, num_classes=3, widths=(8, 16)),
+        CoordConvResNet(img_size=(32, 48), in_chans=1, num_classes=3, widths=(8, 16)),
+    ):
         assert model(torch.randn(2, 1, 32, 48)).shape == (2, 3)
         with pytest.raises(ValueError, match=r"expected input of shape \(B, 1, 32, 48\), got \(2, 1, 48, 32\)"):
             model(torch.randn(2, 1, 48, 32))
-    with pytest.raises(ValueError, match=r"img_size=\(32, 0\) is not allowed: expected an int >= 1 \(a square\) "
-                                         r"or a pair"):
+    with pytest.raises(
+        ValueError,
+        match=r"img_size=\(32, 0\) is not allowed: expected an int >= 1 \(a square\) "
+        r"or a pair",
+    ):
         ResNet(img_size=(32, 0))
     # Each axis scaled by its own length: pixel centres (i + 0.5) / n * 2 - 1, both spanning (-1, 1).
     coords = coord_channels((32, 48))
@@ -120,8 +152,16 @@ def test_resnet_and_coordconv_take_32_by_48_inputs():
 def test_non_square_images_work_with_every_position_encoding_and_rollout(pos_embed):
     from vit.explain.relevance import relevance
 
-    model = VisionTransformer(img_size=(16, 24), patch_size=8, in_chans=1, num_classes=3, embed_dim=16, depth=2,
-                              num_heads=2, pos_embed=pos_embed).eval()
+    model = VisionTransformer(
+        img_size=(16, 24),
+        patch_size=8,
+        in_chans=1,
+        num_classes=3,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        pos_embed=pos_embed,
+    ).eval()
     x = torch.randn(2, 1, 16, 24)
     assert model(x).shape == (2, 3)
     assert relevance(model, x, "rollout").shape == (2, 2, 3)

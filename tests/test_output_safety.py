@@ -29,12 +29,19 @@ from vit.predict import check_paths as predict_check_paths
 from vit.predict import predict
 from vit.training.classifier import training_record
 
-DATA = {"input_size": (3, 32, 32), "mean": (0.5, 0.4, 0.3), "std": (0.2, 0.2, 0.2), "interpolation": "bilinear",
-        "crop_pct": 1.0, "crop_mode": "squash"}
+DATA = {
+    "input_size": (3, 32, 32),
+    "mean": (0.5, 0.4, 0.3),
+    "std": (0.2, 0.2, 0.2),
+    "interpolation": "bilinear",
+    "crop_pct": 1.0,
+    "crop_mode": "squash",
+}
 FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 # What safetensors (0.8) raises when its file cannot be written, quoting Rust's io::Error.
-SAFETENSORS_FULL = SafetensorError('Error while serializing: I/O error: No space left on device (os error 28) at path '
-                                   '"/data/.exported.x/.tmpAbC123"')
+SAFETENSORS_FULL = SafetensorError(
+    'Error while serializing: I/O error: No space left on device (os error 28) at path "/data/.exported.x/.tmpAbC123"'
+)
 
 
 def tiny_vit(num_classes: int = 4) -> VisionTransformer:
@@ -73,10 +80,16 @@ def _folder(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("overwrite", [True, False])
-@pytest.mark.parametrize("make, kind", [
-    (_link_to_a_file, "a symbolic link"), (_dangling_link, "a symbolic link"), (_fifo, "a named pipe (FIFO)"),
-    (_folder, "a folder"), (lambda tmp_path: Path("/dev/null"), "a character device"),
-])
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (_link_to_a_file, "a symbolic link"),
+        (_dangling_link, "a symbolic link"),
+        (_fifo, "a named pipe (FIFO)"),
+        (_folder, "a folder"),
+        (lambda tmp_path: Path("/dev/null"), "a character device"),
+    ],
+)
 def test_an_output_that_is_not_a_regular_file_is_refused_even_with_overwrite(make, kind, overwrite, tmp_path):
     path = make(tmp_path)
     before = os.lstat(path)
@@ -114,15 +127,17 @@ def test_predict_and_explain_check_each_output_with_the_shared_rule(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"--out {tmp_path / 'maps.png'} is a symbolic link; only a")):
         explain_check_paths(args)
     os.mkfifo(tmp_path / "maps.npz")
-    args = argparse.Namespace(out=tmp_path / "new.png", save_maps=tmp_path / "maps.npz", overwrite=True,
-                              input_dir=images, image=None)
+    args = argparse.Namespace(
+        out=tmp_path / "new.png", save_maps=tmp_path / "maps.npz", overwrite=True, input_dir=images, image=None
+    )
     with pytest.raises(ValueError, match=re.escape(f"--save-maps {tmp_path / 'maps.npz'} is a named pipe (FIFO)")):
         explain_check_paths(args)
     assert not (tmp_path / "elsewhere.png").exists()
 
 
 def test_export_refuses_an_out_or_a_file_in_it_that_is_not_what_it_replaces_before_opening_the_checkpoint(
-        tmp_path, capsys):
+    tmp_path, capsys
+):
     out = tmp_path / "exported"
     out.mkdir()
     (out / "config.json").symlink_to(tmp_path / "precious.json")
@@ -132,10 +147,13 @@ def test_export_refuses_an_out_or_a_file_in_it_that_is_not_what_it_replaces_befo
         check_out(Path("/dev/null"), overwrite=True)
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     # The checkpoint does not exist either: --out is checked first, and nothing is created through the link.
-    assert export_main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "dangling"),
-                        "--overwrite"]) == 2
+    assert (
+        export_main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "dangling"), "--overwrite"])
+        == 2
+    )
     assert capsys.readouterr().err.splitlines() == [
-        f"error: --out {tmp_path / 'dangling'} is a symbolic link; give a folder (it is created)"]
+        f"error: --out {tmp_path / 'dangling'} is a symbolic link; give a folder (it is created)"
+    ]
     assert not (tmp_path / "nowhere").exists() and not (tmp_path / "precious.json").exists()
     check_out(out.parent / "new", overwrite=False)  # a folder to create is fine
     os.unlink(out / "config.json")
@@ -149,13 +167,15 @@ def test_export_refuses_an_out_or_a_file_in_it_that_is_not_what_it_replaces_befo
 @pytest.mark.parametrize("err", [FULL, SAFETENSORS_FULL])
 def test_write_failed_is_one_line_with_the_systems_reason_and_status_1(err, capsys):
     assert write_failed("--out", Path("exported/model.safetensors"), err) == 1
-    assert capsys.readouterr().err == ("error: --out exported/model.safetensors could not be written: "
-                                       "No space left on device\n")
+    assert capsys.readouterr().err == (
+        "error: --out exported/model.safetensors could not be written: No space left on device\n"
+    )
 
 
 @pytest.mark.parametrize("err", [FULL, SAFETENSORS_FULL])
 def test_export_on_a_full_disk_is_one_line_and_leaves_the_earlier_export_and_no_temporary_folder(
-        err, tmp_path, monkeypatch, capsys):
+    err, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "exported"
     out.mkdir()
     for name in ("model.safetensors", "config.json", "README.md"):
@@ -171,12 +191,14 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_the_earlier_export_and_no_
     where = out / "model.safetensors" if isinstance(err, SafetensorError) else out
     assert capsys.readouterr() == ("", f"error: --out {where} could not be written: No space left on device\n")
     assert {p.name: p.read_text() for p in out.iterdir()} == {
-        name: f"earlier {name}" for name in ("model.safetensors", "config.json", "README.md")}
+        name: f"earlier {name}" for name in ("model.safetensors", "config.json", "README.md")
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # the temporary folder is gone
 
 
 def test_predict_on_a_full_disk_is_one_line_and_leaves_the_earlier_csv_and_no_temporary_file(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     import csv
 
     images = tmp_path / "images"
@@ -204,8 +226,9 @@ def test_predict_on_a_full_disk_is_one_line_and_leaves_the_earlier_csv_and_no_te
             self.f.write(",".join(row) + "\n")
 
     monkeypatch.setattr(csv, "writer", lambda f, *args, **kwargs: FullWriter(f))
-    args = argparse.Namespace(ckpt_path="model.ckpt", input_dir=images, output=output, topk=1, batch_size=4,
-                              device="cpu", num_workers=0)
+    args = argparse.Namespace(
+        ckpt_path="model.ckpt", input_dir=images, output=output, topk=1, batch_size=4, device="cpu", num_workers=0
+    )
     inputs = {"img_size": [16, 16], "in_chans": 3, "mean": None, "std": None, "interpolation": "bilinear"}
     assert predict(args, Predictor(Model(), inputs, ["red", "blue"])) == 1
     assert capsys.readouterr() == ("", f"error: --output {output} could not be written: No space left on device\n")
@@ -217,14 +240,23 @@ def test_predict_on_a_full_disk_is_one_line_and_leaves_the_earlier_csv_and_no_te
 
 
 HOSTILE = ["<script>alert(1)</script>", "# Heading", "a|b", "line\nbreak"]
-CARD_HEADINGS = ["# Vision Transformer image classifier", "## Architecture", "## Classes", "## Input",
-                 "## Use with timm", "## Training", "## Metrics", "## Use with this project"]
+CARD_HEADINGS = [
+    "# Vision Transformer image classifier",
+    "## Architecture",
+    "## Classes",
+    "## Input",
+    "## Use with timm",
+    "## Training",
+    "## Metrics",
+    "## Use with this project",
+]
 
 
 def test_the_model_card_shows_a_checkpoints_text_as_text():
     checkpoint = {
         "datamodule_hyper_parameters": {"_class_path": "<img src=x onerror=alert(1)>", "seed": "`7`"},
-        "epoch": 3, "global_step": 12,
+        "epoch": 3,
+        "global_step": 12,
         "hyper_parameters": {"lr": 0.001, "note": "![pixel](https://tracker.example/p.gif)", "a|b": "x"},
         "callbacks": {"ModelCheckpoint": {"monitor": "# val/acc\n---", "best_model_score": 0.5}},
     }
@@ -232,16 +264,21 @@ def test_the_model_card_shows_a_checkpoints_text_as_text():
     card = model_card(timm_args(model), DATA, HOSTILE, training_record(checkpoint))
 
     front, body = card.split("---\n", 2)[1:]
-    assert yaml.safe_load(front) == {"library_name": "timm", "pipeline_tag": "image-classification",
-                                     "metrics": ["accuracy"], "tags": ["image-classification", "timm",
-                                                                       "vision-transformer"]}
+    assert yaml.safe_load(front) == {
+        "library_name": "timm",
+        "pipeline_tag": "image-classification",
+        "metrics": ["accuracy"],
+        "tags": ["image-classification", "timm", "vision-transformer"],
+    }
     for raw in ["<script>alert(1)</script>", "a|b", "line\nbreak", "<img", "](https", "`7`", "---\n"]:
         assert raw not in body, raw
     # A leading '#' is kept, escaped: shown as written, never a heading.
     assert re.findall(r"(.)# Heading", body) == ["\\"] and re.findall(r"(.)# val/acc", body) == ["\\"]
     assert [line for line in body.splitlines() if line.startswith("#")] == CARD_HEADINGS  # no heading of its own
-    assert ("4 classes, label i is the i-th (`config.json`'s `label_names`): &lt;script&gt;alert(1)&lt;/script&gt;, "
-            "\\# Heading, a\\|b, line break.") in body
+    assert (
+        "4 classes, label i is the i-th (`config.json`'s `label_names`): &lt;script&gt;alert(1)&lt;/script&gt;, "
+        "\\# Heading, a\\|b, line break."
+    ) in body
     assert "- data module: &lt;img src=x onerror=alert(1)&gt;\n- seed of its splits: \\`7\\`\n" in body
     assert "- settings: lr: 0.001, note: ![pixel]\\(https://tracker.example/p.gif), a\\|b: x\n" in body
     assert "- \\# val/acc --- (best): 0.5000\n" in body

@@ -19,8 +19,11 @@ from vit.explain.relevance import relevance, usable_methods
 from vit.models import VisionTransformer, record_attention
 from vit.models.rope import RotaryEmbedding, axial_angles, grid_coords, mixed_freqs, rotate
 
-TIMM = {"rope": "vit_small_patch16_rope_224", "rope_mixed": "vit_small_patch16_rope_mixed_224",
-        "relative": "vit_relpos_medium_patch16_cls_224"}
+TIMM = {
+    "rope": "vit_small_patch16_rope_224",
+    "rope_mixed": "vit_small_patch16_rope_mixed_224",
+    "relative": "vit_relpos_medium_patch16_cls_224",
+}
 ROPES = ("rope", "rope_mixed")
 # timm's relative-position ViT with its `RelPosBias` table (its registered ones learn an MLP of log offsets instead)
 RELPOS = dict(rel_pos_type="bias", qkv_bias=True, fc_norm=False)
@@ -34,15 +37,22 @@ def timm_pair(pos_embed: str, img_size, **options) -> tuple[torch.nn.Module, Vis
     extra = RELPOS if pos_embed == "relative" else {}
     if options.get("class_token") is False:
         extra = {**extra, "global_pool": "avg"}
-    reference = timm.create_model(TIMM[pos_embed], pretrained=False, img_size=img_size, **SMALL, **extra,
-                                  **options).eval()
+    reference = timm.create_model(
+        TIMM[pos_embed], pretrained=False, img_size=img_size, **SMALL, **extra, **options
+    ).eval()
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    ours = VisionTransformer(img_size=img_size, in_chans=3, pos_embed=pos_embed, init_values=1e-5, **SMALL,
-                             reg_tokens=options.get("num_reg_tokens", 0),
-                             pool="cls" if options.get("class_token", True) else "mean",
-                             fc_norm=False if pos_embed == "relative" else None)
+    ours = VisionTransformer(
+        img_size=img_size,
+        in_chans=3,
+        pos_embed=pos_embed,
+        init_values=1e-5,
+        **SMALL,
+        reg_tokens=options.get("num_reg_tokens", 0),
+        pool="cls" if options.get("class_token", True) else "mean",
+        fc_norm=False if pos_embed == "relative" else None,
+    )
     ours.load_state_dict(reference.state_dict(), strict=True)
     return reference, ours.eval()
 
@@ -60,8 +70,10 @@ def timm_attention(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor
     return maps
 
 
-PAIRS = [(p, o) for p in ROPES for o in ({}, {"num_reg_tokens": 2})] + [("relative", {}),
-                                                                          ("relative", {"class_token": False})]
+PAIRS = [(p, o) for p in ROPES for o in ({}, {"num_reg_tokens": 2})] + [
+    ("relative", {}),
+    ("relative", {"class_token": False}),
+]
 
 
 @pytest.mark.parametrize("pos_embed, options", PAIRS, ids=lambda v: str(v) if isinstance(v, dict) else v)
@@ -82,8 +94,10 @@ def test_timms_model_loads_strictly_with_equal_logits_and_attention_maps(pos_emb
 def brute_force_angles(x: float, y: float, head_dim: int, temperature: float) -> torch.Tensor:
     """The axial angles of one patch, written out: the first quarter of the planes turn with x, the second with y."""
     bands = head_dim // 4
-    return torch.tensor([x * temperature ** (-k / bands) for k in range(bands)]
-                        + [y * temperature ** (-k / bands) for k in range(bands)])
+    return torch.tensor(
+        [x * temperature ** (-k / bands) for k in range(bands)]
+        + [y * temperature ** (-k / bands) for k in range(bands)]
+    )
 
 
 def test_axial_angles_are_the_formula_and_a_product_depends_on_the_offset_alone():
@@ -120,8 +134,18 @@ def test_the_prefix_tokens_are_not_rotated_and_mixed_frequencies_start_at_the_ax
 @pytest.mark.parametrize("score", ["scaled_dot", "dot", "general", "additive", "concat"])
 def test_every_score_function_takes_these_positions_and_the_fused_and_explicit_paths_agree(pos_embed, score):
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2,
-                              num_heads=2, pos_embed=pos_embed, attn_score=score, score_dim=4).eval()
+    model = VisionTransformer(
+        img_size=16,
+        patch_size=4,
+        in_chans=1,
+        num_classes=2,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        pos_embed=pos_embed,
+        attn_score=score,
+        score_dim=4,
+    ).eval()
     x = torch.randn(2, 1, 16, 16)
     with torch.no_grad():
         fused = model(x)
@@ -134,8 +158,9 @@ def test_every_score_function_takes_these_positions_and_the_fused_and_explicit_p
 @pytest.mark.parametrize("pos_embed", list(TIMM))
 def test_the_explanations_of_these_vits_are_maps_summing_to_one(pos_embed):
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2,
-                              num_heads=2, pos_embed=pos_embed).eval()
+    model = VisionTransformer(
+        img_size=16, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=2, num_heads=2, pos_embed=pos_embed
+    ).eval()
     x = torch.randn(2, 1, 16, 16)
     for method in usable_methods(model, ["all"]):
         shares = relevance(model, x, method)
@@ -146,11 +171,18 @@ def test_the_explanations_of_these_vits_are_maps_summing_to_one(pos_embed):
 @pytest.mark.parametrize("pos_embed", list(TIMM))
 def test_the_model_folder_opens_in_timm_as_its_own_model_and_in_vit_load(pos_embed, tmp_path):
     _, model = timm_pair(pos_embed, (32, 32))
-    args = dict(img_size=32, in_chans=3, pos_embed=pos_embed, init_values=1e-5, **SMALL,
-                **({"fc_norm": False} if pos_embed == "relative" else {}))
+    args = dict(
+        img_size=32,
+        in_chans=3,
+        pos_embed=pos_embed,
+        init_values=1e-5,
+        **SMALL,
+        **({"fc_norm": False} if pos_embed == "relative" else {}),
+    )
     inputs = {"img_size": [32, 32], "in_chans": 3, "mean": None, "std": None, "interpolation": "bilinear"}
-    config = artifact.describe(model, {"class_path": "vit.models.VisionTransformer", "init_args": args}, inputs,
-                               ["a", "b", "c"])
+    config = artifact.describe(
+        model, {"class_path": "vit.models.VisionTransformer", "init_args": args}, inputs, ["a", "b", "c"]
+    )
     folder = artifact.write(tmp_path / "model", config, artifact.weights(model))
     written = json.loads((folder / "config.json").read_text())
     assert written["architecture"] == TIMM[pos_embed]
@@ -179,18 +211,26 @@ def test_the_relative_bias_is_the_table_at_each_pairs_offset():
 
 
 def test_what_these_positions_cannot_do_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"pos_embed='relative' takes at most one prefix token \(a CLS token\), got "
-                                         r"3: register tokens have no offset to the patches"):
-        VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative",
-                          reg_tokens=2)
+    with pytest.raises(
+        ValueError,
+        match=r"pos_embed='relative' takes at most one prefix token \(a CLS token\), got "
+        r"3: register tokens have no offset to the patches",
+    ):
+        VisionTransformer(
+            img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative", reg_tokens=2
+        )
     relative = VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="relative")
     with pytest.raises(timm_compat.NotInTimm, match=r"pos_embed='relative' without init_values cannot be exported"):
         timm_compat.timm_args(relative)
-    with pytest.raises(ValueError, match=r"pos_embed='rope': the head width 6 \(embed_dim / num_heads\) must be a "
-                                         r"multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"pos_embed='rope': the head width 6 \(embed_dim / num_heads\) must be a "
+        r"multiple of 4",
+    ):
         VisionTransformer(img_size=16, patch_size=4, embed_dim=12, depth=1, num_heads=2, pos_embed="rope")
-    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="rope",
-                              pool="map")
+    model = VisionTransformer(
+        img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, pos_embed="rope", pool="map"
+    )
     with pytest.raises(timm_compat.NotInTimm, match=r"pool='map' with rotary positions cannot be exported"):
         timm_compat.timm_args(model)
     attn = model.blocks[0].attn
@@ -200,8 +240,9 @@ def test_what_these_positions_cannot_do_is_refused_in_one_line():
 
 def test_timms_layer_scale_loads_as_ls1_gamma_with_equal_logits_and_exports_back():
     torch.manual_seed(0)
-    reference = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, init_values=1e-5,
-                                  **SMALL).eval()
+    reference = timm.create_model(
+        "vit_small_patch16_224", pretrained=False, img_size=32, init_values=1e-5, **SMALL
+    ).eval()
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -210,7 +251,8 @@ def test_timms_layer_scale_loads_as_ls1_gamma_with_equal_logits_and_exports_back
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), reference(x), rtol=0, atol=1e-5)
-        exported = timm.create_model(timm_compat.architecture(args := timm_compat.timm_args(ours)), pretrained=False,
-                                     **args).eval()
+        exported = timm.create_model(
+            timm_compat.architecture(args := timm_compat.timm_args(ours)), pretrained=False, **args
+        ).eval()
         exported.load_state_dict(ours.state_dict(), strict=True)
         torch.testing.assert_close(exported(x), reference(x), rtol=0, atol=1e-5)

@@ -77,8 +77,9 @@ def test_predictions_csv_matches_the_model_on_the_same_pixels(checkpoint, images
 
     # Reference: the model on the PNG's own pixels scaled to [0, 1], as the two-circles data was in training.
     model = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
-    x = torch.stack([torch.from_numpy(np.array(Image.open(images / f"circles_{i}.png"))).float()[None] / 255
-                     for i in range(6)])  # (6, 1, 32, 32)
+    x = torch.stack(
+        [torch.from_numpy(np.array(Image.open(images / f"circles_{i}.png"))).float()[None] / 255 for i in range(6)]
+    )  # (6, 1, 32, 32)
     with torch.no_grad():
         probs = model(x).softmax(dim=-1)
     for i, row in enumerate(rows[1:]):
@@ -137,14 +138,23 @@ def test_sixteen_bit_and_float_images_are_scaled_by_their_real_range(checkpoint,
 @pytest.mark.slow
 def test_topk_writes_the_k_best_classes_with_their_names(checkpoint, images, tmp_path, capsys):
     output = tmp_path / "top2.csv"
-    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
-                 "--topk", "2"]) == 0
+    assert (
+        main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output), "--topk", "2"]) == 0
+    )
     rows = list(csv.DictReader(output.open()))
-    assert list(rows[0]) == ["file", "class_name", "class_index", "probability",
-                             "class_name_2", "class_index_2", "probability_2"]
+    assert list(rows[0]) == [
+        "file",
+        "class_name",
+        "class_index",
+        "probability",
+        "class_name_2",
+        "class_index_2",
+        "probability_2",
+    ]
     model = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
-    x = torch.stack([torch.from_numpy(np.array(Image.open(images / r["file"]))).float()[None] / 255
-                     for r in rows[1:]])  # (6, 1, 32, 32): the 32x32 grayscale files
+    x = torch.stack(
+        [torch.from_numpy(np.array(Image.open(images / r["file"]))).float()[None] / 255 for r in rows[1:]]
+    )  # (6, 1, 32, 32): the 32x32 grayscale files
     with torch.no_grad():
         probs = model(x).softmax(dim=-1)
     for row, p in zip(rows[1:], probs):
@@ -163,7 +173,8 @@ def test_a_checkpoint_without_class_names_is_refused_in_one_line(checkpoint, ima
     assert main(["--ckpt_path", str(tmp_path / "old.ckpt"), "--input_dir", str(images), "--output", str(output)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: checkpoint {tmp_path / 'old.ckpt'} has no model folder beside it (old/): it was written before model "
-        f"folders; write one with `python -m vit.upgrade --ckpt_path {tmp_path / 'old.ckpt'}`")
+        f"folders; write one with `python -m vit.upgrade --ckpt_path {tmp_path / 'old.ckpt'}`"
+    )
     assert not output.exists()
     # Its folder cannot be written either: there is nothing to name its classes by.
     assert write_folder(["--ckpt_path", str(tmp_path / "old.ckpt")]) == 2
@@ -222,15 +233,21 @@ def test_bad_paths_and_checkpoints_are_reported(checkpoint, images, tmp_path, ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--batch_size", "0"], "--batch_size 0 is not allowed: expected an int in [1, 65536]"),
-    (["--batch_size", "1" + "0" * 30], f"--batch_size 1{'0' * 30} is not allowed: expected an int in [1, 65536]"),
-    (["--num_workers", "-1"], "--num_workers -1 is not allowed: expected an int >= 0"),
-    (["--device", "tpu9"], "--device 'tpu9' is not"),
-    pytest.param(["--device", "cuda"], "--device cuda was asked for, but this machine has no CUDA GPU",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
-    (["--device", "cpu", "--precision", "fp16"], "precision='fp16' runs on a GPU; on the CPU use precision='bf16'"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--batch_size", "0"], "--batch_size 0 is not allowed: expected an int in [1, 65536]"),
+        (["--batch_size", "1" + "0" * 30], f"--batch_size 1{'0' * 30} is not allowed: expected an int in [1, 65536]"),
+        (["--num_workers", "-1"], "--num_workers -1 is not allowed: expected an int >= 0"),
+        (["--device", "tpu9"], "--device 'tpu9' is not"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda was asked for, but this machine has no CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there"),
+        ),
+        (["--device", "cpu", "--precision", "fp16"], "precision='fp16' runs on a GPU; on the CPU use precision='bf16'"),
+    ],
+)
 def test_bad_options_are_refused_before_any_image_is_decoded(extra, message, checkpoint, tmp_path, capsys, monkeypatch):
     folder = tmp_path / "images"
     folder.mkdir()
@@ -252,19 +269,27 @@ def test_workers_write_the_same_rows_and_progress_is_plain_lines_off_a_terminal(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topk, message", [
-    ("0", "error: --topk 0 is not allowed: expected an int >= 1"),
-    ("3", "error: --topk 3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
-    ("1" + "0" * 30, f"error: --topk 1{'0' * 30} is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
-])
-def test_a_topk_the_model_cannot_give_is_refused_before_any_image_is_read(topk, message, checkpoint, images, tmp_path,
-                                                                         capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "topk, message",
+    [
+        ("0", "error: --topk 0 is not allowed: expected an int >= 1"),
+        ("3", "error: --topk 3 is not allowed: expected an int in [1, 2] (the model has 2 classes)"),
+        (
+            "1" + "0" * 30,
+            f"error: --topk 1{'0' * 30} is not allowed: expected an int in [1, 2] (the model has 2 classes)",
+        ),
+    ],
+)
+def test_a_topk_the_model_cannot_give_is_refused_before_any_image_is_read(
+    topk, message, checkpoint, images, tmp_path, capsys, monkeypatch
+):
     import vit.data.images
 
     monkeypatch.setattr(vit.data.images, "decode_image", lambda *a: pytest.fail("images were read"))
     output = tmp_path / "p.csv"
-    assert main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output),
-                 "--topk", topk]) == 2
+    assert (
+        main(["--ckpt_path", str(checkpoint), "--input_dir", str(images), "--output", str(output), "--topk", topk]) == 2
+    )
     assert capsys.readouterr().err.strip() == message and not output.exists()
 
 
@@ -295,4 +320,3 @@ def test_checkpoints_of_other_layouts_are_refused_in_one_line(checkpoint, tmp_pa
     torch.save({**copy.copy(good), "state_dict": "lr=0.1"}, no_weights)
     with pytest.raises(CheckpointError, match="is not a Lightning checkpoint"):
         read(no_weights)
-

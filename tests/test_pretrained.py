@@ -31,8 +31,13 @@ def timm_file(tmp_path_factory):
 
 @pytest.mark.parametrize("img_size, num_classes", [(224, 1000), (96, 10), (64, 5)])
 def test_loading_equals_timms_own_pretrained_loading(timm_file, img_size, num_classes):
-    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=img_size, num_classes=num_classes,
-                                  pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
+    reference = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=True,
+        img_size=img_size,
+        num_classes=num_classes,
+        pretrained_cfg_overlay=dict(file=str(timm_file)),
+    ).eval()
     ours = create_vit(img_size=img_size, num_classes=num_classes, pretrained=str(timm_file), **TINY).eval()
     x = torch.randn(2, 3, img_size, img_size)
     with torch.no_grad():
@@ -44,10 +49,18 @@ def test_loading_equals_timms_own_pretrained_loading(timm_file, img_size, num_cl
 
 
 def test_another_patch_size_and_channel_count_are_resampled_as_timm_does(timm_file):
-    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=64, patch_size=8, in_chans=1,
-                                  num_classes=3, pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
-    ours = create_vit(img_size=64, in_chans=1, num_classes=3, pretrained=str(timm_file),
-                      **{**TINY, "patch_size": 8}).eval()
+    reference = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=True,
+        img_size=64,
+        patch_size=8,
+        in_chans=1,
+        num_classes=3,
+        pretrained_cfg_overlay=dict(file=str(timm_file)),
+    ).eval()
+    ours = create_vit(
+        img_size=64, in_chans=1, num_classes=3, pretrained=str(timm_file), **{**TINY, "patch_size": 8}
+    ).eval()
     x = torch.randn(2, 1, 64, 64)
     with torch.no_grad():
         assert (ours.forward_features(x) - reference.forward_features(x)).abs().max() < 1e-5
@@ -66,8 +79,9 @@ def test_a_learned_table_into_a_sincos_config_is_an_error(timm_file):
 
 
 def test_weights_that_do_not_fit_name_the_tensors(timm_file):
-    with pytest.raises(PretrainedError,
-                       match=r"blocks\.0\.attn\.qkv\.weight: \(576, 192\) in the weights, \(288, 96\) here"):
+    with pytest.raises(
+        PretrainedError, match=r"blocks\.0\.attn\.qkv\.weight: \(576, 192\) in the weights, \(288, 96\) here"
+    ):
         create_vit(img_size=32, pretrained=str(timm_file), **{**TINY, "embed_dim": 96})
 
 
@@ -121,13 +135,24 @@ def test_a_name_that_cannot_be_downloaded_says_how_to_pass_a_file(monkeypatch, t
     message = str(err.value)
     assert message.startswith(f"the weights of {source!r}")
     assert "could not be downloaded (LocalEntryNotFoundError" in message
-    assert message.endswith(f"(`hf download {HUB_ID} model.safetensors --local-dir weights`) and pass the file "
-                            "instead: pretrained=weights/model.safetensors")
+    assert message.endswith(
+        f"(`hf download {HUB_ID} model.safetensors --local-dir weights`) and pass the file "
+        "instead: pretrained=weights/model.safetensors"
+    )
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("source", ["./weights/x.safetensors", "weights/x.pth", "missing/model.safetensors",
-                                    "/nonexistent/model.bin", "../weights/x", "~/no/such/weights"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "./weights/x.safetensors",
+        "weights/x.pth",
+        "missing/model.safetensors",
+        "/nonexistent/model.bin",
+        "../weights/x",
+        "~/no/such/weights",
+    ],
+)
 def test_a_missing_file_is_named_as_a_file(monkeypatch, source):
     asked = serve_hub(monkeypatch)
     with pytest.raises(PretrainedError, match=re.escape(f"pretrained={source!r}: there is no such file")):
@@ -142,9 +167,11 @@ def test_a_local_folder_named_like_a_hub_id_says_how_to_write_the_hub_id(hub_rep
     (tmp_path / HUB_ID).mkdir(parents=True)  # e.g. a folder left by `hf download ... --local-dir` that failed
     with pytest.raises(PretrainedError) as err:
         create_vit(pretrained=HUB_ID, **SMALL)
-    assert str(err.value) == (f"pretrained={HUB_ID!r} is a folder without a model.safetensors, not a weights file "
-                              f"(.safetensors, .pth or .bin); it was read as a local path because {HUB_ID} exists "
-                              f"here: a Hugging Face Hub id is written hf-hub:{HUB_ID}")
+    assert str(err.value) == (
+        f"pretrained={HUB_ID!r} is a folder without a model.safetensors, not a weights file "
+        f"(.safetensors, .pth or .bin); it was read as a local path because {HUB_ID} exists "
+        f"here: a Hugging Face Hub id is written hf-hub:{HUB_ID}"
+    )
     assert asked == []
     create_vit(img_size=224, num_classes=IN21K, pretrained=f"hf-hub:{HUB_ID}", **TINY)  # the advice works
     assert (HUB_ID, "model.safetensors") in asked
@@ -161,8 +188,10 @@ def test_a_numpy_archive_is_named_as_an_unsupported_format_not_a_corrupted_file(
     with pytest.raises(PretrainedError) as err:
         create_vit(pretrained=str(path), **SMALL)
     message = str(err.value)
-    assert message.startswith(f"pretrained={str(path)!r} is a NumPy .npz archive (JAX / big_vision weights), a "
-                              f"format not supported here: expected {SUPPORTED}. ")
+    assert message.startswith(
+        f"pretrained={str(path)!r} is a NumPy .npz archive (JAX / big_vision weights), a "
+        f"format not supported here: expected {SUPPORTED}. "
+    )
     assert "corrupted" not in message and "\n" not in message
 
 
@@ -170,15 +199,22 @@ def test_a_zip_archive_that_torch_save_did_not_write_lists_the_formats(tmp_path)
     path = tmp_path / "weights.pth"
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("weights.json", "{}")
-    with pytest.raises(PretrainedError, match=re.escape(
+    with pytest.raises(
+        PretrainedError,
+        match=re.escape(
             f"pretrained={str(path)!r} is a zip archive, but not one torch.save writes (it has no data.pkl): "
-            f"expected {SUPPORTED}")):
+            f"expected {SUPPORTED}"
+        ),
+    ):
         create_vit(pretrained=str(path), **SMALL)
 
 
 def test_a_wrong_tag_lists_the_tags_timm_has():
-    with pytest.raises(PretrainedError, match=r"pretrained='vit_tiny_patch16_224\.in1k': timm has no pretrained tag "
-                                              r"'in1k' for vit_tiny_patch16_224; it has \['augreg_in21k'"):
+    with pytest.raises(
+        PretrainedError,
+        match=r"pretrained='vit_tiny_patch16_224\.in1k': timm has no pretrained tag "
+        r"'in1k' for vit_tiny_patch16_224; it has \['augreg_in21k'",
+    ):
         create_vit(pretrained="vit_tiny_patch16_224.in1k", **SMALL)
 
 
@@ -209,8 +245,11 @@ def write_bad_file(folder, kind: str, timm_file) -> tuple[object, str]:
         return path, r"is truncated: it starts like a torch.save file but its end is missing \(2000 bytes;"
     if kind in ("garbage.safetensors", "garbage.pth"):
         path.write_bytes(b"these are not weights\n" * 10)
-        return path, (r"is not a safetensors file, or it is corrupted \(header too large\)" if kind.endswith("tensors")
-                      else r"is not a PyTorch weights file \(neither the zip archive torch.save writes nor a pickle\)")
+        return path, (
+            r"is not a safetensors file, or it is corrupted \(header too large\)"
+            if kind.endswith("tensors")
+            else r"is not a PyTorch weights file \(neither the zip archive torch.save writes nor a pickle\)"
+        )
     if kind in ("malicious.pth", "malicious_pickle.pth"):
         if kind == "malicious.pth":
             torch.save({"w": torch.zeros(3), "payload": WritesAMarker(folder / "marker")}, path)
@@ -223,8 +262,17 @@ def write_bad_file(folder, kind: str, timm_file) -> tuple[object, str]:
     raise AssertionError(kind)
 
 
-BAD_FILES = ["empty.safetensors", "truncated.safetensors", "garbage.safetensors", "empty.pth", "truncated.pth",
-             "garbage.pth", "malicious.pth", "malicious_pickle.pth", "list.pth"]
+BAD_FILES = [
+    "empty.safetensors",
+    "truncated.safetensors",
+    "garbage.safetensors",
+    "empty.pth",
+    "truncated.pth",
+    "garbage.pth",
+    "malicious.pth",
+    "malicious_pickle.pth",
+    "list.pth",
+]
 
 
 @pytest.mark.parametrize("kind", BAD_FILES)
@@ -246,8 +294,12 @@ def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(timm_file, tmp
     state[key].view(-1)[5] = value
     path = tmp_path / "broken.safetensors"
     save_file(state, str(path))
-    with pytest.raises(PretrainedError, match=re.escape(f"pretrained={str(path)!r} is unusable: {key} holds NaN or "
-                                                        f"infinite values (1 of {state[key].numel()})")):
+    with pytest.raises(
+        PretrainedError,
+        match=re.escape(
+            f"pretrained={str(path)!r} is unusable: {key} holds NaN or infinite values (1 of {state[key].numel()})"
+        ),
+    ):
         create_vit(pretrained=str(path), **SMALL)
 
 
@@ -262,8 +314,7 @@ def test_the_cli_reports_bad_weights_in_one_line_and_writes_nothing(tmp_path, ti
     config = tiny_config(tmp_path / "run")
     for path, expected in cases:
         with pytest.raises(SystemExit) as exit_info:
-            main_in_process(["fit", "--config", str(config), "--model.pretrained", str(path)],
-                            monkeypatch)
+            main_in_process(["fit", "--config", str(config), "--model.pretrained", str(path)], monkeypatch)
         stderr = capsys.readouterr().err
         assert exit_info.value.code == 2 and "Traceback" not in stderr
         [line] = [line for line in stderr.splitlines() if line.startswith("error: ")]
@@ -272,8 +323,13 @@ def test_the_cli_reports_bad_weights_in_one_line_and_writes_nothing(tmp_path, ti
 
 
 def test_non_square_images_load_pretrained_weights_as_timm_does(timm_file):
-    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=(96, 128), num_classes=4,
-                                  pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
+    reference = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=True,
+        img_size=(96, 128),
+        num_classes=4,
+        pretrained_cfg_overlay=dict(file=str(timm_file)),
+    ).eval()
     ours = create_vit(img_size=(96, 128), num_classes=4, pretrained=str(timm_file), **TINY).eval()
     assert ours.patch_embed.grid_size == (6, 8)
     x = torch.randn(2, 3, 96, 128)
@@ -287,23 +343,28 @@ def test_width_depth_and_heads_come_from_a_timm_name_without_a_download(monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert pretrained_shape("vit_small_patch16_224.augreg_in21k_ft_in1k") == dict(embed_dim=384, depth=12, num_heads=6)
-    assert pretrained_shape("hf-hub:timm/vit_tiny_patch16_224.augreg_in21k") == dict(embed_dim=192, depth=12,
-                                                                                     num_heads=3)
+    assert pretrained_shape("hf-hub:timm/vit_tiny_patch16_224.augreg_in21k") == dict(
+        embed_dim=192, depth=12, num_heads=3
+    )
     with pytest.raises(PretrainedError, match=r"'resnet18' is not a ViT of timm's layout \(ResNet\): set embed_dim"):
         pretrained_shape("resnet18")
 
 
 def test_width_and_depth_come_from_a_file_and_the_model_equals_timms(timm_file):
-    reference = timm.create_model("vit_tiny_patch16_224", pretrained=True,
-                                  pretrained_cfg_overlay=dict(file=str(timm_file))).eval()
+    reference = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(timm_file))
+    ).eval()
     ours = create_vit(img_size=224, num_classes=1000, patch_size=16, num_heads=3, pretrained=str(timm_file)).eval()
     assert (ours.embed_dim, len(ours.blocks)) == (192, 12)
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
         assert (ours(x) - reference(x)).abs().max() < 1e-5
     # The heads are in no tensor's shape: asked for by name, not guessed.
-    with pytest.raises(PretrainedError, match=r"number of attention heads is not in the weights' shapes "
-                                              r"\(embed_dim=192, depth=12 are\): set num_heads"):
+    with pytest.raises(
+        PretrainedError,
+        match=r"number of attention heads is not in the weights' shapes "
+        r"\(embed_dim=192, depth=12 are\): set num_heads",
+    ):
         create_vit(img_size=224, patch_size=16, pretrained=str(timm_file))
     # What is given wins, so weights of another width are still refused.
     with pytest.raises(PretrainedError, match="does not fit this config"):
@@ -319,9 +380,14 @@ def test_heads_come_from_the_config_json_of_a_hub_layout_folder(timm_file, tmp_p
     folder = tmp_path / "exported"
     folder.mkdir()
     shutil.copy(timm_file, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps({"architecture": "vit_tiny_patch16_224",
-                                                    "model_args": {"num_heads": 3}}))
-    assert resolve_shape(str(folder), embed_dim=None, depth=4, num_heads=None) == dict(embed_dim=192, depth=4,
-                                                                                       num_heads=3)
-    assert resolve_shape(None, embed_dim=None, depth=None, num_heads=None) == DEFAULT_SHAPE == dict(
-        embed_dim=192, depth=6, num_heads=3)
+    (folder / "config.json").write_text(
+        json.dumps({"architecture": "vit_tiny_patch16_224", "model_args": {"num_heads": 3}})
+    )
+    assert resolve_shape(str(folder), embed_dim=None, depth=4, num_heads=None) == dict(
+        embed_dim=192, depth=4, num_heads=3
+    )
+    assert (
+        resolve_shape(None, embed_dim=None, depth=None, num_heads=None)
+        == DEFAULT_SHAPE
+        == dict(embed_dim=192, depth=6, num_heads=3)
+    )

@@ -9,9 +9,23 @@ from robust_helpers import read_metrics, run, run_dirs, tiny_config
 def test_two_process_ddp_on_cpu_trains_with_synchronised_metrics(tmp_path):
     config = tiny_config(tmp_path)
     metrics = tmp_path / "metrics_rank{rank}.jsonl"
-    result = run(["fit", "--config", str(config), "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                  "--trainer.accelerator", "cpu", "--trainer.callbacks+=robust_helpers.RecordMetrics",
-                  f"--trainer.callbacks.path={metrics}"], cwd=tmp_path, timeout=240)
+    result = run(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.callbacks+=robust_helpers.RecordMetrics",
+            f"--trainer.callbacks.path={metrics}",
+        ],
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Starting with 2 processes" in result.stderr
     # The test after fit runs in both processes (it is a collective) and prints once.

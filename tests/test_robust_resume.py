@@ -48,8 +48,11 @@ def final_weights(run_dir: Path) -> dict:
 
 def pause_at_step_13(marker: Path) -> list[str]:
     """The test aid that holds training after its 13th step (step 12's checkpoint on disk), touching `marker`."""
-    return ["--trainer.callbacks+=robust_helpers.PauseAtStep", "--trainer.callbacks.step=13",
-            f"--trainer.callbacks.marker={marker}"]
+    return [
+        "--trainer.callbacks+=robust_helpers.PauseAtStep",
+        "--trainer.callbacks.step=13",
+        f"--trainer.callbacks.marker={marker}",
+    ]
 
 
 def wait_until_paused(process: subprocess.Popen, marker: Path) -> None:
@@ -62,18 +65,28 @@ def wait_until_paused(process: subprocess.Popen, marker: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(stop, tmp_path, reference, monkeypatch,
-                                                                              caplog):
+def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(
+    stop, tmp_path, reference, monkeypatch, caplog
+):
     config = tiny_config(tmp_path)  # checkpoint every 3 steps; 8 steps per epoch
     metrics, marker = tmp_path / "metrics.jsonl", tmp_path / "paused"
-    record = ["--test_after_fit", "false", "--trainer.callbacks+=robust_helpers.RecordMetrics",
-              f"--trainer.callbacks.path={metrics}"]
+    record = [
+        "--test_after_fit",
+        "false",
+        "--trainer.callbacks+=robust_helpers.RecordMetrics",
+        f"--trainer.callbacks.path={metrics}",
+    ]
     # The test aid holds the process after its 13th step (the 5th batch of epoch 1), where the last
     # step checkpoint is that of step 12; the signal itself is a real one from here. A SIGKILL loses
     # step 13; SIGTERM and SIGINT let it finish and write last.ckpt at step 13.
-    process = subprocess.Popen(train_command("fit", "--config", str(config), *record, *pause_at_step_13(marker)),
-                               cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = subprocess.Popen(
+        train_command("fit", "--config", str(config), *record, *pause_at_step_13(marker)),
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until_paused(process, marker)
         [run_dir] = run_dirs(tmp_path)
@@ -98,8 +111,10 @@ def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(st
         stopped_at = 13
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == stopped_at
-    assert checkpoint["TwoCirclesDataModule"]["train_position"] == {"epoch": 1,
-                                                                    "batches_done": stopped_at - STEPS_PER_EPOCH}
+    assert checkpoint["TwoCirclesDataModule"]["train_position"] == {
+        "epoch": 1,
+        "batches_done": stopped_at - STEPS_PER_EPOCH,
+    }
     # A temporary file left by a kill during a checkpoint write is removed when the run resumes.
     leftover = run_dir / "checkpoints" / ".last.ckpt.0123456789abcdef.tmp"
     leftover.write_bytes(b"PK\x03\x04 half a checkpoint")
@@ -125,9 +140,18 @@ def test_stopped_mid_epoch_then_ckpt_path_last_ends_like_an_uninterrupted_run(st
 @pytest.mark.slow
 def test_same_config_and_seed_give_identical_metrics_and_record_how_to_rerun(tmp_path, reference, monkeypatch):
     config = tiny_config(tmp_path)
-    main_in_process(["fit", "--config", str(config), "--test_after_fit", "false",
-                     "--trainer.callbacks+=robust_helpers.RecordMetrics",
-                     f"--trainer.callbacks.path={tmp_path / 'metrics.jsonl'}"], monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--test_after_fit",
+            "false",
+            "--trainer.callbacks+=robust_helpers.RecordMetrics",
+            f"--trainer.callbacks.path={tmp_path / 'metrics.jsonl'}",
+        ],
+        monkeypatch,
+    )
     assert read_metrics(tmp_path / "metrics.jsonl") == read_metrics(reference / "metrics.jsonl")
     [run_dir], [reference_dir] = run_dirs(tmp_path), run_dirs(reference)
     torch.testing.assert_close(final_weights(run_dir), final_weights(reference_dir), rtol=0, atol=0)
@@ -181,8 +205,10 @@ def _umask() -> int:
 
 
 def _config(tmp_path, ckpt_path, version=None) -> Namespace:
-    logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
-                       init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=version))
+    logger = Namespace(
+        class_path="lightning.pytorch.loggers.TensorBoardLogger",
+        init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=version),
+    )
     return Namespace(ckpt_path=ckpt_path, trainer=Namespace(logger=logger))
 
 
@@ -223,16 +249,22 @@ def test_ckpt_path_last_finds_the_newest_run_and_continues_in_its_folder(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_a_signal_to_the_whole_process_group_with_loader_workers_stops_in_one_line(stop, tmp_path, reference,
-                                                                                    monkeypatch):
+def test_a_signal_to_the_whole_process_group_with_loader_workers_stops_in_one_line(
+    stop, tmp_path, reference, monkeypatch
+):
     # `timeout`, SLURM and Ctrl-C signal every process of the job: the loader workers get the signal too. The
     # pause is past the warmup (8 steps), like the test above's.
     config = tiny_config(tmp_path, num_workers=2)
     marker = tmp_path / "paused"
-    process = subprocess.Popen(train_command("fit", "--config", str(config), "--test_after_fit", "false",
-                                             *pause_at_step_13(marker)),
-                               cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)  # its own process group, as a job's
+    process = subprocess.Popen(
+        train_command("fit", "--config", str(config), "--test_after_fit", "false", *pause_at_step_13(marker)),
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )  # its own process group, as a job's
     try:
         wait_until_paused(process, marker)
         [run_dir] = run_dirs(tmp_path)
@@ -247,7 +279,8 @@ def test_a_signal_to_the_whole_process_group_with_loader_workers_stops_in_one_li
     last = run_dir / "checkpoints" / "last.ckpt"
     assert [line for line in stderr.splitlines() if "stopped" in line or "killed" in line] == [
         f"stopped by {stop.name} after training step 13: {last} holds step 13. Resume with the same command and "
-        "--ckpt_path last (or --ckpt_path <that file>)"]
+        "--ckpt_path last (or --ckpt_path <that file>)"
+    ]
     assert "Traceback" not in stderr and "DataLoader worker" not in stderr
     assert torch.load(last, weights_only=True)["global_step"] == 13
 
@@ -270,8 +303,13 @@ def test_loader_workers_ignore_stop_signals_and_are_seeded_as_lightning_seeds_th
     data = TwoCirclesDataModule(num_train=8, num_val=8, num_test=8, batch_size=1, num_workers=2)
     data.test_set = _WorkerState()
     ours = list(data.test_dataloader())
-    lightnings = DataLoader(_WorkerState(), batch_size=1, num_workers=2, generator=data.loader_generator(),
-                            worker_init_fn=partial(pl_worker_init_function, rank=0))  # what Lightning adds alone
+    lightnings = DataLoader(
+        _WorkerState(),
+        batch_size=1,
+        num_workers=2,
+        generator=data.loader_generator(),
+        worker_init_fn=partial(pl_worker_init_function, rank=0),
+    )  # what Lightning adds alone
     assert [ignored for ignored, *_ in ours] == [[torch.tensor([True])] * 2] * 2
     assert [draws for _, *draws in ours] == [draws for _, *draws in lightnings]
     assert ours[0][1:] != ours[1][1:]  # each worker draws its own numbers

@@ -134,8 +134,9 @@ def test_two_layer_example_worked_by_hand():
     a2 = torch.tensor([[0.5, 0.5], [0.1, 0.9]])
     # 0.5 A + 0.5 I:  Â1 = [[0.9, 0.1], [0.2, 0.8]],  Â2 = [[0.75, 0.25], [0.05, 0.95]]
     # R = Â2 @ Â1 (first layer rightmost):
-    expected = torch.tensor([[0.75 * 0.9 + 0.25 * 0.2, 0.75 * 0.1 + 0.25 * 0.8],
-                             [0.05 * 0.9 + 0.95 * 0.2, 0.05 * 0.1 + 0.95 * 0.8]])
+    expected = torch.tensor(
+        [[0.75 * 0.9 + 0.25 * 0.2, 0.75 * 0.1 + 0.25 * 0.8], [0.05 * 0.9 + 0.95 * 0.2, 0.05 * 0.1 + 0.95 * 0.8]]
+    )
     torch.testing.assert_close(expected, torch.tensor([[0.725, 0.275], [0.235, 0.765]]))
     rollout = attention_rollout([a1[None, None], a2[None, None]])
     torch.testing.assert_close(rollout[0], expected)
@@ -163,9 +164,7 @@ def test_random_rollout_matches_written_out_product():
 @pytest.mark.parametrize("discard_ratio", [0.0, 0.5, 0.9])
 @pytest.mark.parametrize("head_fusion", ["mean", "max", "min"])
 def test_rows_sum_to_one(head_fusion, discard_ratio):
-    rollout = attention_rollout(
-        random_attentions(), head_fusion=head_fusion, discard_ratio=discard_ratio
-    )
+    rollout = attention_rollout(random_attentions(), head_fusion=head_fusion, discard_ratio=discard_ratio)
     torch.testing.assert_close(rollout.sum(-1), torch.ones(2, 5, dtype=torch.float64))
     assert (rollout >= 0).all()
 
@@ -494,8 +493,9 @@ def test_grad_rollout_of_trained_vit_differs_from_rollout_and_between_targets(tr
     grid = model.patch_embed.grid_size
     with torch.no_grad():
         plain = rollout_to_patch_map(attention_rollout(logits_and_maps(model, x)[1]), grid, scale="sum")
-    for_neg, for_pos = (rollout_to_patch_map(gradient_rollout(*attention_gradients(model, x, t)), grid, scale="sum")
-                        for t in (0, 1))
+    for_neg, for_pos = (
+        rollout_to_patch_map(gradient_rollout(*attention_gradients(model, x, t)), grid, scale="sum") for t in (0, 1)
+    )
 
     def total_variation(p, q):  # per image, between two distributions over the patches
         return 0.5 * (p - q).abs().sum((1, 2))

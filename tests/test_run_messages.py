@@ -41,8 +41,10 @@ def test_printable_escapes_what_would_move_the_cursor_or_break_the_line():
 
 def test_a_checkpoint_path_with_an_escape_sequence_is_shown_escaped(tmp_path):
     err = Preempted(15, 13, str(tmp_path / "x\x1b[2J" / "last.ckpt"))
-    assert str(err) == (f"stopped by SIGTERM after training step 13: {tmp_path}/x\\x1b[2J/last.ckpt holds step 13. "
-                        "Resume with the same command and --ckpt_path last (or --ckpt_path <that file>)")
+    assert str(err) == (
+        f"stopped by SIGTERM after training step 13: {tmp_path}/x\\x1b[2J/last.ckpt holds step 13. "
+        "Resume with the same command and --ckpt_path last (or --ckpt_path <that file>)"
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints named only if on disk
@@ -57,8 +59,9 @@ def test_only_checkpoints_on_disk_are_named_each_once(tmp_path):
     written.best_model_path = str(folder / "epoch=0-step=6.ckpt")  # named before its write, which was stopped
     same_file = ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=0, save_last=True)
     same_file.last_model_path = str(tmp_path / "." / "checkpoints" / "last.ckpt")
-    trainer = SimpleNamespace(checkpoint_callbacks=[written, same_file], log_dir=str(tmp_path / "other"),
-                              default_root_dir=str(tmp_path))
+    trainer = SimpleNamespace(
+        checkpoint_callbacks=[written, same_file], log_dir=str(tmp_path / "other"), default_root_dir=str(tmp_path)
+    )
     assert saved_checkpoints(trainer) == [str(folder / "last.ckpt")]
     (folder / "last.ckpt").unlink()
     assert saved_checkpoints(trainer) == []
@@ -68,14 +71,25 @@ def test_only_checkpoints_on_disk_are_named_each_once(tmp_path):
 def test_a_nan_loss_before_the_first_checkpoint_names_no_checkpoint(tmp_path, monkeypatch, capsys):
     # The step checkpoint (every 3 steps, last.ckpt) names its file, then finds the NaN as it saves: nothing is written.
     config = tiny_config(tmp_path, max_epochs=1)
-    code, stderr = cli(["fit", "--config", str(config), "--test_after_fit", "false",
-                        "--trainer.callbacks+=test_run_messages.PoisonWeights", "--trainer.callbacks.step=1"],
-                       monkeypatch, capsys)
+    code, stderr = cli(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--test_after_fit",
+            "false",
+            "--trainer.callbacks+=test_run_messages.PoisonWeights",
+            "--trainer.callbacks.step=1",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 1
     assert error_line(stderr) == (
         "error: train/loss is nan at training step 1 (epoch 0, batch 1); training stopped at step 3, and nothing from "
         "this step on was checkpointed. No checkpoint had been written yet. Lower the learning rate (model.lr=0.002), "
-        "add warmup, or look for broken inputs.")
+        "add warmup, or look for broken inputs."
+    )
     folder = tmp_path / "runs" / "tiny" / "version_0"
     assert not list(folder.rglob("*.ckpt"))
     assert not (folder / LOCK_NAME).exists()  # an error ends the run: its lock goes with it
@@ -86,9 +100,11 @@ def test_a_nan_loss_before_the_first_checkpoint_names_no_checkpoint(tmp_path, mo
 
 def _holder_line(folder: Path, lock: RunLock, config: str) -> str:
     started = json.loads(lock.path.read_text())["started_utc"]
-    return (f"{printable(folder)} is being trained by another process (PID {os.getpid()} on {socket.gethostname()}, "
-            f"which wrote {config} at {started}): wait for it to end or stop it, then continue the run with "
-            "--ckpt_path last")
+    return (
+        f"{printable(folder)} is being trained by another process (PID {os.getpid()} on {socket.gethostname()}, "
+        f"which wrote {config} at {started}): wait for it to end or stop it, then continue the run with "
+        "--ckpt_path last"
+    )
 
 
 def test_a_folder_whose_lock_is_held_is_refused_naming_the_holder_and_a_released_one_is_gone(tmp_path):
@@ -97,8 +113,11 @@ def test_a_folder_whose_lock_is_held_is_refused_naming_the_holder_and_a_released
     assert holder is None
     lock.describe("config_resume1.yaml")
     # A second take waits out a checker's instant, then gives up: the lock is held for the whole run.
-    assert RunLock.take(folder) == (None, f"PID {os.getpid()} on {socket.gethostname()}, which wrote "
-                                          f"config_resume1.yaml at {json.loads(lock.path.read_text())['started_utc']}")
+    assert RunLock.take(folder) == (
+        None,
+        f"PID {os.getpid()} on {socket.gethostname()}, which wrote "
+        f"config_resume1.yaml at {json.loads(lock.path.read_text())['started_utc']}",
+    )
     with pytest.raises(RunDirectoryError) as err:
         check_run_dir(folder, stage="fit", ckpt_path=str(folder / "checkpoints" / "last.ckpt"))
     assert str(err.value) == _holder_line(folder, lock, "config_resume1.yaml")
@@ -110,8 +129,11 @@ def test_a_folder_whose_lock_is_held_is_refused_naming_the_holder_and_a_released
 
 def test_a_lock_file_left_by_a_killed_run_does_not_block(tmp_path):
     # kill -9 leaves the file, but the kernel released its flock with the process.
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 999999999, "host": "gone", "config": "config.yaml",
-                                                  "started_utc": "2026-01-01T00:00:00+00:00"}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps(
+            {"pid": 999999999, "host": "gone", "config": "config.yaml", "started_utc": "2026-01-01T00:00:00+00:00"}
+        )
+    )
     check_run_dir(tmp_path, stage="fit")
     lock, holder = RunLock.take(tmp_path)
     assert holder is None and json.loads(lock.path.read_text())["pid"] == os.getpid()

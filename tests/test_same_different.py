@@ -22,10 +22,10 @@ def _shapes_from_pixels(image: np.ndarray) -> list[np.ndarray]:
             r0, c0 = r - dr, c - dc
             if r0 < 0 or c0 < 0 or r0 + SHAPE_SIZE > ink.shape[0] or c0 + SHAPE_SIZE > ink.shape[1]:
                 continue
-            crop = ink[r0:r0 + SHAPE_SIZE, c0:c0 + SHAPE_SIZE]
+            crop = ink[r0 : r0 + SHAPE_SIZE, c0 : c0 + SHAPE_SIZE]
             if crop.sum() == SHAPE_PIXELS and any((crop == p).all() for p in make_shapes()):
                 found.append(crop)
-                taken[r0:r0 + SHAPE_SIZE, c0:c0 + SHAPE_SIZE] |= crop
+                taken[r0 : r0 + SHAPE_SIZE, c0 : c0 + SHAPE_SIZE] |= crop
                 break
     return found
 
@@ -96,18 +96,21 @@ def test_bag_of_shapes_ceiling_matches_a_brute_force():
             scores_same = [2 * h[i] for i in range(k)]
             scores_diff = [h[i] + h[j] for i in range(k) for j in range(k) if i != j]
             for t in np.arange(-2.5, 2.6, 0.5):
-                acc = (sum(s > t for s in scores_same) / (2 * k) + sum(s <= t for s in scores_diff) / (2 * k * (k - 1)))
+                acc = sum(s > t for s in scores_same) / (2 * k) + sum(s <= t for s in scores_diff) / (2 * k * (k - 1))
                 best = max(best, acc, 1 - acc)
         assert bag_of_shapes_ceiling(k) == pytest.approx(best), k
     assert bag_of_shapes_ceiling(8) == pytest.approx(0.642857, abs=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"train_region": "top"}, "train_region='top' is not allowed"),
-    ({"in_chans": 2}, "in_chans=2 is not allowed"),
-    ({"img_size": 12}, "img_size=12"),
-    ({"noise": -1.0}, "noise=-1.0 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"train_region": "top"}, "train_region='top' is not allowed"),
+        ({"in_chans": 2}, "in_chans=2 is not allowed"),
+        ({"img_size": 12}, "img_size=12"),
+        ({"noise": -1.0}, "noise=-1.0 is not allowed"),
+    ],
+)
 def test_bad_options_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SameDifferentDataModule(**kwargs)
@@ -140,7 +143,7 @@ def test_a_held_out_pattern_is_never_trained_on_and_in_every_test_pair():
     for i in range(20):
         for k in range(2):
             r, c = test.positions[i, k].tolist()
-            box = test.images[i, 0, r:r + SHAPE_SIZE, c:c + SHAPE_SIZE] > 0.5
+            box = test.images[i, 0, r : r + SHAPE_SIZE, c : c + SHAPE_SIZE] > 0.5
             assert (box.numpy() == shapes[test.shape_ids[i, k]]).all()
     with pytest.raises(ValueError, match="held_out_shape=4"):
         SameDifferentDataModule(held_out_shape=4)

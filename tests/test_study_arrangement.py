@@ -22,13 +22,25 @@ def test_audit_shortcuts_stay_at_chance_on_every_subset_and_the_relation_does_no
     from studies.runner.arrangement import ArrangementDataset
 
     fit = shortcuts.Images.of([ArrangementDataset(num_samples=4000, seed=11)])
-    scored = shortcuts.Images.of([ArrangementDataset(num_samples=1500, seed=12),
-                                  ArrangementDataset(num_samples=1500, seed=13)])
+    scored = shortcuts.Images.of(
+        [ArrangementDataset(num_samples=1500, seed=12), ArrangementDataset(num_samples=1500, seed=13)]
+    )
     setting = shortcuts.Setting("relation", scored, fit, {(11, 32): "every image", (25, 32): "spans >= 25"})
     rows = shortcuts.audit(setting, mlp=False)
     by_name = {(r["region"], r["baseline"]): r for r in rows}
-    every = {"disc_a", "disc_b", "disc_random", "midpoint", "span", "distance", "ink", "parts", "quadrants",
-             "pixels_logreg", "centres_logreg"}
+    every = {
+        "disc_a",
+        "disc_b",
+        "disc_random",
+        "midpoint",
+        "span",
+        "distance",
+        "ink",
+        "parts",
+        "quadrants",
+        "pixels_logreg",
+        "centres_logreg",
+    }
     assert {b for (g, b) in by_name if g == "relation 25-32"} == every  # the subsets: the shortcuts only
     assert {b for (g, b) in by_name if g == "relation 11-32"} == every | {"grid4", "positions_sorted"}
     assert by_name[("relation 11-32", "ink")]["n"] == 3000
@@ -48,8 +60,21 @@ def test_the_audit_scores_the_span_bins_the_tables_score():
     cfg = load_config(FIRST_CONFIG)
     relation = shortcuts.span_subsets(cfg, "relation", 11, 32)
     # every image; by_distance.md's bins; within and beyond 11 px (cnn-rf11*) and 21 px (cnn-rf21); spans >= 25
-    assert list(relation) == [(11, 32), (11, 13), (14, 16), (17, 19), (20, 22), (23, 25), (26, 28), (29, 32),
-                              (11, 11), (12, 32), (11, 21), (22, 32), (25, 32)]
+    assert list(relation) == [
+        (11, 32),
+        (11, 13),
+        (14, 16),
+        (17, 19),
+        (20, 22),
+        (23, 25),
+        (26, 28),
+        (29, 32),
+        (11, 11),
+        (12, 32),
+        (11, 21),
+        (22, 32),
+        (25, 32),
+    ]
     ood = shortcuts.span_subsets(cfg, "span_ood", 21, 32)
     assert list(ood) == [(21, 32), (21, 23), (24, 26), (27, 29), (30, 32), (21, 24), (25, 28), (29, 32), (25, 32)]
     committed = (ROOT / "studies/arrangement/results/arrangement/by_distance.md").read_text()
@@ -69,8 +94,9 @@ def test_the_audit_scores_the_images_the_study_draws():
     assert (ood.scored.span.min(), val.scored.span.max()) == (21, 20)
     # seed 3's test split, made as the runner makes it (num_test and the experiment's data options of the config)
     test = ArrangementDataModule(num_test=4000, seed=3, test_min_span=21, train_max_span=20).make_split(
-        "test", 4000, "all")
-    assert np.array_equal(ood.scored.centres[3 * 4000:4 * 4000], test.positions.numpy() + 2)
+        "test", 4000, "all"
+    )
+    assert np.array_equal(ood.scored.centres[3 * 4000 : 4 * 4000], test.positions.numpy() + 2)
     assert len(relation.fit.labels) == 200 and not np.array_equal(relation.fit.centres, relation.scored.centres[:200])
 
 
@@ -81,16 +107,33 @@ def test_the_report_splits_the_held_out_test_by_class_and_the_unseen_spans_by_bi
     for seed in range(3):
         label = rng.integers(2, size=400)
         pred = np.where(label == 1, label, rng.integers(2, size=400))  # every "same" right, "different" by chance
-        np.savez(tmp_path / "predictions" / f"held_out-s{seed}.npz", test_label=label, test_pred=pred,
-                 test_distance=np.full(400, 15))
+        np.savez(
+            tmp_path / "predictions" / f"held_out-s{seed}.npz",
+            test_label=label,
+            test_pred=pred,
+            test_distance=np.full(400, 15),
+        )
         span = rng.integers(21, 33, size=400)
         ood_pred = np.where(span <= 24, label, 1 - label)  # right up to 24 px, wrong beyond
-        np.savez(tmp_path / "predictions" / f"ood-s{seed}.npz", test_label=label, test_pred=ood_pred,
-                 test_distance=span)
-        rows += [{"key": f"held_out-s{seed}", "experiment": "held_out", "model": "m", "val_acc": "0.99",
-                  "test_acc": f"{(pred == label).mean():.4f}"},
-                 {"key": f"ood-s{seed}", "experiment": "span_ood", "model": "m", "val_acc": "0.98",
-                  "test_acc": f"{(ood_pred == label).mean():.4f}"}]
+        np.savez(
+            tmp_path / "predictions" / f"ood-s{seed}.npz", test_label=label, test_pred=ood_pred, test_distance=span
+        )
+        rows += [
+            {
+                "key": f"held_out-s{seed}",
+                "experiment": "held_out",
+                "model": "m",
+                "val_acc": "0.99",
+                "test_acc": f"{(pred == label).mean():.4f}",
+            },
+            {
+                "key": f"ood-s{seed}",
+                "experiment": "span_ood",
+                "model": "m",
+                "val_acc": "0.98",
+                "test_acc": f"{(ood_pred == label).mean():.4f}",
+            },
+        ]
     held = report.held_out_table(rows, tmp_path)[-2]
     cells = [c.strip() for c in held.split("|")[1:-1]]
     assert cells[0] == "m" and cells[1] == "3" and cells[4] == "100.0 [100.0-100.0]"
@@ -102,10 +145,16 @@ def test_the_report_splits_the_held_out_test_by_class_and_the_unseen_spans_by_bi
 
 GRIDS = {  # grid -> (its config, its committed results, its committed audit)
     "first": (FIRST_CONFIG, RESULTS, ROOT / report.FIRST_AUDIT),
-    "matched": (ROOT / command.CONFIG, ROOT / "studies/arrangement/results/matched",
-                ROOT / "studies/arrangement/results/matched/audit/shortcuts.csv"),
-    "positions": (ROOT / "studies/arrangement/configs/positions.yaml", ROOT / "studies/arrangement/results/positions",
-                  ROOT / "studies/arrangement/results/positions/audit/shortcuts.csv"),
+    "matched": (
+        ROOT / command.CONFIG,
+        ROOT / "studies/arrangement/results/matched",
+        ROOT / "studies/arrangement/results/matched/audit/shortcuts.csv",
+    ),
+    "positions": (
+        ROOT / "studies/arrangement/configs/positions.yaml",
+        ROOT / "studies/arrangement/results/positions",
+        ROOT / "studies/arrangement/results/positions/audit/shortcuts.csv",
+    ),
 }
 
 
@@ -126,8 +175,11 @@ def _study_in(tmp_path: Path, monkeypatch, grid: str = "first") -> Path:
     cfg = load_config(config_path)
     text = config_path.read_text()
     config = tmp_path / "arrangement.yaml"
-    config.write_text(text.replace(f"out_dir: {cfg['out_dir']}", f"out_dir: {out_dir}")
-                      .replace(f"log_dir: {cfg['log_dir']}", f"log_dir: {tmp_path / 'runs'}"))
+    config.write_text(
+        text.replace(f"out_dir: {cfg['out_dir']}", f"out_dir: {out_dir}").replace(
+            f"log_dir: {cfg['log_dir']}", f"log_dir: {tmp_path / 'runs'}"
+        )
+    )
     assert config.read_text().count(str(tmp_path)) == 2
     return config
 
@@ -138,16 +190,25 @@ def test_the_command_gives_the_runner_the_audit_before_the_grid_and_blocks_after
 
     def grid(args, cfg, *, prog):
         # the runner's report counts successes against shortcuts.csv: it must be there when the grid starts
-        steps.append(("grid", (out_dir / "shortcuts.csv").read_text().startswith("task,baseline,accuracy,what\n"),
-                      args.report_only, prog))
+        steps.append(
+            (
+                "grid",
+                (out_dir / "shortcuts.csv").read_text().startswith("task,baseline,accuracy,what\n"),
+                args.report_only,
+                prog,
+            )
+        )
 
     monkeypatch.setattr(command, "run", grid)
     monkeypatch.setattr(shortcuts, "main", lambda argv: steps.append(("audit", argv)))
     monkeypatch.setattr(report, "run_blocking", lambda rows, results, runs_dir: steps.append(("blocking", runs_dir)))
     monkeypatch.setattr(report, "write", lambda rows, results: steps.append(("tables", len(rows), results)))
     command.main(["--config", str(config)])
-    assert steps == [("grid", True, False, "python -m studies.arrangement"), ("blocking", tmp_path / "runs"),
-                     ("tables", 85, out_dir)]  # the audit is there: not measured again
+    assert steps == [
+        ("grid", True, False, "python -m studies.arrangement"),
+        ("blocking", tmp_path / "runs"),
+        ("tables", 85, out_dir),
+    ]  # the audit is there: not measured again
     (out_dir / "audit" / "shortcuts.csv").unlink()
     steps.clear()
     with pytest.raises(FileNotFoundError):  # the audit (stubbed here) writes nothing, so the runner's copy fails
@@ -191,15 +252,21 @@ def test_the_matched_grid_audits_the_moved_test_too_and_its_own_folder():
 
 def test_the_success_threshold_comes_from_every_image_not_from_a_small_span_bin(tmp_path):
     audit = tmp_path / "audit.csv"
-    audit.write_text("region,n,baseline,accuracy,low,high,shortcut,what\n"
-                     "relation 11-32,20000,span,0.504,0.497,0.511,True,x\n"
-                     "relation 11,880,centres_logreg,0.547,0.513,0.58,True,x\n"
-                     "relation 11-32,20000,positions_sorted,0.99,0.98,1.0,False,x\n"
-                     "translation/shift 11-20,20000,disc_a,0.51,0.5,0.52,True,x\n"
-                     "translation/shift 11-13,3000,disc_a,0.56,0.54,0.58,True,x\n")
+    audit.write_text(
+        "region,n,baseline,accuracy,low,high,shortcut,what\n"
+        "relation 11-32,20000,span,0.504,0.497,0.511,True,x\n"
+        "relation 11,880,centres_logreg,0.547,0.513,0.58,True,x\n"
+        "relation 11-32,20000,positions_sorted,0.99,0.98,1.0,False,x\n"
+        "translation/shift 11-20,20000,disc_a,0.51,0.5,0.52,True,x\n"
+        "translation/shift 11-13,3000,disc_a,0.56,0.54,0.58,True,x\n"
+    )
     relation = tmp_path / "relation.csv"
     relation.write_text("task,baseline,accuracy,what\nsame_different,ink,0.5,y\n")
     report.runner_shortcuts(tmp_path, audit, relation)
     lines = (tmp_path / "shortcuts.csv").read_text().splitlines()
-    assert lines == ["task,baseline,accuracy,what", "arrangement,span@relation 11-32,0.504,x",
-                     "arrangement,disc_a@translation/shift 11-20,0.51,x", "same_different,ink,0.5,y"]
+    assert lines == [
+        "task,baseline,accuracy,what",
+        "arrangement,span@relation 11-32,0.504,x",
+        "arrangement,disc_a@translation/shift 11-20,0.51,x",
+        "same_different,ink,0.5,y",
+    ]

@@ -45,8 +45,9 @@ def _graph() -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
-    return {name: {m for n in _imports(path, name) if (m := resolve(n)) and m != name}
-            for name, path in modules.items()}
+    return {
+        name: {m for n in _imports(path, name) if (m := resolve(n)) and m != name} for name, path in modules.items()
+    }
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -105,8 +106,11 @@ def _other_studies(name: str, path: Path) -> set[str]:
     """The names ``path`` (module ``name`` of ``studies``) imports from a study other than its own, the shared
     ``studies.runner`` allowed."""
     allowed = (".".join(name.split(".")[:2]), "studies.runner")
-    return {n for n in _imports(path, name)
-            if n.startswith("studies.") and not any(n == a or n.startswith(a + ".") for a in allowed)}
+    return {
+        n
+        for n in _imports(path, name)
+        if n.startswith("studies.") and not any(n == a or n.startswith(a + ".") for a in allowed)
+    }
 
 
 def test_no_study_imports_another_study_and_the_runner_imports_none():
@@ -116,18 +120,24 @@ def test_no_study_imports_another_study_and_the_runner_imports_none():
     assert {"studies.runner", "studies.relation", "studies.arrangement", "studies.recipe"} <= set(studies)
     assert {name: found for name, path in studies.items() if (found := _other_studies(name, path))} == {}
     runner = {name: path for name, path in studies.items() if name.startswith("studies.runner")}
-    assert all(not {n for n in _imports(path, name) if n.startswith("studies.") and not n.startswith("studies.runner")}
-               for name, path in runner.items())
+    assert all(
+        not {n for n in _imports(path, name) if n.startswith("studies.") and not n.startswith("studies.runner")}
+        for name, path in runner.items()
+    )
     # The check sees a cross-study import, at module level or in a function.
     probe = ROOT / "studies/arrangement/shortcuts.py"
     assert "studies.runner.shortcuts.bayes_accuracy" in _imports(probe, "studies.arrangement.shortcuts")
     assert _other_studies("studies.arrangement.x", probe) == set()
     assert _other_studies("studies.recipe.x", probe) == set()  # studies.runner is shared
     assert _other_studies("studies.explain.x", ROOT / "studies/arrangement/__main__.py") == {
-        "studies.arrangement", "studies.arrangement.report", "studies.arrangement.shortcuts"}
+        "studies.arrangement",
+        "studies.arrangement.report",
+        "studies.arrangement.shortcuts",
+    }
 
 
 def test_every_study_module_is_at_most_450_lines():
-    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()
-             if name.startswith("studies")}
+    sizes = {
+        name: len(path.read_text().splitlines()) for name, path in _modules().items() if name.startswith("studies")
+    }
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}

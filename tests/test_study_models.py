@@ -47,11 +47,16 @@ def test_pos_scale_multiplies_the_fixed_table(kind):
         torch.testing.assert_close(model.pos_embed[0], 0.03 * sincos_1d(torch.arange(65), 48))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(pos_embed="learned", pos_scale=0.5), "pos_scale=0.5 is not allowed with pos_embed='learned': it scales the "
-                                               "fixed tables only"),
-    (dict(pos_embed="sincos2d", pos_scale=0.0), "pos_scale=0.0 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(pos_embed="learned", pos_scale=0.5),
+            "pos_scale=0.5 is not allowed with pos_embed='learned': it scales the fixed tables only",
+        ),
+        (dict(pos_embed="sincos2d", pos_scale=0.0), "pos_scale=0.0 is not allowed"),
+    ],
+)
 def test_pos_scale_is_for_the_fixed_tables_and_positive(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StudyViT(**CIFAR_CFG, **kwargs)
@@ -73,11 +78,16 @@ def test_pos_init_std_sizes_the_learned_table_and_nothing_else(std):
             torch.testing.assert_close(a, b, msg=name)  # the same seed draws every other weight alike
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(pos_embed="sincos2d", pos_init_std=0.7), "pos_init_std=0.7 is not allowed with pos_embed='sincos2d': it "
-                                                   "sizes the learned table only"),
-    (dict(pos_embed="learned", pos_init_std=0.0), "pos_init_std=0.0 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(pos_embed="sincos2d", pos_init_std=0.7),
+            "pos_init_std=0.7 is not allowed with pos_embed='sincos2d': it sizes the learned table only",
+        ),
+        (dict(pos_embed="learned", pos_init_std=0.0), "pos_init_std=0.0 is not allowed"),
+    ],
+)
 def test_pos_init_std_is_for_the_learned_table_and_positive(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StudyViT(**CIFAR_CFG, **kwargs)

@@ -18,8 +18,19 @@ from vit.data.same_different import SameDifferentDataset
 from vit.models import VisionTransformer
 
 # The screen's ViT (studies/recipe/configs/screen.yaml's defaults) on same_different's 1-channel 32x32 images.
-SCREEN = dict(img_size=32, in_chans=1, num_classes=2, patch_size=4, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0,
-              pool="mean", fc_norm=False, pos_embed="learned")
+SCREEN = dict(
+    img_size=32,
+    in_chans=1,
+    num_classes=2,
+    patch_size=4,
+    embed_dim=64,
+    depth=4,
+    num_heads=4,
+    mlp_ratio=2.0,
+    pool="mean",
+    fc_norm=False,
+    pos_embed="learned",
+)
 
 
 # ----------------------------------------------------------------------------- the screen's model
@@ -36,8 +47,9 @@ def _input_window(embed, token: tuple[int, int], img: int = 32) -> torch.Tensor:
 def test_the_conv_stem_token_sees_a_7x7_window_at_stride_4():
     # 3x3 stride 2, 3x3 stride 2, 1x1: a 7x7 window (3 + 2 * 2), stride 4
     torch.manual_seed(0)
-    model = screened.build(img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=8, depth=1, num_heads=2,
-                           stem="conv")
+    model = screened.build(
+        img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=8, depth=1, num_heads=2, stem="conv"
+    )
     embed = model.patch_embed.eval()
     assert [type(m).__name__ for m in embed.proj] == ["Conv2d", "BatchNorm2d", "ReLU"] * 2 + ["Conv2d"]
     assert _input_window(embed, (2, 3)).nonzero().tolist() == [[r, c] for r in range(5, 12) for c in range(9, 16)]
@@ -46,8 +58,9 @@ def test_the_conv_stem_token_sees_a_7x7_window_at_stride_4():
 
 def test_mimetic_init_makes_w_q_transposed_times_w_k_alpha_z_plus_beta_i():
     torch.manual_seed(1)
-    model = screened.build(img_size=32, patch_size=4, in_chans=3, num_classes=2, embed_dim=64, depth=2, num_heads=4,
-                           qk_init="mimetic")
+    model = screened.build(
+        img_size=32, patch_size=4, in_chans=3, num_classes=2, embed_dim=64, depth=2, num_heads=4, qk_init="mimetic"
+    )
     for block in model.blocks:
         w_q, w_k, w_v = block.attn.qkv.weight.detach().chunk(3)
         product = w_q.T @ w_k  # (D, D)
@@ -61,14 +74,19 @@ def test_mimetic_init_makes_w_q_transposed_times_w_k_alpha_z_plus_beta_i():
 # after torch.manual_seed(0) as the screen builds its models, before the two options left the library: the screen's
 # rows must come from the same initial weights. Sums of whole tensors, and W_q^T W_k (which an SVD's choice of
 # signs does not change), in float64.
-CONV_STEM_SEED0 = {"pos_embed": -1.1294153912572256, "patch_embed.proj.0.weight": -4.403385692101438,
-                   "patch_embed.proj.3.weight": 4.870201826186076, "patch_embed.proj.6.weight": 0.28620435297489166,
-                   "blocks.3.attn.qkv.weight": 1.772012619399959, "head.weight": 0.19281849724939093}
+CONV_STEM_SEED0 = {
+    "pos_embed": -1.1294153912572256,
+    "patch_embed.proj.0.weight": -4.403385692101438,
+    "patch_embed.proj.3.weight": 4.870201826186076,
+    "patch_embed.proj.6.weight": 0.28620435297489166,
+    "blocks.3.attn.qkv.weight": 1.772012619399959,
+    "head.weight": 0.19281849724939093,
+}
 CONV_STEM_SEED0_NEXT_DRAW = 0.8300843238830566
-MIMETIC_SEED0 = {0: ([0.6609399682558111, -0.07825208957452406, 0.05847787640963979], 44.517793490249176,
-                     0.43678062039452925),
-                 3: ([0.712302318288334, 0.022094886852713585, 0.008341635265261334], 45.16702251175125,
-                     -0.702535206126413)}
+MIMETIC_SEED0 = {
+    0: ([0.6609399682558111, -0.07825208957452406, 0.05847787640963979], 44.517793490249176, 0.43678062039452925),
+    3: ([0.712302318288334, 0.022094886852713585, 0.008341635265261334], 45.16702251175125, -0.702535206126413),
+}
 MIMETIC_SEED0_NEXT_DRAW = 0.3856552243232727
 
 
@@ -102,14 +120,17 @@ def test_without_the_screens_options_it_is_the_librarys_model():
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), library.state_dict().values()))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(stem="conv", patch_kernel=8), "patch_kernel=8 applies to stem='patch' only"),
-    (dict(stem="conv", patch_size=6, img_size=36), "needs patch_size a power of 2"),
-    (dict(stem="conv", pool="map"), "stem='conv' is screened with the default head and score"),
-    (dict(stem="convnext"), "stem='convnext' is not allowed"),
-    (dict(qk_init="orthogonal"), "qk_init='orthogonal' is not allowed"),
-    (dict(qk_init="mimetic", qk_init_std=0.25), "qk_init_std=0.25 is not allowed with it"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stem="conv", patch_kernel=8), "patch_kernel=8 applies to stem='patch' only"),
+        (dict(stem="conv", patch_size=6, img_size=36), "needs patch_size a power of 2"),
+        (dict(stem="conv", pool="map"), "stem='conv' is screened with the default head and score"),
+        (dict(stem="convnext"), "stem='convnext' is not allowed"),
+        (dict(qk_init="orthogonal"), "qk_init='orthogonal' is not allowed"),
+        (dict(qk_init="mimetic", qk_init_std=0.25), "qk_init_std=0.25 is not allowed with it"),
+    ],
+)
 def test_bad_screen_options_name_the_value(kwargs, message):
     args = dict(SCREEN) | kwargs
     with pytest.raises(ValueError, match=message):
@@ -125,10 +146,11 @@ def test_windows_of_plain_and_overlapping_patches():
     for t in range(16):
         r, c = divmod(t, 4)
         expected = torch.zeros(16, 16, dtype=torch.bool)
-        expected[4 * r:4 * r + 4, 4 * c:4 * c + 4] = True
+        expected[4 * r : 4 * r + 4, 4 * c : 4 * c + 4] = True
         assert torch.equal(windows[t], expected)
-    overlap = VisionTransformer(img_size=16, patch_size=4, patch_kernel=8, in_chans=1, num_classes=2, embed_dim=8,
-                                depth=1, num_heads=2)
+    overlap = VisionTransformer(
+        img_size=16, patch_size=4, patch_kernel=8, in_chans=1, num_classes=2, embed_dim=8, depth=1, num_heads=2
+    )
     window = receptive_windows(overlap, 16, 1)[5]  # token (1, 1): rows and columns 2..9
     assert window.nonzero().min(0).values.tolist() == [2, 2] and window.nonzero().max(0).values.tolist() == [9, 9]
 

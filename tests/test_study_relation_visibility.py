@@ -27,6 +27,7 @@ def test_the_cli_writes_the_predictions_once_and_refuses_to_overwrite_them(tmp_p
     with pytest.raises(SystemExit) as err:
         visibility.main(["--config", str(TINY), "--out", str(out)])
     assert err.value.code == 2
-    assert capsys.readouterr().err.strip() == (f"error: {out} exists; predictions are written once, before the runs: "
-                                               "move it away or choose another --out")
+    assert capsys.readouterr().err.strip() == (
+        f"error: {out} exists; predictions are written once, before the runs: move it away or choose another --out"
+    )
     assert out.read_text() == text

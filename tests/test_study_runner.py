@@ -31,12 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     "num_train, expected",
-    [(500, (16, 4, 0)), (2000, (4, 1, 0)), (3000, (3, 1, 0)), (100, (80, 20, 0)), (1200, (7, 1, 0)),
-     (4096, (2, 1, 32)),     # 2 epochs of 64 batches, 2 checks per epoch wanted: at batches 32 and 64
-     (4000, (2, 1, 21)),     # 63 batches: 2 checks would miss the last batch, so 3 (63 = 3 x 21)
-     (8000, (1, 1, 25)),     # 1 epoch of 125 batches, 4 checks wanted: 125 = 5 x 25, so 5 checks
-     (32000, (1, 1, 125)),   # 500 batches, 4 checks of 125
-     (8128, (1, 1, 0))],     # 127 batches, a prime: one check, at the end of the epoch
+    [
+        (500, (16, 4, 0)),
+        (2000, (4, 1, 0)),
+        (3000, (3, 1, 0)),
+        (100, (80, 20, 0)),
+        (1200, (7, 1, 0)),
+        (4096, (2, 1, 32)),  # 2 epochs of 64 batches, 2 checks per epoch wanted: at batches 32 and 64
+        (4000, (2, 1, 21)),  # 63 batches: 2 checks would miss the last batch, so 3 (63 = 3 x 21)
+        (8000, (1, 1, 25)),  # 1 epoch of 125 batches, 4 checks wanted: 125 = 5 x 25, so 5 checks
+        (32000, (1, 1, 125)),  # 500 batches, 4 checks of 125
+        (8128, (1, 1, 0)),
+    ],  # 127 batches, a prime: one check, at the end of the epoch
 )
 def test_schedule_gives_equal_samples_and_validates_after_the_last_step(num_train, expected):
     # epochs = round(8000 / n) but at least 1; validation every max(1, epochs // 4) epochs (epochs
@@ -50,8 +56,12 @@ def test_schedule_gives_equal_samples_and_validates_after_the_last_step(num_trai
 
 def _tiny_config(tmp_path: Path, **changes) -> Path:
     cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
-    cfg.update(base_config=str(ROOT / "studies/relation/configs/base.yaml"), out_dir=str(tmp_path / "results"),
-               log_dir=str(tmp_path / "runs"), **changes)
+    cfg.update(
+        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
+        out_dir=str(tmp_path / "results"),
+        log_dir=str(tmp_path / "runs"),
+        **changes,
+    )
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -65,19 +75,33 @@ def test_plan_covers_the_grid_with_unique_keys(tmp_path):
     calibration = grid.calibration_plan(cfg)
     # each family's model at each of the 2 rates, on the calibration seed
     assert [(r.model, r.lr, r.seed) for r in calibration] == [
-        ("vit-learned", 1e-3, 100), ("cnn-rf5", 1e-3, 100), ("vit-learned", 3e-3, 100), ("cnn-rf5", 3e-3, 100)]
+        ("vit-learned", 1e-3, 100),
+        ("cnn-rf5", 1e-3, 100),
+        ("vit-learned", 3e-3, 100),
+        ("cnn-rf5", 3e-3, 100),
+    ]
     runs = grid.plan(cfg, LRS)
     # relation: 1 task x 2 models, position: 1 x 1; times 2 seeds
     assert len(runs) == (1 * 2 + 1) * 2
     assert len({r.key for r in runs + calibration}) == len(runs) + len(calibration)
     relation = [r for r in runs if r.experiment == "relation"]
     assert {(r.train_region, r.test_region, r.shift_region) for r in relation} == {("left", "left", "right")}
-    assert relation[0].overrides["data"] == {"class_path": "vit.data.SameDifferentDataModule", "init_args": {
-        "num_train": 32, "num_val": 32, "num_test": 32, "batch_size": 32, "seed": 0, "train_region": "left",
-        "test_region": "left"}}
+    assert relation[0].overrides["data"] == {
+        "class_path": "vit.data.SameDifferentDataModule",
+        "init_args": {
+            "num_train": 32,
+            "num_val": 32,
+            "num_test": 32,
+            "batch_size": 32,
+            "seed": 0,
+            "train_region": "left",
+            "test_region": "left",
+        },
+    }
     position = [r for r in runs if r.experiment == "position"]
     assert {(r.task, r.shift_region, r.overrides["data"]["class_path"]) for r in position} == {
-        ("diagonal", None, "vit.data.TwoCirclesDataModule")}
+        ("diagonal", None, "vit.data.TwoCirclesDataModule")
+    }
     # The experiment's own budget: 32 images (1 epoch) against the study's 64 (2 epochs).
     assert {r.epochs for r in position} == {1} and {r.epochs for r in relation + calibration} == {2}
     assert {(r.model, r.overrides["model"]["lr"]) for r in runs} == {("vit-learned", 1e-3), ("cnn-rf5", 3e-3)}
@@ -95,11 +119,16 @@ def test_fixed_rates_replace_the_calibration(tmp_path):
     path.write_text(yaml.safe_dump({**cfg, "lrs": LRS}))
     fixed = grid.load_config(path)
     assert grid.calibration_plan(fixed) == []
-    assert {(r.model, r.overrides["model"]["lr"]) for r in grid.plan(fixed)} == {("vit-learned", 1e-3),
-                                                                                ("cnn-rf5", 3e-3)}
+    assert {(r.model, r.overrides["model"]["lr"]) for r in grid.plan(fixed)} == {
+        ("vit-learned", 1e-3),
+        ("cnn-rf5", 3e-3),
+    }
     path.write_text(yaml.safe_dump({**cfg, "lrs": {"vit": 1e-3}}))
-    with pytest.raises(ValueError, match=r"lrs=\{'vit': 0.001\} is not allowed: expected one rate in \(0, 1\) "
-                                         r"for each family"):
+    with pytest.raises(
+        ValueError,
+        match=r"lrs=\{'vit': 0.001\} is not allowed: expected one rate in \(0, 1\) "
+        r"for each family",
+    ):
         grid.load_config(path)
     # The shipped side check: the study's relation experiment for the ViT, twice the steps, a fixed rate.
     long = grid.load_config(ROOT / "studies/relation/configs/relation_long.yaml")
@@ -117,12 +146,15 @@ def test_an_experiments_data_options_reach_the_data_module_and_its_fingerprint()
     held = runs["held_out-same_different-cnn-rf11-max-n64000-s0"]
     assert ood.overrides["data"]["class_path"] == "studies.runner.arrangement.ArrangementDataModule"
     assert {k: ood.overrides["data"]["init_args"][k] for k in ("train_max_span", "test_min_span")} == {
-        "train_max_span": 20, "test_min_span": 21}
+        "train_max_span": 20,
+        "test_min_span": 21,
+    }
     assert "task" not in ood.overrides["data"]["init_args"]
     assert "train_max_span" not in plain.overrides["data"]["init_args"]
     assert held.overrides["data"]["init_args"]["held_out_shape"] == 3
     assert ood.fingerprint != plain.fingerprint
     from vit.registry import data_module  # the plan's data module is one checkpoints can name
+
     data = data_module(ood.overrides["data"]["class_path"])(**ood.overrides["data"]["init_args"])
     data.setup("test")
     assert int(data.test_set.span.min()) == 21
@@ -130,8 +162,12 @@ def test_an_experiments_data_options_reach_the_data_module_and_its_fingerprint()
 
 def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ties(tmp_path):
     cfg = grid.load_config(_tiny_config(tmp_path))
-    val = {("vit-learned", 1e-3): "0.60", ("vit-learned", 3e-3): "0.75", ("cnn-rf5", 1e-3): "0.70",
-           ("cnn-rf5", 3e-3): "0.70"}
+    val = {
+        ("vit-learned", 1e-3): "0.60",
+        ("vit-learned", 3e-3): "0.75",
+        ("cnn-rf5", 1e-3): "0.70",
+        ("cnn-rf5", 3e-3): "0.70",
+    }
     rows = [{"key": r.key, "val_acc": val[(r.model, r.lr)]} for r in grid.calibration_plan(cfg)]
     assert grid.choose_lr(cfg, rows) == {"vit": 3e-3, "cnn": 1e-3}
     with pytest.raises(ValueError, match="calibration run calibrate-same_different-cnn-rf5-lr0.003-n32-s100 has not"):
@@ -146,8 +182,9 @@ def test_default_study_is_the_documented_grid():
     calibration = grid.calibration_plan(cfg)
     assert len(calibration) == 12 and {r.seed for r in calibration} == {100, 101, 102}
     assert {r.seed for r in calibration}.isdisjoint(cfg["seeds"])
-    assert {(r.model, r.lr) for r in calibration} == {(m, lr) for m in ("vit-learned", "cnn-rf45")
-                                                      for lr in (1e-3, 2e-3)}
+    assert {(r.model, r.lr) for r in calibration} == {
+        (m, lr) for m in ("vit-learned", "cnn-rf45") for lr in (1e-3, 2e-3)
+    }
     runs = grid.plan(cfg, LRS)
     assert len(runs) == 23 * 5 and len({r.key for r in runs}) == 115
     cells: dict[tuple, set] = {}
@@ -158,10 +195,24 @@ def test_default_study_is_the_documented_grid():
     cnns = {"cnn-rf11", "cnn-rf11-max", "cnn-rf11-mlp", "cnn-rf13", "cnn-rf21", "cnn-rf29", "cnn-rf45", "cnn-rf45-wide"}
     assert {m for (e, t, m) in cells if e == "relation"} == vits | cnns
     assert {m for (e, t, m) in cells if e == "position"} == {
-        "vit-learned", "vit-sincos1d", "vit-sincos2d", "vit-none", "cnn-rf21", "cnn-rf21-circular", "cnn-rf21-valid"}
+        "vit-learned",
+        "vit-sincos1d",
+        "vit-sincos2d",
+        "vit-none",
+        "cnn-rf21",
+        "cnn-rf21-circular",
+        "cnn-rf21-valid",
+    }
     assert {m: model_rf(cfg, m) for m in sorted(cnns)} == {
-        "cnn-rf11": 11, "cnn-rf11-max": 11, "cnn-rf11-mlp": 11, "cnn-rf13": 13, "cnn-rf21": 21, "cnn-rf29": 29,
-        "cnn-rf45": 45, "cnn-rf45-wide": 45}
+        "cnn-rf11": 11,
+        "cnn-rf11-max": 11,
+        "cnn-rf11-mlp": 11,
+        "cnn-rf13": 13,
+        "cnn-rf21": 21,
+        "cnn-rf29": 29,
+        "cnn-rf45": 45,
+        "cnn-rf45-wide": 45,
+    }
     # The readout controls are cnn-rf11 with one thing changed; the wide variant is cnn-rf45 twice as wide.
     args = {m: cfg["models"][m]["init_args"] for m in cnns}
     assert {k: v for k, v in args["cnn-rf11-max"].items() if k != "pool"} == args["cnn-rf11"]
@@ -171,8 +222,9 @@ def test_default_study_is_the_documented_grid():
     recipe = yaml.safe_load((ROOT / "configs/same_different/vit.yaml").read_text())["model"]["backbone"]["init_args"]
     for m in vits:
         vit_args = cfg["models"][m]["init_args"]
-        assert {k: v for k, v in vit_args.items() if k not in ("pool", "pos_embed")} == \
-            {k: v for k, v in recipe.items() if k not in ("pool", "pos_embed")}
+        assert {k: v for k, v in vit_args.items() if k not in ("pool", "pos_embed")} == {
+            k: v for k, v in recipe.items() if k not in ("pool", "pos_embed")
+        }
         assert vit_args["pool"] == ("cls" if m.endswith("-cls") else "mean")
     steps = {"relation": 2000, "position": 200, grid.CALIBRATE: 2000}
     for r in runs + calibration:
@@ -186,13 +238,25 @@ def test_default_study_is_the_documented_grid():
             assert r.overrides["model"]["warmup_epochs"] == 0.2  # the recipe's 200 steps
     # The runs go in the order of the claims: the core relation cells, the receptive-field series and
     # the MLP head, the other ViTs, the 200-step runs, then the dearest cell (cnn-rf45-wide).
-    assert [r.model for r in runs[:6]] == ["vit-learned", "vit-none", "cnn-rf11", "cnn-rf11-max", "cnn-rf21",
-                                           "cnn-rf45"]
+    assert [r.model for r in runs[:6]] == [
+        "vit-learned",
+        "vit-none",
+        "cnn-rf11",
+        "cnn-rf11-max",
+        "cnn-rf21",
+        "cnn-rf45",
+    ]
     assert [r.experiment for r in runs] == ["relation"] * 75 + ["position"] * 35 + ["relation"] * 5
     assert {r.model for r in runs[-5:]} == {"cnn-rf45-wide"}
     # The comparisons named before the runs: one family per question, each pair of models in its experiment.
-    assert set(cfg["comparisons"]["relation"]) == {"readout", "capacity", "vit_against_cnn", "position_encoding",
-                                                   "pooling", "receptive_field"}
+    assert set(cfg["comparisons"]["relation"]) == {
+        "readout",
+        "capacity",
+        "vit_against_cnn",
+        "position_encoding",
+        "pooling",
+        "receptive_field",
+    }
     assert ["cnn-rf11", "cnn-rf11-max"] in cfg["comparisons"]["relation"]["readout"]
 
 
@@ -200,53 +264,163 @@ def test_default_study_is_the_documented_grid():
     "change, message",
     [
         ({"seeds": []}, r"seeds=\[\] is not allowed"),
-        ({"experiments": []}, (r"experiments=\[\] is not allowed: expected a non-empty list of experiments \(each "
-                               r"a mapping with name, tasks, models, num_train\)")),
-        ({"experiments": [{"name": "a", "tasks": ["diagonl"], "models": ["cnn-rf5"], "num_train": [8]}]},
-         r"tasks='diagonl' is not allowed: expected one of "
-         r"\['diagonal', 'relative', 'same_different', 'arrangement'\]"),
-        ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["resnet"], "num_train": [8]}]},
-         r"models='resnet' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]"),
-        ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
-                           "test_region": "border"}]},
-         r"test_region \(task same_different\)='border' is not allowed: expected one of \['all', 'left', 'right'\]"),
+        (
+            {"experiments": []},
+            (
+                r"experiments=\[\] is not allowed: expected a non-empty list of experiments \(each "
+                r"a mapping with name, tasks, models, num_train\)"
+            ),
+        ),
+        (
+            {"experiments": [{"name": "a", "tasks": ["diagonl"], "models": ["cnn-rf5"], "num_train": [8]}]},
+            r"tasks='diagonl' is not allowed: expected one of "
+            r"\['diagonal', 'relative', 'same_different', 'arrangement'\]",
+        ),
+        (
+            {"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["resnet"], "num_train": [8]}]},
+            r"models='resnet' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]",
+        ),
+        (
+            {
+                "experiments": [
+                    {
+                        "name": "a",
+                        "tasks": ["same_different"],
+                        "models": ["cnn-rf5"],
+                        "num_train": [8],
+                        "test_region": "border",
+                    }
+                ]
+            },
+            r"test_region \(task same_different\)='border' is not allowed: expected one of \['all', 'left', 'right'\]",
+        ),
         ({"epochs": 3}, r"unknown keys \['epochs'\]"),
-        ({"families": {"vit": ["vit-learned"]}},
-         r"models \['cnn-rf5'\] are in no family, so no learning rate would be calibrated"),
-        ({"calibration": {"task": "same_different", "num_train": 32, "seed": 0, "lrs": [1e-3],
-                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}},
-         r"calibration: seed=0 is one of the study's seeds \[0, 1\]"),
-        ({"calibration": {"task": "same_different", "num_train": 32, "seed": 100, "lrs": [2.0],
-                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}}, r"lrs=\[2.0\] is not allowed"),
-        ({"calibration": {"task": "same_different", "num_train": 32, "seed": 100, "seeds": [101], "lrs": [1e-3],
-                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}},
-         r"calibration: give either seed \(one\) or seeds \(a list\), got both \(100 and \[101\]\)"),
-        ({"calibration": {"task": "same_different", "num_train": 32, "seeds": [100, 1], "lrs": [1e-3],
-                          "models": {"vit": "vit-learned", "cnn": "cnn-rf5"}}},
-         r"calibration: seed=1 is one of the study's seeds \[0, 1\]"),
-        ({"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf9"]]}}},
-         r"comparisons.relation.readout='cnn-rf9' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]"),
-        ({"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf5"]]}}},
-         r"comparisons.relation.readout=\[\['cnn-rf5', 'cnn-rf5'\]\] is not allowed: expected a non-empty list"),
+        (
+            {"families": {"vit": ["vit-learned"]}},
+            r"models \['cnn-rf5'\] are in no family, so no learning rate would be calibrated",
+        ),
+        (
+            {
+                "calibration": {
+                    "task": "same_different",
+                    "num_train": 32,
+                    "seed": 0,
+                    "lrs": [1e-3],
+                    "models": {"vit": "vit-learned", "cnn": "cnn-rf5"},
+                }
+            },
+            r"calibration: seed=0 is one of the study's seeds \[0, 1\]",
+        ),
+        (
+            {
+                "calibration": {
+                    "task": "same_different",
+                    "num_train": 32,
+                    "seed": 100,
+                    "lrs": [2.0],
+                    "models": {"vit": "vit-learned", "cnn": "cnn-rf5"},
+                }
+            },
+            r"lrs=\[2.0\] is not allowed",
+        ),
+        (
+            {
+                "calibration": {
+                    "task": "same_different",
+                    "num_train": 32,
+                    "seed": 100,
+                    "seeds": [101],
+                    "lrs": [1e-3],
+                    "models": {"vit": "vit-learned", "cnn": "cnn-rf5"},
+                }
+            },
+            r"calibration: give either seed \(one\) or seeds \(a list\), got both \(100 and \[101\]\)",
+        ),
+        (
+            {
+                "calibration": {
+                    "task": "same_different",
+                    "num_train": 32,
+                    "seeds": [100, 1],
+                    "lrs": [1e-3],
+                    "models": {"vit": "vit-learned", "cnn": "cnn-rf5"},
+                }
+            },
+            r"calibration: seed=1 is one of the study's seeds \[0, 1\]",
+        ),
+        (
+            {"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf9"]]}}},
+            r"comparisons.relation.readout='cnn-rf9' is not allowed: expected one of \['vit-learned', 'cnn-rf5'\]",
+        ),
+        (
+            {"comparisons": {"relation": {"readout": [["cnn-rf5", "cnn-rf5"]]}}},
+            r"comparisons.relation.readout=\[\['cnn-rf5', 'cnn-rf5'\]\] is not allowed: expected a non-empty list",
+        ),
         ({"shortcuts": {"num_train": 10, "num_test": 200}}, r"shortcuts.num_train=10 is not allowed"),
-        ({"lrs": {"vit": 1e-3, "cnn": 1e-3}},
-         r"'families' goes with either 'calibration' or fixed 'lrs' \(one of them\), "
-         r"got \['families', 'calibration', 'lrs'\]"),
-        ({"experiments": [{"name": "a", "tasks": ["same_different"], "models": ["cnn-rf5"], "num_train": [8],
-                           "shift_region": "inner"}]},
-         r"shift_region \(task same_different\)='inner' is not allowed: expected one of \['all', 'left', 'right'\]"),
-        ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [8],
-                           "train_samples": 0}]}, r"train_samples=0 is not allowed: expected an int >= 1"),
-        ({"experiments": [{"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [8]},
-                          {"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [16],
-                           "train_samples": 16}]},
-         r"experiment 'a' is listed with .* entries that share a name must share them"),
-
-        ({"experiments": [{"name": "a", "tasks": ["arrangement"], "models": ["cnn-rf5"], "num_train": [8],
-                           "data": {"seed": 3}}]},
-         r"data=\{'seed': 3\} is not allowed: expected a mapping of the data module's other options"),
-        ({"experiments": [{"name": "a", "tasks": ["arrangement"], "models": ["cnn-rf5"], "num_train": [8],
-                           "data": {"train_max_span": [20]}}]}, r"data=\{'train_max_span': \[20\]\} is not allowed"),
+        (
+            {"lrs": {"vit": 1e-3, "cnn": 1e-3}},
+            r"'families' goes with either 'calibration' or fixed 'lrs' \(one of them\), "
+            r"got \['families', 'calibration', 'lrs'\]",
+        ),
+        (
+            {
+                "experiments": [
+                    {
+                        "name": "a",
+                        "tasks": ["same_different"],
+                        "models": ["cnn-rf5"],
+                        "num_train": [8],
+                        "shift_region": "inner",
+                    }
+                ]
+            },
+            r"shift_region \(task same_different\)='inner' is not allowed: expected one of \['all', 'left', 'right'\]",
+        ),
+        (
+            {
+                "experiments": [
+                    {"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [8], "train_samples": 0}
+                ]
+            },
+            r"train_samples=0 is not allowed: expected an int >= 1",
+        ),
+        (
+            {
+                "experiments": [
+                    {"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [8]},
+                    {"name": "a", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [16], "train_samples": 16},
+                ]
+            },
+            r"experiment 'a' is listed with .* entries that share a name must share them",
+        ),
+        (
+            {
+                "experiments": [
+                    {
+                        "name": "a",
+                        "tasks": ["arrangement"],
+                        "models": ["cnn-rf5"],
+                        "num_train": [8],
+                        "data": {"seed": 3},
+                    }
+                ]
+            },
+            r"data=\{'seed': 3\} is not allowed: expected a mapping of the data module's other options",
+        ),
+        (
+            {
+                "experiments": [
+                    {
+                        "name": "a",
+                        "tasks": ["arrangement"],
+                        "models": ["cnn-rf5"],
+                        "num_train": [8],
+                        "data": {"train_max_span": [20]},
+                    }
+                ]
+            },
+            r"data=\{'train_max_span': \[20\]\} is not allowed",
+        ),
     ],
 )
 def test_bad_study_config_is_reported_with_the_value(tmp_path, change, message):
@@ -340,8 +514,12 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
     assert csv_path.stat().st_mtime_ns == mtime and csv_path.read_text() == text
 
     # 5. Reports: the figures are PNGs; every cell's median and runs are those of the CSV.
-    for name in ("relation_same_different_runs.png", "relation_same_different_by_distance.png",
-                 "relation_same_different_shift.png", "position_diagonal_runs.png"):
+    for name in (
+        "relation_same_different_runs.png",
+        "relation_same_different_by_distance.png",
+        "relation_same_different_shift.png",
+        "position_diagonal_runs.png",
+    ):
         assert (results / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with (results / "summary.csv").open() as f:
         summary = {(r["experiment"], r["model"]): r for r in csv.DictReader(f)}
@@ -349,8 +527,11 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         accs = [float(r["test_acc"]) for r in rows if (r["experiment"], r["model"]) == (experiment, model)]
         assert float(cell["test_acc_median"]) == pytest.approx(statistics.median(accs), abs=1e-4)
         assert int(cell["n_seeds"]) == 2
-        moved = [float(r["shift_acc"]) for r in rows if (r["experiment"], r["model"]) == (experiment, model)
-                 and r["shift_acc"]]
+        moved = [
+            float(r["shift_acc"])
+            for r in rows
+            if (r["experiment"], r["model"]) == (experiment, model) and r["shift_acc"]
+        ]
         assert cell["shift_acc_median"] == ("" if not moved else f"{statistics.median(moved):.4f}")
     # Each run's per-image predictions, and the CNN's test set re-binned by visibility.
     for r in rows:
@@ -380,11 +561,18 @@ def _small_config(tmp_path: Path, seeds=(0, 1, 2)) -> Path:
     cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
     for key in ("calibration", "shortcuts"):
         del cfg[key]
-    cfg.update(base_config=str(ROOT / "studies/relation/configs/base.yaml"), out_dir=str(tmp_path / "results"),
-               log_dir=str(tmp_path / "runs"), seeds=list(seeds), models={"cnn-rf5": cfg["models"]["cnn-rf5"]},
-               families={"cnn": ["cnn-rf5"]}, lrs={"cnn": 3e-3},
-               experiments=[{"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [32],
-                             "train_samples": 32}])
+    cfg.update(
+        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
+        out_dir=str(tmp_path / "results"),
+        log_dir=str(tmp_path / "runs"),
+        seeds=list(seeds),
+        models={"cnn-rf5": cfg["models"]["cnn-rf5"]},
+        families={"cnn": ["cnn-rf5"]},
+        lrs={"cnn": 3e-3},
+        experiments=[
+            {"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [32], "train_samples": 32}
+        ],
+    )
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -400,8 +588,11 @@ def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path)
     base = yaml.safe_load((ROOT / "studies/relation/configs/base.yaml").read_text())
     stop = shipped["trainer"]["callbacks"][-1]
     assert stop["class_path"] == "lightning.pytorch.callbacks.EarlyStopping"
-    assert (stop["init_args"]["monitor"], stop["init_args"]["mode"], stop["init_args"]["stopping_threshold"]) == \
-        ("val/acc", "max", 0.995)
+    assert (stop["init_args"]["monitor"], stop["init_args"]["mode"], stop["init_args"]["stopping_threshold"]) == (
+        "val/acc",
+        "max",
+        0.995,
+    )
     shipped["trainer"]["callbacks"] = shipped["trainer"]["callbacks"][:-1]
     assert shipped == base  # nothing else differs
     relation = grid.load_config(ROOT / "studies/relation/configs/relation.yaml")
@@ -423,12 +614,30 @@ def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path)
 
 def _fake_row(run: grid.Run) -> dict:
     """The row run_one would write for ``run``, made up without training (for tests of the runner's bookkeeping)."""
-    return {"key": run.key, "experiment": run.experiment, "task": run.task, "model": run.model,
-            "num_train": run.num_train, "seed": run.seed, "train_region": run.train_region,
-            "test_region": run.test_region, "lr": run.lr, "params": 100, "flops_per_image": 1000, "epochs": run.epochs,
-            "steps": 1, "batch_size": 32, "train_time_s": "0.1", "train_acc": "0.5000", "val_acc": "0.5000",
-            "test_acc": "0.5000", "test_by_distance": '{"10":[16,32]}', "fingerprint": run.fingerprint,
-            "revision": "", "finished_at": "2026-11-25T08:00:00"}
+    return {
+        "key": run.key,
+        "experiment": run.experiment,
+        "task": run.task,
+        "model": run.model,
+        "num_train": run.num_train,
+        "seed": run.seed,
+        "train_region": run.train_region,
+        "test_region": run.test_region,
+        "lr": run.lr,
+        "params": 100,
+        "flops_per_image": 1000,
+        "epochs": run.epochs,
+        "steps": 1,
+        "batch_size": 32,
+        "train_time_s": "0.1",
+        "train_acc": "0.5000",
+        "val_acc": "0.5000",
+        "test_acc": "0.5000",
+        "test_by_distance": '{"10":[16,32]}',
+        "fingerprint": run.fingerprint,
+        "revision": "",
+        "finished_at": "2026-11-25T08:00:00",
+    }
 
 
 @pytest.mark.slow  # trains
@@ -493,14 +702,22 @@ def test_slurm_parameters_make_a_job_array_script_and_lightning_does_not_requeue
 
     params = study.slurm_parameters(partition="gpu", time_min=30, gpus=1, cpus=8, parallel=16)
     script = _make_sbatch_string(command="python -m submitit.core._submit", folder=str(tmp_path), **params)
-    for line in ("#SBATCH --partition=gpu", "#SBATCH --time=30", "#SBATCH --gpus-per-node=1",
-                 "#SBATCH --cpus-per-task=8", "#SBATCH --job-name=vit-study", "#SBATCH --signal=USR2@90"):
+    for line in (
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=30",
+        "#SBATCH --gpus-per-node=1",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --job-name=vit-study",
+        "#SBATCH --signal=USR2@90",
+    ):
         assert line in script
     run = grid.plan(grid.load_config(_tiny_config(tmp_path)), LRS)[0]
     under_slurm = run_module.run_overrides(run, tmp_path, environ={"SUBMITIT_EXECUTOR": "slurm"})
     plugin = under_slurm["trainer"]["plugins"][0]
-    assert plugin == {"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
-                      "init_args": {"auto_requeue": False}}
+    assert plugin == {
+        "class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
+        "init_args": {"auto_requeue": False},
+    }
     assert under_slurm["trainer"]["accelerator"] == "auto"
     assert "plugins" not in run_module.run_overrides(run, tmp_path, environ={})["trainer"]
     from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -508,12 +725,15 @@ def test_slurm_parameters_make_a_job_array_script_and_lightning_does_not_requeue
     assert SLURMEnvironment(auto_requeue=False).auto_requeue is False
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (None, "study config '{path}' does not exist"),
-    ("", "{path}: expected a mapping at the top level, got an empty file"),
-    ("seeds: [0\n", "study config '{path}' is not valid YAML"),
-    ("folder", "study config '{path}' is a folder, not a YAML file"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "study config '{path}' does not exist"),
+        ("", "{path}: expected a mapping at the top level, got an empty file"),
+        ("seeds: [0\n", "study config '{path}' is not valid YAML"),
+        ("folder", "study config '{path}' is a folder, not a YAML file"),
+    ],
+)
 def test_study_config_errors_are_one_line_and_exit_2(content, message, tmp_path, capsys):
     path = tmp_path / "study.yaml"
     if content == "folder":
@@ -548,12 +768,13 @@ def test_report_only_before_any_run_finished_is_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         f"error: no finished runs in {tmp_path / 'results'} yet (no rows in runs.csv), so there is nothing to report: "
-        f"start the study with python -m studies.runner --config {config}\n")
+        f"start the study with python -m studies.runner --config {config}\n"
+    )
     assert not (tmp_path / "results").exists()
 
 
 def _cut_last_row(text: str) -> str:
-    return text[:text.rindex('""10"":')]  # in the middle of the last row's test_by_distance, no newline
+    return text[: text.rindex('""10"":')]  # in the middle of the last row's test_by_distance, no newline
 
 
 def _edit_line(number: int, old: str, new: str):
@@ -561,20 +782,38 @@ def _edit_line(number: int, old: str, new: str):
         lines = text.splitlines(keepends=True)
         lines[number - 1] = lines[number - 1].replace(old, new, 1)
         return "".join(lines)
+
     return edit
 
 
-@pytest.mark.parametrize(("damage", "message"), [
-    (_cut_last_row, r"line 4 is damaged: it has 19 of the 25 fields \(cut short\?\)\. Delete that line to redo its "
-                    r"run \(position-diagonal-cnn-rf5-n32-s2\), then rerun the same command"),
-    (_edit_line(2, ",0.1,", ",0,1,"), r"line 2 is damaged: it has 26 of the 25 fields\. Delete that line to redo its "
-                                      r"run \(position-diagonal-cnn-rf5-n32-s0\)"),
-    (_edit_line(3, '0.5000,"{', '0.5x,"{'), r"line 3 is damaged: test_acc='0.5x' is not a number\. Delete that line"),
-    (_edit_line(3, "-s1,", "-s9,"), r"line 3 is damaged: its key 'position-diagonal-cnn-rf5-n32-s9' does not match "
-                                    r"its columns \(they make 'position-diagonal-cnn-rf5-n32-s1'\)"),
-    (lambda text: text + text.splitlines(keepends=True)[1],
-     r"line 5 repeats run position-diagonal-cnn-rf5-n32-s0 of line 2: delete one of the two lines"),
-])
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            _cut_last_row,
+            r"line 4 is damaged: it has 19 of the 25 fields \(cut short\?\)\. Delete that line to redo its "
+            r"run \(position-diagonal-cnn-rf5-n32-s2\), then rerun the same command",
+        ),
+        (
+            _edit_line(2, ",0.1,", ",0,1,"),
+            r"line 2 is damaged: it has 26 of the 25 fields\. Delete that line to redo its "
+            r"run \(position-diagonal-cnn-rf5-n32-s0\)",
+        ),
+        (
+            _edit_line(3, '0.5000,"{', '0.5x,"{'),
+            r"line 3 is damaged: test_acc='0.5x' is not a number\. Delete that line",
+        ),
+        (
+            _edit_line(3, "-s1,", "-s9,"),
+            r"line 3 is damaged: its key 'position-diagonal-cnn-rf5-n32-s9' does not match "
+            r"its columns \(they make 'position-diagonal-cnn-rf5-n32-s1'\)",
+        ),
+        (
+            lambda text: text + text.splitlines(keepends=True)[1],
+            r"line 5 repeats run position-diagonal-cnn-rf5-n32-s0 of line 2: delete one of the two lines",
+        ),
+    ],
+)
 def test_a_damaged_runs_csv_row_is_named_by_its_line_before_any_work(tmp_path, capsys, monkeypatch, damage, message):
     config = _small_config(tmp_path)
     csv_path = tmp_path / "results" / "runs.csv"
@@ -624,8 +863,9 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
     monkeypatch.setattr(study, "write_reports", lambda *args: None)
 
     # 1. Another process holds the lock (as a study invocation does while it runs): refused, nothing written.
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out_dir / "study.lock")], stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out_dir / "study.lock")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "locked\n"
         monkeypatch.setattr(run_module, "run_one", lambda run, **kwargs: pytest.fail(f"run {run.key} was started"))
@@ -636,7 +876,8 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
             f"error: {out_dir} is in use by another study invocation (PID {holder.pid}, lock "
             f"{out_dir / 'study.lock'}): "
             f"wait for it to finish, or stop it (kill {holder.pid}) and rerun; two at once would redo each other's "
-            f"runs\n")
+            f"runs\n"
+        )
         assert csv_path.read_text() == before and not (tmp_path / "runs").exists()
     finally:
         holder.kill()  # SIGKILL: no chance to clean up, as after kill -9
@@ -654,7 +895,8 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
     study.run_study(config, progress=False, executor="debug")
     assert capsys.readouterr().err.startswith(
         f"taking over {out_dir / 'study.lock'}: the invocation that held it (PID {holder.pid}) ended without "
-        "releasing it (killed?); its unfinished runs are redone\n")
+        "releasing it (killed?); its unfinished runs are redone\n"
+    )
     assert len(runs_csv.read_rows(csv_path)) == 3 and csv_path.read_text().startswith(before)
     assert (out_dir / "study.lock").read_text() == ""  # a clean end: the next invocation has nothing to take over
 
@@ -684,8 +926,11 @@ def _ended(pid: int) -> bool:
 def _wait_for_child(pid: int) -> int:
     """The one process that ``pid`` started, as ``ps`` lists it (waiting up to a minute for it to start)."""
     deadline = time.monotonic() + 60
-    while not (children := subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True,
-                                          check=False).stdout.split()):  # ps exits 1 while there is none
+    while not (
+        children := subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
+    ):  # ps exits 1 while there is none
         assert time.monotonic() < deadline, f"process {pid} started no process"
         time.sleep(0.1)
     (child,) = children
@@ -708,8 +953,12 @@ def test_a_rerun_after_kill_9_is_refused_while_the_killed_invocations_jobs_run(t
     orphaned.mkdir(parents=True)
     (orphaned / "metrics.csv").write_text("epoch,step,train/acc\n0,1,0.5\n")
     real_run_one, job = run_module.run_one, []
-    owner = subprocess.Popen([sys.executable, "-c", KILLED_OWNER, str(out_dir), runs[1].key, str(logs / "submitit")],
-                             stdout=subprocess.PIPE, text=True, cwd=ROOT)  # from the root, where `studies` is
+    owner = subprocess.Popen(
+        [sys.executable, "-c", KILLED_OWNER, str(out_dir), runs[1].key, str(logs / "submitit")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )  # from the root, where `studies` is
     try:
         controller = int(owner.stdout.readline())
         job = [controller, _wait_for_child(controller)]  # the controller and the process that runs the job
@@ -730,7 +979,8 @@ def test_a_rerun_after_kill_9_is_refused_while_the_killed_invocations_jobs_run(t
             f"error: {out_dir}: the study invocation that held {lock} (PID {owner.pid}) was killed, but runs it "
             f"started still run: {runs[1].key} (PIDs {pids}). Their results can no longer be recorded: stop them "
             f"(kill -9 {pids}) or wait for them to end, then rerun; started now, they would run twice in the same "
-            "folders\n")
+            "folders\n"
+        )
         assert files() == before and sorted(logs.iterdir()) == entries  # nothing written, moved or created
 
         # Done as the message says, the same command goes on: the orphan's folder is moved aside and its run redone.
@@ -755,7 +1005,8 @@ def test_a_rerun_after_kill_9_is_refused_while_the_killed_invocations_jobs_run(t
             if not _ended(pid):
                 os.kill(pid, signal.SIGKILL)
     assert capsys.readouterr().err.startswith(
-        f"taking over {lock}: the invocation that held it (PID {owner.pid}) ended without releasing it")
+        f"taking over {lock}: the invocation that held it (PID {owner.pid}) ended without releasing it"
+    )
     assert started == [runs[1].key, runs[2].key]
     assert [r["key"] for r in runs_csv.read_rows(csv_path)] == [r.key for r in runs]
     assert (logs / f"{runs[1].key}.unfinished-1" / "metrics.csv").read_bytes() == before[orphaned / "metrics.csv"]
@@ -789,8 +1040,10 @@ def test_an_unusable_out_dir_is_one_line_and_leaves_nothing_behind(tmp_path, cap
         "under /proc": (Path("/proc/vit-study-results"), "creating /proc/vit-study-results failed ("),
         "a file": (tmp_path / "results", "it exists and is not a folder"),
         # a name that fails after its new parent folder was made: that folder is removed again
-        "a name too long": (tmp_path / "new" / ("x" * 300),
-                            f"creating {tmp_path / 'new' / ('x' * 300)} failed (File name too long)"),
+        "a name too long": (
+            tmp_path / "new" / ("x" * 300),
+            f"creating {tmp_path / 'new' / ('x' * 300)} failed (File name too long)",
+        ),
     }[where]
     config = _small_config(tmp_path)
     config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "out_dir": str(out_dir)}))
@@ -816,7 +1069,8 @@ def test_a_study_of_no_experiments_is_one_line_and_exit_2(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         f"error: {config}: experiments=[] is not allowed: expected a non-empty list of experiments (each a mapping "
-        "with name, tasks, models, num_train)\n")
+        "with name, tasks, models, num_train)\n"
+    )
     assert not (tmp_path / "results").exists() and not (tmp_path / "runs").exists()
 
 
@@ -845,8 +1099,10 @@ def test_sigterm_stops_the_study_and_the_same_command_finishes_it(tmp_path, caps
         signal.signal(signal.SIGTERM, previous)
     assert exit_info.value.code == 128 + signal.SIGTERM
     err = capsys.readouterr().err.splitlines()
-    assert err[-1] == (f"stopped by SIGTERM: the 1 finished runs are kept in {csv_path} and the runs under way were "
-                       "stopped; rerun the same command to go on (those are redone)")
+    assert err[-1] == (
+        f"stopped by SIGTERM: the 1 finished runs are kept in {csv_path} and the runs under way were "
+        "stopped; rerun the same command to go on (those are redone)"
+    )
     stopped = csv_path.read_text()
     assert [r["key"] for r in runs_csv.read_rows(csv_path)] == [runs[0].key]
     assert (tmp_path / "results" / "study.lock").read_text() == ""
@@ -916,12 +1172,16 @@ def test_a_calibration_trains_and_validates_on_the_data_options_it_names(tmp_pat
         init_args = run.overrides["data"]["init_args"]
         assert init_args["train_max_span"] == 20 and "test_min_span" not in init_args
         assert run.overrides["trainer"]["max_epochs"] == 3  # 3000 steps of 64 over 64,000 images
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "studies/arrangement/configs/positions.yaml")
-                            .read_text())
+    config = yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "studies/arrangement/configs/positions.yaml").read_text()
+    )
     config["calibration"]["data"] = {"train_max_span": [20]}
     config["base_config"] = str(Path(__file__).resolve().parents[1] / config["base_config"])
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
-    with pytest.raises(ValueError, match=r"calibration: data=\{'train_max_span': \[20\]\} is not allowed: expected a "
-                                         r"mapping of the data module's options to plain values"):
+    with pytest.raises(
+        ValueError,
+        match=r"calibration: data=\{'train_max_span': \[20\]\} is not allowed: expected a "
+        r"mapping of the data module's options to plain values",
+    ):
         grid.load_config(path)

@@ -20,8 +20,12 @@ LRS = {"vit": 1e-3, "cnn": 3e-3}
 
 def tiny_plan(tmp_path: Path) -> list[grid.Run]:
     cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
-    cfg.update(base_config=str(ROOT / "studies/relation/configs/base.yaml"), out_dir=str(tmp_path / "results"),
-               log_dir=str(tmp_path / "runs"), seeds=[0, 1, 2, 10])  # 10: s10 sorts before s2, inside its cell
+    cfg.update(
+        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
+        out_dir=str(tmp_path / "results"),
+        log_dir=str(tmp_path / "runs"),
+        seeds=[0, 1, 2, 10],
+    )  # 10: s10 sorts before s2, inside its cell
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     cfg = grid.load_config(path)
@@ -40,8 +44,17 @@ def test_run_names_sort_by_cell_and_the_cell_key_is_the_reports_cell(tmp_path):
     blocks = [cell for cell, _ in groupby(cells_in_name_order)]
     assert len(blocks) == len(set(blocks))
     # The same cells as the report's (calibration aside): (experiment, task, model, num_train), every seed.
-    rows = [{"experiment": r.experiment, "task": r.task, "model": r.model, "num_train": r.num_train,
-             "seed": r.seed, "key": r.key} for r in runs]
+    rows = [
+        {
+            "experiment": r.experiment,
+            "task": r.task,
+            "model": r.model,
+            "num_train": r.num_train,
+            "seed": r.seed,
+            "key": r.key,
+        }
+        for r in runs
+    ]
     by_report = sorted(sorted(r["key"] for r in group) for group in per_cell(rows).values())
     by_key = {}
     for run in runs:
@@ -54,21 +67,34 @@ def test_run_names_sort_by_cell_and_the_cell_key_is_the_reports_cell(tmp_path):
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_the_environment_adds_a_wandb_logger_grouped_by_cell(tmp_path, mode):
     run = next(r for r in tiny_plan(tmp_path) if r.seed == 2 and r.experiment == "relation")
-    loggers = run_module.run_overrides(run, tmp_path / "runs" / "relation",
-                                       environ={"READABLE_VIT_STUDY_WANDB": mode})["trainer"]["logger"]
-    assert [entry["class_path"] for entry in loggers[:2]] == ["lightning.pytorch.loggers.TensorBoardLogger",
-                                                              "lightning.pytorch.loggers.CSVLogger"]
-    assert loggers[2] == {"class_path": "vit.training.loggers.WandbLogger", "init_args": {
-        "project": "study-relation", "name": run.key, "group": run.key.removesuffix("-s2"),
-        "save_dir": str(tmp_path / "runs" / "relation"), "offline": mode == "offline",
-        "config": {"cell": run.key.removesuffix("-s2"), "seed": 2}}}
+    loggers = run_module.run_overrides(run, tmp_path / "runs" / "relation", environ={"READABLE_VIT_STUDY_WANDB": mode})[
+        "trainer"
+    ]["logger"]
+    assert [entry["class_path"] for entry in loggers[:2]] == [
+        "lightning.pytorch.loggers.TensorBoardLogger",
+        "lightning.pytorch.loggers.CSVLogger",
+    ]
+    assert loggers[2] == {
+        "class_path": "vit.training.loggers.WandbLogger",
+        "init_args": {
+            "project": "study-relation",
+            "name": run.key,
+            "group": run.key.removesuffix("-s2"),
+            "save_dir": str(tmp_path / "runs" / "relation"),
+            "offline": mode == "offline",
+            "config": {"cell": run.key.removesuffix("-s2"), "seed": 2},
+        },
+    }
     assert run.key.endswith("-n32-s2")
 
 
 def test_an_unknown_wandb_mode_is_refused_with_the_allowed_values(tmp_path):
     run = tiny_plan(tmp_path)[0]
-    with pytest.raises(ValueError, match=r"READABLE_VIT_STUDY_WANDB='yes' is not allowed: expected one of "
-                                         r"\['offline', 'online'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"READABLE_VIT_STUDY_WANDB='yes' is not allowed: expected one of "
+        r"\['offline', 'online'\]",
+    ):
         run_module.run_overrides(run, tmp_path, environ={"READABLE_VIT_STUDY_WANDB": "yes"})
 
 
@@ -90,8 +116,16 @@ def test_a_study_run_on_wandb_offline_carries_its_cell_as_group_and_its_seed(tmp
     path = tmp_path / "study_overrides.yaml"
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     try:
-        cli = main(["validate", "--config", str(ROOT / "studies/relation/configs/base.yaml"), "--config", str(path),
-                    "--trainer.accelerator=cpu"])
+        cli = main(
+            [
+                "validate",
+                "--config",
+                str(ROOT / "studies/relation/configs/base.yaml"),
+                "--config",
+                str(path),
+                "--trainer.accelerator=cpu",
+            ]
+        )
         tensorboard, _, logger = cli.trainer.loggers
         assert Path(tensorboard.log_dir) == log_dir / run.key
         run_dir = Path(logger.experiment.dir).parent
@@ -107,10 +141,17 @@ def test_a_study_run_on_wandb_offline_carries_its_cell_as_group_and_its_seed(tmp
         assert time.monotonic() < deadline, "the offline run was never closed"
         time.sleep(0.2)
     (header,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    assert (header.project, header.run_group, header.display_name) == ("study-relation", run.key.removesuffix("-s1"),
-                                                                      run.key)
-    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
-              for item in r.config.update}
+    assert (header.project, header.run_group, header.display_name) == (
+        "study-relation",
+        run.key.removesuffix("-s1"),
+        run.key,
+    )
+    config = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
     config.update({item.key: json.loads(item.value_json) for item in header.config.update})
     assert (config["cell"], config["seed"], config["seed_everything"]) == (run.key.removesuffix("-s1"), 1, 1)
 

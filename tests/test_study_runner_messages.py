@@ -23,10 +23,18 @@ def _config(tmp_path: Path, strides=(1, 1)) -> Path:
     for key in ("calibration", "shortcuts"):
         del cfg[key]
     cnn = {"class_path": "vit.models.ConvNet", "init_args": {"widths": [4, 4], "strides": list(strides)}}
-    cfg.update(base_config=str(ROOT / "studies/relation/configs/base.yaml"), out_dir=str(tmp_path / "results"),
-               log_dir=str(tmp_path / "runs"), seeds=[0], models={"cnn-rf5": cnn}, families={"cnn": ["cnn-rf5"]},
-               lrs={"cnn": 3e-3}, experiments=[{"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"],
-                                                "num_train": [32], "train_samples": 32}])
+    cfg.update(
+        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
+        out_dir=str(tmp_path / "results"),
+        log_dir=str(tmp_path / "runs"),
+        seeds=[0],
+        models={"cnn-rf5": cnn},
+        families={"cnn": ["cnn-rf5"]},
+        lrs={"cnn": 3e-3},
+        experiments=[
+            {"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [32], "train_samples": 32}
+        ],
+    )
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -35,32 +43,58 @@ def _config(tmp_path: Path, strides=(1, 1)) -> Path:
 def _row(tmp_path: Path, **changes) -> dict:
     """The row run_one would write for the study's run, made up without training, with ``changes``."""
     run = grid.plan(grid.load_config(_config(tmp_path)))[0]
-    row = {"key": run.key, "experiment": run.experiment, "task": run.task, "model": run.model,
-           "num_train": run.num_train, "seed": run.seed, "train_region": run.train_region,
-           "test_region": run.test_region, "lr": run.lr, "params": 100, "flops_per_image": 1000, "epochs": run.epochs,
-           "steps": 1, "batch_size": 32, "train_time_s": "0.1", "train_acc": "0.5000", "val_acc": "0.5000",
-           "test_acc": "0.5000", "test_by_distance": '{"10":[16,32]}', "fingerprint": run.fingerprint,
-           "revision": "", "finished_at": "2026-11-25T08:00:00"}
+    row = {
+        "key": run.key,
+        "experiment": run.experiment,
+        "task": run.task,
+        "model": run.model,
+        "num_train": run.num_train,
+        "seed": run.seed,
+        "train_region": run.train_region,
+        "test_region": run.test_region,
+        "lr": run.lr,
+        "params": 100,
+        "flops_per_image": 1000,
+        "epochs": run.epochs,
+        "steps": 1,
+        "batch_size": 32,
+        "train_time_s": "0.1",
+        "train_acc": "0.5000",
+        "val_acc": "0.5000",
+        "test_acc": "0.5000",
+        "test_by_distance": '{"10":[16,32]}',
+        "fingerprint": run.fingerprint,
+        "revision": "",
+        "finished_at": "2026-11-25T08:00:00",
+    }
     return {**row, **changes}
 
 
 # ----------------------------------------------------------------------------- a junk line of runs.csv
 
 
-@pytest.mark.parametrize(("changes", "problem", "key"), [
-    ({"test_acc": "\x1b[2J\x1b[1A" + "9" * 200},
-     "test_acc='\\x1b[2J\\x1b[1A" + "9" * 46 + "... (208 characters)' is not a number", KEY),
-    ({"test_by_distance": "[" * 5000}, f"{NOT_BY_DISTANCE} (cut short?)", KEY),  # too deep for json's recursion
-    ({"test_by_distance": '{"10":"x"}'}, f"{NOT_BY_DISTANCE} (cut short?)", KEY),  # what the report cannot add up
-    ({"test_by_distance": "x" * 200_000}, "it is not a line of CSV", "no key"),  # over the csv module's field limit
-])
+@pytest.mark.parametrize(
+    ("changes", "problem", "key"),
+    [
+        (
+            {"test_acc": "\x1b[2J\x1b[1A" + "9" * 200},
+            "test_acc='\\x1b[2J\\x1b[1A" + "9" * 46 + "... (208 characters)' is not a number",
+            KEY,
+        ),
+        ({"test_by_distance": "[" * 5000}, f"{NOT_BY_DISTANCE} (cut short?)", KEY),  # too deep for json's recursion
+        ({"test_by_distance": '{"10":"x"}'}, f"{NOT_BY_DISTANCE} (cut short?)", KEY),  # what the report cannot add up
+        ({"test_by_distance": "x" * 200_000}, "it is not a line of CSV", "no key"),  # over the csv module's field limit
+    ],
+)
 def test_a_junk_field_is_named_escaped_and_cut_short(tmp_path, changes, problem, key):
     csv_path = tmp_path / "runs\x1b]0;x\x07.csv"
     runs_csv.append_row(csv_path, _row(tmp_path, **changes))
     with pytest.raises(runs_csv.StudyError) as err:
         runs_csv.read_rows(csv_path)
-    assert str(err.value) == (f"{tmp_path}/runs\\x1b]0;x\\x07.csv line 2 is damaged: {problem}. Delete that line to "
-                              f"redo its run ({key}), then rerun the same command")
+    assert str(err.value) == (
+        f"{tmp_path}/runs\\x1b]0;x\\x07.csv line 2 is damaged: {problem}. Delete that line to "
+        f"redo its run ({key}), then rerun the same command"
+    )
 
 
 def test_a_junk_key_is_shown_escaped_on_the_line_an_editor_numbers(tmp_path):
@@ -71,9 +105,11 @@ def test_a_junk_key_is_shown_escaped_on_the_line_an_editor_numbers(tmp_path):
     with pytest.raises(runs_csv.StudyError) as err:
         runs_csv.read_rows(csv_path)
     junk = "\\x1b[2J\\x0cjunk\\x1c"
-    assert str(err.value) == (f"{csv_path} line 3 is damaged: its key '{junk}' does not match its columns (they make "
-                              f"'position-diagonal-cnn-rf5-n32-s1'). Delete that line to redo its run ({junk}), then "
-                              "rerun the same command")
+    assert str(err.value) == (
+        f"{csv_path} line 3 is damaged: its key '{junk}' does not match its columns (they make "
+        f"'position-diagonal-cnn-rf5-n32-s1'). Delete that line to redo its run ({junk}), then "
+        "rerun the same command"
+    )
 
 
 def test_a_junk_line_stops_the_study_with_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
@@ -87,9 +123,11 @@ def test_a_junk_line_stops_the_study_with_one_line_and_exit_2(tmp_path, capsys, 
     with pytest.raises(SystemExit) as exit_info:
         study_main(["--config", str(config), "--executor", "debug"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (f"error: {csv_path} line 3 is damaged: it has 1 of the 25 fields (cut short?). "
-                                       "Delete that line to redo its run (\\x1b[2J" + "#" * 53 + "... (1004 "
-                                       "characters)), then rerun the same command\n")
+    assert capsys.readouterr().err == (
+        f"error: {csv_path} line 3 is damaged: it has 1 of the 25 fields (cut short?). "
+        "Delete that line to redo its run (\\x1b[2J" + "#" * 53 + "... (1004 "
+        "characters)), then rerun the same command\n"
+    )
 
 
 # ----------------------------------------------------------------------------- a model its constructor refuses

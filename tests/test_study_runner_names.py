@@ -15,8 +15,12 @@ TINY = ROOT / "studies/relation/configs/tiny.yaml"
 def study_config(tmp_path: Path, text: str | None = None, **changes) -> Path:
     """The tiny study's config (or `text`, a YAML edit of it) with its paths under `tmp_path` and `changes` applied."""
     cfg = yaml.safe_load(text or TINY.read_text())
-    cfg.update(base_config=str(ROOT / "studies/relation/configs/base.yaml"), out_dir=str(tmp_path / "results"),
-               log_dir=str(tmp_path / "runs"), **changes)
+    cfg.update(
+        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
+        out_dir=str(tmp_path / "results"),
+        log_dir=str(tmp_path / "runs"),
+        **changes,
+    )
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -43,8 +47,10 @@ def test_an_experiment_name_that_is_not_a_plain_name_without_dash_is_refused(nam
     path = study_config(tmp_path, experiments=[experiment])
     with pytest.raises(ValueError) as caught:
         grid.load_config(path)
-    assert str(caught.value) == (f"{path}: experiments[0]: name={name!r} is not allowed: expected a plain name of "
-                                 "letters, digits, '_', '.', not starting with '.'")
+    assert str(caught.value) == (
+        f"{path}: experiments[0]: name={name!r} is not allowed: expected a plain name of "
+        "letters, digits, '_', '.', not starting with '.'"
+    )
 
 
 def test_plain_names_with_dots_dashes_and_underscores_give_run_folders_inside_log_dir(tmp_path):

@@ -61,15 +61,41 @@ def test_summary_cells_count_successes_above_the_best_shortcut(tmp_path):
     with (tmp_path / "shortcuts.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["task", "baseline", "accuracy", "what"])
         w.writeheader()
-        w.writerows([{"task": "same_different", "baseline": "bag_of_shapes", "accuracy": 0.6667, "what": ""},
-                     {"task": "same_different", "baseline": "ink", "accuracy": 0.5, "what": ""}])
-    cfg = {"models": {"cnn-rf7": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8, 8, 8]}}},
-           "experiments": [{"name": "rf", "tasks": ["same_different"], "models": ["cnn-rf7"], "num_train": [100],
-                            "train_region": "all", "test_region": "all"}]}
+        w.writerows(
+            [
+                {"task": "same_different", "baseline": "bag_of_shapes", "accuracy": 0.6667, "what": ""},
+                {"task": "same_different", "baseline": "ink", "accuracy": 0.5, "what": ""},
+            ]
+        )
+    cfg = {
+        "models": {"cnn-rf7": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8, 8, 8]}}},
+        "experiments": [
+            {
+                "name": "rf",
+                "tasks": ["same_different"],
+                "models": ["cnn-rf7"],
+                "num_train": [100],
+                "train_region": "all",
+                "test_region": "all",
+            }
+        ],
+    }
     accs = [0.5, 0.95, 0.72, 0.70, 0.99]  # threshold 0.7167: 3 successes
-    rows = [{"experiment": "rf", "task": "same_different", "model": "cnn-rf7", "num_train": "100", "seed": str(s),
-             "train_region": "all", "test_region": "all", "test_acc": str(a), "train_time_s": "1.0",
-             "test_by_distance": '{"11": [3, 4], "20": [1, 4]}'} for s, a in enumerate(accs)]
+    rows = [
+        {
+            "experiment": "rf",
+            "task": "same_different",
+            "model": "cnn-rf7",
+            "num_train": "100",
+            "seed": str(s),
+            "train_region": "all",
+            "test_region": "all",
+            "test_acc": str(a),
+            "train_time_s": "1.0",
+            "test_by_distance": '{"11": [3, 4], "20": [1, 4]}',
+        }
+        for s, a in enumerate(accs)
+    ]
     report.write_reports(rows, tmp_path, cfg)
     with (tmp_path / "summary.csv").open() as f:
         cell = next(csv.DictReader(f))
@@ -87,13 +113,35 @@ def test_summary_cells_count_successes_above_the_best_shortcut(tmp_path):
 
 
 def test_an_experiment_of_several_training_sizes_names_each_rows_size(tmp_path):
-    cfg = {"models": {"cnn-rf7": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8, 8, 8]}}},
-           "experiments": [{"name": "eff", "tasks": ["same_different"], "models": ["cnn-rf7"], "num_train": [800, 100],
-                            "train_region": "all", "test_region": "all"}]}
-    rows = [{"experiment": "eff", "task": "same_different", "model": "cnn-rf7", "num_train": str(n), "seed": str(s),
-             "train_region": "all", "test_region": "all", "test_acc": str(acc), "train_time_s": "1.0",
-             "test_by_distance": '{"11": [3, 4]}'}
-            for n, acc in ((800, 0.9), (100, 0.6)) for s in range(2)]
+    cfg = {
+        "models": {"cnn-rf7": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8, 8, 8]}}},
+        "experiments": [
+            {
+                "name": "eff",
+                "tasks": ["same_different"],
+                "models": ["cnn-rf7"],
+                "num_train": [800, 100],
+                "train_region": "all",
+                "test_region": "all",
+            }
+        ],
+    }
+    rows = [
+        {
+            "experiment": "eff",
+            "task": "same_different",
+            "model": "cnn-rf7",
+            "num_train": str(n),
+            "seed": str(s),
+            "train_region": "all",
+            "test_region": "all",
+            "test_acc": str(acc),
+            "train_time_s": "1.0",
+            "test_by_distance": '{"11": [3, 4]}',
+        }
+        for n, acc in ((800, 0.9), (100, 0.6))
+        for s in range(2)
+    ]
     report.write_reports(rows, tmp_path, cfg)
     summary = (tmp_path / "summary.md").read_text()
     assert "| model | train images | RF (px) | n | median |" in summary
@@ -102,16 +150,40 @@ def test_an_experiment_of_several_training_sizes_names_each_rows_size(tmp_path):
 
 
 def test_every_model_is_split_at_each_receptive_field_inside_the_distances(tmp_path):
-    cfg = {"models": {"cnn-rf15": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8] * 7}},
-                      "vit": {"class_path": "vit.models.VisionTransformer", "init_args": {}}},
-           "experiments": [{"name": "rel", "tasks": ["same_different"], "models": ["cnn-rf15", "vit"],
-                            "num_train": [100], "train_region": "all", "test_region": "all"}]}
+    cfg = {
+        "models": {
+            "cnn-rf15": {"class_path": "vit.models.ConvNet", "init_args": {"widths": [8] * 7}},
+            "vit": {"class_path": "vit.models.VisionTransformer", "init_args": {}},
+        },
+        "experiments": [
+            {
+                "name": "rel",
+                "tasks": ["same_different"],
+                "models": ["cnn-rf15", "vit"],
+                "num_train": [100],
+                "train_region": "all",
+                "test_region": "all",
+            }
+        ],
+    }
     # per seed, (correct, total) at span 11 (within RF 15) and 20 (beyond)
     counts = {"cnn-rf15": [((9, 10), (5, 10)), ((8, 10), (6, 10))], "vit": [((9, 10), (9, 10)), ((7, 10), (8, 10))]}
-    rows = [{"experiment": "rel", "task": "same_different", "model": m, "num_train": "100", "seed": str(s),
-             "train_region": "all", "test_region": "all", "test_acc": "0.7", "train_time_s": "1.0",
-             "test_by_distance": json.dumps({"11": near, "20": far})}
-            for m, per_seed in counts.items() for s, (near, far) in enumerate(per_seed)]
+    rows = [
+        {
+            "experiment": "rel",
+            "task": "same_different",
+            "model": m,
+            "num_train": "100",
+            "seed": str(s),
+            "train_region": "all",
+            "test_region": "all",
+            "test_acc": "0.7",
+            "train_time_s": "1.0",
+            "test_by_distance": json.dumps({"11": near, "20": far}),
+        }
+        for m, per_seed in counts.items()
+        for s, (near, far) in enumerate(per_seed)
+    ]
     report.write_reports(rows, tmp_path, cfg)
     text = (tmp_path / "by_distance.md").read_text()
     assert "### Split at 15 px (the receptive field of cnn-rf15)" in text
@@ -131,13 +203,33 @@ def test_holm_adjusts_a_hand_computed_family():
 def test_each_named_family_of_comparisons_is_corrected_on_its_own(tmp_path):
     # Three models: the config names one family of one pair (readout), so its Holm value is its own
     # p-value; the table of every pair corrects over all three pairs.
-    cfg = {"models": {m: {"class_path": "vit.models.ConvNet", "init_args": {}} for m in ("avg", "max", "mlp")},
-           "experiments": [{"name": "rf", "tasks": ["same_different"], "models": ["avg", "max", "mlp"],
-                            "num_train": [100], "train_region": "all", "test_region": "all"}],
-           "comparisons": {"rf": {"readout": [["avg", "max"]]}}}
+    cfg = {
+        "models": {m: {"class_path": "vit.models.ConvNet", "init_args": {}} for m in ("avg", "max", "mlp")},
+        "experiments": [
+            {
+                "name": "rf",
+                "tasks": ["same_different"],
+                "models": ["avg", "max", "mlp"],
+                "num_train": [100],
+                "train_region": "all",
+                "test_region": "all",
+            }
+        ],
+        "comparisons": {"rf": {"readout": [["avg", "max"]]}},
+    }
     accs = {"avg": [0.5] * 5, "max": [0.95] * 5, "mlp": [0.6, 0.8, 0.5, 0.9, 0.75]}
-    rows = [{"experiment": "rf", "task": "same_different", "model": m, "num_train": "100", "seed": str(s),
-             "test_acc": str(a)} for m, v in accs.items() for s, a in enumerate(v)]
+    rows = [
+        {
+            "experiment": "rf",
+            "task": "same_different",
+            "model": m,
+            "num_train": "100",
+            "seed": str(s),
+            "test_acc": str(a),
+        }
+        for m, v in accs.items()
+        for s, a in enumerate(v)
+    ]
     shortcuts = {"same_different": {"ink": 0.5}}  # success: above 55%
     tables.comparisons(cells.per_cell(rows), shortcuts, tmp_path, cfg)
     text = (tmp_path / "comparisons.md").read_text()

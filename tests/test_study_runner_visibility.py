@@ -25,8 +25,9 @@ def _gradient_windows(model: ConvNet) -> torch.Tensor:
 
 @pytest.mark.parametrize("strides,padding", [((2, 1, 1), "zero"), ((1, 2, 1), "valid"), ((1, 2, 1), "circular")])
 def test_unit_windows_are_the_gradient_support_of_every_unit(strides, padding):
-    model = ConvNet(img_size=20, in_chans=1, num_classes=2, widths=(2,) * len(strides), strides=strides,
-                    padding=padding)
+    model = ConvNet(
+        img_size=20, in_chans=1, num_classes=2, widths=(2,) * len(strides), strides=strides, padding=padding
+    )
     assert torch.equal(visibility.unit_windows(model), _gradient_windows(model))
 
 
@@ -37,7 +38,7 @@ def test_unit_windows_of_cnn_rf11_are_squares_on_a_stride_2_grid():
     assert windows.shape == (16 * 16, 32, 32)
     for i, j in [(0, 0), (3, 7), (15, 15), (8, 2)]:
         expected = torch.zeros(32, 32, dtype=torch.bool)
-        expected[max(0, 2 * i - 5):2 * i + 6, max(0, 2 * j - 5):2 * j + 6] = True
+        expected[max(0, 2 * i - 5) : 2 * i + 6, max(0, 2 * j - 5) : 2 * j + 6] = True
         assert torch.equal(windows[16 * i + j], expected)
 
 
@@ -46,8 +47,10 @@ def _brute_force_visible(windows: torch.Tensor, positions, shape_ids) -> list[bo
     shapes = make_shapes()
     out = []
     for pos, ids in zip(positions.numpy(), shape_ids.numpy()):
-        inks = [np.argwhere(render(pos[None, [k, k]], ids[None, [k, k]], shapes, windows.shape[-1])[0] > 0)
-                for k in range(2)]  # each stroke's ink pixels, drawn alone
+        inks = [
+            np.argwhere(render(pos[None, [k, k]], ids[None, [k, k]], shapes, windows.shape[-1])[0] > 0)
+            for k in range(2)
+        ]  # each stroke's ink pixels, drawn alone
 
         def holds_adjacent(window, ink):
             inside = [p for p in ink if window[p[0], p[1]]]
@@ -74,8 +77,14 @@ def test_rebin_pools_the_per_image_predictions_by_visibility(tmp_path):
     data = SameDifferentDataset(num_samples=50, seed=1)
     seen = visibility.visible(windows, data.positions, data.shape_ids).numpy()
     pred = np.where(seen, data.labels.numpy(), 1 - data.labels.numpy())  # right exactly on the visible pairs
-    np.savez(tmp_path / "a.npz", test_positions=data.positions.numpy(), test_shape_ids=data.shape_ids.numpy(),
-             test_label=data.labels.numpy(), test_pred=pred, test_distance=data.span.numpy())
+    np.savez(
+        tmp_path / "a.npz",
+        test_positions=data.positions.numpy(),
+        test_shape_ids=data.shape_ids.numpy(),
+        test_label=data.labels.numpy(),
+        test_pred=pred,
+        test_distance=data.span.numpy(),
+    )
     got = visibility.rebin(windows, [tmp_path / "a.npz"] * 2)
     assert got["visible"] == [2 * int(seen.sum())] * 2 and got["hidden"] == [0, 2 * int((~seen).sum())]
     assert sum(n for _, n, _ in got["span"].values()) == 100

@@ -34,8 +34,15 @@ def generic(pool: str, **layout) -> tuple[str, dict, dict]:
     return "vit_tiny_patch16_224", timm_args, dict(layout, pool=pool)
 
 
-LAYOUTS = [{}, {"reg_tokens": 1}, {"reg_tokens": 2}, {"reg_tokens": 4, "no_embed_class": True}, {"fc_norm": True},
-           {"fc_norm": False}, {"qk_norm": True}]
+LAYOUTS = [
+    {},
+    {"reg_tokens": 1},
+    {"reg_tokens": 2},
+    {"reg_tokens": 4, "no_embed_class": True},
+    {"fc_norm": True},
+    {"fc_norm": False},
+    {"qk_norm": True},
+]
 PARITY = [generic(pool, **layout) for pool in TIMM_POOL for layout in LAYOUTS] + [
     # timm's own register architectures: their layout comes from the name, shrunk here to SMALL.
     ("vit_base_patch16_reg4_gap_256", {}, dict(pool="mean", reg_tokens=4, no_embed_class=True)),
@@ -43,8 +50,9 @@ PARITY = [generic(pool, **layout) for pool in TIMM_POOL for layout in LAYOUTS] +
 ]
 
 
-@pytest.mark.parametrize("name, timm_args, options", PARITY,
-                         ids=["-".join([n, *(f"{k}={v}" for k, v in o.items())]) for n, _, o in PARITY])
+@pytest.mark.parametrize(
+    "name, timm_args, options", PARITY, ids=["-".join([n, *(f"{k}={v}" for k, v in o.items())]) for n, _, o in PARITY]
+)
 def test_timms_state_dict_loads_strictly_with_equal_features_and_logits(tmp_path, name, timm_args, options):
     torch.manual_seed(0)
     reference = timm.create_model(name, pretrained=False, **SMALL, **timm_args).eval()
@@ -66,7 +74,8 @@ def test_timms_state_dict_loads_strictly_with_equal_features_and_logits(tmp_path
         assert (features_and_logits(ours, x)[1] - expected[1]).abs().max() < 1e-5
     # The other way round: our checkpoints are timm checkpoints.
     timm.create_model(name, pretrained=False, **SMALL, **timm_args).load_state_dict(
-        VisionTransformer(**SMALL, **options).state_dict())  # strict
+        VisionTransformer(**SMALL, **options).state_dict()
+    )  # strict
 
 
 def test_the_norm_sits_where_timm_puts_it():
@@ -79,11 +88,16 @@ def test_the_norm_sits_where_timm_puts_it():
 
 def test_register_positions_of_another_layout_are_refused_naming_no_embed_class(tmp_path):
     path = tmp_path / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in timm_vit("mean", reg_tokens=4, no_embed_class=True).state_dict().items()},
-              str(path))
-    with pytest.raises(PretrainedError, match=r"4 register\(s\) and none of them has a position "
-                                              r"\(no_embed_class=True\); this model has num_prefix_tokens=4, "
-                                              r"no_embed_class=False"):
+    save_file(
+        {k: v.contiguous() for k, v in timm_vit("mean", reg_tokens=4, no_embed_class=True).state_dict().items()},
+        str(path),
+    )
+    with pytest.raises(
+        PretrainedError,
+        match=r"4 register\(s\) and none of them has a position "
+        r"\(no_embed_class=True\); this model has num_prefix_tokens=4, "
+        r"no_embed_class=False",
+    ):
         create_vit(**{**SMALL, "img_size": 64}, pool="mean", reg_tokens=4, pretrained=str(path))
 
 
@@ -114,8 +128,7 @@ def test_bad_register_and_norm_options_name_the_value():
 
 
 @pytest.mark.slow
-def test_an_old_mean_pooled_checkpoint_is_refused_in_one_line_naming_fc_norm(tmp_path_factory, monkeypatch,
-                                                                                   capsys):
+def test_an_old_mean_pooled_checkpoint_is_refused_in_one_line_naming_fc_norm(tmp_path_factory, monkeypatch, capsys):
     # A checkpoint of `pool: mean` from before fc_norm: its hyperparameters say pool='mean' and nothing
     # of fc_norm, its weights hold `norm.*` (made here from the shared tiny run by removing the CLS token).
     from robust_helpers import cli, error_line, run_dirs, shared_run, tiny_config
@@ -135,8 +148,10 @@ def test_an_old_mean_pooled_checkpoint_is_refused_in_one_line_naming_fc_norm(tmp
     from vit.predict import main as predict_main
 
     images = tmp_path_factory.mktemp("images")
-    assert predict_main(["--ckpt_path", str(old), "--input_dir", str(images), "--output",
-                         str(images.parent / "p.csv")]) == 2
+    assert (
+        predict_main(["--ckpt_path", str(old), "--input_dir", str(images), "--output", str(images.parent / "p.csv")])
+        == 2
+    )
     assert "has no model folder beside it" in error_line(capsys.readouterr().err)
     assert not (images.parent / "p.csv").exists()
     config = tiny_config(tmp_path_factory.mktemp("cfg"))
@@ -147,5 +162,7 @@ def test_an_old_mean_pooled_checkpoint_is_refused_in_one_line_naming_fc_norm(tmp
 
     assert write_folder(["--ckpt_path", str(old)]) == 2
     line = error_line(capsys.readouterr().err)
-    assert line.startswith(f"error: checkpoint {old}: its state_dict does not fit its backbone VisionTransformer: "
-                           'Missing key(s) in state_dict: "fc_norm.weight", "fc_norm.bias"'), line
+    assert line.startswith(
+        f"error: checkpoint {old}: its state_dict does not fit its backbone VisionTransformer: "
+        'Missing key(s) in state_dict: "fc_norm.weight", "fc_norm.bias"'
+    ), line

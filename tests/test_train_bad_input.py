@@ -31,6 +31,8 @@ from vit.models import VisionTransformer
 from vit.training.callbacks import NonFiniteError, check_finite_weights
 from vit.training.classifier import ImageClassifier
 
+NO_CLIPPING = "(0 or null: no clipping)"
+
 
 @pytest.fixture
 def trained(tmp_path_factory, monkeypatch) -> Path:
@@ -46,10 +48,22 @@ def trained(tmp_path_factory, monkeypatch) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("subcommand", ["fit", "test"])
 def test_a_width_given_on_the_command_line_that_differs_from_the_checkpoint_is_an_error(
-        subcommand, trained, tmp_path, monkeypatch, capsys):
+    subcommand, trained, tmp_path, monkeypatch, capsys
+):
     config = tiny_config(tmp_path)
-    code, stderr = cli([subcommand, "--config", str(config), "--ckpt_path", str(trained),
-                        "--model.backbone.init_args.embed_dim", "64"], monkeypatch, capsys)
+    code, stderr = cli(
+        [
+            subcommand,
+            "--config",
+            str(config),
+            "--ckpt_path",
+            str(trained),
+            "--model.backbone.init_args.embed_dim",
+            "64",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2
     line = error_line(stderr)
     assert "model.backbone.init_args.embed_dim: 32 in the checkpoint vs 64 given" in line
@@ -58,28 +72,44 @@ def test_a_width_given_on_the_command_line_that_differs_from_the_checkpoint_is_a
 
 @pytest.mark.slow
 def test_fit_from_a_checkpoint_with_another_lr_is_an_error(trained, tmp_path, monkeypatch, capsys):
-    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(trained),
-                        "--model.lr", "0.01"], monkeypatch, capsys)
+    code, stderr = cli(
+        ["fit", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(trained), "--model.lr", "0.01"],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2
     assert "model.lr: 0.002 in the checkpoint vs 0.01 given" in error_line(stderr)
 
 
 @pytest.mark.slow
 def test_fit_from_a_checkpoint_with_another_batch_size_is_an_error(trained, tmp_path, monkeypatch, capsys):
-    code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(trained),
-                        "--data.init_args.batch_size", "16"], monkeypatch, capsys)
+    code, stderr = cli(
+        [
+            "fit",
+            "--config",
+            str(tiny_config(tmp_path)),
+            "--ckpt_path",
+            str(trained),
+            "--data.init_args.batch_size",
+            "16",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2
     assert "data.batch_size: 32 in the checkpoint vs 16 given" in error_line(stderr)
 
 
 @pytest.mark.slow
-def test_evaluating_a_model_folder_gives_what_its_checkpoint_gives_and_reads_no_checkpoint(trained, tmp_path,
-                                                                                         monkeypatch, capsys):
+def test_evaluating_a_model_folder_gives_what_its_checkpoint_gives_and_reads_no_checkpoint(
+    trained, tmp_path, monkeypatch, capsys
+):
     import vit.artifact.io as checkpoint_io
 
     config = str(tiny_config(tmp_path))
-    monkeypatch.setattr(checkpoint_io.AtomicCheckpointIO, "load_checkpoint",
-                        lambda *a, **k: pytest.fail("Lightning read a checkpoint"))
+    monkeypatch.setattr(
+        checkpoint_io.AtomicCheckpointIO, "load_checkpoint", lambda *a, **k: pytest.fail("Lightning read a checkpoint")
+    )
     outputs = []
     for given in (trained, trained.with_suffix("")):  # the .ckpt (its folder is opened) and the folder itself
         main_in_process(["test", "--config", config, "--ckpt_path", str(given)], monkeypatch)
@@ -89,19 +119,23 @@ def test_evaluating_a_model_folder_gives_what_its_checkpoint_gives_and_reads_no_
 
 
 @pytest.mark.slow
-def test_a_model_folder_whose_backbone_is_not_its_weights_is_refused_naming_a_tensor(trained, tmp_path, monkeypatch,
-                                                                                       capsys):
+def test_a_model_folder_whose_backbone_is_not_its_weights_is_refused_naming_a_tensor(
+    trained, tmp_path, monkeypatch, capsys
+):
     folder = tmp_path / "resnet"
     shutil.copytree(trained.with_suffix(""), folder)
     config = json.loads((folder / "config.json").read_text())
     config["vit"]["backbone"] = {"class_path": "vit.models.ResNet", "init_args": {"widths": [8]}}
     (folder / "config.json").write_text(json.dumps(config))
-    code, stderr = cli(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(folder)], monkeypatch,
-                       capsys)
+    code, stderr = cli(
+        ["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", str(folder)], monkeypatch, capsys
+    )
     assert code == 2
     line = error_line(stderr)
-    assert line.startswith(f"error: model folder {folder}: model.safetensors does not fit the backbone config.json "
-                           "records: 18 tensor(s) missing, 30 unexpected; "), line  # the head is shared
+    assert line.startswith(
+        f"error: model folder {folder}: model.safetensors does not fit the backbone config.json "
+        "records: 18 tensor(s) missing, 30 unexpected; "
+    ), line  # the head is shared
     assert line.endswith("first: 'stages.0.0.bn1.bias' missing"), line
 
 
@@ -153,7 +187,7 @@ BAD_CHECKPOINTS = {
     "folder": r"model folder .* has no config\.json: it is not a model folder",
     "alone": r"checkpoint .*alone\.ckpt has no model folder beside it \(alone/\)",
     "ten_classes": r"model folder .*ten_classes does not fit this config: its model was trained with "
-                   r"num_classes=10, the data module gives num_classes=2",
+    r"num_classes=10, the data module gives num_classes=2",
 }
 
 
@@ -194,11 +228,14 @@ def test_a_trainer_state_that_cannot_be_read_is_named_in_one_line(name, tmp_path
     last, config = in_a_run(trained, tmp_path / "work", saved.read_bytes() if content is None else content)
     code, stderr = cli(["fit", "--config", str(config), "--ckpt_path", str(last)], monkeypatch, capsys)
     assert code == 2 and "Traceback" not in stderr
-    expected = {"empty": "is not a checkpoint file (a folder, a device or empty)",
-                "truncated": "cannot be loaded as data", "garbage": "cannot be loaded as data",
-                "weights only": "cannot be resumed: KeyError: 'Trying to restore optimizer state but checkpoint "
-                                "contains only the model",
-                "a plain state dict": "cannot be resumed"}[name]
+    expected = {
+        "empty": "is not a checkpoint file (a folder, a device or empty)",
+        "truncated": "cannot be loaded as data",
+        "garbage": "cannot be loaded as data",
+        "weights only": "cannot be resumed: KeyError: 'Trying to restore optimizer state but checkpoint "
+        "contains only the model",
+        "a plain state dict": "cannot be resumed",
+    }[name]
     assert error_line(stderr).startswith(f"error: checkpoint {last}") and expected in error_line(stderr), stderr
 
 
@@ -206,13 +243,15 @@ def test_a_trainer_state_that_cannot_be_read_is_named_in_one_line(name, tmp_path
 def test_ckpt_path_last_without_any_run_is_an_error_outside_fit(tmp_path, monkeypatch, capsys):
     code, stderr = cli(["test", "--config", str(tiny_config(tmp_path)), "--ckpt_path", "last"], monkeypatch, capsys)
     assert code == 2
-    assert error_line(stderr) == (f"error: --ckpt_path last: there is no last.ckpt under "
-                                  f"{tmp_path}/runs/tiny/*/checkpoints")
+    assert error_line(stderr) == (
+        f"error: --ckpt_path last: there is no last.ckpt under {tmp_path}/runs/tiny/*/checkpoints"
+    )
 
 
 def test_a_checkpoint_with_non_finite_weights_is_refused():
-    model = ImageClassifier(VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=2, embed_dim=8,
-                                              depth=1, num_heads=2))
+    model = ImageClassifier(
+        VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=2, embed_dim=8, depth=1, num_heads=2)
+    )
     with torch.no_grad():
         model.backbone.head.bias[1] = float("inf")
     with pytest.raises(NonFiniteError, match=r"backbone\.head\.bias holds NaN or infinite values at training step 0"):
@@ -223,20 +262,32 @@ def test_a_checkpoint_with_non_finite_weights_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("override", "message"), [
-    (["--model.backbone.init_args.num_heads", "0"], "num_heads=0 is not allowed: expected an int in [1, 32]"),
-    (["--model.backbone.init_args.num_heads", "-2"], "num_heads=-2 is not allowed: expected an int in [1, 32]"),
-    (["--model.backbone.init_args.embed_dim", "0"], "embed_dim=0 is not allowed: expected an int in [1, 65536]"),
-    (["--model.backbone.init_args.embed_dim", "-4"], "embed_dim=-4 is not allowed: expected an int in [1, 65536]"),
-    (["--model.backbone.init_args.mlp_ratio", "-1"],
-     "mlp_ratio=-1.0 is not allowed: expected a finite number in (0, 64]"),
-    (["--model.backbone.init_args.mlp_ratio", "0"],
-     "mlp_ratio=0.0 is not allowed: expected a finite number in (0, 64]"),
-    (["--model.backbone.init_args.depth", "100000000"], "depth=100000000 is not allowed: expected an int in [1, 1024]"),
-    (["--model.betas", "[1.5, 0.9]"], "betas[0]=1.5 is not allowed: expected a finite number in [0, 1)"),
-    (["--seed_everything", "99999999999999"],
-     "seed_everything=99999999999999 is not allowed: expected an int in [0, 4294967295]"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--model.backbone.init_args.num_heads", "0"], "num_heads=0 is not allowed: expected an int in [1, 32]"),
+        (["--model.backbone.init_args.num_heads", "-2"], "num_heads=-2 is not allowed: expected an int in [1, 32]"),
+        (["--model.backbone.init_args.embed_dim", "0"], "embed_dim=0 is not allowed: expected an int in [1, 65536]"),
+        (["--model.backbone.init_args.embed_dim", "-4"], "embed_dim=-4 is not allowed: expected an int in [1, 65536]"),
+        (
+            ["--model.backbone.init_args.mlp_ratio", "-1"],
+            "mlp_ratio=-1.0 is not allowed: expected a finite number in (0, 64]",
+        ),
+        (
+            ["--model.backbone.init_args.mlp_ratio", "0"],
+            "mlp_ratio=0.0 is not allowed: expected a finite number in (0, 64]",
+        ),
+        (
+            ["--model.backbone.init_args.depth", "100000000"],
+            "depth=100000000 is not allowed: expected an int in [1, 1024]",
+        ),
+        (["--model.betas", "[1.5, 0.9]"], "betas[0]=1.5 is not allowed: expected a finite number in [0, 1)"),
+        (
+            ["--seed_everything", "99999999999999"],
+            "seed_everything=99999999999999 is not allowed: expected an int in [0, 4294967295]",
+        ),
+    ],
+)
 def test_bad_numbers_stop_with_one_line_before_any_folder(override, message, tmp_path, monkeypatch, capsys):
     code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), *override], monkeypatch, capsys)
     assert code == 2
@@ -245,14 +296,19 @@ def test_bad_numbers_stop_with_one_line_before_any_folder(override, message, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("override", "message"), [
-    (["--model.lr", "-1"], "error: lr=-1.0 is not allowed: expected a finite number in (0, inf)"),
-    (["--trainer.max_epochs", "0"],
-     "error: trainer.max_epochs=0 would train nothing: expected a positive number (or -1 for no limit)"),
-    (["--trainer.max_epochs", "-5"], "error: `max_epochs` must be a non-negative integer or -1. You passed in -5."),
-    (["--model.backbone.init_args.patch_size", "64"], "error: patch_size=64 must be in [1, img_size=32]"),
-    (["--data.init_args.batch_size", "0"], "error: batch_size=0 is not allowed: expected an int >= 1"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--model.lr", "-1"], "error: lr=-1.0 is not allowed: expected a finite number in (0, inf)"),
+        (
+            ["--trainer.max_epochs", "0"],
+            "error: trainer.max_epochs=0 would train nothing: expected a positive number (or -1 for no limit)",
+        ),
+        (["--trainer.max_epochs", "-5"], "error: `max_epochs` must be a non-negative integer or -1. You passed in -5."),
+        (["--model.backbone.init_args.patch_size", "64"], "error: patch_size=64 must be in [1, img_size=32]"),
+        (["--data.init_args.batch_size", "0"], "error: batch_size=0 is not allowed: expected an int >= 1"),
+    ],
+)
 def test_out_of_range_values_stop_with_one_paragraph(override, message, tmp_path, monkeypatch, capsys):
     code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), *override], monkeypatch, capsys)
     assert code == 2
@@ -268,18 +324,29 @@ def test_unknown_option_names_are_rejected_by_the_parser(tmp_path, monkeypatch, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("override", "message"), [
-    # 0 divided by zero once training started: a traceback, after the run folder was made.
-    (["--trainer.accumulate_grad_batches", "0"],
-     "trainer.accumulate_grad_batches=0 is not allowed: expected an int >= 1 (1: a step after every batch)"),
-    (["--trainer.accumulate_grad_batches", "-2"],
-     "trainer.accumulate_grad_batches=-2 is not allowed: expected an int >= 1 (1: a step after every batch)"),
-    # A negative value turned clipping off without a word.
-    (["--trainer.gradient_clip_val", "-1.0"],
-     "trainer.gradient_clip_val=-1.0 is not allowed: expected a finite number in [0, inf) (0 or null: no clipping)"),
-    (["--trainer.gradient_clip_val", "-0.5"],
-     "trainer.gradient_clip_val=-0.5 is not allowed: expected a finite number in [0, inf) (0 or null: no clipping)"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # 0 divided by zero once training started: a traceback, after the run folder was made.
+        (
+            ["--trainer.accumulate_grad_batches", "0"],
+            "trainer.accumulate_grad_batches=0 is not allowed: expected an int >= 1 (1: a step after every batch)",
+        ),
+        (
+            ["--trainer.accumulate_grad_batches", "-2"],
+            "trainer.accumulate_grad_batches=-2 is not allowed: expected an int >= 1 (1: a step after every batch)",
+        ),
+        # A negative value turned clipping off without a word.
+        (
+            ["--trainer.gradient_clip_val", "-1.0"],
+            f"trainer.gradient_clip_val=-1.0 is not allowed: expected a finite number in [0, inf) {NO_CLIPPING}",
+        ),
+        (
+            ["--trainer.gradient_clip_val", "-0.5"],
+            f"trainer.gradient_clip_val=-0.5 is not allowed: expected a finite number in [0, inf) {NO_CLIPPING}",
+        ),
+    ],
+)
 def test_bad_trainer_options_stop_with_one_line_before_any_folder(override, message, tmp_path, monkeypatch, capsys):
     code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path)), *override], monkeypatch, capsys)
     assert code == 2
@@ -295,8 +362,20 @@ def test_the_smallest_allowed_trainer_options_train_as_they_say(tmp_path, monkey
     clipped = []
     monkeypatch.setattr(Precision, "clip_grad_by_norm", lambda self, optimizer, value: clipped.append(value))
     monkeypatch.setattr(Precision, "clip_grad_by_value", lambda self, optimizer, value: clipped.append(value))
-    main_in_process(["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false",
-                     "--trainer.accumulate_grad_batches", "2", "--trainer.gradient_clip_val", "0"], monkeypatch)
+    main_in_process(
+        [
+            "fit",
+            "--config",
+            str(tiny_config(tmp_path, max_epochs=1)),
+            "--test_after_fit",
+            "false",
+            "--trainer.accumulate_grad_batches",
+            "2",
+            "--trainer.gradient_clip_val",
+            "0",
+        ],
+        monkeypatch,
+    )
     [run_dir] = run_dirs(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == STEPS_PER_EPOCH // 2
@@ -311,11 +390,16 @@ def test_a_save_dir_that_is_a_file_or_read_only_is_refused_before_any_folder(tmp
     config = tiny_config(tmp_path)
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
-    code, stderr = cli(["fit", "--config", str(config), "--trainer.logger.init_args.save_dir", str(a_file / "runs")],
-                       monkeypatch, capsys)
+    code, stderr = cli(
+        ["fit", "--config", str(config), "--trainer.logger.init_args.save_dir", str(a_file / "runs")],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2
-    assert error_line(stderr) == (f"error: trainer.logger.init_args.save_dir={str(a_file / 'runs')!r} cannot be "
-                                  f"created: {a_file} is a file, not a folder")
+    assert error_line(stderr) == (
+        f"error: trainer.logger.init_args.save_dir={str(a_file / 'runs')!r} cannot be "
+        f"created: {a_file} is a file, not a folder"
+    )
     read_only = tmp_path / "read_only"
     read_only.mkdir()
     read_only.chmod(0o555)
@@ -327,8 +411,9 @@ def test_a_save_dir_that_is_a_file_or_read_only_is_refused_before_any_folder(tmp
             pytest.skip("this user can write to a read-only folder")
         except PermissionError:
             pass
-        code, stderr = cli(["fit", "--config", str(config), "--trainer.logger.init_args.save_dir", str(read_only)],
-                           monkeypatch, capsys)
+        code, stderr = cli(
+            ["fit", "--config", str(config), "--trainer.logger.init_args.save_dir", str(read_only)], monkeypatch, capsys
+        )
         assert code == 2
         assert "cannot be written" in error_line(stderr) and "Permission denied" in error_line(stderr)
     finally:
@@ -360,8 +445,9 @@ def test_a_run_folder_is_claimed_by_an_exclusive_create(tmp_path, monkeypatch, c
     code, stderr = cli(["fit", "--config", str(tiny_config(tmp_path))], monkeypatch, capsys)
     assert code == 2
     folder = tmp_path / "runs" / "tiny" / "version_0"
-    assert error_line(stderr).startswith(f"error: {folder / 'config.yaml'} was written by another run while this "
-                                         "one started")
+    assert error_line(stderr).startswith(
+        f"error: {folder / 'config.yaml'} was written by another run while this one started"
+    )
     assert (folder / "config.yaml").read_text() == "the other run's config\n"
 
 
@@ -388,9 +474,12 @@ def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tm
     code, stderr = cli(["fit", "--config", str(config), "--model.lr", "1e30"], monkeypatch, capsys)
     assert code == 1
     line = error_line(stderr)
-    match = re.match(r"error: train/loss is (nan|inf|-inf) at training step (\d+) \(epoch 0, batch (\d+)\); "
-                     r"training stopped at step \d+, and nothing from this step on was checkpointed\. "
-                     r"The checkpoints written before it are kept: (\S+)\.", line)
+    match = re.match(
+        r"error: train/loss is (nan|inf|-inf) at training step (\d+) \(epoch 0, batch (\d+)\); "
+        r"training stopped at step \d+, and nothing from this step on was checkpointed\. "
+        r"The checkpoints written before it are kept: (\S+)\.",
+        line,
+    )
     assert match, line
     step, last = int(match[2]), Path(match[4])
     assert step >= 1 and int(match[3]) == step
@@ -423,8 +512,9 @@ def test_corrupted_cifar_files_are_named(cifar10_folder):
     assert isinstance(err.value, CIFARNotFoundError)  # reported by whatever reports a missing dataset
     lines = str(err.value).splitlines()
     assert lines[0] == f"CIFAR-10 files in {folder} cannot be used:"
-    assert lines[1] == ("  data_batch_2 is not the official file (its MD5 differs): truncated, corrupted or from "
-                        "another dataset")
+    assert lines[1] == (
+        "  data_batch_2 is not the official file (its MD5 differs): truncated, corrupted or from another dataset"
+    )
     assert "extract it into" in str(err.value)
     with pytest.raises(CIFARCorruptedError):
         dm.setup("fit")  # other ranks and notebooks call setup without prepare_data

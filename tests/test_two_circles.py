@@ -43,8 +43,9 @@ def components(ink: torch.Tensor) -> torch.Tensor:
     labels = torch.where(ink, ids, 0)
     while True:  # spread the largest id through each component until nothing changes
         padded = torch.nn.functional.pad(labels, (1, 1, 1, 1))
-        neighbours = torch.stack([padded[:, :-2, 1:-1], padded[:, 2:, 1:-1],
-                                  padded[:, 1:-1, :-2], padded[:, 1:-1, 2:], labels]).amax(dim=0)
+        neighbours = torch.stack(
+            [padded[:, :-2, 1:-1], padded[:, 2:, 1:-1], padded[:, 1:-1, :-2], padded[:, 1:-1, 2:], labels]
+        ).amax(dim=0)
         spread = torch.where(ink, neighbours, 0)
         if torch.equal(spread, labels):
             return labels
@@ -88,8 +89,7 @@ def test_relative_labels_follow_disc_above_left_of_ring(relative):
             # A filled disc is lit at its centre, a ring is dark there.
             blobs["disc" if images[i, row, col] > 0.5 else "ring"] = centre
         assert set(blobs) == {"disc", "ring"}, f"sample {i}"
-        torch.testing.assert_close(torch.stack([blobs["disc"], blobs["ring"]]), relative.centers[i],
-                                   atol=0.05, rtol=0)
+        torch.testing.assert_close(torch.stack([blobs["disc"], blobs["ring"]]), relative.centers[i], atol=0.05, rtol=0)
         above_left = bool(blobs["disc"][0] < blobs["ring"][0] and blobs["disc"][1] < blobs["ring"][1])
         assert above_left == bool(relative.labels[i]), f"sample {i}"
 
@@ -197,8 +197,7 @@ def test_validation_split_does_not_depend_on_train_size():
 
 
 def test_datamodule_regions_apply_to_their_splits():
-    dm = TwoCirclesDataModule(num_train=200, num_val=100, num_test=200, train_region="inner",
-                              test_region="border")
+    dm = TwoCirclesDataModule(num_train=200, num_val=100, num_test=200, train_region="inner", test_region="border")
     dm.setup("fit")
     dm.setup("test")
     t = region_threshold(IMG, (3, 5))
@@ -218,8 +217,7 @@ def test_each_dataloader_yields_image_batches():
     dm.setup("fit")
     dm.setup("test")
     dm.setup("predict")
-    loaders = [dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader(),
-               dm.predict_dataloader()]
+    loaders = [dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader(), dm.predict_dataloader()]
     for loader in loaders:
         images, labels = next(iter(loader))
         assert images.shape == (16, 3, IMG, IMG) and images.dtype == torch.float32
@@ -256,17 +254,20 @@ def test_bad_dataset_arguments_raise_naming_the_value(kwargs, named):
         TwoCirclesDataset(**{"num_samples": 10, **kwargs})
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [
-    (dict(task="square"), "task='square'"),
-    (dict(train_region="middle"), "train_region='middle'"),
-    (dict(test_region="edge"), "test_region='edge'"),
-    (dict(num_train=0), "num_train=0"),
-    (dict(num_val=-5), "num_val=-5"),
-    (dict(num_test=0), "num_test=0"),
-    (dict(batch_size=0), "batch_size=0"),
-    (dict(num_workers=-1), "num_workers=-1"),
-    (dict(radius=(3, 8), test_region="inner"), "radius=(3, 8)"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(task="square"), "task='square'"),
+        (dict(train_region="middle"), "train_region='middle'"),
+        (dict(test_region="edge"), "test_region='edge'"),
+        (dict(num_train=0), "num_train=0"),
+        (dict(num_val=-5), "num_val=-5"),
+        (dict(num_test=0), "num_test=0"),
+        (dict(batch_size=0), "batch_size=0"),
+        (dict(num_workers=-1), "num_workers=-1"),
+        (dict(radius=(3, 8), test_region="inner"), "radius=(3, 8)"),
+    ],
+)
 def test_bad_datamodule_arguments_raise_at_construction(kwargs, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         TwoCirclesDataModule(**kwargs)

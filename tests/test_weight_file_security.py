@@ -84,8 +84,10 @@ def test_a_named_pipe_is_refused_at_once_naming_its_kind(tmp_path, name, sizes):
     source = str(tmp_path / "folder") if name.startswith("folder/") else str(fifo)
     outcome = within(10, fifo, create_vit, pretrained=source, **sizes)
     assert isinstance(outcome.get("error"), PretrainedError), outcome
-    assert str(outcome["error"]) == (f"pretrained={source!r} is a named pipe (FIFO), not a regular file: model "
-                                     "files are read from regular files only")
+    assert str(outcome["error"]) == (
+        f"pretrained={source!r} is a named pipe (FIFO), not a regular file: model "
+        "files are read from regular files only"
+    )
 
 
 def test_a_file_swapped_for_a_pipe_after_its_check_is_refused_by_the_open_file(tmp_path, monkeypatch):
@@ -101,13 +103,16 @@ def test_a_file_swapped_for_a_pipe_after_its_check_is_refused_by_the_open_file(t
 
     monkeypatch.setattr(vit.models.weights.os, "stat", stat_before_the_swap)
     outcome = within(10, fifo, open_regular_file, fifo, "pretrained='w.safetensors'")
-    assert str(outcome.get("error")) == ("pretrained='w.safetensors' is a named pipe (FIFO), not a regular file: "
-                                         "model files are read from regular files only")
+    assert str(outcome.get("error")) == (
+        "pretrained='w.safetensors' is a named pipe (FIFO), not a regular file: "
+        "model files are read from regular files only"
+    )
 
 
 def test_a_device_is_refused_naming_its_kind():
-    assert refused(load_state_dict, "/dev/zero") == ("pretrained='/dev/zero' is a character device, not a regular "
-                                                     "file: model files are read from regular files only")
+    assert refused(load_state_dict, "/dev/zero") == (
+        "pretrained='/dev/zero' is a character device, not a regular file: model files are read from regular files only"
+    )
 
 
 def test_the_cli_refuses_a_named_pipe_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
@@ -124,7 +129,8 @@ def test_the_cli_refuses_a_named_pipe_in_one_line_with_exit_2(tmp_path, monkeypa
     assert "Traceback" not in stderr
     assert [line for line in stderr.splitlines() if line.startswith("error: ")] == [
         f"error: pretrained={str(fifo)!r} is a named pipe (FIFO), not a regular file: model files are read from "
-        "regular files only"]
+        "regular files only"
+    ]
     assert not (tmp_path / "run" / "runs").exists()
 
 
@@ -152,11 +158,14 @@ def peak_memory_growth(call, *args, **kwargs) -> tuple[int, float]:
 def test_a_header_only_giant_is_refused_fast_before_any_memory_is_spent(tmp_path):
     path = header_only_vit(tmp_path / "w.safetensors")
     messages = []
-    growth, seconds = peak_memory_growth(lambda: messages.append(
-        refused(create_vit, pretrained=path, img_size=224, patch_size=16, num_heads=64)))
-    assert messages == [f"pretrained={path!r}: blocks.0.attn.qkv.weight has shape (0, 4096), and the width "
-                        "embed_dim=4096 of patch_embed.proj.weight needs (12288, 4096): its shapes are not those of "
-                        "one ViT of depth 48"]
+    growth, seconds = peak_memory_growth(
+        lambda: messages.append(refused(create_vit, pretrained=path, img_size=224, patch_size=16, num_heads=64))
+    )
+    assert messages == [
+        f"pretrained={path!r}: blocks.0.attn.qkv.weight has shape (0, 4096), and the width "
+        "embed_dim=4096 of patch_embed.proj.weight needs (12288, 4096): its shapes are not those of "
+        "one ViT of depth 48"
+    ]
     assert seconds < 5 and growth < 2**30
     # `train.py fit` sizes the backbone by `resolve_shape` before building it: the same refusal.
     assert refused(resolve_shape, path, embed_dim=None, depth=None, num_heads=64) == messages[0]
@@ -165,10 +174,15 @@ def test_a_header_only_giant_is_refused_fast_before_any_memory_is_spent(tmp_path
 def test_given_sizes_are_compared_with_the_header_on_the_meta_device(tmp_path):
     path = header_only_vit(tmp_path / "w.safetensors")
     messages = []
-    growth, seconds = peak_memory_growth(lambda: messages.append(refused(
-        create_vit, pretrained=path, img_size=224, patch_size=16, embed_dim=4096, depth=48, num_heads=64)))
-    assert messages[0].startswith(f"pretrained={path!r} does not fit this config (193 tensors differ): "
-                                  "blocks.0.attn.proj.weight: (0, 4096) in the weights, (4096, 4096) here; ")
+    growth, seconds = peak_memory_growth(
+        lambda: messages.append(
+            refused(create_vit, pretrained=path, img_size=224, patch_size=16, embed_dim=4096, depth=48, num_heads=64)
+        )
+    )
+    assert messages[0].startswith(
+        f"pretrained={path!r} does not fit this config (193 tensors differ): "
+        "blocks.0.attn.proj.weight: (0, 4096) in the weights, (4096, 4096) here; "
+    )
     assert seconds < 10 and growth < 2**30
 
 
@@ -176,21 +190,39 @@ def test_a_width_beyond_the_models_bounds_is_refused_naming_the_bound(tmp_path):
     path = header_only_vit(tmp_path / "w.safetensors", width=100_000, depth=1)
     assert refused(resolve_shape, path, embed_dim=None, depth=None, num_heads=1) == (
         f"pretrained={path!r}: the size its weights give is not allowed: embed_dim=100000 is not allowed: expected "
-        "an int in [1, 65536]")
+        "an int in [1, 65536]"
+    )
 
 
-@pytest.mark.parametrize("header, data, reason", [
-    ({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 0]}}, b"",
-     "w: data_offsets [0, 0] hold 0 bytes, and a F32 tensor of shape [4, 4] has 64"),
-    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-      "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(16),
-     "b: data_offsets [0, 16] do not start where the previous tensor ends (16)"),
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(32),
-     "its tensors cover 16 of the 32 bytes after the header"),
-    ({"w": {"dtype": "F99", "shape": [4], "data_offsets": [0, 16]}}, bytes(16), "w: expected a dtype of ["),
-    ({"w": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}}, b"",
-     "w: shape [0, 4611686018427387904, 4611686018427387904] is too large for a tensor"),
-])
+@pytest.mark.parametrize(
+    "header, data, reason",
+    [
+        (
+            {"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 0]}},
+            b"",
+            "w: data_offsets [0, 0] hold 0 bytes, and a F32 tensor of shape [4, 4] has 64",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            },
+            bytes(16),
+            "b: data_offsets [0, 16] do not start where the previous tensor ends (16)",
+        ),
+        (
+            {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+            bytes(32),
+            "its tensors cover 16 of the 32 bytes after the header",
+        ),
+        ({"w": {"dtype": "F99", "shape": [4], "data_offsets": [0, 16]}}, bytes(16), "w: expected a dtype of ["),
+        (
+            {"w": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}},
+            b"",
+            "w: shape [0, 4611686018427387904, 4611686018427387904] is too large for a tensor",
+        ),
+    ],
+)
 def test_a_header_that_its_bytes_do_not_match_is_refused(tmp_path, header, data, reason):
     path = write_safetensors(tmp_path / "w.safetensors", header, data)
     message = refused(load_state_dict, path)
@@ -198,25 +230,38 @@ def test_a_header_that_its_bytes_do_not_match_is_refused(tmp_path, header, data,
 
 
 def test_tensors_the_file_cannot_hold_are_a_truncated_file(tmp_path):
-    path = write_safetensors(tmp_path / "w.safetensors",
-                             {"w": {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [0, 4_000_000]}}, bytes(100))
+    path = write_safetensors(
+        tmp_path / "w.safetensors",
+        {"w": {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [0, 4_000_000]}},
+        bytes(100),
+    )
     size = os.path.getsize(path)
     assert refused(create_vit, pretrained=path, **SMALL) == (
         f"pretrained={path!r} is truncated: it starts like a safetensors file but its end is missing ({size} bytes; "
-        "was its download or copy interrupted?)")
+        "was its download or copy interrupted?)"
+    )
 
 
 def test_a_file_above_the_byte_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
     path = save(small_state(), tmp_path / "w.safetensors")
     monkeypatch.setenv(MAX_BYTES_VARIABLE, "1000")
     assert refused(create_vit, pretrained=path, **SMALL) == (
-        f"pretrained={path!r} is {os.path.getsize(path)} bytes, above the limit of 1000 bytes {LIMIT}")
+        f"pretrained={path!r} is {os.path.getsize(path)} bytes, above the limit of 1000 bytes {LIMIT}"
+    )
 
 
 def test_the_reader_gives_the_tensors_safetensors_itself_reads(tmp_path):
-    state = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).bfloat16(), "f16": torch.randn(2, 2).half(),
-             "f64": torch.randn(3).double(), "i64": torch.arange(6).reshape(2, 3), "u8": torch.arange(7).byte(),
-             "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    state = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(5).bfloat16(),
+        "f16": torch.randn(2, 2).half(),
+        "f64": torch.randn(3).double(),
+        "i64": torch.arange(6).reshape(2, 3),
+        "u8": torch.arange(7).byte(),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
     path = save(state, tmp_path / "w.safetensors")
     ours, reference = load_state_dict(path), load_file(path)
     assert sorted(ours) == sorted(reference)
@@ -239,8 +284,10 @@ def recompressed(path, target) -> str:
 @pytest.fixture
 def no_torch_load(monkeypatch):
     """torch.load made to fail the test: the refusals here come from the zip's directory alone."""
+
     def load(*args, **kwargs):
         raise AssertionError("torch.load was called")
+
     monkeypatch.setattr(torch, "load", load)
 
 
@@ -251,7 +298,8 @@ def test_a_deflate_bomb_is_refused_by_its_unpacked_size_before_it_is_read(tmp_pa
     unpacked = sum(e.file_size for e in zipfile.ZipFile(path).infolist())
     monkeypatch.setenv(MAX_BYTES_VARIABLE, str(2**20))
     assert refused(create_vit, pretrained=path, **SMALL) == (
-        f"pretrained={path!r} unpacks to {unpacked} bytes, above the limit of {2**20} bytes {LIMIT}")
+        f"pretrained={path!r} unpacks to {unpacked} bytes, above the limit of {2**20} bytes {LIMIT}"
+    )
 
 
 def test_a_compressed_entry_is_refused_as_the_checkpoint_refuses_it(tmp_path, no_torch_load):
@@ -260,7 +308,8 @@ def test_a_compressed_entry_is_refused_as_the_checkpoint_refuses_it(tmp_path, no
     first = zipfile.ZipFile(path).infolist()[0].filename
     assert refused(create_vit, pretrained=path, **SMALL) == (
         f"pretrained={path!r} has a compressed entry ({first}); torch.save stores its entries uncompressed, so "
-        "another program wrote this file; refused")
+        "another program wrote this file; refused"
+    )
 
 
 def test_views_of_one_small_storage_count_at_their_full_size(tmp_path):
@@ -268,12 +317,14 @@ def test_views_of_one_small_storage_count_at_their_full_size(tmp_path):
     torch.save({"w": torch.zeros(1).expand(2**31)}, path)  # 4 bytes on disk, 8 GiB once converted or compared
     assert os.path.getsize(path) < 2**12
     assert refused(create_vit, pretrained=str(path), **SMALL) == (
-        f"pretrained={str(path)!r} holds tensors of {2**33} bytes, above the limit of {4 * 2**30} bytes {LIMIT}")
+        f"pretrained={str(path)!r} holds tensors of {2**33} bytes, above the limit of {4 * 2**30} bytes {LIMIT}"
+    )
     # Under the limit, a view is still refused: 10**6 elements of one 4-byte storage are no model's weights.
     torch.save({"w": torch.zeros(1).expand(10**6)}, path)
     assert refused(create_vit, pretrained=str(path), **SMALL) == (
         f"pretrained={str(path)!r}: w of shape (1000000,) is a view whose 1000000 elements share 4 bytes of storage "
-        "(strides (0,)); weights are tensors with memory of their own")
+        "(strides (0,)); weights are tensors with memory of their own"
+    )
 
 
 # 4. Finite in the model's dtype, not only in the file's
@@ -289,19 +340,40 @@ def test_float64_values_beyond_float32_are_refused_and_others_load_converted(tmp
     path, numel = save(state, tmp_path / f"huge{suffix}"), state["blocks.0.mlp.fc1.weight"].numel()
     assert refused(create_vit, pretrained=path, **SMALL) == (
         f"pretrained={path!r} is unusable: blocks.0.mlp.fc1.weight holds 1 of {numel} values that are not finite "
-        "as this model's float32 (the weights' float64 values are beyond its range)")
+        "as this model's float32 (the weights' float64 values are beyond its range)"
+    )
 
 
 # 5. The kind of each tensor: floats for float parameters
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
-@pytest.mark.parametrize("key, dtype, kind", [("pos_embed", torch.int64, "integers"),
-                                              ("blocks.0.attn.qkv.weight", torch.bool, "booleans")])
+@pytest.mark.parametrize(
+    "key, dtype, kind", [("pos_embed", torch.int64, "integers"), ("blocks.0.attn.qkv.weight", torch.bool, "booleans")]
+)
 def test_an_integer_or_boolean_tensor_for_a_float_parameter_is_refused_naming_it(tmp_path, suffix, key, dtype, kind):
     state = small_state()
     state[key] = torch.ones_like(state[key], dtype=dtype)
     path = save(state, tmp_path / f"w{suffix}")
     assert refused(create_vit, pretrained=path, **SMALL) == (
         f"pretrained={path!r} is unusable: {key} is a tensor of {kind} ({str(dtype).removeprefix('torch.')}) in the "
-        "weights and of floating-point numbers (float32) in this model; it is refused, not converted")
+        "weights and of floating-point numbers (float32) in this model; it is refused, not converted"
+    )
+
+
+def test_a_zip_of_a_version_zipfile_does_not_read_is_refused_as_corrupted(tmp_path):
+    # Found by the input fuzzer: one flipped byte makes the archive ask for zip version 6.4, which zipfile raises
+    # NotImplementedError for.
+    from vit.models.weights import PretrainedError, load_state_dict
+
+    path = tmp_path / "w.pth"
+    torch.save({"w": torch.zeros(3)}, path)
+    data = bytearray(path.read_bytes())
+    data[data.find(b"PK\x01\x02") + 6] = 64  # "version needed to extract" of the first central-directory entry
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        PretrainedError,
+        match=r"cannot be loaded: it is corrupted \(NotImplementedError: zip file "
+        r"version 6.4\)",
+    ):
+        load_state_dict(path)

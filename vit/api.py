@@ -74,18 +74,21 @@ def check_source(path_or_url: object) -> None:
     """Raise unless `path_or_url` names a checkpoint: a non-empty str (a path or URL) or an `os.PathLike` of one."""
     text = os.fspath(path_or_url) if isinstance(path_or_url, os.PathLike) else path_or_url
     if not isinstance(text, str):  # bytes paths too: the commands and the cache name files by text
-        raise TypeError(f"path_or_url={path_or_url!r} is not allowed: expected a path (a str or os.PathLike) or an "
-                        "http(s) URL")
+        raise TypeError(
+            f"path_or_url={path_or_url!r} is not allowed: expected a path (a str or os.PathLike) or an http(s) URL"
+        )
     if not text.strip():
-        raise ValueError(f"path_or_url={path_or_url!r} is not allowed: expected a path or an http(s) URL, not an "
-                         "empty string")
+        raise ValueError(
+            f"path_or_url={path_or_url!r} is not allowed: expected a path or an http(s) URL, not an empty string"
+        )
 
 
 def resolve_device(device: str | torch.device, option: str = "device=") -> torch.device:
     """`device` as a torch device (`auto`: cuda, else mps, else cpu), or `ValueError` if this machine has none."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
-                            else "cpu")
+        return torch.device(
+            "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        )
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError):
@@ -95,8 +98,9 @@ def resolve_device(device: str | torch.device, option: str = "device=") -> torch
     count = torch.cuda.device_count() if target.type == "cuda" else int(torch.backends.mps.is_available())
     if target.type != "cpu" and (target.index or 0) >= count:
         name = "CUDA GPU" if target.type == "cuda" else "Apple GPU (MPS)"
-        raise ValueError(f"{option}{device} was asked for, but this machine has {count or 'no'} {name}(s): use "
-                         f"{option}cpu")
+        raise ValueError(
+            f"{option}{device} was asked for, but this machine has {count or 'no'} {name}(s): use {option}cpu"
+        )
     return target
 
 
@@ -140,9 +144,16 @@ class Predictor:
         if isinstance(images, (str, os.PathLike, Image.Image)):
             images = [images]
         size = tuple(self.inputs["img_size"])
-        return torch.stack([self.transform(decode_image(Path(image), size) if not isinstance(image, Image.Image)
-                                           else to_input(ImageOps.exif_transpose(image)))
-                            for image in images])
+        return torch.stack(
+            [
+                self.transform(
+                    decode_image(Path(image), size)
+                    if not isinstance(image, Image.Image)
+                    else to_input(ImageOps.exif_transpose(image))
+                )
+                for image in images
+            ]
+        )
 
     def batches(self, images: Images, batch_size: int) -> Iterator[Tensor]:
         """The model's input `batch_size` images at a time (fewer where a batch would hold more than `INPUT_BYTES`):
@@ -156,15 +167,19 @@ class Predictor:
         if fitting < batch_size and not self._said_batch_size:
             self._said_batch_size = True
             channels, (height, width) = self.inputs["in_chans"], self.inputs["img_size"]
-            warnings.warn(f"batch_size={batch_size} images of {channels} x {height} x {width} would hold "
-                          f"{batch_size * 4 * channels * height * width / 2**30:.1f} GiB of input; running {fitting} "
-                          f"per forward pass (at most {INPUT_BYTES / 2**30:g} GiB)", stacklevel=3)
+            warnings.warn(
+                f"batch_size={batch_size} images of {channels} x {height} x {width} would hold "
+                f"{batch_size * 4 * channels * height * width / 2**30:.1f} GiB of input; running {fitting} "
+                f"per forward pass (at most {INPUT_BYTES / 2**30:g} GiB)",
+                stacklevel=3,
+            )
         if isinstance(images, (Tensor, str, os.PathLike, Image.Image)):
             x = self.images(images)
-            names = [image_name(images, 0)] if not isinstance(images, Tensor) else [
-                f"images[{i}]" for i in range(len(x))]
+            names = (
+                [image_name(images, 0)] if not isinstance(images, Tensor) else [f"images[{i}]" for i in range(len(x))]
+            )
             for start in range(0, len(x), fitting):
-                yield names[start:start + fitting], x[start:start + fitting]
+                yield names[start : start + fitting], x[start : start + fitting]
             return
         iterator, start = iter(images), 0
         while chunk := list(islice(iterator, fitting)):
@@ -195,17 +210,23 @@ class Predictor:
         if not torch.isfinite(x[i]).all():
             raise NonFiniteError(names[i], start + i, f"the image {NON_FINITE}; the model cannot classify it")
         where = "float32" if self.precision == "32" else f"precision {self.precision} (try '32')"
-        raise NonFiniteModelError(names[i], start + i, f"the model's probabilities are NaN or infinite although the "
-                                  f"image is finite: its logits overflow {where}; the checkpoint's weights cannot "
-                                  "classify it")
+        raise NonFiniteModelError(
+            names[i],
+            start + i,
+            f"the model's probabilities are NaN or infinite although the "
+            f"image is finite: its logits overflow {where}; the checkpoint's weights cannot "
+            "classify it",
+        )
 
     def predict(self, images: Images, topk: int = 1, batch_size: int = 256) -> list[list[Prediction]]:
         """Per image (a file, a PIL image, any iterable of them, or a batch), its `topk` most probable classes, best
         first; images are decoded `batch_size` at a time. An empty iterable gives an empty list."""
         check_topk(topk, len(self.class_names), option="topk=")
         confidence, classes = self.probabilities(images, batch_size).topk(topk, dim=-1)  # (B, K) each, best first
-        return [[Prediction(self.class_names[k], p) for k, p in zip(ks, ps)]
-                for ks, ps in zip(classes.tolist(), confidence.tolist())]
+        return [
+            [Prediction(self.class_names[k], p) for k, p in zip(ks, ps)]
+            for ks, ps in zip(classes.tolist(), confidence.tolist())
+        ]
 
     def explain(self, image: ImageLike | Tensor, method: str = "rollout", target: str | int | None = None) -> Tensor:
         """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`), summing to 1;

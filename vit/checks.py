@@ -1,7 +1,7 @@
 """One way to check an argument: every error names the argument, the value given and what is allowed.
 
-    Pool = Literal["cls", "mean", "map"]   # allowed options, declared once
-    check_choice("pool", pool, Pool)   # pool='avg' is not allowed: expected one of ['cls', 'mean', 'map']
+Pool = Literal["cls", "mean", "map"]   # allowed options, declared once
+check_choice("pool", pool, Pool)   # pool='avg' is not allowed: expected one of ['cls', 'mean', 'map']
 """
 
 from __future__ import annotations
@@ -32,18 +32,35 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
     """Raise `ValueError` unless `value` is an int (not a bool) in `[minimum, maximum]`."""
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not ok or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = (f"in [{minimum}, {maximum}]" if minimum is not None and maximum is not None
-                  else f">= {minimum}" if minimum is not None else f"<= {maximum}" if maximum is not None else "")
+        bounds = (
+            f"in [{minimum}, {maximum}]"
+            if minimum is not None and maximum is not None
+            else f">= {minimum}"
+            if minimum is not None
+            else f"<= {maximum}"
+            if maximum is not None
+            else ""
+        )
         raise ValueError(f"{name}={value!r} is not allowed: expected an int {bounds}".rstrip())
 
 
-def check_float(name: str, value: object, low: float | None = None, high: float | None = None, *,
-                low_open: bool = False, high_open: bool = False) -> None:
+def check_float(
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
     """Raise `ValueError` unless `value` is a finite real number from `low` to `high`, each end excluded when
     `low_open` / `high_open`: `check_float("p", p, 0, 1, high_open=True)` is `[0, 1)`."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not (ok and (low is None or (value > low if low_open else value >= low))
-            and (high is None or (value < high if high_open else value <= high))):
+    if not (
+        ok
+        and (low is None or (value > low if low_open else value >= low))
+        and (high is None or (value < high if high_open else value <= high))
+    ):
         lo, hi = "-inf" if low is None else f"{low:g}", "inf" if high is None else f"{high:g}"
         interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
         raise ValueError(f"{name}={value!r} is not allowed: expected a finite number in {interval}")
@@ -57,9 +74,15 @@ def first_line(err: BaseException) -> str:
 
 def file_kind(mode: int) -> str:
     """What a file is, from its `st_mode` (`os.lstat` to see a link itself): "a file", "a symbolic link", ..."""
-    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
-             (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    kinds = (
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
     return next((name for test, name in kinds if test(mode)), "a special file")
 
 
@@ -67,10 +90,12 @@ def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
     """`(H, W)` of an image size (one int: a square, or `[H, W]`); `ValueError` unless each is an int >= `minimum`."""
     square = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     sides = (value, value) if square else tuple(value) if isinstance(value, (tuple, list)) else ()
-    if len(sides) != 2 or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= minimum
-                                  for s in sides):
-        raise ValueError(f"{name}={value!r} is not allowed: expected an int >= {minimum} (a square) "
-                         f"or a pair [H, W] of them")
+    if len(sides) != 2 or not all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= minimum for s in sides
+    ):
+        raise ValueError(
+            f"{name}={value!r} is not allowed: expected an int >= {minimum} (a square) or a pair [H, W] of them"
+        )
     return int(sides[0]), int(sides[1])
 
 
@@ -158,12 +183,16 @@ def class_index(target: str | int, class_names: list[str], option: str = "target
     index = int(target) if isinstance(target, str) and target.isdigit() else target
     if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(class_names):
         return index
-    raise ValueError(f"{option}{target!r} is not a class of this model: expected one of {class_names} "
-                     f"or an index in [0, {len(class_names) - 1}]")
+    raise ValueError(
+        f"{option}{target!r} is not a class of this model: expected one of {class_names} "
+        f"or an index in [0, {len(class_names) - 1}]"
+    )
 
 
 def check_topk(topk: int, num_classes: int, option: str = "--topk ") -> None:
     """Raise `ValueError` unless `topk` is an int in [1, num_classes]; the message names it `{option}{topk}`."""
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_classes:
-        raise ValueError(f"{option}{topk} is not allowed: expected an int in [1, {num_classes}] "
-                         f"(the model has {num_classes} classes)")
+        raise ValueError(
+            f"{option}{topk} is not allowed: expected an int in [1, {num_classes}] "
+            f"(the model has {num_classes} classes)"
+        )

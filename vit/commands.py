@@ -35,12 +35,18 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     prog = name if name.startswith("vit-") else f"python -m {module}"
     description, example = doc.split("\n\n")[:2]
     # allow_abbrev=False: a prefix (`--ckpt`) is an unknown option, never another option taken silently
-    return argparse.ArgumentParser(prog=prog, description=description, epilog=f"example:\n{example}",
-                                   formatter_class=HelpFormatter, allow_abbrev=False)
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=f"example:\n{example}",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
 
 
-def run(args: argparse.Namespace, prepare: Callable[[argparse.Namespace], T],
-        work: Callable[[argparse.Namespace, T], int]) -> int:
+def run(
+    args: argparse.Namespace, prepare: Callable[[argparse.Namespace], T], work: Callable[[argparse.Namespace, T], int]
+) -> int:
     """`work(args, prepare(args))`, the command's exit status; a `ValueError` raised by `prepare` is `fail(err)`."""
     try:
         prepared = prepare(args)

@@ -30,8 +30,20 @@ if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--hel
     from vit.models import VisionTransformer
 
 # What config.json's pretrained_cfg keeps of the architecture's default cfg (the rest describes timm's weights).
-_PRETRAINED_CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "interpolation", "crop_pct", "crop_mode",
-                        "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
+_PRETRAINED_CFG_KEYS = (
+    "architecture",
+    "input_size",
+    "fixed_input_size",
+    "interpolation",
+    "crop_pct",
+    "crop_mode",
+    "mean",
+    "std",
+    "num_classes",
+    "pool_size",
+    "first_conv",
+    "classifier",
+)
 _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: apache-2.0, mit, cc-by-4.0, other, ...
 FILES = ("model.safetensors", "config.json", "README.md")  # what `export` writes into --out
 
@@ -53,8 +65,9 @@ def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
     return exported.eval()
 
 
-def model_card(args: dict, data_config: dict, names: list[str], training: dict | None = None,
-               license: str | None = None) -> str:
+def model_card(
+    args: dict, data_config: dict, names: list[str], training: dict | None = None, license: str | None = None
+) -> str:
     """The export's `README.md` from `timm_args` and `training_record`; checkpoint text goes through `markdown_text`."""
     import timm
     import torch
@@ -64,60 +77,116 @@ def model_card(args: dict, data_config: dict, names: list[str], training: dict |
     name, (channels, height, width) = architecture(args), data_config["input_size"]
     with torch.device("meta"):  # the exported model's parameter count, without memory
         params = sum(p.numel() for p in timm.create_model(name, pretrained=False, **args).parameters())
-    shown = (", ".join(markdown_text(n) for n in names[:20])
-             + (f", ... ({len(names)} in all)" if len(names) > 20 else ""))
+    shown = ", ".join(markdown_text(n) for n in names[:20]) + (
+        f", ... ({len(names)} in all)" if len(names) > 20 else ""
+    )
     training = training or {}
     front_matter = card_data(name, training, license)
     if name == GENERIC_ARCHITECTURE:
-        named = (f"timm's `{name}` entry point: no timm ViT has these sizes, and `{name}` builds the one the sizes "
-                 "in `model_args` describe")
+        named = (
+            f"timm's `{name}` entry point: no timm ViT has these sizes, and `{name}` builds the one the sizes "
+            "in `model_args` describe"
+        )
     else:
         named = f"`{name}`, at the image size and with the head and pooling in `model_args`"
     lines = [
-        "---", *front_matter.to_yaml().splitlines(), "---", "",
-        "# Vision Transformer image classifier", "",
-        (f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
-         f"architecture ({named})."), "", "## Architecture", "",
-        (f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
-         f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"),
-        (f"- pooling `{args['global_pool']}`, {args.get('reg_tokens', args.get('num_reg_tokens', 0))} register "
-         f"token(s), " + (f"rotary positions (`{args['rope_type']}`)" if args.get("use_rot_pos_emb")
-                          else "relative position bias" if args.get("rel_pos_type")
-                          else f"position table `{args['pos_embed']}`")),
-        f"- {params / 1e6:.2f} M parameters", "", "## Classes", "",
-        f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.", "", "## Input", "",
-        (f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
-         f"({markdown_text(data_config['interpolation'])} interpolation; the aspect ratio is not kept)"),
-        (f"- pixels scaled to [0, 1], then normalised with mean {markdown_text(list(data_config['mean']))} and std "
-         f"{markdown_text(list(data_config['std']))}"), "", "## Use with timm", "",
-        "```python", "import timm", "import torch", "from PIL import Image, ImageOps", "",
+        "---",
+        *front_matter.to_yaml().splitlines(),
+        "---",
+        "",
+        "# Vision Transformer image classifier",
+        "",
+        (
+            f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
+            f"architecture ({named})."
+        ),
+        "",
+        "## Architecture",
+        "",
+        (
+            f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
+            f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"
+        ),
+        (
+            f"- pooling `{args['global_pool']}`, {args.get('reg_tokens', args.get('num_reg_tokens', 0))} register "
+            f"token(s), "
+            + (
+                f"rotary positions (`{args['rope_type']}`)"
+                if args.get("use_rot_pos_emb")
+                else "relative position bias"
+                if args.get("rel_pos_type")
+                else f"position table `{args['pos_embed']}`"
+            )
+        ),
+        f"- {params / 1e6:.2f} M parameters",
+        "",
+        "## Classes",
+        "",
+        f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.",
+        "",
+        "## Input",
+        "",
+        (
+            f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
+            f"({markdown_text(data_config['interpolation'])} interpolation; the aspect ratio is not kept)"
+        ),
+        (
+            f"- pixels scaled to [0, 1], then normalised with mean {markdown_text(list(data_config['mean']))} and std "
+            f"{markdown_text(list(data_config['std']))}"
+        ),
+        "",
+        "## Use with timm",
+        "",
+        "```python",
+        "import timm",
+        "import torch",
+        "from PIL import Image, ImageOps",
+        "",
         'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
-        "config = timm.data.resolve_data_config(model=model)", "transform = timm.data.create_transform(**config)",
-        "image = ImageOps.exif_transpose(Image.open(\"photo.jpg\"))  # upright, as the camera held it",
+        "config = timm.data.resolve_data_config(model=model)",
+        "transform = timm.data.create_transform(**config)",
+        'image = ImageOps.exif_transpose(Image.open("photo.jpg"))  # upright, as the camera held it',
         f'x = transform(image.convert("{"RGB" if channels == 3 else "L"}"))[None]',
         "with torch.no_grad():",
         "    probabilities = model(x).softmax(-1)  # (1, num_classes), in the order of the classes above",
-        "```", "", "## Training", "",
+        "```",
+        "",
+        "## Training",
+        "",
     ]
     if training:
-        lines += [f"- data module: {markdown_text(training.get('data_module', 'not recorded'))}",
-                  f"- seed of its splits: {markdown_text(training.get('seed', 'not recorded'))}"]
+        lines += [
+            f"- data module: {markdown_text(training.get('data_module', 'not recorded'))}",
+            f"- seed of its splits: {markdown_text(training.get('seed', 'not recorded'))}",
+        ]
         if "epoch" in training:
-            lines.append(f"- written after epoch {markdown_text(training['epoch'])}, "
-                         f"step {markdown_text(training.get('global_step', '?'))}")
+            lines.append(
+                f"- written after epoch {markdown_text(training['epoch'])}, "
+                f"step {markdown_text(training.get('global_step', '?'))}"
+            )
         if "model" in training:
-            lines.append("- settings: " + ", ".join(f"{markdown_text(k)}: {markdown_text(v)}"
-                                                    for k, v in training["model"].items()))
+            lines.append(
+                "- settings: "
+                + ", ".join(f"{markdown_text(k)}: {markdown_text(v)}" for k, v in training["model"].items())
+            )
         lines += ["", "## Metrics", ""]
-        measured = {**training.get("metrics", {}), **{f"{k} (the test split, after training)": v
-                                                      for k, v in training.get("test", {}).items()}}
-        lines += ([f"- {markdown_text(name)}: {value:.4f}" for name, value in measured.items()]
-                  or ["- none recorded in the checkpoint"])
+        measured = {
+            **training.get("metrics", {}),
+            **{f"{k} (the test split, after training)": v for k, v in training.get("test", {}).items()},
+        }
+        lines += [f"- {markdown_text(name)}: {value:.4f}" for name, value in measured.items()] or [
+            "- none recorded in the checkpoint"
+        ]
     else:
         lines.append("- not recorded in the checkpoint")
-    lines += ["", "## Use with this project", "", "The checkpoint this folder was exported from opens with "
-              "`vit.load(\"last.ckpt\")` (`.predict(...)`, `.explain(...)`), and this folder's weights with "
-              "`vit.models.pretrained.create_vit(\"path/to/this/folder/model.safetensors\", ...)` and the sizes above."]
+    lines += [
+        "",
+        "## Use with this project",
+        "",
+        "The checkpoint this folder was exported from opens with "
+        '`vit.load("last.ckpt")` (`.predict(...)`, `.explain(...)`), and this folder\'s weights with '
+        '`vit.models.pretrained.create_vit("path/to/this/folder/model.safetensors", ...)` and the sizes above.',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -132,16 +201,29 @@ def card_data(architecture: str, training: dict, license: str | None):
 
     dataset = hub_dataset(training)
     results = [
-        EvalResult(task_type="image-classification", dataset_type=dataset or "custom",
-                   dataset_name=dataset or str(training.get("data_module", "custom")).rsplit(".", 1)[-1],
-                   dataset_split="test", metric_type=kind, metric_name=label, metric_value=float(value))
+        EvalResult(
+            task_type="image-classification",
+            dataset_type=dataset or "custom",
+            dataset_name=dataset or str(training.get("data_module", "custom")).rsplit(".", 1)[-1],
+            dataset_split="test",
+            metric_type=kind,
+            metric_name=label,
+            metric_value=float(value),
+        )
         for key, (kind, label) in HUB_METRICS.items()
         if isinstance(value := training.get("test", {}).get(key), (int, float)) and not isinstance(value, bool)
     ]
-    return ModelCardData(library_name="timm", license=license, pipeline_tag="image-classification",
-                         base_model=hub_base_model(training.get("pretrained")), datasets=[dataset] if dataset else None,
-                         metrics=["accuracy"], tags=["image-classification", "timm", "vision-transformer"],
-                         model_name=architecture if results else None, eval_results=results or None)
+    return ModelCardData(
+        library_name="timm",
+        license=license,
+        pipeline_tag="image-classification",
+        base_model=hub_base_model(training.get("pretrained")),
+        datasets=[dataset] if dataset else None,
+        metrics=["accuracy"],
+        tags=["image-classification", "timm", "vision-transformer"],
+        model_name=architecture if results else None,
+        eval_results=results or None,
+    )
 
 
 def markdown_text(value: object) -> str:
@@ -165,13 +247,23 @@ def load(ckpt_path: str | os.PathLike) -> tuple[VisionTransformer, dict, list[st
     except NotInTimm as err:
         raise ExportError(str(err)) from None
     config = timm_data_config(model.inputs)
-    data_config = {**config, "input_size": tuple(config["input_size"]), "mean": tuple(config["mean"]),
-                   "std": tuple(config["std"])}
+    data_config = {
+        **config,
+        "input_size": tuple(config["input_size"]),
+        "mean": tuple(config["mean"]),
+        "std": tuple(config["std"]),
+    }
     return model.model, data_config, list(model.class_names), dict(model.training)
 
 
-def export(backbone: VisionTransformer, out: Path, data_config: dict, names: list[str],
-           training: dict | None = None, license: str | None = None) -> None:
+def export(
+    backbone: VisionTransformer,
+    out: Path,
+    data_config: dict,
+    names: list[str],
+    training: dict | None = None,
+    license: str | None = None,
+) -> None:
     """Write `FILES` into `out` (created), through a temporary folder beside it."""
     from timm.models import save_for_hf
 
@@ -202,8 +294,10 @@ def check_out(out: Path, overwrite: bool) -> None:
             raise ExportError(f"--out {out} is {file_kind(os.lstat(out).st_mode)}; give a folder (it is created)")
         return
     if any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out} is a folder that is not empty; pass --overwrite to write model.safetensors, "
-                          "config.json and README.md into it (other files are left alone)")
+        raise ExportError(
+            f"--out {out} is a folder that is not empty; pass --overwrite to write model.safetensors, "
+            "config.json and README.md into it (other files are left alone)"
+        )
     for name in FILES:
         check_output("--out", out / name, overwrite)
 
@@ -211,15 +305,24 @@ def check_out(out: Path, overwrite: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     options = parser("vit.export", __doc__)
     options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
-    options.add_argument("--out", required=True, type=Path,
-                         help="folder to write model.safetensors, config.json and README.md")
+    options.add_argument(
+        "--out", required=True, type=Path, help="folder to write model.safetensors, config.json and README.md"
+    )
     options.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
-    options.add_argument("--license", type=hub_license, help="the Hub license id for the model card's front matter "
-                         "(apache-2.0, mit, cc-by-4.0, other, ...); default: none written, because the weights' "
-                         "license follows from the base model's and the data's, which only you know")
-    options.add_argument("--push_to_hub", type=hub_repo, metavar="ORG/NAME",
-                         help="after writing --out, upload its files to this Hugging Face Hub repo (created if it does "
-                         "not exist); needs the network and a token (`hf auth login`)")
+    options.add_argument(
+        "--license",
+        type=hub_license,
+        help="the Hub license id for the model card's front matter "
+        "(apache-2.0, mit, cc-by-4.0, other, ...); default: none written, because the weights' "
+        "license follows from the base model's and the data's, which only you know",
+    )
+    options.add_argument(
+        "--push_to_hub",
+        type=hub_repo,
+        metavar="ORG/NAME",
+        help="after writing --out, upload its files to this Hugging Face Hub repo (created if it does "
+        "not exist); needs the network and a token (`hf auth login`)",
+    )
     options.add_argument("--private", action="store_true", help="with --push_to_hub: create the repo private")
     return run(options.parse_args(argv), prepare, write)
 
@@ -227,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
 def hub_repo(text: str) -> str:
     """`--push_to_hub` as the Hub spells a model repo (`org/name`), else an error naming the form."""
     if text.count("/") != 1 or not is_hub_id(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a Hub repo id: org/name, of letters, digits, '-', '_' "
-                                         "and '.'")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Hub repo id: org/name, of letters, digits, '-', '_' and '.'"
+        )
     return text
 
 
@@ -240,11 +344,18 @@ def push(out: Path, repo: str, private: bool) -> int:
     try:
         api = HfApi()
         api.create_repo(repo, private=private, exist_ok=True)
-        api.upload_folder(repo_id=repo, folder_path=out, allow_patterns=list(FILES),
-                          commit_message="Upload a ViT exported by vit.export")
+        api.upload_folder(
+            repo_id=repo,
+            folder_path=out,
+            allow_patterns=list(FILES),
+            commit_message="Upload a ViT exported by vit.export",
+        )
     except Exception as err:  # noqa: BLE001  (huggingface_hub raises many kinds: offline, HTTP, auth)
-        print(f"error: --push_to_hub {repo}: {out} is written, but it could not be uploaded: "
-              f"{type(err).__name__}: {first_line(err)}", file=sys.stderr)
+        print(
+            f"error: --push_to_hub {repo}: {out} is written, but it could not be uploaded: "
+            f"{type(err).__name__}: {first_line(err)}",
+            file=sys.stderr,
+        )
         return 1
     print(f"pushed to https://huggingface.co/{repo}")
     return 0
@@ -253,8 +364,10 @@ def push(out: Path, repo: str, private: bool) -> int:
 def hub_license(text: str) -> str:
     """`--license` as the Hub spells its license ids (`apache-2.0`), else an error naming the form."""
     if not _LICENSE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a Hub license id: lowercase letters, digits, '.', '+' "
-                                         "and '-', like apache-2.0, mit, cc-by-4.0 or other")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Hub license id: lowercase letters, digits, '.', '+' "
+            "and '-', like apache-2.0, mit, cc-by-4.0 or other"
+        )
     return text
 
 
@@ -272,10 +385,13 @@ def write(args: argparse.Namespace, prepared: tuple[VisionTransformer, dict, lis
     try:
         export(backbone, args.out, data_config, names, training, args.license)
     except (OSError, SafetensorError) as err:  # a full disk: the temporary folder is gone, --out is untouched
-        return write_failed("--out", args.out / "model.safetensors" if isinstance(err, SafetensorError) else args.out,
-                            err)
-    print(f"wrote {args.out / 'model.safetensors'}, config.json and README.md ({len(names)} classes); "
-          f"load with timm.create_model('local-dir:{args.out}', pretrained=True)")
+        return write_failed(
+            "--out", args.out / "model.safetensors" if isinstance(err, SafetensorError) else args.out, err
+        )
+    print(
+        f"wrote {args.out / 'model.safetensors'}, config.json and README.md ({len(names)} classes); "
+        f"load with timm.create_model('local-dir:{args.out}', pretrained=True)"
+    )
     return push(args.out, args.push_to_hub, args.private) if args.push_to_hub else 0
 
 

@@ -29,17 +29,21 @@ class PredictError(ValueError):
 def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
     """Refuse bad paths before any work: a missing input folder, an output inside it, or one that cannot be written."""
     if not input_dir.is_dir():
-        raise PredictError(f"--input_dir {input_dir} is not a folder"
-                           + ("" if input_dir.exists() else " (it does not exist)"))
+        raise PredictError(
+            f"--input_dir {input_dir} is not a folder" + ("" if input_dir.exists() else " (it does not exist)")
+        )
     if input_dir.resolve() in output.resolve().parents:
-        raise PredictError(f"--output {output} is inside --input_dir {input_dir}; write it elsewhere, "
-                           "the input folder is left untouched")
+        raise PredictError(
+            f"--output {output} is inside --input_dir {input_dir}; write it elsewhere, "
+            "the input folder is left untouched"
+        )
     check_output("--output", output, overwrite)
     try:
         tempfile.TemporaryFile(dir=output.parent).close()
     except OSError as err:
-        raise PredictError(f"--output {output}: its folder {output.parent} cannot be written "
-                           f"({err.strerror or err})") from None
+        raise PredictError(
+            f"--output {output}: its folder {output.parent} cannot be written ({err.strerror or err})"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument("--batch_size", type=int, default=256, help="images per forward pass")
     options.add_argument("--num_workers", type=int, default=2, help="processes decoding images (at most the cores)")
     options.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N or mps")
-    options.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"],
-                         help="autocast the model to bfloat16 or float16 (fp16: on a GPU)")
+    options.add_argument(
+        "--precision",
+        default="32",
+        choices=["32", "bf16", "fp16"],
+        help="autocast the model to bfloat16 or float16 (fp16: on a GPU)",
+    )
     return run(options.parse_args(argv), prepare, predict)
 
 
@@ -88,9 +96,12 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
     batch_size = fitting_batch_size(args.batch_size, predictor.inputs)  # before any image is decoded
     if batch_size < args.batch_size:
         channels, (height, width) = predictor.inputs["in_chans"], predictor.inputs["img_size"]
-        print(f"note: --batch_size {args.batch_size} images of {channels} x {height} x {width} would hold "
-              f"{args.batch_size * 4 * channels * height * width / 2**30:.1f} GiB of input; decoding {batch_size} "
-              f"per batch (at most {INPUT_BYTES / 2**30:g} GiB)", file=sys.stderr)
+        print(
+            f"note: --batch_size {args.batch_size} images of {channels} x {height} x {width} would hold "
+            f"{args.batch_size * 4 * channels * height * width / 2**30:.1f} GiB of input; decoding {batch_size} "
+            f"per batch (at most {INPUT_BYTES / 2**30:g} GiB)",
+            file=sys.stderr,
+        )
 
     def rows():  # each batch's rows; progress on stderr: redrawn in place on a terminal, else a line every 10 s
         done, start, shown, tty = 0, time.monotonic(), 0.0, sys.stderr.isatty()
@@ -99,8 +110,7 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
             done += len(indices) + len(unread)
             if x is not None:  # an image of NaN pixels is the file's fault: skipped, as an unreadable one
                 finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()
-                skipped.update({files.names[i]: NON_FINITE
-                                for i, ok in zip(indices, finite) if not ok})
+                skipped.update({files.names[i]: NON_FINITE for i, ok in zip(indices, finite) if not ok})
                 indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
             if x is not None and indices:
                 try:
@@ -111,8 +121,12 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
             now = time.monotonic()
             if tty or now - shown >= 10 or done == len(files):
                 shown = now
-                print(f"{args.input_dir}: {done}/{len(files)} images, {done / max(now - start, 1e-9):.1f} images/s",
-                      file=sys.stderr, flush=True, end="\r" if tty and done < len(files) else "\n")
+                print(
+                    f"{args.input_dir}: {done}/{len(files)} images, {done / max(now - start, 1e-9):.1f} images/s",
+                    file=sys.stderr,
+                    flush=True,
+                    end="\r" if tty and done < len(files) else "\n",
+                )
 
     header = prediction_table([], torch.zeros(0, len(names)), names, args.topk)[0]
     try:

@@ -48,8 +48,16 @@ def runner_shortcuts(results: Path, audit: Path | None = None, relation: Path = 
     for r in audited:
         setting = r["region"].split(" ")[0]
         largest[setting] = max(largest.get(setting, 0), int(r.get("n") or 0))  # the first audit: no n
-    rows = [{"task": "arrangement", "baseline": f"{r['baseline']}@{r['region']}", "accuracy": r["accuracy"],
-             "what": r["what"]} for r in audited if int(r.get("n") or 0) == largest[r["region"].split(" ")[0]]]
+    rows = [
+        {
+            "task": "arrangement",
+            "baseline": f"{r['baseline']}@{r['region']}",
+            "accuracy": r["accuracy"],
+            "what": r["what"],
+        }
+        for r in audited
+        if int(r.get("n") or 0) == largest[r["region"].split(" ")[0]]
+    ]
     rows += [r for r in _rows(relation) if r["task"] == "same_different"]
     with (results / "shortcuts.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["task", "baseline", "accuracy", "what"], lineterminator="\n")
@@ -81,10 +89,14 @@ def _by_model(rows: list[dict], experiment: str) -> dict[str, list[dict]]:
 def held_out_table(rows: list[dict], results: Path) -> list[str]:
     """Per model: the accuracy on the "same" pairs (the unseen stroke twice), on the "different" ones (the unseen
     stroke beside a trained one), overall, and the in-distribution validation accuracy (the three trained strokes)."""
-    lines = ["## held_out: `same_different` with the anti-diagonal stroke never trained on", "",
-             "Every test pair holds the unseen stroke. Validation (3 trained strokes) is in distribution.", "",
-             "| model | n | val (trained strokes) | test overall | test \"same\" (unseen twice) | test \"different\" |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "## held_out: `same_different` with the anti-diagonal stroke never trained on",
+        "",
+        "Every test pair holds the unseen stroke. Validation (3 trained strokes) is in distribution.",
+        "",
+        '| model | n | val (trained strokes) | test overall | test "same" (unseen twice) | test "different" |',
+        "|---|---|---|---|---|---|",
+    ]
     for model, runs in _by_model(rows, "held_out").items():
         same, diff = [], []
         for r in runs:
@@ -92,19 +104,24 @@ def held_out_table(rows: list[dict], results: Path) -> list[str]:
             correct = z["test_pred"] == z["test_label"]
             same.append(float(correct[z["test_label"] == 1].mean()))
             diff.append(float(correct[z["test_label"] == 0].mean()))
-        lines.append(f"| {model} | {len(runs)} | {_spread([float(r['val_acc']) for r in runs])} | "
-                     f"{_spread([float(r['test_acc']) for r in runs])} | {_spread(same)} | {_spread(diff)} |")
+        lines.append(
+            f"| {model} | {len(runs)} | {_spread([float(r['val_acc']) for r in runs])} | "
+            f"{_spread([float(r['test_acc']) for r in runs])} | {_spread(same)} | {_spread(diff)} |"
+        )
     return lines + [""]
 
 
 def span_ood_table(rows: list[dict], results: Path) -> list[str]:
     """Per model: the validation accuracy on the trained spans (<= 20) against the test on unseen spans (21-32)."""
-    lines = ["## span_ood: trained on spans <= 20 px, tested on spans 21-32", "",
-             "Each span bin: the median [min-max] of the runs' accuracies on its images, then (after the slash) all "
-             "runs' images of the bin pooled.", "",
-             "| model | n | val (spans <= 20) | test (21-32) | test 21-24 | test 25-28 | test 29-32 | "
-             "runs (val / test) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## span_ood: trained on spans <= 20 px, tested on spans 21-32",
+        "",
+        "Each span bin: the median [min-max] of the runs' accuracies on its images, then (after the slash) all "
+        "runs' images of the bin pooled.",
+        "",
+        "| model | n | val (spans <= 20) | test (21-32) | test 21-24 | test 25-28 | test 29-32 | runs (val / test) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for model, runs in _by_model(rows, "span_ood").items():
         bins = {b: [] for b in ((21, 24), (25, 28), (29, 32))}
         pooled = {b: [0, 0] for b in bins}  # (right, images) over every run
@@ -117,10 +134,12 @@ def span_ood_table(rows: list[dict], results: Path) -> list[str]:
                 pooled[(lo, hi)][0] += int(correct[inside].sum())
                 pooled[(lo, hi)][1] += int(inside.sum())
         each = " ".join(f"{100 * float(r['val_acc']):.1f}/{100 * float(r['test_acc']):.1f}" for r in runs)
-        lines.append(f"| {model} | {len(runs)} | {_spread([float(r['val_acc']) for r in runs])} | "
-                     f"{_spread([float(r['test_acc']) for r in runs])} | " +
-                     " | ".join(f"{_spread(v)} / {100 * pooled[b][0] / pooled[b][1]:.1f}" for b, v in bins.items())
-                     + f" | {each} |")
+        lines.append(
+            f"| {model} | {len(runs)} | {_spread([float(r['val_acc']) for r in runs])} | "
+            f"{_spread([float(r['test_acc']) for r in runs])} | "
+            + " | ".join(f"{_spread(v)} / {100 * pooled[b][0] / pooled[b][1]:.1f}" for b, v in bins.items())
+            + f" | {each} |"
+        )
     return lines + [""]
 
 
@@ -141,8 +160,18 @@ def run_blocking(rows: list[dict], results: Path, runs_dir: Path) -> None:
             print(f"no checkpoint for {r['key']} under {runs_dir}: rerun the study to make it", file=sys.stderr)
             continue
         result = blocking_accuracies(ckpts[-1], conditions=conditions, max_images=BLOCKING_IMAGES)
-        append_rows(out, columns, [{"key": r["key"], "model": r["model"], "seed": r["seed"],
-                                    **{k: result[k] for k in ("images", "left_out", *conditions)}}])
+        append_rows(
+            out,
+            columns,
+            [
+                {
+                    "key": r["key"],
+                    "model": r["model"],
+                    "seed": r["seed"],
+                    **{k: result[k] for k in ("images", "left_out", *conditions)},
+                }
+            ],
+        )
         print(f"blocking: {r['key']} done", flush=True)
 
 
@@ -154,12 +183,15 @@ def blocking_table(results: Path) -> list[str]:
         return []
     rows = _rows(path)
     blocked = [m for m in BLOCKED_MODELS if any(r["model"] == m for r in rows)]
-    lines = ["## Attention blocking (experiment `relation`, at test time, every layer)", "",
-             f"The first {BLOCKING_IMAGES} test images of each run, less those where one token's window holds "
-             "ink of both discs (`images` kept). `studies/runner/attention_blocking.py` defines the conditions.", "",
-             "| condition | " + " | ".join(f"{m} (n={sum(r['model'] == m for r in rows)})" for m in blocked)
-             + " |",
-             "|---" * (len(blocked) + 1) + "|"]
+    lines = [
+        "## Attention blocking (experiment `relation`, at test time, every layer)",
+        "",
+        f"The first {BLOCKING_IMAGES} test images of each run, less those where one token's window holds "
+        "ink of both discs (`images` kept). `studies/runner/attention_blocking.py` defines the conditions.",
+        "",
+        "| condition | " + " | ".join(f"{m} (n={sum(r['model'] == m for r in rows)})" for m in blocked) + " |",
+        "|---" * (len(blocked) + 1) + "|",
+    ]
     for condition in ("images", *CONDITIONS, *CLS_CONDITIONS):
         cells = []
         for m in blocked:
@@ -175,16 +207,23 @@ def blocking_table(results: Path) -> list[str]:
 def write(rows: list[dict], results: Path) -> None:
     """``arrangement.md``: the held-out, span and blocking tables (printed too)."""
     names, tables = [], []
-    for name, experiment, table in (("the held-out stroke", "held_out", held_out_table),
-                                    ("the unseen spans", "span_ood", span_ood_table)):
+    for name, experiment, table in (
+        ("the held-out stroke", "held_out", held_out_table),
+        ("the unseen spans", "span_ood", span_ood_table),
+    ):
         if _by_model(rows, experiment):
             names.append(name)
             tables += table(rows, results)
     if (results / "blocking.csv").exists():
         names.append("attention blocking")
         tables += blocking_table(results)
-    lines = [f"# Arrangement study: {', '.join(names)}", "",
-             "Generated by `python -m studies.arrangement` from `runs.csv`, the per-image predictions and "
-             "`blocking.csv`. Test accuracy (%), median [min-max] over the seeds.", "", *tables]
+    lines = [
+        f"# Arrangement study: {', '.join(names)}",
+        "",
+        "Generated by `python -m studies.arrangement` from `runs.csv`, the per-image predictions and "
+        "`blocking.csv`. Test accuracy (%), median [min-max] over the seeds.",
+        "",
+        *tables,
+    ]
     (results / "arrangement.md").write_text("\n".join(lines))
     print("\n".join(lines))

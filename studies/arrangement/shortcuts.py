@@ -91,10 +91,14 @@ class Images:
         """The images of ``datasets``, in order."""
         pixels = np.concatenate([ds.images[:, 0].numpy() for ds in datasets])  # (N, H, W)
         labels = np.concatenate([ds.labels.numpy() for ds in datasets])
-        return cls(labels=labels, centres=np.concatenate([ds.positions.numpy() for ds in datasets]) + DISC_SIZE // 2,
-                   span=np.concatenate([ds.span.numpy() for ds in datasets]), pixels=pixels.reshape(len(pixels), -1),
-                   blobs=np.array([ndimage.label(im > 0.5)[1] for im in pixels]),
-                   pick=np.random.default_rng(PICK_SEED).integers(2, size=len(labels)))
+        return cls(
+            labels=labels,
+            centres=np.concatenate([ds.positions.numpy() for ds in datasets]) + DISC_SIZE // 2,
+            span=np.concatenate([ds.span.numpy() for ds in datasets]),
+            pixels=pixels.reshape(len(pixels), -1),
+            blobs=np.array([ndimage.label(im > 0.5)[1] for im in pixels]),
+            pick=np.random.default_rng(PICK_SEED).integers(2, size=len(labels)),
+        )
 
     def within(self, lo: int, hi: int) -> Images:
         """The images whose span is in ``[lo, hi]``."""
@@ -137,8 +141,9 @@ def span_subsets(cfg: dict, experiment: str, lo: int, hi: int) -> dict[tuple[int
     return {k: "; ".join(v) for k, v in subsets.items()}
 
 
-def _split(init_args: dict, split: str, num_samples: int | None = None,
-           region: str | None = None) -> ArrangementDataset:
+def _split(
+    init_args: dict, split: str, num_samples: int | None = None, region: str | None = None
+) -> ArrangementDataset:
     """The ``split`` (``test`` or ``val``) of the data module a run makes from ``init_args``, as the run makes it;
     ``num_samples`` images (default: the run's), in ``region`` (default: the run's region of that split; the
     translation test scores the test split placed in its ``shift_region``)."""
@@ -202,8 +207,9 @@ def subset_label(setting: str, lo: int, hi: int) -> str:
     return f"{setting} {lo}" if lo == hi else f"{setting} {lo}-{hi}"
 
 
-def audit_subset(fit: Images, test: Images, label: str, *, img_size: int = 32, relation: bool = False,
-                 mlp: bool = True) -> list[dict]:
+def audit_subset(
+    fit: Images, test: Images, label: str, *, img_size: int = 32, relation: bool = False, mlp: bool = True
+) -> list[dict]:
     """Rows ``{region, n, baseline, accuracy, low, high, shortcut, what}`` of every shortcut fit on ``fit`` and scored
     on ``test`` (``region``: the subset's ``label``); with ``relation``, the baselines that read the relation too."""
     ytr, yte, ctr, cte = fit.labels, test.labels, fit.centres, test.centres
@@ -211,8 +217,18 @@ def audit_subset(fit: Images, test: Images, label: str, *, img_size: int = 32, r
 
     def add(name: str, acc: float, what: str) -> None:
         low, high = clopper_pearson(round(acc * len(yte)), len(yte))
-        rows.append({"region": label, "n": len(yte), "baseline": name, "accuracy": round(acc, 4), "low": round(low, 4),
-                     "high": round(high, 4), "shortcut": name not in NOT_SHORTCUTS, "what": what})
+        rows.append(
+            {
+                "region": label,
+                "n": len(yte),
+                "baseline": name,
+                "accuracy": round(acc, 4),
+                "low": round(low, 4),
+                "high": round(high, 4),
+                "shortcut": name not in NOT_SHORTCUTS,
+                "what": what,
+            }
+        )
 
     def bayes(name: str, key, what: str) -> None:
         add(name, bayes_accuracy(key(fit), ytr, key(test), yte), what)
@@ -222,18 +238,33 @@ def audit_subset(fit: Images, test: Images, label: str, *, img_size: int = 32, r
 
     for k, name in enumerate(("disc_a", "disc_b")):
         bayes(name, lambda im, k=k: pixel(im.centres[:, k]), f"Bayes on the centre pixel of disc {name[-1]} alone")
-    bayes("disc_random", lambda im: pixel(im.centres[np.arange(len(im.pick)), im.pick]),
-          "Bayes on the centre pixel of one disc chosen at random")
-    bayes("midpoint", lambda im: im.centres[..., 0].sum(1) * 2 * img_size + im.centres[..., 1].sum(1),
-          "Bayes on the midpoint (half pixels)")
+    bayes(
+        "disc_random",
+        lambda im: pixel(im.centres[np.arange(len(im.pick)), im.pick]),
+        "Bayes on the centre pixel of one disc chosen at random",
+    )
+    bayes(
+        "midpoint",
+        lambda im: im.centres[..., 0].sum(1) * 2 * img_size + im.centres[..., 1].sum(1),
+        "Bayes on the midpoint (half pixels)",
+    )
     bayes("span", lambda im: im.span, "Bayes on the span")
-    bayes("distance", lambda im: np.rint(np.hypot(*(im.centres[:, 1] - im.centres[:, 0]).T)).astype(np.int64),
-          "Bayes on the rounded centre distance")
-    add("ink", logreg_accuracy(fit.pixels.sum(1, keepdims=True), ytr, test.pixels.sum(1, keepdims=True), yte),
-        "logistic regression on the total ink")
+    bayes(
+        "distance",
+        lambda im: np.rint(np.hypot(*(im.centres[:, 1] - im.centres[:, 0]).T)).astype(np.int64),
+        "Bayes on the rounded centre distance",
+    )
+    add(
+        "ink",
+        logreg_accuracy(fit.pixels.sum(1, keepdims=True), ytr, test.pixels.sum(1, keepdims=True), yte),
+        "logistic regression on the total ink",
+    )
     bayes("parts", lambda im: im.blobs, "Bayes on the number of blobs in the pixels")
-    bayes("quadrants", lambda im: _cells(im.centres, img_size // 2, img_size),
-          "Bayes on the quadrants of both discs (unordered)")
+    bayes(
+        "quadrants",
+        lambda im: _cells(im.centres, img_size // 2, img_size),
+        "Bayes on the quadrants of both discs (unordered)",
+    )
     add("pixels_logreg", logreg_accuracy(fit.pixels, ytr, test.pixels, yte), "logistic regression on the raw pixels")
 
     def two_hot(c):
@@ -241,22 +272,34 @@ def audit_subset(fit: Images, test: Images, label: str, *, img_size: int = 32, r
         np.add.at(out, (np.arange(len(c))[:, None], c[..., 0] * img_size + c[..., 1]), 1.0)
         return out
 
-    add("centres_logreg", logreg_accuracy(two_hot(ctr), ytr, two_hot(cte), yte),
-        "logistic regression on the two-hot map of the centres")
+    add(
+        "centres_logreg",
+        logreg_accuracy(two_hot(ctr), ytr, two_hot(cte), yte),
+        "logistic regression on the two-hot map of the centres",
+    )
     if not relation:
         return rows
-    bayes("grid4", lambda im: _cells(im.centres, img_size // 4, img_size),
-          "Bayes on the cells of a 4x4 grid of both discs (unordered): the relation at 8 px")
+    bayes(
+        "grid4",
+        lambda im: _cells(im.centres, img_size // 4, img_size),
+        "Bayes on the cells of a 4x4 grid of both discs (unordered): the relation at 8 px",
+    )
 
     def sorted_centres(c):
         order = np.argsort(pixel(c), axis=1)  # (N, 2)
         return np.take_along_axis(c, order[..., None], axis=1).reshape(len(c), 4)
 
-    add("positions_sorted", _trees_accuracy(sorted_centres(ctr), ytr, sorted_centres(cte), yte),
-        "gradient-boosted trees on both centres, sorted: the relation itself")
+    add(
+        "positions_sorted",
+        _trees_accuracy(sorted_centres(ctr), ytr, sorted_centres(cte), yte),
+        "gradient-boosted trees on both centres, sorted: the relation itself",
+    )
     if mlp:
-        add("pixels_mlp", _mlp_accuracy(fit.pixels, ytr, test.pixels, yte),
-            "2-layer MLP (256 hidden) on the raw pixels: a model")
+        add(
+            "pixels_mlp",
+            _mlp_accuracy(fit.pixels, ytr, test.pixels, yte),
+            "2-layer MLP (256 hidden) on the raw pixels: a model",
+        )
     return rows
 
 
@@ -265,8 +308,14 @@ def audit(setting: Setting, *, img_size: int = 32, mlp: bool = True) -> list[dic
     lo, hi = int(setting.scored.span.min()), int(setting.scored.span.max())
     rows = []
     for (a, b), _ in setting.subsets.items():
-        rows += audit_subset(setting.fit.within(a, b), setting.scored.within(a, b), subset_label(setting.name, a, b),
-                             img_size=img_size, relation=(a, b) == (lo, hi), mlp=mlp)
+        rows += audit_subset(
+            setting.fit.within(a, b),
+            setting.scored.within(a, b),
+            subset_label(setting.name, a, b),
+            img_size=img_size,
+            relation=(a, b) == (lo, hi),
+            mlp=mlp,
+        )
     return rows
 
 
@@ -284,46 +333,74 @@ def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: flo
     def interval(r: dict) -> str:
         return f"{100 * r['accuracy']:.1f} [{100 * r['low']:.1f}, {100 * r['high']:.1f}]"
 
-    lines = ["# Arrangement: shortcut audit per span subset, test accuracy (%) with exact 95% intervals", "",
-             (f"Generated by `{command}` in {seconds:.0f} s (one process, "
-              f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`); balanced classes (chance 50%). "
-              "Scored on the study's own images (each setting: one split of every seed, as the study's runs draw "
-              "it, pooled), on every subset of spans that a table scores; each baseline fit on the same spans of a "
-              f"fresh draw of the same law. A shortcut passes at most {100 * LIMIT:.0f}%. Cells: accuracy; the "
-              "last column the subset's highest shortcut with its interval (every interval: `shortcuts.csv`)."), ""]
+    lines = [
+        "# Arrangement: shortcut audit per span subset, test accuracy (%) with exact 95% intervals",
+        "",
+        (
+            f"Generated by `{command}` in {seconds:.0f} s (one process, "
+            f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`); balanced classes (chance 50%). "
+            "Scored on the study's own images (each setting: one split of every seed, as the study's runs draw "
+            "it, pooled), on every subset of spans that a table scores; each baseline fit on the same spans of a "
+            f"fresh draw of the same law. A shortcut passes at most {100 * LIMIT:.0f}%. Cells: accuracy; the "
+            "last column the subset's highest shortcut with its interval (every interval: `shortcuts.csv`)."
+        ),
+        "",
+    ]
     for s in settings:
-        lines += [f"## `{s.name}`: {len(s.scored.labels):,} images scored, fit on {len(s.fit.labels):,}", "",
-                  "| spans | n | scored by | " + " | ".join(shortcuts) + " | highest |",
-                  "|---" * (len(shortcuts) + 4) + "|"]
+        lines += [
+            f"## `{s.name}`: {len(s.scored.labels):,} images scored, fit on {len(s.fit.labels):,}",
+            "",
+            "| spans | n | scored by | " + " | ".join(shortcuts) + " | highest |",
+            "|---" * (len(shortcuts) + 4) + "|",
+        ]
         for (a, b), why in s.subsets.items():
             label = subset_label(s.name, a, b)
             cells = [table[(label, name)] for name in shortcuts]
             top = max(cells, key=lambda r: r["accuracy"])
-            lines.append(f"| {label.split(' ')[-1]} | {cells[0]['n']} | {why} | " +
-                         " | ".join(f"{100 * r['accuracy']:.1f}" for r in cells) +
-                         f" | {top['baseline']} {interval(top)} |")
+            lines.append(
+                f"| {label.split(' ')[-1]} | {cells[0]['n']} | {why} | "
+                + " | ".join(f"{100 * r['accuracy']:.1f}" for r in cells)
+                + f" | {top['baseline']} {interval(top)} |"
+            )
         lines.append("")
     relation = [r for r in rows if not r["shortcut"]]
     models = list(dict.fromkeys(r["baseline"] for r in relation))
-    lines += ["## Not shortcuts: the relation read, on every image of each setting", "",
-              "| setting | " + " | ".join(models) + " |", "|---" * (len(models) + 1) + "|"]
+    lines += [
+        "## Not shortcuts: the relation read, on every image of each setting",
+        "",
+        "| setting | " + " | ".join(models) + " |",
+        "|---" * (len(models) + 1) + "|",
+    ]
     for region in dict.fromkeys(r["region"] for r in relation):
-        lines.append(f"| {region} | " + " | ".join(interval(table[(region, m)]) if (region, m) in table else "–"
-                                                    for m in models) + " |")
-    failed = [f"{r['baseline']} ({r['region']}: {100 * r['accuracy']:.1f}%)" for r in rows
-              if r["shortcut"] and r["accuracy"] > LIMIT]
+        lines.append(
+            f"| {region} | "
+            + " | ".join(interval(table[(region, m)]) if (region, m) in table else "–" for m in models)
+            + " |"
+        )
+    failed = [
+        f"{r['baseline']} ({r['region']}: {100 * r['accuracy']:.1f}%)"
+        for r in rows
+        if r["shortcut"] and r["accuracy"] > LIMIT
+    ]
     worst = max((r for r in rows if r["shortcut"]), key=lambda r: r["accuracy"])
     what = {r["baseline"]: r["what"] for r in rows}
-    lines += ["", f"Shortcuts above {100 * LIMIT:.0f}%: " + (", ".join(failed) if failed else "none") +
-              f". Highest: {worst['baseline']} on `{worst['region']}`, {interval(worst)}.", "",
-              *[f"- `{b}`: {what[b]}" for b in what], ""]
+    lines += [
+        "",
+        f"Shortcuts above {100 * LIMIT:.0f}%: "
+        + (", ".join(failed) if failed else "none")
+        + f". Highest: {worst['baseline']} on `{worst['region']}`, {interval(worst)}.",
+        "",
+        *[f"- `{b}`: {what[b]}" for b in what],
+        "",
+    ]
     (out_dir / "shortcuts.md").write_text("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m studies.arrangement.shortcuts`: the audit, into ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m studies.arrangement.shortcuts",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.arrangement.shortcuts", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", required=True, help="folder for shortcuts.csv and shortcuts.md")
     parser.add_argument("--config", default=CONFIG, help="the study's config, whose images are scored")
     parser.add_argument("--num-fit", type=int, default=40_000, help="images of each fresh draw the baselines fit on")

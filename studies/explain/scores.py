@@ -37,8 +37,20 @@ MODELS = {  # name: (kind, pos_embed, register tokens)
     "vit-sincos2d-reg4": ("vit", "sincos2d", 4),  # with 4 registers (Darcet et al. 2024): do they change the maps?
 }
 TASKS = ("diagonal", "relative")
-COLUMNS = ("task", "model", "seed", "test_acc", "method", "pointing_game", "relevance_mass", "average_precision",
-           "deletion_auc", "insertion_auc", "sanity_rank_corr", "seconds_per_image")
+COLUMNS = (
+    "task",
+    "model",
+    "seed",
+    "test_acc",
+    "method",
+    "pointing_game",
+    "relevance_mass",
+    "average_precision",
+    "deletion_auc",
+    "insertion_auc",
+    "sanity_rank_corr",
+    "seconds_per_image",
+)
 
 
 def build(model: str, seed: int) -> torch.nn.Module:
@@ -48,8 +60,18 @@ def build(model: str, seed: int) -> torch.nn.Module:
     kind, pos, registers = MODELS[model]
     if kind == "cnn":
         return ResNet(img_size=32, in_chans=1, num_classes=2, widths=(16, 32, 64, 64))
-    return VisionTransformer(img_size=32, in_chans=1, num_classes=2, patch_size=4, embed_dim=64, depth=4,
-                             num_heads=4, mlp_ratio=2.0, pos_embed=pos, reg_tokens=registers)
+    return VisionTransformer(
+        img_size=32,
+        in_chans=1,
+        num_classes=2,
+        patch_size=4,
+        embed_dim=64,
+        depth=4,
+        num_heads=4,
+        mlp_ratio=2.0,
+        pos_embed=pos,
+        reg_tokens=registers,
+    )
 
 
 def train(task: str, model: str, seed: int, num_train: int, epochs: int) -> tuple[torch.nn.Module, object, float]:
@@ -61,15 +83,22 @@ def train(task: str, model: str, seed: int, num_train: int, epochs: int) -> tupl
     L.seed_everything(seed, verbose=False)
     data = TwoCirclesDataModule(task=task, num_train=num_train, num_val=200, num_test=200, seed=seed, batch_size=128)
     system = ImageClassifier(build(model, seed), lr=2e-3, weight_decay=0.05, warmup_epochs=1.0)
-    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(system, data)
     accuracy = trainer.test(system, data, verbose=False)[0]["test/acc"]
     return system.backbone.eval(), data.test_set, float(accuracy)
 
 
-def score_run(task: str, model: str, seed: int, num_train: int, epochs: int, num_images: int,
-              flow_images: int) -> list[dict]:
+def score_run(
+    task: str, model: str, seed: int, num_train: int, epochs: int, num_images: int, flow_images: int
+) -> list[dict]:
     torch.set_num_threads(1)
     net, test, accuracy = train(task, model, seed, num_train, epochs)
     fresh = build(model, seed + 1000).eval()  # the same architecture, untrained: the sanity check's reference
@@ -85,30 +114,47 @@ def score_run(task: str, model: str, seed: int, num_train: int, epochs: int, num
         start = time.perf_counter()
         maps = relevance(net, x[:n], method, **kwargs)
         seconds = (time.perf_counter() - start) / n
-        random_maps = relevance(fresh, x[:n], method, seed=seed + 1) if method != "random" else relevance(
-            net, x[:n], method, seed=seed + 1)
+        random_maps = (
+            relevance(fresh, x[:n], method, seed=seed + 1)
+            if method != "random"
+            else relevance(net, x[:n], method, seed=seed + 1)
+        )
         deletion, insertion = deletion_insertion(net, x[:n], maps, background=0.0, target=target[:n])
-        rows.append({
-            "task": task, "model": model, "seed": seed, "test_acc": f"{accuracy:.4f}", "method": method,
-            "pointing_game": f"{pointing_game(maps, masks[:n]).mean():.4f}",
-            "relevance_mass": f"{relevance_mass(maps, masks[:n]).mean():.4f}",
-            "average_precision": f"{np.nanmean(average_precision(maps, masks[:n]).numpy()):.4f}",
-            "deletion_auc": f"{deletion.mean():.4f}", "insertion_auc": f"{insertion.mean():.4f}",
-            "sanity_rank_corr": f"{np.nanmean(rank_correlation(maps, random_maps).numpy()):.4f}",
-            "seconds_per_image": f"{seconds:.4f}",
-        })
+        rows.append(
+            {
+                "task": task,
+                "model": model,
+                "seed": seed,
+                "test_acc": f"{accuracy:.4f}",
+                "method": method,
+                "pointing_game": f"{pointing_game(maps, masks[:n]).mean():.4f}",
+                "relevance_mass": f"{relevance_mass(maps, masks[:n]).mean():.4f}",
+                "average_precision": f"{np.nanmean(average_precision(maps, masks[:n]).numpy()):.4f}",
+                "deletion_auc": f"{deletion.mean():.4f}",
+                "insertion_auc": f"{insertion.mean():.4f}",
+                "sanity_rank_corr": f"{np.nanmean(rank_correlation(maps, random_maps).numpy()):.4f}",
+                "seconds_per_image": f"{seconds:.4f}",
+            }
+        )
     return rows
 
 
 def write_table(rows: list[dict], path: Path) -> None:
     """`scores.md`: per task, model and method, mean ± std over seeds of each score."""
     metrics = COLUMNS[5:11]
-    lines = ["Generated by `python -m studies.explain.scores`; mean ± std over seeds (n seeds in brackets).",
-             "Localisation (pointing game, mass, AP) is against the circles; deletion AUC lower is better, "
-             "insertion AUC higher; sanity: rank correlation with an untrained model's maps (lower is better).", ""]
+    lines = [
+        "Generated by `python -m studies.explain.scores`; mean ± std over seeds (n seeds in brackets).",
+        "Localisation (pointing game, mass, AP) is against the circles; deletion AUC lower is better, "
+        "insertion AUC higher; sanity: rank correlation with an untrained model's maps (lower is better).",
+        "",
+    ]
     for task in TASKS:
-        lines += [f"### {task}", "", "| model (test acc) | method | " + " | ".join(metrics) + " |",
-                  "|---|---|" + "---|" * len(metrics)]
+        lines += [
+            f"### {task}",
+            "",
+            "| model (test acc) | method | " + " | ".join(metrics) + " |",
+            "|---|---|" + "---|" * len(metrics),
+        ]
         for model in MODELS:
             cell = [r for r in rows if r["task"] == task and r["model"] == model]
             if not cell:
@@ -152,8 +198,10 @@ def main(argv: list[str] | None = None) -> None:
             done = {(r["task"], r["model"], int(r["seed"])) for r in csv.DictReader(f)}
     todo = [(t, m, s) for s in args.seeds for t in args.tasks for m in args.models if (t, m, s) not in done]
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(score_run, t, m, s, args.num_train, args.epochs, args.num_images, args.flow_images):
-                   (t, m, s) for t, m, s in todo}
+        futures = {
+            pool.submit(score_run, t, m, s, args.num_train, args.epochs, args.num_images, args.flow_images): (t, m, s)
+            for t, m, s in todo
+        }
         for future in futures:
             rows = future.result()
             append_rows(csv_path, COLUMNS, rows)

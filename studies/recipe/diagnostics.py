@@ -57,8 +57,9 @@ def grad_norms(model: nn.Module) -> dict[str, float]:
     return norms
 
 
-def token_probe(model: nn.Module, x: torch.Tensor, token_labels: torch.Tensor, block: int = 0,
-                ridge: float = 1e-3) -> float:
+def token_probe(
+    model: nn.Module, x: torch.Tensor, token_labels: torch.Tensor, block: int = 0, ridge: float = 1e-3
+) -> float:
     """Accuracy of a linear probe from the patch tokens after `block` to `token_labels` `(B, num_patches)`.
 
     Labels are class indices, -1 for tokens without one. The probe is ridge regression onto

@@ -33,8 +33,18 @@ from studies.recipe.diagnostics import attention_stats, grad_norms, token_probe
 from studies.runner.rows import append_rows
 from vit.data.same_different import SameDifferentDataModule
 
-COLUMNS = ("candidate", "seed", "lr", "steps", "steps_done", "test_acc", "left_plateau_at", "final_train_loss",
-           "s_per_step", "settings")
+COLUMNS = (
+    "candidate",
+    "seed",
+    "lr",
+    "steps",
+    "steps_done",
+    "test_acc",
+    "left_plateau_at",
+    "final_train_loss",
+    "s_per_step",
+    "settings",
+)
 PLATEAU = 0.6  # a running mean loss below this (ln 2 = 0.693) has left the chance plateau
 
 
@@ -51,8 +61,15 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, decay_fraction:
 def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict:
     """One bare training run; returns the CSV row's values. Every 50 steps, the plateau diagnostics
     (`studies.recipe.diagnostics`) on 128 validation images go to `curve_path` (JSON), untimed."""
-    data = SameDifferentDataModule(num_train=settings["num_train"], num_val=128, num_test=settings["num_test"],
-                                   train_region="left", test_region="left", seed=seed, batch_size=64)
+    data = SameDifferentDataModule(
+        num_train=settings["num_train"],
+        num_val=128,
+        num_test=settings["num_test"],
+        train_region="left",
+        test_region="left",
+        seed=seed,
+        batch_size=64,
+    )
     data.setup()
     x_train, y_train = data.train_set.images.contiguous(), data.train_set.labels
     x_probe, probe_labels = data.val_set.images, data.val_set.token_labels(settings["model"]["patch_size"])
@@ -60,8 +77,7 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
     torch.manual_seed(seed)
     model = screened.build(img_size=32, in_chans=1, num_classes=2, **settings["model"])
     groups = param_groups_weight_decay(model, settings["weight_decay"], no_weight_decay_list=model.no_weight_decay())
-    optimizer = torch.optim.AdamW(groups, lr=settings["lr"],
-                                  betas=tuple(settings["betas"]))
+    optimizer = torch.optim.AdamW(groups, lr=settings["lr"], betas=tuple(settings["betas"]))
     steps, batch = settings["steps"], settings["batch_size"]
     warmup = int(settings["warmup_fraction"] * steps)
     generator = torch.Generator().manual_seed(seed)
@@ -74,16 +90,21 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
             order = torch.randperm(len(y_train), generator=generator)
         idx, order = order[:batch], order[batch:]
         for group in optimizer.param_groups:
-            group["lr"] = settings["lr"] * lr_factor(step, steps, warmup, settings["schedule"],
-                                                     settings.get("decay_fraction", 0.2))
+            group["lr"] = settings["lr"] * lr_factor(
+                step, steps, warmup, settings["schedule"], settings.get("decay_fraction", 0.2)
+            )
         loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if step % 50 == 0:
             tic = time.perf_counter()
             model.eval()
-            point = {"step": step, "loss": sum(losses[-50:]) / max(1, len(losses[-50:])), **grad_norms(model),
-                     **attention_stats(model, x_probe)}
+            point = {
+                "step": step,
+                "loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+                **grad_norms(model),
+                **attention_stats(model, x_probe),
+            }
             for block in (0, len(model.blocks) - 1):
                 point[f"probe/block{block}_acc"] = token_probe(model, x_probe, probe_labels, block=block)
             curve.append(point)
@@ -104,10 +125,14 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
     model.eval()
     with torch.no_grad():
         x_test, y_test = data.test_set.images, data.test_set.labels
-        predicted = torch.cat([model(x_test[i:i + 500]).argmax(-1) for i in range(0, len(y_test), 500)])
-    return {"test_acc": f"{(predicted == y_test).float().mean().item():.4f}", "left_plateau_at": left_at or "",
-            "final_train_loss": f"{sum(losses[-50:]) / 50:.4f}", "s_per_step": f"{seconds / steps_done:.4f}",
-            "steps_done": steps_done}
+        predicted = torch.cat([model(x_test[i : i + 500]).argmax(-1) for i in range(0, len(y_test), 500)])
+    return {
+        "test_acc": f"{(predicted == y_test).float().mean().item():.4f}",
+        "left_plateau_at": left_at or "",
+        "final_train_loss": f"{sum(losses[-50:]) / 50:.4f}",
+        "s_per_step": f"{seconds / steps_done:.4f}",
+        "steps_done": steps_done,
+    }
 
 
 def plateau_figure(curves: dict[str, Path], out: Path) -> None:
@@ -117,10 +142,12 @@ def plateau_figure(curves: dict[str, Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("loss", "training loss (50-step mean)", False),
-              ("attn/block0_entropy", "block 0 attention entropy (nats)", False),
-              ("grad/qk", "|grad| of the q/k projections", True),
-              ("probe/block0_acc", "token probe after block 0", False)]
+    panels = [
+        ("loss", "training loss (50-step mean)", False),
+        ("attn/block0_entropy", "block 0 attention entropy (nats)", False),
+        ("grad/qk", "|grad| of the q/k projections", True),
+        ("probe/block0_acc", "token probe after block 0", False),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for label, path in curves.items():
         points = [p for p in json.loads(path.read_text()) if p["step"] > 0]
@@ -141,31 +168,44 @@ def plateau_figure(curves: dict[str, Path], out: Path) -> None:
 def summary(csv_path: Path, config: dict) -> str:
     """The ablation table: per candidate, what changed, successes (test >= 95%) / seeds, steps to leave the plateau."""
     rows = list(csv.DictReader(csv_path.open()))
-    lines = ["| candidate | what changed (from the defaults) | seeds | test acc. (%) | success (>= 95%) | "
-             "left the plateau at step |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| candidate | what changed (from the defaults) | seeds | test acc. (%) | success (>= 95%) | "
+        "left the plateau at step |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, changes in config["candidates"].items():
         runs = sorted((r for r in rows if r["candidate"] == name), key=lambda r: int(r["seed"]))
         if not runs:
             continue
         accs = [float(r["test_acc"]) for r in runs]
         left = [r["left_plateau_at"] or "never" for r in runs]
-        what = ", ".join(f"{k}={v}" for k, v in {**changes.get("model", {}), **{k: v for k, v in changes.items()
-                                                                               if k != "model"}}.items()) or "-"
-        lines.append(f"| {name} | {what} | {', '.join(r['seed'] for r in runs)} | "
-                     f"{' '.join(f'{100 * a:.1f}' for a in accs)} | {sum(a >= 0.95 for a in accs)}/{len(runs)} | "
-                     f"{' '.join(left)} |")
+        what = (
+            ", ".join(
+                f"{k}={v}"
+                for k, v in {**changes.get("model", {}), **{k: v for k, v in changes.items() if k != "model"}}.items()
+            )
+            or "-"
+        )
+        lines.append(
+            f"| {name} | {what} | {', '.join(r['seed'] for r in runs)} | "
+            f"{' '.join(f'{100 * a:.1f}' for a in accs)} | {sum(a >= 0.95 for a in accs)}/{len(runs)} | "
+            f"{' '.join(left)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m studies.recipe.screen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, type=Path)
-    parser.add_argument("--candidates", required=True,
-                        help="comma-separated names from the config's candidates; 'report' writes summary.md")
+    parser.add_argument(
+        "--candidates",
+        required=True,
+        help="comma-separated names from the config's candidates; 'report' writes summary.md",
+    )
     parser.add_argument("--seeds", default="", help="comma-separated ints")
-    parser.add_argument("--figure", type=Path,
-                        help="instead of training: plot the diagnostics of these runs to this PNG")
+    parser.add_argument(
+        "--figure", type=Path, help="instead of training: plot the diagnostics of these runs to this PNG"
+    )
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
     if args.candidates == "report":
@@ -174,8 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         print(table)
         return
     if args.figure:
-        paths = {f"{c} seed {s}": Path(config["out_dir"]) / "curves" / f"{c}-s{s}.json"
-                 for c in args.candidates.split(",") for s in args.seeds.split(",")}
+        paths = {
+            f"{c} seed {s}": Path(config["out_dir"]) / "curves" / f"{c}-s{s}.json"
+            for c in args.candidates.split(",")
+            for s in args.seeds.split(",")
+        }
         plateau_figure({label: path for label, path in paths.items() if path.exists()}, args.figure)
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -186,21 +229,31 @@ def main(argv: list[str] | None = None) -> None:
     curves.mkdir(exist_ok=True)
     for name in args.candidates.split(","):
         if name not in config["candidates"]:
-            raise SystemExit(f"error: candidate {name!r} is not in {args.config}: expected one of "
-                             f"{list(config['candidates'])}")
+            raise SystemExit(
+                f"error: candidate {name!r} is not in {args.config}: expected one of {list(config['candidates'])}"
+            )
         settings = {**config["defaults"], **config["candidates"][name]}
         settings["model"] = {**config["defaults"]["model"], **config["candidates"][name].get("model", {})}
         for seed in map(int, args.seeds.split(",")):
-            done = csv_path.exists() and any(r["candidate"] == name and int(r["seed"]) == seed
-                                             for r in csv.DictReader(csv_path.open()))
+            done = csv_path.exists() and any(
+                r["candidate"] == name and int(r["seed"]) == seed for r in csv.DictReader(csv_path.open())
+            )
             if done:
                 continue
-            row = {"candidate": name, "seed": seed, "lr": settings["lr"], "steps": settings["steps"],
-                   **train_one(settings, seed, curves / f"{name}-s{seed}.json"),
-                   "settings": yaml.safe_dump(settings, default_flow_style=True).strip()}
+            row = {
+                "candidate": name,
+                "seed": seed,
+                "lr": settings["lr"],
+                "steps": settings["steps"],
+                **train_one(settings, seed, curves / f"{name}-s{seed}.json"),
+                "settings": yaml.safe_dump(settings, default_flow_style=True).strip(),
+            }
             append_rows(csv_path, COLUMNS, [row])
-            print(f"{name} seed {seed}: test {row['test_acc']}, left the plateau at {row['left_plateau_at'] or '-'}, "
-                  f"{row['s_per_step']} s/step", flush=True)
+            print(
+                f"{name} seed {seed}: test {row['test_acc']}, left the plateau at {row['left_plateau_at'] or '-'}, "
+                f"{row['s_per_step']} s/step",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

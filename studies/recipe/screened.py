@@ -38,13 +38,17 @@ class ConvStem(nn.Sequential):
 
     def __init__(self, *, patch_size: int, in_chans: int, embed_dim: int) -> None:
         if patch_size < 2 or patch_size & (patch_size - 1):
-            raise ValueError(f"stem='conv' needs patch_size a power of 2 >= 2 (stride-2 convolutions), "
-                             f"got {patch_size}")
+            raise ValueError(
+                f"stem='conv' needs patch_size a power of 2 >= 2 (stride-2 convolutions), got {patch_size}"
+            )
         layers, width = [], in_chans
         for i in range(patch_size.bit_length() - 1):  # log2(P) stride-2 convolutions
             out = max(embed_dim // 2 ** (patch_size.bit_length() - 2 - i), 8)
-            layers += [nn.Conv2d(width, out, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(out),
-                       nn.ReLU(inplace=True)]
+            layers += [
+                nn.Conv2d(width, out, 3, stride=2, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+            ]
             width = out
         super().__init__(*layers, nn.Conv2d(width, embed_dim, kernel_size=1))  # (B, D, H/P, W/P)
 
@@ -68,7 +72,7 @@ def mimetic_init(model: VisionTransformer, alpha: float = MIMETIC_ALPHA, beta: f
         u, s, vh = torch.linalg.svd(alpha * z + beta * torch.eye(width))
         qkv = block.attn.qkv.weight.data  # (3 * D, D): rows of W_q, then W_k, then W_v
         qkv[:width] = (u * s.sqrt()).T  # W_q = sqrt(S) U^T
-        qkv[width:2 * width] = s.sqrt()[:, None] * vh  # W_k = sqrt(S) V^T, so W_q^T W_k = U S V^T
+        qkv[width : 2 * width] = s.sqrt()[:, None] * vh  # W_k = sqrt(S) V^T, so W_q^T W_k = U S V^T
 
 
 def build(*, stem: Stem = "patch", qk_init: QKInit = "normal", **vit_args) -> VisionTransformer:
@@ -88,15 +92,20 @@ def build(*, stem: Stem = "patch", qk_init: QKInit = "normal", **vit_args) -> Vi
     if (stem, qk_init) != ("patch", "normal") and vit_args.get("pretrained"):
         raise ValueError(f"stem={stem!r} and qk_init={qk_init!r} set initial weights: they do not go with pretrained")
     if qk_init == "mimetic" and arg("qk_init_std") != 0.02:
-        raise ValueError(f"qk_init='mimetic' sets the query and key rows itself: qk_init_std={arg('qk_init_std')!r} "
-                         "is not allowed with it (leave it at 0.02)")
+        raise ValueError(
+            f"qk_init='mimetic' sets the query and key rows itself: qk_init_std={arg('qk_init_std')!r} "
+            "is not allowed with it (leave it at 0.02)"
+        )
     if stem == "conv":
         if arg("patch_kernel") is not None:
-            raise ValueError(f"patch_kernel={arg('patch_kernel')} applies to stem='patch' only; stem='conv' has its "
-                             "own 3x3 kernels")
+            raise ValueError(
+                f"patch_kernel={arg('patch_kernel')} applies to stem='patch' only; stem='conv' has its own 3x3 kernels"
+            )
         if arg("pool") == "map" or arg("attn_score") in ("additive", "concat"):
-            raise ValueError(f"stem='conv' is screened with the default head and score: pool={arg('pool')!r}, "
-                             f"attn_score={arg('attn_score')!r} draw weights at construction that it does not replay")
+            raise ValueError(
+                f"stem='conv' is screened with the default head and score: pool={arg('pool')!r}, "
+                f"attn_score={arg('attn_score')!r} draw weights at construction that it does not replay"
+            )
         conv = ConvStem(patch_size=arg("patch_size"), in_chans=arg("in_chans"), embed_dim=arg("embed_dim"))
         after_stem = torch.get_rng_state()
     model = VisionTransformer(**vit_args)

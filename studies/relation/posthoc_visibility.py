@@ -25,8 +25,9 @@ MODELS = ("cnn-rf21", "cnn-rf29", "cnn-rf13")
 
 def main(argv: list[str] | None = None) -> None:
     """Print, per CNN, the measured accuracy per span bin, then for each ``k`` the visible share and the prediction."""
-    parser = argparse.ArgumentParser(prog="python -m studies.relation.posthoc_visibility",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.relation.posthoc_visibility", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--config", default="studies/relation/configs/relation.yaml", help="the study config")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -49,8 +50,12 @@ def main(argv: list[str] | None = None) -> None:
             acc_visible = correct[seen].mean()
             share = [seen[b].mean() for b in in_bin]
             predicted = [100 * (acc_visible * s + 0.5 * (1 - s)) for s in share]
-            print(f"  k={k}: visible {100 * seen.mean():.1f}%, acc on visible {100 * acc_visible:.1f}; visible per bin",
-                  " ".join(f"{100 * s:.1f}" for s in share), "| predicted", " ".join(f"{p:.1f}" for p in predicted))
+            print(
+                f"  k={k}: visible {100 * seen.mean():.1f}%, acc on visible {100 * acc_visible:.1f}; visible per bin",
+                " ".join(f"{100 * s:.1f}" for s in share),
+                "| predicted",
+                " ".join(f"{p:.1f}" for p in predicted),
+            )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ def crossings(spans: np.ndarray, share: np.ndarray) -> dict[str, tuple[int, int]
     visible pairs and 50%, whatever that accuracy is. ``"chance"``: the share reaches 0 and stays
     there, so the predicted accuracy reaches 50% (the "50% crossing").
     """
-    half = next(((int(lo), int(hi)) for lo, hi, a, b in zip(spans[:-1], spans[1:], share[:-1], share[1:])
-                 if a >= 0.5 > b), None)
+    half = next(
+        ((int(lo), int(hi)) for lo, hi, a, b in zip(spans[:-1], spans[1:], share[:-1], share[1:]) if a >= 0.5 > b), None
+    )
     seen = np.nonzero(share > 0)[0]
     chance = None
     if len(seen) and seen[-1] + 1 < len(spans):
@@ -58,9 +59,15 @@ def study_test_sets(cfg: dict, split: str = "test") -> list[tuple[str, dict, lis
             continue
         sets = []
         for seed in cfg["seeds"]:
-            data = SameDifferentDataModule(num_train=exp["num_train"][0], num_val=cfg["num_val"],
-                                           num_test=cfg["num_test"], train_region=exp["train_region"],
-                                           test_region=exp["test_region"], seed=seed, batch_size=cfg["batch_size"])
+            data = SameDifferentDataModule(
+                num_train=exp["num_train"][0],
+                num_val=cfg["num_val"],
+                num_test=cfg["num_test"],
+                train_region=exp["train_region"],
+                test_region=exp["test_region"],
+                seed=seed,
+                batch_size=cfg["batch_size"],
+            )
             region = exp["shift_region"] if split == "shift" else exp["test_region"]
             sets.append((seed, data.make_split("test", cfg["num_test"], region)))
         out.append((exp["name"], exp, sets))
@@ -79,16 +86,27 @@ def predict(cfg: dict, acc_visible: float, split: str = "test") -> list[dict]:
                 continue
             windows = unit_windows(net)
             seen = torch.cat([visible(windows, ds.positions, ds.shape_ids) for _, ds in sets]).numpy()
-            whole = torch.cat([visible(windows, ds.positions, ds.shape_ids, adjacent=SHAPE_SIZE)
-                               for _, ds in sets]).numpy()
+            whole = torch.cat(
+                [visible(windows, ds.positions, ds.shape_ids, adjacent=SHAPE_SIZE) for _, ds in sets]
+            ).numpy()
             spans, share, counts = by_span(span, seen)
-            rows.append({"experiment": name, "model": model, "receptive_field": net.receptive_field,
-                         "grid": f"{int(windows.shape[0] ** 0.5)}x{int(windows.shape[0] ** 0.5)}",
-                         "additive": is_additive(cfg["models"][model]), "images": len(span),
-                         "visible": float(seen.mean()), "whole": float(whole.mean()),
-                         "accuracy": float(predicted_accuracy(seen.mean(), acc_visible)),
-                         "spans": spans.tolist(), "share": share.tolist(), "counts": counts.tolist(),
-                         **crossings(spans, share)})
+            rows.append(
+                {
+                    "experiment": name,
+                    "model": model,
+                    "receptive_field": net.receptive_field,
+                    "grid": f"{int(windows.shape[0] ** 0.5)}x{int(windows.shape[0] ** 0.5)}",
+                    "additive": is_additive(cfg["models"][model]),
+                    "images": len(span),
+                    "visible": float(seen.mean()),
+                    "whole": float(whole.mean()),
+                    "accuracy": float(predicted_accuracy(seen.mean(), acc_visible)),
+                    "spans": spans.tolist(),
+                    "share": share.tolist(),
+                    "counts": counts.tolist(),
+                    **crossings(spans, share),
+                }
+            )
     return rows
 
 
@@ -113,7 +131,8 @@ def write_predictions(rows: list[dict], out: Path, *, acc_visible: float, config
     edges = bins(spans)
     heads = [f"{lo}-{hi}" for lo, hi in edges]
     lines = [
-        "# Predictions of the partial-view (visibility) model, written before the runs", "",
+        "# Predictions of the partial-view (visibility) model, written before the runs",
+        "",
         f"`python -m studies.relation.visibility --config {config} --out {out} --acc-visible {acc_visible:g}`: "
         "computed from the exact windows of each CNN's last-layer units on the study's own test sets "
         f"({rows[0]['images']} pairs: every seed's test set pooled), with no model trained and nothing fitted "
@@ -122,46 +141,76 @@ def write_predictions(rows: list[dict], out: Path, *, acc_visible: float, config
         f"with a = {acc_visible * 100:.1f}% assumed for the pairs it sees. Halfway is where the visible share "
         "falls through 1/2 (the curve halfway between a and 50%, whatever a is); the 50% crossing is where it "
         "reaches 0 and stays there (the predicted accuracy is 50% from that span on). Spans as `x-y`: between the "
-        "two integer spans.", "",
+        "two integer spans.",
+        "",
         "| model | RF (px) | units | visible (2 adjacent px) | whole strokes in one unit | predicted acc. | "
         "halfway (span, px) | 50% crossing (span, px) | model applies |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         half = "–" if r["half"] is None else f"{r['half'][0]}-{r['half'][1]}"
         chance = "none (visible at every span)" if r["chance"] is None else f"{r['chance'][0]}-{r['chance'][1]}"
-        lines.append(f"| {r['model']} | {r['receptive_field']} | {r['grid']} | {r['visible'] * 100:.1f}% | "
-                     f"{r['whole'] * 100:.1f}% | {r['accuracy'] * 100:.1f}% | {half} | {chance} | "
-                     f"{'yes' if r['additive'] else 'no: max pooling or MLP head'} |")
-    lines += ["", "## Visible share (%) per span bin", "", "| model | " + " | ".join(heads) + " |",
-              "|---" * (len(heads) + 1) + "|"]
+        lines.append(
+            f"| {r['model']} | {r['receptive_field']} | {r['grid']} | {r['visible'] * 100:.1f}% | "
+            f"{r['whole'] * 100:.1f}% | {r['accuracy'] * 100:.1f}% | {half} | {chance} | "
+            f"{'yes' if r['additive'] else 'no: max pooling or MLP head'} |"
+        )
+    lines += [
+        "",
+        "## Visible share (%) per span bin",
+        "",
+        "| model | " + " | ".join(heads) + " |",
+        "|---" * (len(heads) + 1) + "|",
+    ]
     for r in rows:
         lines.append(f"| {r['model']} | " + " | ".join(f"{binned(r, lo, hi) * 100:.1f}" for lo, hi in edges) + " |")
-    lines += ["", f"## Predicted test accuracy (%) per span bin, a = {acc_visible * 100:.1f}%", "",
-              "| model | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+    lines += [
+        "",
+        f"## Predicted test accuracy (%) per span bin, a = {acc_visible * 100:.1f}%",
+        "",
+        "| model | " + " | ".join(heads) + " |",
+        "|---" * (len(heads) + 1) + "|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | " + " | ".join(
-            f"{predicted_accuracy(binned(r, lo, hi), acc_visible) * 100:.1f}" for lo, hi in edges) + " |")
-    lines += ["", "## Visible share per span (px), exact", "", "```",
-              json.dumps({r["model"]: dict(zip(r["spans"], [round(s, 4) for s in r["share"]])) for r in rows},
-                         indent=None), "```", ""]
+        lines.append(
+            f"| {r['model']} | "
+            + " | ".join(f"{predicted_accuracy(binned(r, lo, hi), acc_visible) * 100:.1f}" for lo, hi in edges)
+            + " |"
+        )
+    lines += [
+        "",
+        "## Visible share per span (px), exact",
+        "",
+        "```",
+        json.dumps({r["model"]: dict(zip(r["spans"], [round(s, 4) for s in r["share"]])) for r in rows}, indent=None),
+        "```",
+        "",
+    ]
     out.write_text("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m studies.relation.visibility`: the predictions page; refuses to overwrite an existing one."""
     parser = argparse.ArgumentParser(prog="python -m studies.relation.visibility", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True,
-                        help="study config YAML, e.g. studies/relation/configs/relation.yaml")
+    parser.add_argument(
+        "--config", required=True, help="study config YAML, e.g. studies/relation/configs/relation.yaml"
+    )
     parser.add_argument("--out", required=True, help="the markdown file to write (must not exist)")
-    parser.add_argument("--acc-visible", type=float, default=1.0,
-                        help="accuracy assumed on the pairs a CNN sees (default 1.0: the model's upper bound)")
+    parser.add_argument(
+        "--acc-visible",
+        type=float,
+        default=1.0,
+        help="accuracy assumed on the pairs a CNN sees (default 1.0: the model's upper bound)",
+    )
     args = parser.parse_args(argv)
     if not 0.5 <= args.acc_visible <= 1:
         parser.error(f"--acc-visible={args.acc_visible} is not allowed: expected a float in [0.5, 1]")
     out = Path(args.out)
     if out.exists():  # predictions are written once, before the runs: never replaced silently
-        print(f"error: {out} exists; predictions are written once, before the runs: move it away or choose "
-              "another --out", file=sys.stderr)
+        print(
+            f"error: {out} exists; predictions are written once, before the runs: move it away or choose another --out",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     try:
         cfg = load_config(args.config)

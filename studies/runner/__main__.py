@@ -67,20 +67,30 @@ PROG = "python -m studies.runner"
 EXECUTORS = ("local", "debug", "slurm")
 
 
-def parse_args(argv: list[str] | None = None, *, prog: str = PROG, description: str | None = None,
-               config: str | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None, *, prog: str = PROG, description: str | None = None, config: str | None = None
+) -> argparse.Namespace:
     """The runner's options, checked; ``config`` is the default of ``--config`` (without one, it is required)."""
     parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=config is None, default=config,
-                        help=f"study config YAML (default {config})" if config else
-                        "study config YAML, e.g. studies/relation/configs/relation.yaml")
+    parser.add_argument(
+        "--config",
+        required=config is None,
+        default=config,
+        help=f"study config YAML (default {config})"
+        if config
+        else "study config YAML, e.g. studies/relation/configs/relation.yaml",
+    )
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="rewrite summary and plots from runs.csv, run nothing")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite summary and plots from runs.csv, run nothing"
+    )
     parser.add_argument("--list", action="store_true", help="print the planned runs and whether each is done")
-    parser.add_argument("--executor", choices=EXECUTORS, default="local",
-                        help="submitit executor: local subprocesses (default), debug (in this process), "
-                        "slurm (a job array)")
+    parser.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="local",
+        help="submitit executor: local subprocesses (default), debug (in this process), slurm (a job array)",
+    )
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2: one per core here)")
     parser.add_argument("--timeout-min", type=int, default=120, help="wall-time limit of one run, in minutes")
     slurm = parser.add_argument_group("slurm", "with --executor slurm")
@@ -122,9 +132,12 @@ def exit_codes(csv_path: Path):
         raise SystemExit(1) from None
     except (Stopped, KeyboardInterrupt) as err:
         signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
-        print(f"stopped by {signal.Signals(signum).name}: the {len(read_rows(csv_path))} finished runs are kept in "
-              f"{printable(csv_path)} and the runs under way were stopped; rerun the same command to go on (those are "
-              "redone)", file=sys.stderr)
+        print(
+            f"stopped by {signal.Signals(signum).name}: the {len(read_rows(csv_path))} finished runs are kept in "
+            f"{printable(csv_path)} and the runs under way were stopped; rerun the same command to go on (those are "
+            "redone)",
+            file=sys.stderr,
+        )
         raise SystemExit(128 + signum) from None
 
 
@@ -134,10 +147,17 @@ def run(args: argparse.Namespace, cfg: dict, *, prog: str = PROG) -> None:
     if args.list or args.report_only:
         _list_and_report(args, cfg, csv_path, prog)
         return
-    slurm_params = study.slurm_parameters(partition=args.partition, time_min=args.timeout_min, gpus=args.gpus,
-                                          cpus=args.cpus, parallel=args.parallel)
-    study.run_study(args.config, max_runs=args.max_runs, executor=args.executor, parallel=args.parallel,
-                    slurm=slurm_params, timeout_min=args.timeout_min)
+    slurm_params = study.slurm_parameters(
+        partition=args.partition, time_min=args.timeout_min, gpus=args.gpus, cpus=args.cpus, parallel=args.parallel
+    )
+    study.run_study(
+        args.config,
+        max_runs=args.max_runs,
+        executor=args.executor,
+        parallel=args.parallel,
+        slurm=slurm_params,
+        timeout_min=args.timeout_min,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,9 +186,11 @@ def _list_and_report(args, cfg: dict, csv_path: Path, prog: str) -> None:
         print(f"{sum(r.key in keys for r in runs)}/{len(runs)} runs done")
     if args.report_only:
         if not rows:
-            raise StudyError(f"no finished runs in {printable(csv_path.parent)} yet (no rows in "
-                             f"{printable(csv_path.name)}), so there is nothing to report: start the study with "
-                             f"{prog} --config {printable(args.config)}")
+            raise StudyError(
+                f"no finished runs in {printable(csv_path.parent)} yet (no rows in "
+                f"{printable(csv_path.name)}), so there is nothing to report: start the study with "
+                f"{prog} --config {printable(args.config)}"
+            )
         write_reports(rows, csv_path.parent, cfg)
 
 

@@ -185,8 +185,14 @@ def pair_law(rows: int, cols: int, span: int) -> tuple[np.ndarray, np.ndarray, n
     return first, d, cdf
 
 
-def sample_pairs(rng: np.random.Generator, labels: np.ndarray, img_size: int | tuple[int, int], region: str = "all",
-                 min_span: int | None = None, max_span: int | None = None) -> np.ndarray:
+def sample_pairs(
+    rng: np.random.Generator,
+    labels: np.ndarray,
+    img_size: int | tuple[int, int],
+    region: str = "all",
+    min_span: int | None = None,
+    max_span: int | None = None,
+) -> np.ndarray:
     """Top-left corners ``(n, 2, 2)`` (sample, disc, (row, col)) of pairs with the given ``labels``;
     see the module doc."""
     height, width = check_size("img_size", img_size)
@@ -194,9 +200,11 @@ def sample_pairs(rng: np.random.Generator, labels: np.ndarray, img_size: int | t
     lo, hi = span_limits(img_size, region)
     lo, hi = max(lo, min_span or lo), min(hi, max_span or hi)
     if lo > hi:
-        raise ValueError(f"no span in [{min_span}, {max_span}] fits region={region!r} of a {height}x{width} image: "
-                         f"expected spans within [{span_limits(img_size, region)[0]}, "
-                         f"{span_limits(img_size, region)[1]}]")
+        raise ValueError(
+            f"no span in [{min_span}, {max_span}] fits region={region!r} of a {height}x{width} image: "
+            f"expected spans within [{span_limits(img_size, region)[0]}, "
+            f"{span_limits(img_size, region)[1]}]"
+        )
     rows, cols = height - DISC_SIZE + 1, c_hi - c_lo + 1
     span = rng.integers(lo, hi + 1, size=len(labels))  # step 1
     u = rng.random(len(labels))
@@ -232,9 +240,18 @@ class ArrangementDataset(Dataset):
     ``(N, 2, 2)`` top-left corners of the two discs, ``span`` ``(N,)``.
     """
 
-    def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
-                 noise: float = 0.05, region: Region = "all", min_span: int | None = None,
-                 max_span: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 1,
+        noise: float = 0.05,
+        region: Region = "all",
+        min_span: int | None = None,
+        max_span: int | None = None,
+        seed: int = 0,
+    ) -> None:
         rng = seeded_rng(num_samples, seed)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
         self.img_size, self.in_chans, self.noise = img_size, in_chans, float(noise)
@@ -278,16 +295,35 @@ class ArrangementDataModule(SyntheticDataModule):
     ``test_region`` with spans from ``test_min_span`` (the translation and the distance tests).
     """
 
-    def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 1, noise: float = 0.05,
-                 num_train: int = 10_000, num_val: int = 1_000, num_test: int = 2_000, train_region: Region = "all",
-                 test_region: Region = "all", train_max_span: int | None = None, test_min_span: int | None = None,
-                 seed: int = 0, batch_size: int = 128, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 1,
+        noise: float = 0.05,
+        num_train: int = 10_000,
+        num_val: int = 1_000,
+        num_test: int = 2_000,
+        train_region: Region = "all",
+        test_region: Region = "all",
+        train_max_span: int | None = None,
+        test_min_span: int | None = None,
+        seed: int = 0,
+        batch_size: int = 128,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         for name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(name, region, Region)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
-        self.check_sizes(num_train=num_train, num_val=num_val, num_test=num_test, seed=seed, batch_size=batch_size,
-                         num_workers=num_workers)
+        self.check_sizes(
+            num_train=num_train,
+            num_val=num_val,
+            num_test=num_test,
+            seed=seed,
+            batch_size=batch_size,
+            num_workers=num_workers,
+        )
         for name, value in (("train_max_span", train_max_span), ("test_min_span", test_min_span)):
             if value is not None:
                 check_int(name, value, 2 * DISC_SIZE + GAP)
@@ -301,8 +337,15 @@ class ArrangementDataModule(SyntheticDataModule):
     def make_split(self, split: str, num_samples: int, region: str) -> ArrangementDataset:
         hp = self.hparams
         spans = {"min_span": hp.test_min_span} if split == "test" else {"max_span": hp.train_max_span}
-        return ArrangementDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans, noise=hp.noise,
-                                  region=region, seed=self.split_seeds()[split], **spans)
+        return ArrangementDataset(
+            num_samples=num_samples,
+            img_size=hp.img_size,
+            in_chans=hp.in_chans,
+            noise=hp.noise,
+            region=region,
+            seed=self.split_seeds()[split],
+            **spans,
+        )
 
 
 allow_datamodule(ArrangementDataModule)  # its checkpoints open through vit.load and attention blocking

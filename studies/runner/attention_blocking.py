@@ -82,14 +82,24 @@ def _windows(embed, img_size: int | tuple[int, int], in_chans: int) -> torch.Ten
     return torch.stack(windows)
 
 
-def stroke_tokens(windows: torch.Tensor, positions: torch.Tensor, shape_ids: torch.Tensor,
-                  img_size: int | tuple[int, int]) -> torch.Tensor:
+def stroke_tokens(
+    windows: torch.Tensor, positions: torch.Tensor, shape_ids: torch.Tensor, img_size: int | tuple[int, int]
+) -> torch.Tensor:
     """`(n, 2, num_patches)` bool: for each image and stroke, the tokens whose window touches its ink."""
     shapes = make_shapes()
     out = []
     for k in range(2):
-        ink = torch.from_numpy(render(positions[:, k:k + 1].repeat(1, 2, 1).numpy(),
-                                      shape_ids[:, k:k + 1].repeat(1, 2).numpy(), shapes, img_size)) > 0
+        ink = (
+            torch.from_numpy(
+                render(
+                    positions[:, k : k + 1].repeat(1, 2, 1).numpy(),
+                    shape_ids[:, k : k + 1].repeat(1, 2).numpy(),
+                    shapes,
+                    img_size,
+                )
+            )
+            > 0
+        )
         out.append((ink[:, None] & windows[None]).flatten(2).any(-1))  # (n, N)
     return torch.stack(out, 1)
 
@@ -99,8 +109,9 @@ def _first(test, n: int):
     from types import SimpleNamespace
 
     names = ("images", "labels", "positions", "shape_ids")
-    return SimpleNamespace(img_size=test.img_size, in_chans=test.in_chans,
-                           **{k: getattr(test, k)[:n] for k in names if hasattr(test, k)})
+    return SimpleNamespace(
+        img_size=test.img_size, in_chans=test.in_chans, **{k: getattr(test, k)[:n] for k in names if hasattr(test, k)}
+    )
 
 
 def part_tokens(windows: torch.Tensor, test) -> torch.Tensor:
@@ -110,14 +121,15 @@ def part_tokens(windows: torch.Tensor, test) -> torch.Tensor:
         return stroke_tokens(windows, test.positions, test.shape_ids, test.img_size)
     out = []
     for k in range(2):  # one disc: both of render's discs at the same place
-        both = test.positions[:, k:k + 1].repeat(1, 2, 1).numpy()
+        both = test.positions[:, k : k + 1].repeat(1, 2, 1).numpy()
         ink = torch.from_numpy(arrangement.render(both, test.img_size)) > 0
         out.append((ink[:, None] & windows[None]).flatten(2).any(-1))  # (n, N)
     return torch.stack(out, 1)
 
 
-def _random_free_tokens(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
-                        generator: torch.Generator) -> torch.Tensor:
+def _random_free_tokens(
+    a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
     """`(n, N)` bool: in image `i`, `counts[i]` tokens drawn at random among those that see neither part."""
     group = torch.zeros_like(a)
     for i, count in enumerate(counts.tolist()):
@@ -126,8 +138,9 @@ def _random_free_tokens(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     return group
 
 
-def _cls_allowed(condition: str, a: torch.Tensor, b: torch.Tensor, prefix: int,
-                 generator: torch.Generator) -> torch.Tensor:
+def _cls_allowed(
+    condition: str, a: torch.Tensor, b: torch.Tensor, prefix: int, generator: torch.Generator
+) -> torch.Tensor:
     """`(n, 1, T, T)` bool for a CLS condition: only the CLS token's row (query 0) loses keys."""
     n, num_patches = a.shape
     allowed = torch.ones(n, prefix + num_patches, prefix + num_patches, dtype=torch.bool)
@@ -181,18 +194,25 @@ def allowed_pairs(condition: str, sees: torch.Tensor, prefix: int, generator: to
 
 
 @torch.no_grad()
-def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 250,
-                        conditions: tuple[str, ...] = CONDITIONS, max_images: int | None = None) -> dict[str, float]:
+def blocking_accuracies(
+    ckpt_path: str | Path,
+    seed: int = 0,
+    batch_size: int = 250,
+    conditions: tuple[str, ...] = CONDITIONS,
+    max_images: int | None = None,
+) -> dict[str, float]:
     """Test accuracy of one checkpoint under each condition, on the images whose parts no token sees both of
     (a CLS condition is "" for a model without a CLS token); with ``max_images``, on the first so many
     test images only."""
     opened = artifact.load(ckpt_path)
     model, data_class = opened.model, check_data(opened.data)[0] if opened.data is not None else None
     if not isinstance(model, VisionTransformer) or data_class not in (SameDifferentDataModule, ArrangementDataModule):
-        raise CheckpointError(f"{opened.source} holds a {type(model).__name__} trained on "
-                              f"{getattr(data_class, '__name__', 'unrecorded data')}: attention blocking "
-                              "needs a VisionTransformer trained on SameDifferentDataModule or ArrangementDataModule, "
-                              "whose test images say where the two parts are")
+        raise CheckpointError(
+            f"{opened.source} holds a {type(model).__name__} trained on "
+            f"{getattr(data_class, '__name__', 'unrecorded data')}: attention blocking "
+            "needs a VisionTransformer trained on SameDifferentDataModule or ArrangementDataModule, "
+            "whose test images say where the two parts are"
+        )
     data = test_data(opened.data, opened.inputs, opened.source)
     data.setup("test")
     test = data.test_set
@@ -205,30 +225,39 @@ def blocking_accuracies(ckpt_path: str | Path, seed: int = 0, batch_size: int = 
     generator = torch.Generator().manual_seed(seed)
     config = Path(ckpt_path).resolve().parents[1] / "config.yaml"  # the run folder's resolved config
     seed_everything = yaml.safe_load(config.read_text()).get("seed_everything", "") if config.exists() else ""
-    result = {"ckpt_path": str(ckpt_path), "seed_everything": seed_everything,
-              "images": int(separate.sum()), "left_out": int((~separate).sum())}
+    result = {
+        "ckpt_path": str(ckpt_path),
+        "seed_everything": seed_everything,
+        "images": int(separate.sum()),
+        "left_out": int((~separate).sum()),
+    }
     for condition in conditions:
         if condition in CLS_CONDITIONS and not model.num_prefix_tokens:
             result[condition] = ""
             continue
         correct = 0
         for i in range(0, len(y), batch_size):
-            allowed = allowed_pairs(condition, sees[i:i + batch_size], model.num_prefix_tokens, generator)
+            allowed = allowed_pairs(condition, sees[i : i + batch_size], model.num_prefix_tokens, generator)
             with mask_attention(model, allowed):
-                correct += (model(x[i:i + batch_size]).argmax(-1) == y[i:i + batch_size]).sum().item()
+                correct += (model(x[i : i + batch_size]).argmax(-1) == y[i : i + batch_size]).sum().item()
         result[condition] = round(correct / len(y), 4)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m studies.runner.attention_blocking",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt_paths", nargs="+", required=True,
-                        help="same_different or arrangement ViT checkpoints of train.py")
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.runner.attention_blocking", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--ckpt_paths", nargs="+", required=True, help="same_different or arrangement ViT checkpoints of train.py"
+    )
     parser.add_argument("--out_dir", required=True, type=Path)
     parser.add_argument("--name", default="", help="a label for these checkpoints in the CSV (e.g. the recipe)")
-    parser.add_argument("--cls", action="store_true",
-                        help=f"also the CLS token's conditions {', '.join(CLS_CONDITIONS)} (empty for mean pooling)")
+    parser.add_argument(
+        "--cls",
+        action="store_true",
+        help=f"also the CLS token's conditions {', '.join(CLS_CONDITIONS)} (empty for mean pooling)",
+    )
     parser.add_argument("--max_images", type=int, default=None, help="score the first N test images only")
     args = parser.parse_args(argv)
     if args.max_images is not None and args.max_images < 1:
@@ -239,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["name", "ckpt_path", "seed_everything", "images", "left_out", *conditions]
     for ckpt_path in args.ckpt_paths:
         try:
-            row = {"name": args.name, **blocking_accuracies(ckpt_path, conditions=conditions,
-                                                             max_images=args.max_images)}
+            row = {
+                "name": args.name,
+                **blocking_accuracies(ckpt_path, conditions=conditions, max_images=args.max_images),
+            }
         except CheckpointError as err:  # the rows of the checkpoints before it are kept
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -34,16 +34,26 @@ def draw(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
                 accs = [float(r["test_acc"]) * PERCENT for r in runs[m]]
                 ax.plot(np.full(len(accs), i) + np.linspace(-0.12, 0.12, len(accs)), accs, "o", color=colors[m], ms=5)
                 ax.plot([i - 0.3, i + 0.3], [np.median(accs)] * 2, "k-", lw=2)
-            per_model_axes(ax, models, ceiling, "test accuracy (%): dot = one seed, bar = median",
-                           f"{exp['name']}: {task} ({where})")
+            per_model_axes(
+                ax,
+                models,
+                ceiling,
+                "test accuracy (%): dot = one seed, bar = median",
+                f"{exp['name']}: {task} ({where})",
+            )
             fig.tight_layout()
             fig.savefig(out_dir / f"{exp['name']}_{task}_runs.png", dpi=110)
             plt.close(fig)
             if exp.get("shift_region"):
                 shift_figure(runs, models, colors, ceiling, exp, task, out_dir)
             # Accuracy against the distance between the parts.
-            dists = [int(d) for m in models for r in runs[m] if r.get("test_by_distance")
-                     for d in json.loads(r["test_by_distance"])]
+            dists = [
+                int(d)
+                for m in models
+                for r in runs[m]
+                if r.get("test_by_distance")
+                for d in json.loads(r["test_by_distance"])
+            ]
             if not dists:
                 continue
             hi = max(dists)
@@ -52,38 +62,56 @@ def draw(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
             # One panel per family, each with its own colours: no two curves share a style.
             panels = {name: [m for m in models if family(cfg, m) == name] for name in FAMILIES}
             panels = {name: members for name, members in panels.items() if members}
-            fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 7.5), 5.4), sharey=True,
-                                     squeeze=False)
+            fig, axes = plt.subplots(
+                1, len(panels), figsize=(max(5.2 * len(panels), 7.5), 5.4), sharey=True, squeeze=False
+            )
             for ax, (name, members) in zip(axes[0], panels.items()):
                 for i, m in enumerate(members):
                     color = plt.cm.tab10(i % 10)
                     acc, _ = pooled_by_distance(runs[m], edges)
                     rf = model_rf(cfg, m) if m in cfg["models"] else None
-                    ax.plot(centres, acc * PERCENT, "-", marker="o", ms=4, color=color,
-                            label=f"{m} (RF {rf})" if rf else m)
+                    ax.plot(
+                        centres, acc * PERCENT, "-", marker="o", ms=4, color=color, label=f"{m} (RF {rf})" if rf else m
+                    )
                     for r in runs[m]:  # each seed, thin: a cell whose seeds split shows it
                         seed_acc, _ = pooled_by_distance([r], edges)
                         ax.plot(centres, seed_acc * PERCENT, "-", color=color, lw=0.6, alpha=0.35)
                     if rf is not None:
                         x = min(rf, hi + 1.5)
                         ax.axvline(x, color=color, ls=":", lw=1.2)
-                        ax.annotate(f"RF {rf}" + ("→" if rf > hi + 1.5 else ""), (x, 41), rotation=90, fontsize=7,
-                                    color=color, ha="right", va="bottom")
+                        ax.annotate(
+                            f"RF {rf}" + ("→" if rf > hi + 1.5 else ""),
+                            (x, 41),
+                            rotation=90,
+                            fontsize=7,
+                            color=color,
+                            ha="right",
+                            va="bottom",
+                        )
                 if task in shortcuts:
                     local = shortcuts[task].get("bag_of_shapes")
                     best = max(v for k, v in shortcuts[task].items() if k != "bag_of_shapes")
-                    ax.axhline(best * PERCENT, color="crimson", ls=":", lw=1,
-                               label=f"{best * PERCENT:.1f}%: best shortcut")
+                    ax.axhline(
+                        best * PERCENT, color="crimson", ls=":", lw=1, label=f"{best * PERCENT:.1f}%: best shortcut"
+                    )
                     if local is not None and name == AVERAGE_LINEAR:  # the bound holds for this readout only
-                        ax.axhline(local * PERCENT, color="black", ls="-.", lw=1,
-                                   label=f"{local * PERCENT:.1f}%: local-view ceiling, avg pool + linear head")
+                        ax.axhline(
+                            local * PERCENT,
+                            color="black",
+                            ls="-.",
+                            lw=1,
+                            label=f"{local * PERCENT:.1f}%: local-view ceiling, avg pool + linear head",
+                        )
                 ax.axhline(50, color="grey", lw=0.8, ls="--")
                 ax.set_title(name, fontsize=9)
                 ax.set_ylim(40, 101)
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-            xlabel = ("span of the pair (px): side of the smallest square holding both shapes"
-                      if task in ("same_different", "arrangement") else "distance between the circle centres (px)")
+            xlabel = (
+                "span of the pair (px): side of the smallest square holding both shapes"
+                if task in ("same_different", "arrangement")
+                else "distance between the circle centres (px)"
+            )
             for ax in axes[0]:
                 ax.set_xlabel(xlabel, fontsize=8)
             axes[0][0].set_ylabel("test accuracy (%): thick = seeds pooled, thin = one seed")
@@ -109,8 +137,9 @@ def family(cfg: dict, model: str) -> str:
     return AVERAGE_LINEAR
 
 
-def shift_figure(runs: dict, models: list[str], colors: dict, ceiling: float | None, exp: dict, task: str,
-                 out_dir: Path) -> None:
+def shift_figure(
+    runs: dict, models: list[str], colors: dict, ceiling: float | None, exp: dict, task: str, out_dir: Path
+) -> None:
     """Each run's accuracy in its region and moved, joined by a line: the translation test at a glance."""
     import matplotlib.pyplot as plt
 
@@ -118,11 +147,22 @@ def shift_figure(runs: dict, models: list[str], colors: dict, ceiling: float | N
     for i, m in enumerate(models):
         for r in runs[m]:
             if r.get("shift_acc"):
-                ax.plot([i - 0.18, i + 0.18], [float(r["test_acc"]) * PERCENT, float(r["shift_acc"]) * PERCENT],
-                        "-o", color=colors[m], ms=4, lw=1, alpha=0.8)
-    per_model_axes(ax, models, ceiling, "test accuracy (%): left dot in region, right dot moved",
-                   f"{exp['name']}: {task}, trained and tested in {exp['train_region']}, then moved to "
-                   f"{exp['shift_region']}")
+                ax.plot(
+                    [i - 0.18, i + 0.18],
+                    [float(r["test_acc"]) * PERCENT, float(r["shift_acc"]) * PERCENT],
+                    "-o",
+                    color=colors[m],
+                    ms=4,
+                    lw=1,
+                    alpha=0.8,
+                )
+    per_model_axes(
+        ax,
+        models,
+        ceiling,
+        "test accuracy (%): left dot in region, right dot moved",
+        f"{exp['name']}: {task}, trained and tested in {exp['train_region']}, then moved to {exp['shift_region']}",
+    )
     fig.tight_layout()
     fig.savefig(out_dir / f"{exp['name']}_{task}_shift.png", dpi=110)
     plt.close(fig)

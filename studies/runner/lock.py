@@ -49,24 +49,33 @@ def lock_out_dir(out_dir: Path):
         except BlockingIOError:
             pid = os.pread(fd, 32, 0).decode(errors="replace").partition("\n")[0].strip() or "unknown"
             pid = printable(pid)
-            raise StudyError(f"{shown} is in use by another study invocation (PID {pid}, lock {shown_path}): wait "
-                             f"for it to finish, or stop it (kill {pid}) and rerun; two at once would redo each "
-                             "other's runs") from None
+            raise StudyError(
+                f"{shown} is in use by another study invocation (PID {pid}, lock {shown_path}): wait "
+                f"for it to finish, or stop it (kill {pid}) and rerun; two at once would redo each "
+                "other's runs"
+            ) from None
         except OSError as err:
-            raise StudyError(f"{shown_path} cannot be locked ({err.strerror}): put out_dir on a filesystem with "
-                             "locks") from None
+            raise StudyError(
+                f"{shown_path} cannot be locked ({err.strerror}): put out_dir on a filesystem with locks"
+            ) from None
         text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
         previous = printable(text.partition("\n")[0].strip())
         if orphans := processes.live_jobs(text):  # a local job's run ignores SIGTERM (submitit): kill -9 stops it
             runs = ", ".join(f"{key} (PIDs {' '.join(map(str, tree))})" for key, tree in orphans)
             pids = " ".join(str(pid) for _, tree in orphans for pid in tree)
-            raise StudyError(f"{shown}: the study invocation that held {shown_path} (PID {previous or 'unknown'}) was "
-                             f"killed, but runs it started still run: {runs}. Their results can no longer be "
-                             f"recorded: stop them (kill -9 {pids}) or wait for them to end, then rerun; started "
-                             "now, they would run twice in the same folders")
+            raise StudyError(
+                f"{shown}: the study invocation that held {shown_path} (PID {previous or 'unknown'}) was "
+                f"killed, but runs it started still run: {runs}. Their results can no longer be "
+                f"recorded: stop them (kill -9 {pids}) or wait for them to end, then rerun; started "
+                "now, they would run twice in the same folders"
+            )
         if previous:
-            print(f"taking over {shown_path}: the invocation that held it (PID {previous}) ended without releasing it "
-                  "(killed?); its unfinished runs are redone", file=sys.stderr, flush=True)
+            print(
+                f"taking over {shown_path}: the invocation that held it (PID {previous}) ended without releasing it "
+                "(killed?); its unfinished runs are redone",
+                file=sys.stderr,
+                flush=True,
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -83,10 +92,14 @@ def lock_out_dir(out_dir: Path):
 
 def _unusable(key: str, path: Path, err: OSError) -> StudyError:
     """The error of a folder from the config that cannot be created or written: one line naming the value."""
-    reason = ("it exists and is not a folder" if os.path.exists(path) and not os.path.isdir(path)
-              else f"creating {printable(err.filename)} failed ({err.strerror})")
-    return StudyError(f"{key}={str(path)!r} cannot be used: {reason}; expected a folder that this user can create "
-                      "and write in")
+    reason = (
+        "it exists and is not a folder"
+        if os.path.exists(path) and not os.path.isdir(path)
+        else f"creating {printable(err.filename)} failed ({err.strerror})"
+    )
+    return StudyError(
+        f"{key}={str(path)!r} cannot be used: {reason}; expected a folder that this user can create and write in"
+    )
 
 
 def make_dirs(key: str, path: Path) -> None:
@@ -121,4 +134,3 @@ def stop_on_sigterm():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-

@@ -36,29 +36,42 @@ class StudyViT(VisionTransformer):
             then trains it; None: random (`pos_init_std`).
     """
 
-    def __init__(self, *, attn_radius: int | None = None, pos_scale: float = 1.0, pos_init_std: float | None = None,
-                 pos_init: Literal["sincos2d"] | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        attn_radius: int | None = None,
+        pos_scale: float = 1.0,
+        pos_init_std: float | None = None,
+        pos_init: Literal["sincos2d"] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         if pos_init is not None:
             if self.pos_embed_type != "learned" or pos_init_std is not None:
-                raise ValueError(f"pos_init={pos_init!r} is not allowed with pos_embed={self.pos_embed_type!r} and "
-                                 f"pos_init_std={pos_init_std!r}: it starts a learned table, in place of a random one")
+                raise ValueError(
+                    f"pos_init={pos_init!r} is not allowed with pos_embed={self.pos_embed_type!r} and "
+                    f"pos_init_std={pos_init_std!r}: it starts a learned table, in place of a random one"
+                )
             grid = sincos_2d(*self.patch_embed.grid_size, self.embed_dim)  # (num_patches, D), as the fixed table
             with torch.no_grad():
                 self.pos_embed.zero_()  # the prefix tokens' rows at 0, as the fixed table has them
-                self.pos_embed[0, -grid.shape[0]:] = grid
+                self.pos_embed[0, -grid.shape[0] :] = grid
         check_float("pos_scale", pos_scale, 0.0, 100.0, low_open=True)
         if pos_init_std is not None:
             check_float("pos_init_std", pos_init_std, 0.0, 100.0, low_open=True)
             if self.pos_embed_type != "learned":
-                raise ValueError(f"pos_init_std={pos_init_std!r} is not allowed with "
-                                 f"pos_embed={self.pos_embed_type!r}: it sizes the learned table only")
+                raise ValueError(
+                    f"pos_init_std={pos_init_std!r} is not allowed with "
+                    f"pos_embed={self.pos_embed_type!r}: it sizes the learned table only"
+                )
             with torch.no_grad():
                 self.pos_embed.normal_(0.0, pos_init_std)
         if pos_scale != 1.0:
             if not self.pos_embed_type.startswith("sincos"):
-                raise ValueError(f"pos_scale={pos_scale!r} is not allowed with pos_embed={self.pos_embed_type!r}: it "
-                                 "scales the fixed tables only (sincos1d, sincos2d)")
+                raise ValueError(
+                    f"pos_scale={pos_scale!r} is not allowed with pos_embed={self.pos_embed_type!r}: it "
+                    "scales the fixed tables only (sincos1d, sincos2d)"
+                )
             with torch.no_grad():
                 self.pos_embed.mul_(pos_scale)
         if attn_radius is not None:

@@ -86,28 +86,47 @@ def run_overrides(run: Run, log_dir: Path, environ: dict | None = None) -> dict:
     logger_args = {"save_dir": str(log_dir), "name": run.key, "version": ""}
     overrides = json.loads(json.dumps(run.overrides))
     loggers = [
-        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-         "init_args": {**logger_args, "default_hp_metric": False}},
+        {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "init_args": {**logger_args, "default_hp_metric": False},
+        },
         {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": logger_args},
     ]
     wandb_mode = environ.get(STUDY_WANDB, "")
     if wandb_mode:
         if wandb_mode not in WANDB_MODES:
-            raise ValueError(f"{STUDY_WANDB}={wandb_mode!r} is not allowed: expected one of {list(WANDB_MODES)} "
-                             "(or unset, for no W&B)")
-        loggers.append({"class_path": "vit.training.loggers.WandbLogger", "init_args": {
-            "project": f"study-{Path(log_dir).name}", "name": run.key, "group": cell_key(run),
-            "save_dir": str(log_dir), "offline": wandb_mode == "offline",
-            "config": {"cell": cell_key(run), "seed": run.seed}}})
-    overrides["trainer"].update({
-        "logger": loggers,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    })
+            raise ValueError(
+                f"{STUDY_WANDB}={wandb_mode!r} is not allowed: expected one of {list(WANDB_MODES)} "
+                "(or unset, for no W&B)"
+            )
+        loggers.append(
+            {
+                "class_path": "vit.training.loggers.WandbLogger",
+                "init_args": {
+                    "project": f"study-{Path(log_dir).name}",
+                    "name": run.key,
+                    "group": cell_key(run),
+                    "save_dir": str(log_dir),
+                    "offline": wandb_mode == "offline",
+                    "config": {"cell": cell_key(run), "seed": run.seed},
+                },
+            }
+        )
+    overrides["trainer"].update(
+        {
+            "logger": loggers,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+        }
+    )
     if environ.get("SUBMITIT_EXECUTOR") == "slurm":
         overrides["trainer"]["accelerator"] = "auto"
-        overrides["trainer"]["plugins"] = [{"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
-                                           "init_args": {"auto_requeue": False}}]
+        overrides["trainer"]["plugins"] = [
+            {
+                "class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment",
+                "init_args": {"auto_requeue": False},
+            }
+        ]
     return overrides
 
 
@@ -149,8 +168,9 @@ def predict_images(backbone, dataset, batch_size: int = 500):
 
     backbone.eval()
     with torch.no_grad():
-        return torch.cat([backbone(dataset.images[i:i + batch_size]).argmax(1)
-                          for i in range(0, len(dataset), batch_size)])
+        return torch.cat(
+            [backbone(dataset.images[i : i + batch_size]).argmax(1) for i in range(0, len(dataset), batch_size)]
+        )
 
 
 def accuracy_by_distance(dataset, preds) -> dict[str, list[int]]:
@@ -173,10 +193,14 @@ def save_predictions(path: Path, splits: dict) -> None:
 
     arrays = {}
     for split, (dataset, preds) in splits.items():
-        arrays.update({f"{split}_index": np.arange(len(dataset), dtype=np.int32),
-                       f"{split}_label": dataset.labels.numpy().astype(np.int8),
-                       f"{split}_pred": preds.numpy().astype(np.int8),
-                       f"{split}_distance": part_distance(dataset).numpy().astype(np.int16)})
+        arrays.update(
+            {
+                f"{split}_index": np.arange(len(dataset), dtype=np.int32),
+                f"{split}_label": dataset.labels.numpy().astype(np.int8),
+                f"{split}_pred": preds.numpy().astype(np.int8),
+                f"{split}_distance": part_distance(dataset).numpy().astype(np.int16),
+            }
+        )
         for name in ("positions", "shape_ids"):
             if hasattr(dataset, name):
                 arrays[f"{split}_{name}"] = getattr(dataset, name).numpy().astype(np.int16)
@@ -189,8 +213,9 @@ def save_predictions(path: Path, splits: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
-            predictions_dir: Path | None = None) -> dict:
+def run_one(
+    run: Run, *, base_config: str, log_dir: Path, revision: str = "", predictions_dir: Path | None = None
+) -> dict:
     """Train and test one grid point through ``vit.training.cli.main``; return its CSV row.
 
     With ``predictions_dir``, the per-image predictions of the test (and moved test) set go to
@@ -226,8 +251,9 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
     seconds = time.perf_counter() - start
     trainer = cli.trainer
     if trainer.interrupted or "test/acc" not in trainer.callback_metrics:
-        raise RuntimeError(f"run {run.key} did not finish (interrupted={trainer.interrupted}); "
-                           f"its logs are in {run_dir}")
+        raise RuntimeError(
+            f"run {run.key} did not finish (interrupted={trainer.interrupted}); its logs are in {run_dir}"
+        )
     best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     backbone, data = cli.model.backbone, cli.datamodule
     test_acc = float(trainer.callback_metrics["test/acc"])
@@ -242,23 +268,37 @@ def run_one(run: Run, *, base_config: str, log_dir: Path, revision: str = "",
         shifted = data.make_split("test", data.hparams.num_test, run.shift_region)
         splits["shift"] = (shifted, predict_images(backbone, shifted))
         shift_by_distance = accuracy_by_distance(shifted, splits["shift"][1])
-        shift = {"shift_region": run.shift_region,
-                 "shift_acc": f"{sum(c for c, _ in shift_by_distance.values()) / len(shifted):.4f}",
-                 "shift_by_distance": json.dumps(shift_by_distance, separators=(",", ":"))}
+        shift = {
+            "shift_region": run.shift_region,
+            "shift_acc": f"{sum(c for c, _ in shift_by_distance.values()) / len(shifted):.4f}",
+            "shift_by_distance": json.dumps(shift_by_distance, separators=(",", ":")),
+        }
     if predictions_dir is not None:
         save_predictions(Path(predictions_dir) / f"{run.key}.npz", splits)
     return {
-        "key": run.key, "experiment": run.experiment, "task": run.task, "model": run.model,
-        "num_train": run.num_train, "seed": run.seed, "train_region": run.train_region,
-        "test_region": run.test_region, "lr": cli.model.hparams.lr,
+        "key": run.key,
+        "experiment": run.experiment,
+        "task": run.task,
+        "model": run.model,
+        "num_train": run.num_train,
+        "seed": run.seed,
+        "train_region": run.train_region,
+        "test_region": run.test_region,
+        "lr": cli.model.hparams.lr,
         "params": sum(p.numel() for p in backbone.parameters()),
         "flops_per_image": flops_per_image(backbone, data.in_chans, data.img_size),
-        "epochs": trainer.current_epoch, "steps": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "steps": trainer.global_step,
         "batch_size": run.overrides["data"]["init_args"]["batch_size"],
-        "train_time_s": f"{seconds:.1f}", "train_acc": f"{_last_train_acc(run_dir):.4f}",
+        "train_time_s": f"{seconds:.1f}",
+        "train_acc": f"{_last_train_acc(run_dir):.4f}",
         "val_acc": f"{float(best) if best is not None else float('nan'):.4f}",
-        "test_acc": f"{test_acc:.4f}", "test_by_distance": json.dumps(by_distance, separators=(",", ":")), **shift,
-        "fingerprint": run.fingerprint, "revision": revision, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "test_acc": f"{test_acc:.4f}",
+        "test_by_distance": json.dumps(by_distance, separators=(",", ":")),
+        **shift,
+        "fingerprint": run.fingerprint,
+        "revision": revision,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
@@ -268,10 +308,12 @@ def code_revision() -> str:
     root = Path(__file__).resolve().parents[2]
     code = ["vit", "studies", ":(exclude)studies/*/results/*", "configs", "train.py"]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *code], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", *code], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
     return head + ("-dirty" if dirty else "")
@@ -284,8 +326,9 @@ class StudyJob(submitit.helpers.Checkpointable):
     ``run_one`` moves the unfinished run directory aside and starts the run again.
     """
 
-    def __init__(self, run: Run, base_config: str, log_dir: str, threads: int, revision: str,
-                 predictions_dir: str | None = None) -> None:
+    def __init__(
+        self, run: Run, base_config: str, log_dir: str, threads: int, revision: str, predictions_dir: str | None = None
+    ) -> None:
         self.run, self.base_config, self.log_dir = run, base_config, log_dir
         self.threads, self.revision, self.predictions_dir = threads, revision, predictions_dir
 
@@ -295,5 +338,10 @@ class StudyJob(submitit.helpers.Checkpointable):
         torch.set_num_threads(self.threads)
         for name in ("lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        return run_one(self.run, base_config=self.base_config, log_dir=Path(self.log_dir), revision=self.revision,
-                       predictions_dir=self.predictions_dir and Path(self.predictions_dir))
+        return run_one(
+            self.run,
+            base_config=self.base_config,
+            log_dir=Path(self.log_dir),
+            revision=self.revision,
+            predictions_dir=self.predictions_dir and Path(self.predictions_dir),
+        )

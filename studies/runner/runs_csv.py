@@ -13,9 +13,31 @@ from studies.runner.rows import append_rows
 from vit.training.run_dir import printable
 
 COLUMNS = (
-    "key", "experiment", "task", "model", "num_train", "seed", "train_region", "test_region", "lr",
-    "params", "flops_per_image", "epochs", "steps", "batch_size", "train_time_s", "train_acc", "val_acc", "test_acc",
-    "test_by_distance", "shift_region", "shift_acc", "shift_by_distance", "fingerprint", "revision", "finished_at",
+    "key",
+    "experiment",
+    "task",
+    "model",
+    "num_train",
+    "seed",
+    "train_region",
+    "test_region",
+    "lr",
+    "params",
+    "flops_per_image",
+    "epochs",
+    "steps",
+    "batch_size",
+    "train_time_s",
+    "train_acc",
+    "val_acc",
+    "test_acc",
+    "test_by_distance",
+    "shift_region",
+    "shift_acc",
+    "shift_by_distance",
+    "fingerprint",
+    "revision",
+    "finished_at",
 )
 INT_COLUMNS = ("num_train", "seed", "params", "flops_per_image", "epochs", "steps", "batch_size")
 FLOAT_COLUMNS = ("lr", "train_time_s", "train_acc", "val_acc", "test_acc")
@@ -40,8 +62,13 @@ def _is_by_distance(text: str) -> bool:
     except (ValueError, RecursionError):  # RecursionError: brackets nested thousands deep
         return False
     return isinstance(value, dict) and all(
-        re.fullmatch(r"[0-9]+", d) and isinstance(p, list) and len(p) == 2 and all(type(n) is int for n in p)
-        and 0 <= p[0] <= p[1] for d, p in value.items())
+        re.fullmatch(r"[0-9]+", d)
+        and isinstance(p, list)
+        and len(p) == 2
+        and all(type(n) is int for n in p)
+        and 0 <= p[0] <= p[1]
+        for d, p in value.items()
+    )
 
 
 def _row_problem(fields: list[str]) -> str | None:
@@ -65,8 +92,9 @@ def _row_problem(fields: list[str]) -> str | None:
     except ValueError:
         return f"finished_at='{shown(row['finished_at'])}' is not a time (cut short?)"
     lr = float(row["lr"]) if row["experiment"] == CALIBRATE else None
-    key = Run(row["experiment"], row["task"], row["model"], int(row["num_train"]), int(row["seed"]), "", "", 0, {}, "",
-              lr).key
+    key = Run(
+        row["experiment"], row["task"], row["model"], int(row["num_train"]), int(row["seed"]), "", "", 0, {}, "", lr
+    ).key
     if row["key"] != key:
         return f"its key '{shown(row['key'])}' does not match its columns (they make '{shown(key)}')"
     return None
@@ -90,9 +118,11 @@ def read_rows(csv_path: Path) -> list[dict]:
     where = printable(csv_path)
     header = _fields(lines[0]) or []
     if tuple(header) != COLUMNS:
-        raise StudyError(f"{where} line 1 is not the header this study writes ({len(header)} columns, expected "
-                         f"{len(COLUMNS)}: {','.join(COLUMNS)}): restore it, or use a new out_dir if another "
-                         f"version of the study wrote this file")
+        raise StudyError(
+            f"{where} line 1 is not the header this study writes ({len(header)} columns, expected "
+            f"{len(COLUMNS)}: {','.join(COLUMNS)}): restore it, or use a new out_dir if another "
+            f"version of the study wrote this file"
+        )
     rows, seen = [], {}
     for number, line in enumerate(lines[1:], start=2):
         if not line.strip():
@@ -101,11 +131,15 @@ def read_rows(csv_path: Path) -> list[dict]:
         problem = "it is not a line of CSV" if fields is None else _row_problem(fields)
         if problem is not None:
             key = fields[0] if fields else ""
-            raise StudyError(f"{where} line {number} is damaged: {problem}. Delete that line to redo its run "
-                             f"({shown(key) if key else 'no key'}), then rerun the same command")
+            raise StudyError(
+                f"{where} line {number} is damaged: {problem}. Delete that line to redo its run "
+                f"({shown(key) if key else 'no key'}), then rerun the same command"
+            )
         if fields[0] in seen:
-            raise StudyError(f"{where} line {number} repeats run {shown(fields[0])} of line {seen[fields[0]]}: "
-                             f"delete one of the two lines")
+            raise StudyError(
+                f"{where} line {number} repeats run {shown(fields[0])} of line {seen[fields[0]]}: "
+                f"delete one of the two lines"
+            )
         seen[fields[0]] = number
         rows.append(dict(zip(COLUMNS, fields)))
     return rows
@@ -122,4 +156,3 @@ def _fields(line: str) -> list[str] | None:
 def append_row(csv_path: Path, row: dict) -> None:
     """Append one row whole (`studies.runner.rows.append_rows`): a killed invocation leaves no half line."""
     append_rows(csv_path, COLUMNS, [row])
-

@@ -30,8 +30,15 @@ class RunsFailed(RuntimeError):
 
 def slurm_parameters(*, partition: str | None, time_min: int, gpus: int, cpus: int, parallel: int) -> dict:
     """The ``submitit.SlurmExecutor`` parameters of ``--executor slurm``: one array, ``parallel`` tasks at a time."""
-    params = {"job_name": "vit-study", "time": time_min, "gpus_per_node": gpus, "cpus_per_task": cpus,
-              "array_parallelism": parallel, "nodes": 1, "ntasks_per_node": 1}
+    params = {
+        "job_name": "vit-study",
+        "time": time_min,
+        "gpus_per_node": gpus,
+        "cpus_per_task": cpus,
+        "array_parallelism": parallel,
+        "nodes": 1,
+        "ntasks_per_node": 1,
+    }
     if partition:
         params["partition"] = partition
     return params
@@ -48,8 +55,9 @@ def make_executor(kind: str, folder: Path, *, timeout_min: int, slurm: dict | No
     return executor
 
 
-def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, on_submit=lambda job, handle: None,
-            poll_s: float = 1.0) -> list[tuple[str, str]]:
+def fan_out(
+    executor, jobs: list[StudyJob], *, parallel: int, on_done, on_submit=lambda job, handle: None, poll_s: float = 1.0
+) -> list[tuple[str, str]]:
     """Run ``jobs`` with at most ``parallel`` in flight, calling ``on_done(job, row)`` in the order they finish
     (and ``on_submit(job, handle)`` as each is submitted).
 
@@ -65,8 +73,12 @@ def fan_out(executor, jobs: list[StudyJob], *, parallel: int, on_done, on_submit
         except Exception as err:  # noqa: BLE001 - every failure is reported at the end, with its log
             line = failure_line(err, job.run)
             failures.append((job.run.key, line))
-            print(f"FAILED {job.run.key} (model {job.run.model}, seed {job.run.seed}): {line} (log: "
-                  f"{getattr(handle, 'paths', None) and handle.paths.stderr})", file=sys.stderr, flush=True)
+            print(
+                f"FAILED {job.run.key} (model {job.run.model}, seed {job.run.seed}): {line} (log: "
+                f"{getattr(handle, 'paths', None) and handle.paths.stderr})",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         on_done(job, row)
 
@@ -158,8 +170,16 @@ def studies_importable():
             os.environ["PYTHONPATH"] = previous
 
 
-def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool = True, executor: str = "local",
-              parallel: int = 2, slurm: dict | None = None, timeout_min: int = 120) -> list[dict]:
+def run_study(
+    config: str | Path,
+    *,
+    max_runs: int | None = None,
+    progress: bool = True,
+    executor: str = "local",
+    parallel: int = 2,
+    slurm: dict | None = None,
+    timeout_min: int = 120,
+) -> list[dict]:
     """Run every unfinished run of the study (at most ``max_runs`` of them) through a submitit
     executor, ``parallel`` at a time, then write the reports.
 
@@ -171,12 +191,29 @@ def run_study(config: str | Path, *, max_runs: int | None = None, progress: bool
     out_dir = Path(cfg["out_dir"])
     make_dirs("out_dir", out_dir)
     with lock_out_dir(out_dir) as record_job, stop_on_sigterm():
-        return _run_study(cfg, max_runs=max_runs, progress=progress, executor=executor, parallel=parallel,
-                          slurm=slurm, timeout_min=timeout_min, record_job=record_job)
+        return _run_study(
+            cfg,
+            max_runs=max_runs,
+            progress=progress,
+            executor=executor,
+            parallel=parallel,
+            slurm=slurm,
+            timeout_min=timeout_min,
+            record_job=record_job,
+        )
 
 
-def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str, parallel: int, slurm: dict | None,
-               timeout_min: int, record_job) -> list[dict]:
+def _run_study(
+    cfg: dict,
+    *,
+    max_runs: int | None,
+    progress: bool,
+    executor: str,
+    parallel: int,
+    slurm: dict | None,
+    timeout_min: int,
+    record_job,
+) -> list[dict]:
     from tqdm.auto import tqdm
 
     out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
@@ -192,12 +229,14 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
         for run in runs:
             row = done.get(run.key)
             if row is not None and row["fingerprint"] != run.fingerprint:
-                raise StudyError(f"{printable(csv_path)} holds run {run.key} made with other settings (fingerprint "
-                                 f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
-                                 f"out_dir/log_dir for the new settings, or move the old results away")
+                raise StudyError(
+                    f"{printable(csv_path)} holds run {run.key} made with other settings (fingerprint "
+                    f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
+                    f"out_dir/log_dir for the new settings, or move the old results away"
+                )
         todo = [run for run in runs if run.key not in done]
         if budget[0] is not None:
-            todo, budget[0] = todo[:budget[0]], budget[0] - min(budget[0], len(todo))
+            todo, budget[0] = todo[: budget[0]], budget[0] - min(budget[0], len(todo))
         return todo
 
     def execute(runs: list[Run], desc: str) -> None:
@@ -213,16 +252,20 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
             if isinstance(handle, submitit.LocalJob):  # the job id of a local job is its controller's PID
                 record_job(int(handle.job_id), job.run.key)
 
-        jobs = [StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision, str(out_dir / PREDICTIONS))
-                for run in todo]
+        jobs = [
+            StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision, str(out_dir / PREDICTIONS))
+            for run in todo
+        ]
         try:
             with studies_importable():
                 failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done, on_submit=on_submit)
         finally:
             bar.close()  # also when stopped: the message that follows starts a line of its own
         if failures:
-            raise RunsFailed(f"{len(failures)} runs failed (rerun the same command to retry them): "
-                               + "; ".join(f"{k}: {e}" for k, e in failures))
+            raise RunsFailed(
+                f"{len(failures)} runs failed (rerun the same command to retry them): "
+                + "; ".join(f"{k}: {e}" for k, e in failures)
+            )
 
     if "shortcuts" in cfg and not (out_dir / "shortcuts.csv").exists():
         # Measure the shortcuts before the models: every task, on fresh draws.
@@ -245,4 +288,3 @@ def _run_study(cfg: dict, *, max_runs: int | None, progress: bool, executor: str
     if rows:  # none with --max-runs 0 on a new study
         write_reports(rows, out_dir, cfg)
     return rows
-

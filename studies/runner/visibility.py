@@ -81,8 +81,9 @@ def sees_stroke(windows: torch.Tensor, pixels: torch.Tensor, adjacent: int = ADJ
     return runs.any(-1)
 
 
-def visible(windows: torch.Tensor, positions: torch.Tensor, shape_ids: torch.Tensor,
-            adjacent: int = ADJACENT, chunk: int = 500) -> torch.Tensor:
+def visible(
+    windows: torch.Tensor, positions: torch.Tensor, shape_ids: torch.Tensor, adjacent: int = ADJACENT, chunk: int = 500
+) -> torch.Tensor:
     """`(N,)` bool: some unit holds ``adjacent`` adjacent ink pixels of each of the two strokes.
 
     ``positions`` `(N, 2, 2)` are the strokes' box corners (row, col), ``shape_ids`` `(N, 2)` their patterns,
@@ -91,7 +92,7 @@ def visible(windows: torch.Tensor, positions: torch.Tensor, shape_ids: torch.Ten
     offsets = stroke_offsets()
     out = []
     for i in range(0, len(positions), chunk):
-        pos, ids = positions[i:i + chunk].long(), shape_ids[i:i + chunk].long()
+        pos, ids = positions[i : i + chunk].long(), shape_ids[i : i + chunk].long()
         both = [sees_stroke(windows, pos[:, k, None, :] + offsets[ids[:, k]], adjacent) for k in range(2)]
         out.append((both[0] & both[1]).any(1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
@@ -160,27 +161,44 @@ def report(cells: dict, out_dir: Path, cfg: dict) -> None:
             spans = sorted(got["span"])
             measured = np.array([got["span"][d][0] / got["span"][d][1] for d in spans])
             share = np.array([got["span"][d][2] / got["span"][d][1] for d in spans])
-            curves[(exp["name"], m)] = (spans, measured, predicted_accuracy(share, acc_visible),
-                                        [got["span"][d][1] for d in spans])
-            sections.append(f"| {exp['name']} | {m} | {net.receptive_field} | "
-                            f"{'yes' if is_additive(cfg['models'][m]) else 'no'} | {len(files)} | "
-                            f"{nv / (nv + nh) * PERCENT:.1f} | "
-                            + (f"{acc_visible * PERCENT:.1f} ({nv})" if nv else "–") + " | "
-                            + (f"{ch / nh * PERCENT:.1f} ({nh})" if nh else "–") + " |")
+            curves[(exp["name"], m)] = (
+                spans,
+                measured,
+                predicted_accuracy(share, acc_visible),
+                [got["span"][d][1] for d in spans],
+            )
+            sections.append(
+                f"| {exp['name']} | {m} | {net.receptive_field} | "
+                f"{'yes' if is_additive(cfg['models'][m]) else 'no'} | {len(files)} | "
+                f"{nv / (nv + nh) * PERCENT:.1f} | "
+                + (f"{acc_visible * PERCENT:.1f} ({nv})" if nv else "–")
+                + " | "
+                + (f"{ch / nh * PERCENT:.1f} ({nh})" if nh else "–")
+                + " |"
+            )
     if not sections:
         return
-    lines = ["# Test accuracy re-binned by the partial-view (visibility) model", "",
-             "A test pair is *visible* to a CNN when one unit of its last layer holds at least "
-             f"{ADJACENT} adjacent ink pixels of each stroke (`studies/runner/visibility.py`, from the "
-             "units' exact windows). The model predicts 50% on the pairs that are not visible for average pooling "
-             "and a linear head (`additive`); it says nothing for max pooling or an MLP head. All seeds' test pairs "
-             "pooled (`runs`: the runs with per-image predictions). The predictions written before the runs are in "
-             "`predictions.md`.", "",
-             "| experiment | model | RF | additive | runs | visible (%) | acc. on visible pairs (n) | "
-             "acc. on the others (n) |", "|---" * 8 + "|", *sections, "",
-             "## Measured / predicted accuracy (%) per span bin", "",
-             "Predicted: the accuracy on visible pairs (the row above, the one number taken from the runs) where "
-             "a pair is visible, 50% elsewhere, pooled over the bin.", ""]
+    lines = [
+        "# Test accuracy re-binned by the partial-view (visibility) model",
+        "",
+        "A test pair is *visible* to a CNN when one unit of its last layer holds at least "
+        f"{ADJACENT} adjacent ink pixels of each stroke (`studies/runner/visibility.py`, from the "
+        "units' exact windows). The model predicts 50% on the pairs that are not visible for average pooling "
+        "and a linear head (`additive`); it says nothing for max pooling or an MLP head. All seeds' test pairs "
+        "pooled (`runs`: the runs with per-image predictions). The predictions written before the runs are in "
+        "`predictions.md`.",
+        "",
+        "| experiment | model | RF | additive | runs | visible (%) | acc. on visible pairs (n) | "
+        "acc. on the others (n) |",
+        "|---" * 8 + "|",
+        *sections,
+        "",
+        "## Measured / predicted accuracy (%) per span bin",
+        "",
+        "Predicted: the accuracy on visible pairs (the row above, the one number taken from the runs) where "
+        "a pair is visible, 50% elsewhere, pooled over the bin.",
+        "",
+    ]
     all_spans = sorted({d for spans, *_ in curves.values() for d in spans})
     edges = distance_edges(all_spans)
     heads = [f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
@@ -191,11 +209,17 @@ def report(cells: dict, out_dir: Path, cfg: dict) -> None:
         for lo, hi in zip(edges[:-1], edges[1:]):
             sel = [(a, p, n) for d, a, p, n in zip(spans, measured, predicted, counts) if lo <= d < hi]
             total = sum(n for *_, n in sel)
-            per_bin.append((sum(a * n for a, _, n in sel) / total, sum(p * n for _, p, n in sel) / total)
-                           if total else (np.nan, np.nan))
+            per_bin.append(
+                (sum(a * n for a, _, n in sel) / total, sum(p * n for _, p, n in sel) / total)
+                if total
+                else (np.nan, np.nan)
+            )
         binned[key] = np.array(per_bin)
-        lines.append(f"| {key[1]} | " + " | ".join("–" if np.isnan(a) else f"{a * PERCENT:.1f} / {p * PERCENT:.1f}"
-                                                    for a, p in per_bin) + " |")
+        lines.append(
+            f"| {key[1]} | "
+            + " | ".join("–" if np.isnan(a) else f"{a * PERCENT:.1f} / {p * PERCENT:.1f}" for a, p in per_bin)
+            + " |"
+        )
     (out_dir / "visibility.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib

@@ -4,9 +4,14 @@ Each is imported when first used (`vit.data.CIFARDataModule`): reading images fo
 
 import importlib
 
-MODULES = {"CIFARDataModule": "vit.data.cifar", "ImageFolderDataModule": "vit.data.image_folder",
-           "SameDifferentDataModule": "vit.data.same_different", "SameDifferentDataset": "vit.data.same_different",
-           "TwoCirclesDataModule": "vit.data.two_circles", "TwoCirclesDataset": "vit.data.two_circles"}
+MODULES = {
+    "CIFARDataModule": "vit.data.cifar",
+    "ImageFolderDataModule": "vit.data.image_folder",
+    "SameDifferentDataModule": "vit.data.same_different",
+    "SameDifferentDataset": "vit.data.same_different",
+    "TwoCirclesDataModule": "vit.data.two_circles",
+    "TwoCirclesDataset": "vit.data.two_circles",
+}
 __all__ = list(MODULES)
 
 

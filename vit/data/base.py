@@ -51,26 +51,45 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
     def inputs(self) -> dict:
         """How an image becomes the model's input, as plain values a checkpoint records for inference."""
         (height, width), norm = check_size("img_size", self.img_size), self.normalization
-        return {"img_size": [height, width], "in_chans": int(self.in_chans),
-                "mean": None if norm is None else [float(v) for v in norm[0]],
-                "std": None if norm is None else [float(v) for v in norm[1]],
-                "interpolation": self.interpolation}
+        return {
+            "img_size": [height, width],
+            "in_chans": int(self.in_chans),
+            "mean": None if norm is None else [float(v) for v in norm[0]],
+            "std": None if norm is None else [float(v) for v in norm[1]],
+            "interpolation": self.interpolation,
+        }
 
     def split_seeds(self) -> dict[str, int]:
         """The seed of each split, spawned from the ``seed`` hyperparameter (``numpy.random.SeedSequence``)."""
         children = np.random.SeedSequence(self.hparams.seed).spawn(3)
         return {split: int(child.generate_state(1)[0]) for split, child in zip(("train", "val", "test"), children)}
 
-    def _loader(self, dataset: Dataset, train: bool, *, drop_last: bool = False, pin_memory: bool = False,
-                persistent_workers: bool = True, repeats: int = 1) -> DataLoader:
+    def _loader(
+        self,
+        dataset: Dataset,
+        train: bool,
+        *,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        persistent_workers: bool = True,
+        repeats: int = 1,
+    ) -> DataLoader:
         """A loader of `dataset` (the hparams' `batch_size`, `num_workers`), ordered by `train_sampler` when `train`."""
         workers, batch_size = usable_workers(asked := self.hparams.num_workers), self.hparams.batch_size
         sampler = self.train_sampler(dataset, batch_size, repeats) if train else None
         if train and workers < asked:  # said once a run, not for each loader
             rank_zero_info(f"num_workers={asked} is capped at {workers}, the number of cores this process may use")
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=self.loader_generator(),
-                          drop_last=drop_last, num_workers=workers, pin_memory=pin_memory and torch.cuda.is_available(),
-                          persistent_workers=persistent_workers and workers > 0, worker_init_fn=leave_signals_to_main)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            generator=self.loader_generator(),
+            drop_last=drop_last,
+            num_workers=workers,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+            persistent_workers=persistent_workers and workers > 0,
+            worker_init_fn=leave_signals_to_main,
+        )
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Mix training batches on the device (when `mixup` is set): `(x, y)` -> `(x_mixed, y, y_soft)`."""
@@ -117,11 +136,18 @@ class SyntheticDataModule(SplitDataModule):
     num_classes = 2
 
     @staticmethod
-    def check_sizes(*, num_train: int, num_val: int, num_test: int, seed: int, batch_size: int,
-                    num_workers: int) -> None:
+    def check_sizes(
+        *, num_train: int, num_val: int, num_test: int, seed: int, batch_size: int, num_workers: int
+    ) -> None:
         """Raise `ValueError` naming the first split size, seed or loader setting that is not an int in range."""
-        for name, value, minimum in (("num_train", num_train, 1), ("num_val", num_val, 1), ("num_test", num_test, 1),
-                                     ("seed", seed, 0), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+        for name, value, minimum in (
+            ("num_train", num_train, 1),
+            ("num_val", num_val, 1),
+            ("num_test", num_test, 1),
+            ("seed", seed, 0),
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+        ):
             check_int(name, value, minimum)
 
     @property

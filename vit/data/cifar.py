@@ -28,8 +28,10 @@ NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 DISPLAY_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
 
 # What torchvision reads from data_dir/<folder>/; used to say what is missing.
-EXPECTED_FILES = {name: (cls.base_folder, [file for file, _ in (*cls.train_list, *cls.test_list)]
-                         + [cls.meta["filename"]]) for name, cls in DATASETS.items()}
+EXPECTED_FILES = {
+    name: (cls.base_folder, [file for file, _ in (*cls.train_list, *cls.test_list)] + [cls.meta["filename"]])
+    for name, cls in DATASETS.items()
+}
 
 
 class CIFARNotFoundError(DataNotFoundError):
@@ -54,21 +56,44 @@ class CIFARDataModule(SplitDataModule):
     in_chans = 3
 
     def __init__(
-        self, *, dataset: DatasetName = "cifar10", data_dir: str = "data", download: bool = True,
-        val_size: int = 5000, seed: int = 0, batch_size: int = 128, num_workers: int = 4, pin_memory: bool = True,
-        persistent_workers: bool = True, random_crop: bool = True, horizontal_flip: bool = True,
-        auto_augment: AutoAugmentName = "none", randaugment_num_ops: int = 2, randaugment_magnitude: int = 9,
-        random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, mixup_prob: float = 1.0,
-        mixup_switch_prob: float = 0.5, img_size: int | tuple[int, int] = 32,
-        normalization: Literal["cifar", "imagenet", "inception"] = "cifar", repeated_augmentation: int = 1,
+        self,
+        *,
+        dataset: DatasetName = "cifar10",
+        data_dir: str = "data",
+        download: bool = True,
+        val_size: int = 5000,
+        seed: int = 0,
+        batch_size: int = 128,
+        num_workers: int = 4,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+        random_crop: bool = True,
+        horizontal_flip: bool = True,
+        auto_augment: AutoAugmentName = "none",
+        randaugment_num_ops: int = 2,
+        randaugment_magnitude: int = 9,
+        random_erasing: float = 0.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mixup_prob: float = 1.0,
+        mixup_switch_prob: float = 0.5,
+        img_size: int | tuple[int, int] = 32,
+        normalization: Literal["cifar", "imagenet", "inception"] = "cifar",
+        repeated_augmentation: int = 1,
     ) -> None:
         super().__init__()
         check_choice("dataset", dataset, DatasetName)
         check_int("val_size", val_size, 1)
         check_int("batch_size", batch_size, 1)
         check_int("num_workers", num_workers, 0)
-        self.mixup = batch_mixup(NUM_CLASSES[dataset], batch_size=batch_size, mixup_alpha=mixup_alpha,
-                                 cutmix_alpha=cutmix_alpha, mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob)
+        self.mixup = batch_mixup(
+            NUM_CLASSES[dataset],
+            batch_size=batch_size,
+            mixup_alpha=mixup_alpha,
+            cutmix_alpha=cutmix_alpha,
+            mixup_prob=mixup_prob,
+            mixup_switch_prob=mixup_switch_prob,
+        )
         self.save_hyperparameters()
         self.dataset, self.data_dir, self.download, self.val_size = dataset, data_dir, download, val_size
         self.seed, self.batch_size, self.num_workers = seed, batch_size, num_workers
@@ -79,10 +104,15 @@ class CIFARDataModule(SplitDataModule):
         check_int("repeated_augmentation", repeated_augmentation, 1)
         self.eval_transform = build_eval_transform(dataset, size, self.normalization)
         self.train_transform = train_transform(
-            [v2.RandomCrop(32, padding=4)] if random_crop else [], self.eval_transform.transforms,
-            policy=v2.AutoAugmentPolicy.CIFAR10, horizontal_flip=horizontal_flip, auto_augment=auto_augment,
-            randaugment_num_ops=randaugment_num_ops, randaugment_magnitude=randaugment_magnitude,
-            random_erasing=random_erasing)
+            [v2.RandomCrop(32, padding=4)] if random_crop else [],
+            self.eval_transform.transforms,
+            policy=v2.AutoAugmentPolicy.CIFAR10,
+            horizontal_flip=horizontal_flip,
+            auto_augment=auto_augment,
+            randaugment_num_ops=randaugment_num_ops,
+            randaugment_magnitude=randaugment_magnitude,
+            random_erasing=random_erasing,
+        )
         self._class_names: list[str] | None = None
 
     @property
@@ -113,15 +143,19 @@ class CIFARDataModule(SplitDataModule):
     def unusable_files(self) -> dict[str, str]:
         """Expected files that are present but cannot be used, each with the reason."""
         dataset_cls, problems = DATASETS[self.dataset], {}
-        for name, md5 in [*dataset_cls.train_list, *dataset_cls.test_list,
-                          (dataset_cls.meta["filename"], dataset_cls.meta["md5"])]:
+        for name, md5 in [
+            *dataset_cls.train_list,
+            *dataset_cls.test_list,
+            (dataset_cls.meta["filename"], dataset_cls.meta["md5"]),
+        ]:
             path = self.folder / name
             if not path.is_file():
                 continue  # reported by missing_files
             try:
                 if not check_integrity(str(path), md5):
-                    problems[name] = ("is not the official file (its MD5 differs): truncated, corrupted "
-                                      "or from another dataset")
+                    problems[name] = (
+                        "is not the official file (its MD5 differs): truncated, corrupted or from another dataset"
+                    )
             except OSError as err:
                 problems[name] = f"cannot be read ({err.strerror or err})"
         return problems
@@ -134,7 +168,8 @@ class CIFARDataModule(SplitDataModule):
             except OSError as err:  # URLError, HTTPError, timeouts and DNS failures are all OSErrors
                 if not self.missing_files() and self.unusable_files():
                     raise CIFARCorruptedError(
-                        self._corrupted_message(f"Downloading fresh copies failed: {err}")) from err
+                        self._corrupted_message(f"Downloading fresh copies failed: {err}")
+                    ) from err
                 raise CIFARNotFoundError(self._not_found_message(f"The download failed: {err}")) from err
         self._check_files()
 
@@ -147,8 +182,9 @@ class CIFARDataModule(SplitDataModule):
             eval_full = dataset_cls(self.data_dir, train=True, transform=self.eval_transform)
             n = len(train_full)
             if self.val_size >= n:
-                raise ValueError(f"val_size={self.val_size} must be smaller than the {n} training images in "
-                                 f"{self.folder}")
+                raise ValueError(
+                    f"val_size={self.val_size} must be smaller than the {n} training images in {self.folder}"
+                )
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist()
             self.val_set = Subset(eval_full, order[: self.val_size])
             self.train_set = Subset(train_full, order[self.val_size :])
@@ -162,8 +198,14 @@ class CIFARDataModule(SplitDataModule):
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         # drop_last also keeps every training batch even-sized for Mixup/CutMix.
-        return super()._loader(dataset, train, drop_last=train, pin_memory=self.pin_memory,
-                               persistent_workers=self.persistent_workers, repeats=self.hparams.repeated_augmentation)
+        return super()._loader(
+            dataset,
+            train,
+            drop_last=train,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+            repeats=self.hparams.repeated_augmentation,
+        )
 
     def _check_files(self) -> None:
         if self.missing_files():

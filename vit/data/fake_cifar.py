@@ -11,8 +11,9 @@ from vit.checks import check_choice
 from vit.data.cifar import EXPECTED_FILES, NUM_CLASSES, DatasetName
 
 
-def write_fake_cifar(root: str | os.PathLike, dataset: DatasetName = "cifar10", num_train: int = 500,
-                     num_test: int = 100, seed: int = 0) -> dict[str, str]:
+def write_fake_cifar(
+    root: str | os.PathLike, dataset: DatasetName = "cifar10", num_train: int = 500, num_test: int = 100, seed: int = 0
+) -> dict[str, str]:
     """Write a small CIFAR folder in the official format under `root`, each class its own colour and stripes plus
     noise; returns the MD5 of every file written, by name (to substitute for the official ones)."""
     check_choice("dataset", dataset, DatasetName)
@@ -37,14 +38,19 @@ def write_fake_cifar(root: str | os.PathLike, dataset: DatasetName = "cifar10", 
             files[f"data_batch_{i}"] = {"batch_label": f"training batch {i} of 5", "data": data, "labels": labels}
         data, labels = images(num_test)
         files["test_batch"] = {"batch_label": "testing batch 1 of 1", "data": data, "labels": labels}
-        files["batches.meta"] = {"label_names": class_names, "num_cases_per_batch": len(train_chunks[0]),
-                                 "num_vis": 3072}
+        files["batches.meta"] = {
+            "label_names": class_names,
+            "num_cases_per_batch": len(train_chunks[0]),
+            "num_vis": 3072,
+        }
     else:
         for name, n in [("train", num_train), ("test", num_test)]:
             data, labels = images(n)  # and 20 superclasses of 5 classes each, as in CIFAR-100
             files[name] = {"data": data, "fine_labels": labels, "coarse_labels": [c // 5 for c in labels]}
-        files["meta"] = {"fine_label_names": class_names,
-                         "coarse_label_names": [f"fake_superclass_{i:02d}" for i in range(20)]}
+        files["meta"] = {
+            "fine_label_names": class_names,
+            "coarse_label_names": [f"fake_superclass_{i:02d}" for i in range(20)],
+        }
     for name, content in files.items():
         (folder / name).write_bytes(pickle.dumps(content))
     return {name: hashlib.md5((folder / name).read_bytes()).hexdigest() for name in files}

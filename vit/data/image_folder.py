@@ -29,8 +29,10 @@ from vit.data.transforms import MEAN_STD, AutoAugmentName, batch_mixup, train_tr
 
 Normalization = Literal["imagenet", "inception", "none"]  # "none": pixels in [0, 1]; else `MEAN_STD`'s
 SPLITS = ("train", "val", "test")
-LAYOUTS = ("root/<class>/<image> (split into train, val and test by val_fraction and test_fraction) or "
-           "root/train/<class>/<image> with optional root/val/ and root/test/ beside it")
+LAYOUTS = (
+    "root/<class>/<image> (split into train, val and test by val_fraction and test_fraction) or "
+    "root/train/<class>/<image> with optional root/val/ and root/test/ beside it"
+)
 
 
 class NoReadableImageError(DataNotFoundError):
@@ -50,26 +52,47 @@ class ImageFolderDataModule(SplitDataModule):
         random_resized_crop: `RandomResizedCrop` for training (else a resize), then `train_transform`'s
             augmentations (ImageNet's policy for "autoaugment")."""
 
-    def __init__(self, *, root: str, img_size: int | tuple[int, int] = 224, in_chans: int = 3,
-                 val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0, batch_size: int = 64,
-                 num_workers: int = 4, normalization: Normalization = "imagenet", random_resized_crop: bool = True,
-                 horizontal_flip: bool = True, auto_augment: AutoAugmentName = "none", randaugment_num_ops: int = 2,
-                 randaugment_magnitude: int = 9, random_erasing: float = 0.0, mixup_alpha: float = 0.0,
-                 cutmix_alpha: float = 0.0, mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5) -> None:
+    def __init__(
+        self,
+        *,
+        root: str,
+        img_size: int | tuple[int, int] = 224,
+        in_chans: int = 3,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        seed: int = 0,
+        batch_size: int = 64,
+        num_workers: int = 4,
+        normalization: Normalization = "imagenet",
+        random_resized_crop: bool = True,
+        horizontal_flip: bool = True,
+        auto_augment: AutoAugmentName = "none",
+        randaugment_num_ops: int = 2,
+        randaugment_magnitude: int = 9,
+        random_erasing: float = 0.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mixup_prob: float = 1.0,
+        mixup_switch_prob: float = 0.5,
+    ) -> None:
         super().__init__()
         size = check_size("img_size", img_size, 8)  # (H, W)
         check_choice("in_chans", in_chans, (1, 3))
         check_float("val_fraction", val_fraction, 0.0, 1.0, low_open=True, high_open=True)
         check_float("test_fraction", test_fraction, 0.0, 1.0, high_open=True)
         if val_fraction + test_fraction >= 1:
-            raise ValueError(f"val_fraction + test_fraction = {val_fraction + test_fraction:g} leaves no image to "
-                             "train on: their sum must be below 1")
+            raise ValueError(
+                f"val_fraction + test_fraction = {val_fraction + test_fraction:g} leaves no image to "
+                "train on: their sum must be below 1"
+            )
         for name, value, low in (("seed", seed, 0), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
             check_int(name, value, low)
         check_choice("normalization", normalization, Normalization)
         if in_chans == 1 and normalization != "none":  # Normalize would broadcast one channel to three
-            raise ValueError(f"normalization={normalization!r} is a mean and std for 3 (RGB) channels, but in_chans=1: "
-                             "use normalization='none' for one channel")
+            raise ValueError(
+                f"normalization={normalization!r} is a mean and std for 3 (RGB) channels, but in_chans=1: "
+                "use normalization='none' for one channel"
+            )
         self.save_hyperparameters()
         self.root = Path(root)
         self.skipped: dict[str, str] = {}
@@ -80,13 +103,25 @@ class ImageFolderDataModule(SplitDataModule):
         to_tensor = [step for step in self.eval_transform.transforms if not isinstance(step, v2.Resize)]
         crop = v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)
         self.train_transform = train_transform(
-            [crop], to_tensor, policy=v2.AutoAugmentPolicy.IMAGENET, horizontal_flip=horizontal_flip,
-            auto_augment=auto_augment, randaugment_num_ops=randaugment_num_ops,
-            randaugment_magnitude=randaugment_magnitude, random_erasing=random_erasing)
+            [crop],
+            to_tensor,
+            policy=v2.AutoAugmentPolicy.IMAGENET,
+            horizontal_flip=horizontal_flip,
+            auto_augment=auto_augment,
+            randaugment_num_ops=randaugment_num_ops,
+            randaugment_magnitude=randaugment_magnitude,
+            random_erasing=random_erasing,
+        )
         self._decode = partial(decode_image, size=size)
         self._scan_classes()  # fail now, before any training: num_classes is linked into the model
-        self.mixup = batch_mixup(self.num_classes, batch_size=batch_size, mixup_alpha=mixup_alpha,
-                                 cutmix_alpha=cutmix_alpha, mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob)
+        self.mixup = batch_mixup(
+            self.num_classes,
+            batch_size=batch_size,
+            mixup_alpha=mixup_alpha,
+            cutmix_alpha=cutmix_alpha,
+            mixup_prob=mixup_prob,
+            mixup_switch_prob=mixup_switch_prob,
+        )
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -109,12 +144,16 @@ class ImageFolderDataModule(SplitDataModule):
         # A class named val/ beside the others, or a split named valid/, would train on the wrong labels.
         splits = [name for name in SPLITS if name in folders]
         if splits and "train" not in splits:
-            raise ValueError(f"{self.root} has {' and '.join(s + '/' for s in splits)} but no train/, so it fits "
-                             f"neither layout: expected {LAYOUTS}")
+            raise ValueError(
+                f"{self.root} has {' and '.join(s + '/' for s in splits)} but no train/, so it fits "
+                f"neither layout: expected {LAYOUTS}"
+            )
         others = [name for name in folders if name not in SPLITS]
         if "train" in folders and others:
-            raise ValueError(f"{self.root} has train/ beside other folders ({', '.join(o + '/' for o in others)}), "
-                             f"so it fits neither layout: expected {LAYOUTS}")
+            raise ValueError(
+                f"{self.root} has train/ beside other folders ({', '.join(o + '/' for o in others)}), "
+                f"so it fits neither layout: expected {LAYOUTS}"
+            )
         base = self._folder("train") or self.root
         self._folders = visible_folders(base)
         self.classes = [text_name(name) for name in self._folders]
@@ -124,8 +163,9 @@ class ImageFolderDataModule(SplitDataModule):
             raise ValueError(f"{base} holds one class folder ({self.classes[0]}): a classifier needs at least two")
         if len(set(self.classes)) < len(self.classes):  # a folder named with a literal "\xff" beside one with the byte
             same = sorted({name for name in self.classes if self.classes.count(name) > 1})
-            raise ValueError(f"{base} holds class folders whose names read the same as text ({same}): "
-                             "rename one of each")
+            raise ValueError(
+                f"{base} holds class folders whose names read the same as text ({same}): rename one of each"
+            )
         self.num_classes = len(self.classes)
 
     def _images(self, folder: Path, transform) -> datasets.ImageFolder:
@@ -144,11 +184,18 @@ class ImageFolderDataModule(SplitDataModule):
             readable = [path for path in files if self._unreadable[path] is None]
             if not readable:
                 class_folder = os.path.join(folder, name)
-                why = [f"{os.path.relpath(path, class_folder)}: {reason}"
-                       for path, reason in sorted(self.skipped.items()) if path.startswith(class_folder + os.sep)]
+                why = [
+                    f"{os.path.relpath(path, class_folder)}: {reason}"
+                    for path, reason in sorted(self.skipped.items())
+                    if path.startswith(class_folder + os.sep)
+                ]
                 listed = "; ".join(why[:3]) + (f"; and {len(why) - 3} more" if len(why) > 3 else "")
-                raise NoReadableImageError(text_name(f"class folder {class_folder} has no readable image ("
-                                                     f"{listed or 'no files'}): every class folder needs at least one"))
+                raise NoReadableImageError(
+                    text_name(
+                        f"class folder {class_folder} has no readable image ("
+                        f"{listed or 'no files'}): every class folder needs at least one"
+                    )
+                )
             samples += [(path, label) for path in readable]
         return _ListedImageFolder(str(folder), self._folders, samples, transform=transform, loader=self._decode)
 
@@ -171,17 +218,27 @@ class ImageFolderDataModule(SplitDataModule):
         train_full = self._images(source, self.train_transform)
         eval_full, n = self._images(source, self.eval_transform), len(train_full)
         n_val = 0 if val_dir is not None else max(1, round(self.hparams.val_fraction * n))
-        n_test = 0 if test_dir is not None or self.hparams.test_fraction == 0 else max(
-            1, round(self.hparams.test_fraction * n))
+        n_test = (
+            0
+            if test_dir is not None or self.hparams.test_fraction == 0
+            else max(1, round(self.hparams.test_fraction * n))
+        )
         if n - n_val - n_test < 1:
-            raise ValueError(f"{source} has {n} readable image(s): too few to hold out {n_val} for validation and "
-                             f"{n_test} for the test")
+            raise ValueError(
+                f"{source} has {n} readable image(s): too few to hold out {n_val} for validation and "
+                f"{n_test} for the test"
+            )
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed)).tolist()
-        val_idx, test_idx, train_idx = order[:n_val], order[n_val:n_val + n_test], order[n_val + n_test:]
+        val_idx, test_idx, train_idx = order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
         self.train_set = Subset(train_full, train_idx) if n_val or n_test else train_full
         self.val_set = self._images(val_dir, self.eval_transform) if val_dir is not None else Subset(eval_full, val_idx)
-        self.test_set = (self._images(test_dir, self.eval_transform) if test_dir is not None
-                         else Subset(eval_full, test_idx) if n_test else self.val_set)
+        self.test_set = (
+            self._images(test_dir, self.eval_transform)
+            if test_dir is not None
+            else Subset(eval_full, test_idx)
+            if n_test
+            else self.val_set
+        )
         splits = (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))
         self.split_files = {name: self._relative(dataset) for name, dataset in splits}
         if self.skipped:
@@ -191,8 +248,9 @@ class ImageFolderDataModule(SplitDataModule):
 
     def _relative(self, dataset: Dataset) -> list[str]:
         """The files of `dataset` (a folder, or a `Subset` of one), as text relative to `root`, in its order."""
-        folder, indices = ((dataset.dataset, dataset.indices) if isinstance(dataset, Subset)
-                           else (dataset, range(len(dataset))))
+        folder, indices = (
+            (dataset.dataset, dataset.indices) if isinstance(dataset, Subset) else (dataset, range(len(dataset)))
+        )
         return [text_name(os.path.relpath(folder.samples[i][0], self.root)) for i in indices]
 
     def _write_split(self) -> None:
@@ -211,8 +269,10 @@ class ImageFolderDataModule(SplitDataModule):
         batch_size = self.hparams.batch_size
         drop_last = train and self.mixup is not None  # timm mixes a batch with its flip: every batch even-sized
         if drop_last and len(dataset) < batch_size:  # else no batch at all, and training would silently do nothing
-            raise ValueError(f"batch_size={batch_size} is larger than the {len(dataset)} training images, and with "
-                             "Mixup/CutMix the last incomplete batch is dropped")
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the {len(dataset)} training images, and with "
+                "Mixup/CutMix the last incomplete batch is dropped"
+            )
         return super()._loader(dataset, train, drop_last=drop_last, pin_memory=True)
 
 

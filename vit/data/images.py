@@ -62,9 +62,12 @@ def decode_image(path: str | os.PathLike, size: tuple[int, int] | None = None) -
     except UnreadableImageError as err:
         raise UnreadableImageError.for_file(path, err.reason) from None
     except Image.DecompressionBombError as err:
-        raise UnreadableImageError.for_file(path, f"too large to decode safely ({str(err).split(',')[0]}, twice "
-                                            "PIL.Image.MAX_IMAGE_PIXELS, Pillow's guard against decompression "
-                                            "bombs; raise that limit only for a file you trust)") from None
+        raise UnreadableImageError.for_file(
+            path,
+            f"too large to decode safely ({str(err).split(',')[0]}, twice "
+            "PIL.Image.MAX_IMAGE_PIXELS, Pillow's guard against decompression "
+            "bombs; raise that limit only for a file you trust)",
+        ) from None
     except UnidentifiedImageError:  # Pillow's message is the whole path again
         raise UnreadableImageError.for_file(path, not_an_image(path)) from None
     except (OSError, ValueError, SyntaxError, EOFError, struct.error) as err:  # what Pillow's readers raise on bad data
@@ -135,8 +138,14 @@ def _unreadable(reason: str) -> UnreadableImageError:
 CROP_MODES = ("squash", "center")  # timm's eval crops this project reproduces
 
 
-def build_transform(img_size: int | tuple[int, int], in_chans: int, normalization,
-                    interpolation: str = "bilinear", crop_pct: float = 1.0, crop_mode: str = "squash") -> v2.Compose:
+def build_transform(
+    img_size: int | tuple[int, int],
+    in_chans: int,
+    normalization,
+    interpolation: str = "bilinear",
+    crop_pct: float = 1.0,
+    crop_mode: str = "squash",
+) -> v2.Compose:
     """PIL image -> float tensor `(in_chans, H, W)` as the model saw in training, as timm's eval transform does it:
     `squash` resizes to `(floor(H / crop_pct), floor(W / crop_pct))` (the aspect ratio not kept; with crop_pct 1, to
     `img_size`), `center` resizes the shorter side to `floor(H / crop_pct)` (a square `img_size` only); then the
@@ -153,8 +162,12 @@ def build_transform(img_size: int | tuple[int, int], in_chans: int, normalizatio
         resize.append(v2.CenterCrop((height, width)))
     # Resized before `ToImage`: a PIL image by Pillow, as timm's and transformers' transforms resize it, so that the
     # three give the same pixels (a uint8 tensor resized by torch rounds some of them one level apart).
-    steps = [v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(), *resize,
-             v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
+    steps = [
+        v2.Grayscale(num_output_channels=1) if in_chans == 1 else v2.RGB(),
+        *resize,
+        v2.ToImage(),
+        v2.ToDtype(torch.float32, scale=True),
+    ]
     if normalization is not None:
         steps.append(v2.Normalize(*map(list, normalization)))
     return v2.Compose(steps)
@@ -172,8 +185,9 @@ class ImageFiles(Dataset):
     def __init__(self, paths: list[Path], transform) -> None:
         self.paths, self.transform = list(paths), transform
         self.names = [text_name(path.name) for path in self.paths]
-        self.size = next((tuple(t.size) for t in getattr(transform, "transforms", ()) if isinstance(t, v2.Resize)),
-                         None)
+        self.size = next(
+            (tuple(t.size) for t in getattr(transform, "transforms", ()) if isinstance(t, v2.Resize)), None
+        )
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -193,5 +207,8 @@ def readable_batches(files: ImageFiles, batch_size: int, num_workers: int = 0):
 
 def _readable(items: list[tuple[int, torch.Tensor | str]]) -> tuple[list[int], torch.Tensor | None, dict[int, str]]:
     read = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]  # stacked in the worker: one tensor to pass
-    return [i for i, _ in read], torch.stack([x for _, x in read]) if read else None, {
-        i: x for i, x in items if isinstance(x, str)}
+    return (
+        [i for i, _ in read],
+        torch.stack([x for _, x in read]) if read else None,
+        {i: x for i, x in items if isinstance(x, str)},
+    )

@@ -18,8 +18,9 @@ class ResumableSampler(DistributedSampler):
     """`DistributedSampler` with shuffling (seeded with `seed + epoch`) that can start mid-epoch after `resume_at`.
     `repeats > 1` is repeated augmentation (DeiT's `RASampler`): each index `repeats` times in a row, same length."""
 
-    def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
-                 repeats: int = 1) -> None:
+    def __init__(
+        self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, seed: int = 0, repeats: int = 1
+    ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
         check_int("repeats", repeats, 1)
         self.repeats, self._skip = repeats, 0
@@ -89,11 +90,16 @@ class ResumableTrainingData:
         written, now = state_dict.get("world_size", 1), getattr(trainer, "world_size", 1)
         if written != now:
             # Each process's share of the epoch depends on their number: the run cannot continue where it stopped.
-            raise ValueError(f"the data position was written by {written} process(es) and this run has {now}: resume "
-                             f"with {written} (trainer.devices x trainer.num_nodes)")
+            raise ValueError(
+                f"the data position was written by {written} process(es) and this run has {now}: resume "
+                f"with {written} (trainer.devices x trainer.num_nodes)"
+            )
         position = state_dict.get("train_position")
-        if position is not None and not (isinstance(position, dict) and set(position) == {"epoch", "batches_done"}
-                                         and all(type(v) is int and v >= 0 for v in position.values())):
+        if position is not None and not (
+            isinstance(position, dict)
+            and set(position) == {"epoch", "batches_done"}
+            and all(type(v) is int and v >= 0 for v in position.values())
+        ):
             raise ValueError(f"the data position {str(position)[:80]} is not an epoch and a batch count (ints >= 0)")
         self._resume_position = position
         if self._resume_position is not None:

@@ -50,8 +50,9 @@ def column_range(region: str, width: int, size: int) -> tuple[int, int]:
     return {"all": (0, width - size), "left": (0, band - size), "right": (width - band, width - size)}[region]
 
 
-def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int, int], region: str = "all",
-                     size: int = SHAPE_SIZE) -> np.ndarray:
+def sample_positions(
+    rng: np.random.Generator, n: int, img_size: int | tuple[int, int], region: str = "all", size: int = SHAPE_SIZE
+) -> np.ndarray:
     """Top-left corners ``(n, 2, 2)`` (sample, shape, (row, col)) of two non-touching boxes, uniform in ``region``."""
     height, width = check_size("img_size", img_size)
     c_lo, c_hi = column_range(region, width, size)
@@ -67,8 +68,9 @@ def sample_positions(rng: np.random.Generator, n: int, img_size: int | tuple[int
     raise ValueError(f"could not place two {size}x{size} shapes in region={region!r} of a {height}x{width} image")
 
 
-def render(positions: np.ndarray, shape_ids: np.ndarray, shapes: np.ndarray,
-           img_size: int | tuple[int, int]) -> np.ndarray:
+def render(
+    positions: np.ndarray, shape_ids: np.ndarray, shapes: np.ndarray, img_size: int | tuple[int, int]
+) -> np.ndarray:
     """Noiseless images ``(n, H, W)`` float32: 1 where a shape is on, 0 elsewhere."""
     n, size = len(positions), shapes.shape[-1]
     images = np.zeros((n, *check_size("img_size", img_size)), dtype=np.float32)
@@ -84,9 +86,18 @@ class SameDifferentDataset(Dataset):
     """In-memory same-different images, deterministic in ``seed``: float32 ``(C, H, W)``, ink 1 on 0 plus Gaussian noise
     of std ``noise``; int64 labels (1: same), exactly balanced; ``positions`` (top-left), ``shape_ids``, ``span``."""
 
-    def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
-                 noise: float = 0.05, region: Region = "all", held_out_shape: int | None = None,
-                 with_held_out: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 1,
+        noise: float = 0.05,
+        region: Region = "all",
+        held_out_shape: int | None = None,
+        with_held_out: bool = False,
+        seed: int = 0,
+    ) -> None:
         rng = seeded_rng(num_samples, seed)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
         if held_out_shape is not None:
@@ -146,18 +157,36 @@ class SameDifferentDataModule(SyntheticDataModule):
     """Train, val and test splits of ``SameDifferentDataset``. With ``held_out_shape`` (0-3), train and val never show
     that pattern and every test pair holds it, so only a model that compares the strokes passes."""
 
-    def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 1, noise: float = 0.05,
-                 num_train: int = 10_000, num_val: int = 1_000, num_test: int = 2_000, train_region: Region = "all",
-                 test_region: Region = "all", held_out_shape: int | None = None, seed: int = 0,
-                 batch_size: int = 128, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 1,
+        noise: float = 0.05,
+        num_train: int = 10_000,
+        num_val: int = 1_000,
+        num_test: int = 2_000,
+        train_region: Region = "all",
+        test_region: Region = "all",
+        held_out_shape: int | None = None,
+        seed: int = 0,
+        batch_size: int = 128,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         if held_out_shape is not None:
             check_int("held_out_shape", held_out_shape, 0, NUM_SHAPES - 1)
         for name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(name, region, Region)
         check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
-        self.check_sizes(num_train=num_train, num_val=num_val, num_test=num_test, seed=seed, batch_size=batch_size,
-                         num_workers=num_workers)
+        self.check_sizes(
+            num_train=num_train,
+            num_val=num_val,
+            num_test=num_test,
+            seed=seed,
+            batch_size=batch_size,
+            num_workers=num_workers,
+        )
         self.save_hyperparameters()
 
     @property
@@ -167,7 +196,13 @@ class SameDifferentDataModule(SyntheticDataModule):
 
     def make_split(self, split: str, num_samples: int, region: str) -> SameDifferentDataset:
         hp = self.hparams
-        return SameDifferentDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans,
-                                    noise=hp.noise, region=region, held_out_shape=hp.get("held_out_shape"),
-                                    with_held_out=split == "test" and hp.get("held_out_shape") is not None,
-                                    seed=self.split_seeds()[split])
+        return SameDifferentDataset(
+            num_samples=num_samples,
+            img_size=hp.img_size,
+            in_chans=hp.in_chans,
+            noise=hp.noise,
+            region=region,
+            held_out_shape=hp.get("held_out_shape"),
+            with_held_out=split == "test" and hp.get("held_out_shape") is not None,
+            seed=self.split_seeds()[split],
+        )

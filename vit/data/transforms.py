@@ -23,9 +23,17 @@ MEAN_STD = {
 CIFAR_MEAN_STD = {name: MEAN_STD[name] for name in get_args(DatasetName)}  # each CIFAR's own
 
 
-def train_transform(crop: list, to_tensor: list, *, policy: v2.AutoAugmentPolicy, horizontal_flip: bool,
-                    auto_augment: AutoAugmentName, randaugment_num_ops: int, randaugment_magnitude: int,
-                    random_erasing: float) -> v2.Compose:
+def train_transform(
+    crop: list,
+    to_tensor: list,
+    *,
+    policy: v2.AutoAugmentPolicy,
+    horizontal_flip: bool,
+    auto_augment: AutoAugmentName,
+    randaugment_num_ops: int,
+    randaugment_magnitude: int,
+    random_erasing: float,
+) -> v2.Compose:
     """The per-image training transform: `crop`, flip, `auto_augment` (with `policy`), `to_tensor`, `random_erasing`."""
     check_choice("auto_augment", auto_augment, AutoAugmentName)
     check_int("randaugment_num_ops", randaugment_num_ops, 0)
@@ -44,26 +52,47 @@ def train_transform(crop: list, to_tensor: list, *, policy: v2.AutoAugmentPolicy
     return v2.Compose(steps)
 
 
-def batch_mixup(num_classes: int, *, batch_size: int, mixup_alpha: float, cutmix_alpha: float, mixup_prob: float,
-                mixup_switch_prob: float) -> Mixup | None:
+def batch_mixup(
+    num_classes: int,
+    *,
+    batch_size: int,
+    mixup_alpha: float,
+    cutmix_alpha: float,
+    mixup_prob: float,
+    mixup_switch_prob: float,
+) -> Mixup | None:
     """timm's batch `Mixup` for these options, or None when both alphas are 0 (mixing off); `mixup_switch_prob`
     is the probability of CutMix instead of Mixup. No label smoothing: the LightningModule smooths the targets."""
-    for name, value, high in [("mixup_prob", mixup_prob, 1.0), ("mixup_switch_prob", mixup_switch_prob, 1.0),
-                              ("mixup_alpha", mixup_alpha, None), ("cutmix_alpha", cutmix_alpha, None)]:
+    for name, value, high in [
+        ("mixup_prob", mixup_prob, 1.0),
+        ("mixup_switch_prob", mixup_switch_prob, 1.0),
+        ("mixup_alpha", mixup_alpha, None),
+        ("cutmix_alpha", cutmix_alpha, None),
+    ]:
         check_float(name, value, 0.0, high)
     if mixup_alpha == 0 and cutmix_alpha == 0:
         return None
     if batch_size % 2 != 0:
-        raise ValueError(f"batch_size={batch_size} must be even when Mixup/CutMix is on "
-                         "(timm mixes a batch with its flip)")
-    return Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob,
-                 mode="batch", label_smoothing=0.0, num_classes=num_classes)
+        raise ValueError(
+            f"batch_size={batch_size} must be even when Mixup/CutMix is on (timm mixes a batch with its flip)"
+        )
+    return Mixup(
+        mixup_alpha=mixup_alpha,
+        cutmix_alpha=cutmix_alpha,
+        prob=mixup_prob,
+        switch_prob=mixup_switch_prob,
+        mode="batch",
+        label_smoothing=0.0,
+        num_classes=num_classes,
+    )
 
 
-def build_eval_transform(dataset: DatasetName, size: tuple[int, int] = (32, 32),
-                         mean_std: tuple | None = None) -> v2.Compose:
+def build_eval_transform(
+    dataset: DatasetName, size: tuple[int, int] = (32, 32), mean_std: tuple | None = None
+) -> v2.Compose:
     """CIFAR's eval transform: bicubic upsampling to `size` (when not 32x32), normalised with `mean_std` or CIFAR's."""
     mean, std = mean_std or CIFAR_MEAN_STD[dataset]
     resize = [v2.Resize(size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True)] if size != (32, 32) else []
-    return v2.Compose([*resize, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(list(mean), list(std))])
+    return v2.Compose(
+        [*resize, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]
+    )

@@ -40,20 +40,25 @@ CLASS_NAMES = {"diagonal": ["not_diagonal", "diagonal"], "relative": ["not_above
 _MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is infeasible
 
 
-def check_options(*, task: str, img_size: int | tuple[int, int], in_chans: int, radius: tuple[int, int],
-                  noise: float, region: str) -> int:
+def check_options(
+    *, task: str, img_size: int | tuple[int, int], in_chans: int, radius: tuple[int, int], noise: float, region: str
+) -> int:
     """Validate the image options shared by the dataset and the datamodule (ValueError if bad); the image's side."""
     check_choice("task", task, Task)
     check_choice("region", region, Region)
     height, width = check_size("img_size", img_size, 8)
     if height != width:
-        raise ValueError(f"img_size={img_size!r} is not allowed for two-circles: expected a square (one int), because "
-                         "its quadrants and inner/border regions are defined on a square image; same_different and "
-                         "image folders take [H, W]")
+        raise ValueError(
+            f"img_size={img_size!r} is not allowed for two-circles: expected a square (one int), because "
+            "its quadrants and inner/border regions are defined on a square image; same_different and "
+            "image folders take [H, W]"
+        )
     img_size = height
     if img_size % 2:
-        raise ValueError(f"img_size={img_size!r} is not allowed: expected an even int, so that "
-                         "the midlines fall between pixels and each quadrant is unambiguous")
+        raise ValueError(
+            f"img_size={img_size!r} is not allowed: expected an even int, so that "
+            "the midlines fall between pixels and each quadrant is unambiguous"
+        )
     check_pixel_options(in_chans=in_chans, noise=noise)
     try:
         r_min, r_max = radius
@@ -63,15 +68,18 @@ def check_options(*, task: str, img_size: int | tuple[int, int], in_chans: int, 
         raise ValueError(f"radius={radius!r} is not allowed: expected two ints (min, max)")
     min_radius = 3 if task == "relative" else 1  # a ring needs r >= 3 for a dark centre pixel
     if not min_radius <= r_min <= r_max:
-        raise ValueError(f"radius={radius!r} is not allowed for task={task!r}: expected "
-                         f"{min_radius} <= radius[0] <= radius[1]")
+        raise ValueError(
+            f"radius={radius!r} is not allowed for task={task!r}: expected {min_radius} <= radius[0] <= radius[1]"
+        )
     half = img_size // 2
     # A circle must fit in a quadrant; moving it around (inner vs border) needs strict room.
     limit = half // 2 if region == "all" else (half - 1) // 2
     if r_max > limit:
-        raise ValueError(f"radius={radius!r} is too large for img_size={img_size} and region={region!r}: a circle "
-                         f"must fit inside a {half}x{half} quadrant{'' if region == 'all' else ' with room to move'}, "
-                         f"so radius[1] <= {limit}")
+        raise ValueError(
+            f"radius={radius!r} is too large for img_size={img_size} and region={region!r}: a circle "
+            f"must fit inside a {half}x{half} quadrant{'' if region == 'all' else ' with room to move'}, "
+            f"so radius[1] <= {limit}"
+        )
     return img_size
 
 
@@ -105,8 +113,9 @@ def _sample_in_area(rng: np.random.Generator, radii: np.ndarray, area: int, regi
     raise ValueError(f"could not place circles of radius {radii.max()} in region={region!r} of a {area}x{area} area")
 
 
-def _sample_diagonal(rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str,
-                     t: float) -> np.ndarray:
+def _sample_diagonal(
+    rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str, t: float
+) -> np.ndarray:
     """Centres ``(n, 2, 2)`` of two circles in the quadrant pair that ``labels`` asks for."""
     half = img_size // 2
     negatives = np.asarray(NEGATIVE_PAIRS)[rng.integers(len(NEGATIVE_PAIRS), size=len(labels))]
@@ -116,8 +125,9 @@ def _sample_diagonal(rng: np.random.Generator, labels: np.ndarray, radii: np.nda
     return origins + local  # (n, 2, 2)
 
 
-def _sample_relative(rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str,
-                     t: float) -> np.ndarray:
+def _sample_relative(
+    rng: np.random.Generator, labels: np.ndarray, radii: np.ndarray, img_size: int, region: str, t: float
+) -> np.ndarray:
     """Centres ``(n, 2, 2)`` of disc A and ring B, with A above-left of B iff the label is 1."""
     n = len(labels)
     centers, todo = np.empty((n, 2, 2)), np.arange(n)
@@ -131,8 +141,10 @@ def _sample_relative(rng: np.random.Generator, labels: np.ndarray, radii: np.nda
         if len(todo) == 0:
             break
     else:
-        raise ValueError(f"could not place two separated circles of radius {radii.max()} in "
-                         f"region={region!r} of a {img_size}x{img_size} image")
+        raise ValueError(
+            f"could not place two separated circles of radius {radii.max()} in "
+            f"region={region!r} of a {img_size}x{img_size} image"
+        )
     # Mirroring both circles about a midline flips the sign of one offset and keeps every constraint.
     negatives = np.asarray(NEGATIVE_SIGNS)[rng.integers(len(NEGATIVE_SIGNS), size=n)]
     signs = np.where(labels[:, None] == 1, np.asarray(POSITIVE_SIGNS), negatives)  # (n, 2)
@@ -179,12 +191,22 @@ class TwoCirclesDataset(Dataset):
     of std ``noise``; int64 labels, exactly balanced. ``centers`` ``(N, 2, 2)`` ``(row, col)`` (circle 0: the disc A,
     or in the lower-numbered quadrant); ``radii`` ``(N,)``, uniform in the inclusive ``radius``, shared by both."""
 
-    def __init__(self, *, num_samples: int, img_size: int | tuple[int, int] = 32, in_chans: int = 1,
-                 radius: tuple[int, int] = (3, 5), noise: float = 0.05, task: Task = "diagonal", region: Region = "all",
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 1,
+        radius: tuple[int, int] = (3, 5),
+        noise: float = 0.05,
+        task: Task = "diagonal",
+        region: Region = "all",
+        seed: int = 0,
+    ) -> None:
         rng = seeded_rng(num_samples, seed)
-        img_size = check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise,
-                                 region=region)  # [32, 32] -> 32
+        img_size = check_options(
+            task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise, region=region
+        )  # [32, 32] -> 32
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
         self.radius, self.noise, self.seed = tuple(radius), float(noise), seed
         labels, radii = balanced_labels(rng, num_samples), rng.integers(radius[0], radius[1] + 1, size=num_samples)
@@ -209,16 +231,35 @@ class TwoCirclesDataset(Dataset):
 class TwoCirclesDataModule(SyntheticDataModule):
     """Train, val and test splits of ``TwoCirclesDataset`` (``SyntheticDataModule``)."""
 
-    def __init__(self, *, task: Task = "diagonal", img_size: int | tuple[int, int] = 32, in_chans: int = 1,
-                 radius: tuple[int, int] = (3, 5), noise: float = 0.05, num_train: int = 10_000, num_val: int = 1_000,
-                 num_test: int = 2_000, train_region: Region = "all", test_region: Region = "all", seed: int = 0,
-                 batch_size: int = 128, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        task: Task = "diagonal",
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 1,
+        radius: tuple[int, int] = (3, 5),
+        noise: float = 0.05,
+        num_train: int = 10_000,
+        num_val: int = 1_000,
+        num_test: int = 2_000,
+        train_region: Region = "all",
+        test_region: Region = "all",
+        seed: int = 0,
+        batch_size: int = 128,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         for region_name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(region_name, region, Region)
             check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise, region=region)
-        self.check_sizes(num_train=num_train, num_val=num_val, num_test=num_test, seed=seed, batch_size=batch_size,
-                         num_workers=num_workers)
+        self.check_sizes(
+            num_train=num_train,
+            num_val=num_val,
+            num_test=num_test,
+            seed=seed,
+            batch_size=batch_size,
+            num_workers=num_workers,
+        )
         self.save_hyperparameters()
 
     @property
@@ -228,6 +269,13 @@ class TwoCirclesDataModule(SyntheticDataModule):
 
     def make_split(self, split: str, num_samples: int, region: str) -> TwoCirclesDataset:
         hp = self.hparams
-        return TwoCirclesDataset(num_samples=num_samples, img_size=hp.img_size, in_chans=hp.in_chans,
-                                 radius=tuple(hp.radius), noise=hp.noise, task=hp.task, region=region,
-                                 seed=self.split_seeds()[split])
+        return TwoCirclesDataset(
+            num_samples=num_samples,
+            img_size=hp.img_size,
+            in_chans=hp.in_chans,
+            radius=tuple(hp.radius),
+            noise=hp.noise,
+            task=hp.task,
+            region=region,
+            seed=self.split_seeds()[split],
+        )

@@ -24,8 +24,9 @@ if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--hel
     import torch
     from torchvision.transforms import v2
 
-    Prepared = tuple[tuple[torch.nn.Module, list[str]], tuple[v2.Compose, ...], list[str], int | None,
-                     L.LightningDataModule | None]
+    Prepared = tuple[
+        tuple[torch.nn.Module, list[str]], tuple[v2.Compose, ...], list[str], int | None, L.LightningDataModule | None
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,20 +35,32 @@ def main(argv: list[str] | None = None) -> int:
     source = options.add_mutually_exclusive_group()
     source.add_argument("--input_dir", type=Path, help="folder of images to explain (not searched recursively)")
     source.add_argument("--image", type=Path, action="append", help="an image to explain (repeat for more)")
-    options.add_argument("--method", default="rollout,chefer,gradcam",
-                        help=f"comma-separated, from {list(METHODS)}, or 'all' (those the model allows, not 'random')")
+    options.add_argument(
+        "--method",
+        default="rollout,chefer,gradcam",
+        help=f"comma-separated, from {list(METHODS)}, or 'all' (those the model allows, not 'random')",
+    )
     options.add_argument("--target", help="class to explain (a name or an index); default: each image's prediction")
     options.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
     options.add_argument("--num_images", type=int, default=6, help="at most this many images (rows)")
-    options.add_argument("--scale", choices=SCALES, default="row",
-                         help="which maps share one colour scale, from 0 to their largest value: each image's row "
-                              "(a flat map looks flat beside a peaked one), the whole figure (rows comparable too), "
-                              "or each panel alone, from its own min to max (every map looks sharp, however flat)")
-    options.add_argument("--save-maps", dest="save_maps", type=Path,
-                         help="also write the raw maps to this .npz: one (B, gh, gw) array per method, and files, "
-                              "predicted, probability, class_names, methods, target (-1: each prediction)")
-    options.add_argument("--overwrite", action="store_true",
-                         help="replace --out and --save-maps if they exist (regular files only)")
+    options.add_argument(
+        "--scale",
+        choices=SCALES,
+        default="row",
+        help="which maps share one colour scale, from 0 to their largest value: each image's row "
+        "(a flat map looks flat beside a peaked one), the whole figure (rows comparable too), "
+        "or each panel alone, from its own min to max (every map looks sharp, however flat)",
+    )
+    options.add_argument(
+        "--save-maps",
+        dest="save_maps",
+        type=Path,
+        help="also write the raw maps to this .npz: one (B, gh, gw) array per method, and files, "
+        "predicted, probability, class_names, methods, target (-1: each prediction)",
+    )
+    options.add_argument(
+        "--overwrite", action="store_true", help="replace --out and --save-maps if they exist (regular files only)"
+    )
     return run(options.parse_args(argv), prepare, explain)
 
 
@@ -100,8 +113,10 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
         if not x:
             return fail("no readable image to explain; nothing was written", status=1)
         if len(x) + len(skipped) < len(paths):
-            print(f"note: explaining the first {len(x)} readable images of {len(paths)} files (--num_images)",
-                  file=sys.stderr)
+            print(
+                f"note: explaining the first {len(x)} readable images of {len(paths)} files (--num_images)",
+                file=sys.stderr,
+            )
         (x, shown), labels = torch.stack(x).tensor_split([-3], dim=1), None  # the input; RGB as decoded, unnormalised
     else:  # the checkpoint's own test images, with their labels
         data.setup("test")
@@ -120,11 +135,14 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     for m in maps.values():
         finite &= torch.isfinite(m).flatten(1).all(dim=1)
     if not finite.all():  # from finite pixels: the model's arithmetic overflows; no figure of NaN maps is drawn
-        return fail(f"{files[int((~finite).nonzero()[0])]}: the model's probabilities or relevance maps are NaN or "
-                    "infinite although the image is finite (its logits overflow float32); nothing was written",
-                    status=1)
-    rollout_grid(shown, maps, titles=row_titles(files, probs, names, labels, target),
-                 scale=args.scale).savefig(args.out, dpi=80)
+        return fail(
+            f"{files[int((~finite).nonzero()[0])]}: the model's probabilities or relevance maps are NaN or "
+            "infinite although the image is finite (its logits overflow float32); nothing was written",
+            status=1,
+        )
+    rollout_grid(shown, maps, titles=row_titles(files, probs, names, labels, target), scale=args.scale).savefig(
+        args.out, dpi=80
+    )
     print(f"wrote {args.out}: {len(x)} images x {len(methods)} methods")
     if args.save_maps is not None:
         save_maps(args.save_maps, dict(zip(methods, maps.values())), files, probs, names, target)
@@ -132,16 +150,28 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     return 0
 
 
-def save_maps(path: Path, maps: dict[str, torch.Tensor], files: list[str], probs: torch.Tensor,
-              class_names: list[str], target: int | None) -> None:
+def save_maps(
+    path: Path,
+    maps: dict[str, torch.Tensor],
+    files: list[str],
+    probs: torch.Tensor,
+    class_names: list[str],
+    target: int | None,
+) -> None:
     """Write the raw maps, method -> `(B, gh, gw)`, with what the rows are, to an `.npz` (plain arrays, no pickles)."""
     import numpy as np
 
     confidence, predicted = probs.max(dim=-1)
-    np.savez(path, **{method: m.detach().cpu().numpy() for method, m in maps.items()},
-             methods=np.array(list(maps)), files=np.array(files), predicted=predicted.numpy(),
-             probability=confidence.numpy(), class_names=np.array(class_names),
-             target=np.array(-1 if target is None else target))
+    np.savez(
+        path,
+        **{method: m.detach().cpu().numpy() for method, m in maps.items()},
+        methods=np.array(list(maps)),
+        files=np.array(files),
+        predicted=predicted.numpy(),
+        probability=confidence.numpy(),
+        class_names=np.array(class_names),
+        target=np.array(-1 if target is None else target),
+    )
 
 
 def parse_methods(text: str) -> list[str]:
@@ -151,13 +181,15 @@ def parse_methods(text: str) -> list[str]:
         return methods
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        raise ValueError(f"--method {text!r}: {bad or 'nothing'} is not allowed: expected names from {list(METHODS)} "
-                         "or 'all'")
+        raise ValueError(
+            f"--method {text!r}: {bad or 'nothing'} is not allowed: expected names from {list(METHODS)} or 'all'"
+        )
     return methods
 
 
-def row_titles(files: list[str], probs: torch.Tensor, class_names: list[str], labels: list[int] | None,
-               target: int | None) -> list[str]:
+def row_titles(
+    files: list[str], probs: torch.Tensor, class_names: list[str], labels: list[int] | None, target: int | None
+) -> list[str]:
     """Each row's title: the image, its label (test images), the predicted class and probability, and the target's."""
     (confidence, predicted), titles = probs.max(dim=-1), []
     for i, (file, c, p) in enumerate(zip(files, confidence.tolist(), predicted.tolist())):
@@ -175,16 +207,20 @@ def check_paths(args: argparse.Namespace) -> None:
 
     formats = sorted(FigureCanvasBase.get_supported_filetypes())
     if args.out.suffix.lower().lstrip(".") not in formats:
-        raise ValueError(f"--out {args.out}: {args.out.suffix or 'no extension'} is not an image format matplotlib "
-                         f"writes: expected a name ending in one of {', '.join('.' + f for f in formats)}")
+        raise ValueError(
+            f"--out {args.out}: {args.out.suffix or 'no extension'} is not an image format matplotlib "
+            f"writes: expected a name ending in one of {', '.join('.' + f for f in formats)}"
+        )
     check_output("--out", args.out, args.overwrite)
     if args.save_maps is not None:
         if args.save_maps.suffix != ".npz":
             raise ValueError(f"--save-maps {args.save_maps}: expected a name ending in .npz")
         check_output("--save-maps", args.save_maps, args.overwrite)
     if args.input_dir is not None and not args.input_dir.is_dir():
-        raise ValueError(f"--input_dir {args.input_dir} is not a folder"
-                         + ("" if args.input_dir.exists() else " (it does not exist)"))
+        raise ValueError(
+            f"--input_dir {args.input_dir} is not a folder"
+            + ("" if args.input_dir.exists() else " (it does not exist)")
+        )
     for image in args.image or []:
         if not image.is_file():
             raise ValueError(f"--image {image} is not a file" + ("" if image.exists() else " (it does not exist)"))

@@ -28,10 +28,19 @@ class RolloutImages(L.Callback):
     the first validation images, round-robin over their labels, one column per method; methods it cannot run are left
     out with one warning. `class_names` title the rows (default: the model's, else indices)."""
 
-    def __init__(self, *, every_n_epochs: int = 1, num_images: int = 8,
-                 methods: Sequence[Method] = ("rollout", "grad_rollout"), head_fusion: HeadFusion = "mean",
-                 discard_ratio: float = 0.0, class_names: Sequence[str] | None = None, scale: Scale = "row",
-                 tag: str = "val/rollout", dpi: int = 64) -> None:
+    def __init__(
+        self,
+        *,
+        every_n_epochs: int = 1,
+        num_images: int = 8,
+        methods: Sequence[Method] = ("rollout", "grad_rollout"),
+        head_fusion: HeadFusion = "mean",
+        discard_ratio: float = 0.0,
+        class_names: Sequence[str] | None = None,
+        scale: Scale = "row",
+        tag: str = "val/rollout",
+        dpi: int = 64,
+    ) -> None:
         super().__init__()
         check_int("every_n_epochs", every_n_epochs, 1)
         check_int("num_images", num_images, 1)
@@ -54,8 +63,9 @@ class RolloutImages(L.Callback):
         self._candidates: list[tuple[Tensor, Tensor]] = []
         self._warned = False
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         collected = sum(len(y) for _, y in self._candidates)
         if self.images is None and dataloader_idx == 0 and collected < 4 * self.num_images:
             self._candidates.append((batch[0].detach().cpu(), batch[1].detach().cpu()))
@@ -82,8 +92,10 @@ class RolloutImages(L.Callback):
         usable = usable_methods(model, self.methods, skip=True)
         if len(usable) < len(self.methods) and not self._warned:
             left_out = [m for m in self.methods if m not in usable]
-            rank_zero_warn(f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, so "
-                           + (f"{left_out} are left out." if usable else "no rollout images are logged for it."))
+            rank_zero_warn(
+                f"RolloutImages: {type(model).__name__} has no attention layers and `patch_embed`, so "
+                + (f"{left_out} are left out." if usable else "no rollout images are logged for it.")
+            )
             self._warned = True
         if not usable:
             return
@@ -99,15 +111,20 @@ class RolloutImages(L.Callback):
             raise RuntimeError("no images chosen yet: they are taken from the first validation batches")
         x = (self.images if images is None else images).to(next(model.parameters()).device)
         rollout_options = {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio}
-        maps = {METHOD_TITLES.get(method, method):
-                relevance(model, x, method, **(rollout_options if method == "rollout" else {})).cpu()
-                for method in usable_methods(model, self.methods, skip=True)}
+        maps = {
+            METHOD_TITLES.get(method, method): relevance(
+                model, x, method, **(rollout_options if method == "rollout" else {})
+            ).cpu()
+            for method in usable_methods(model, self.methods, skip=True)
+        }
         with torch.no_grad():
             probs = model(x).float().softmax(-1).cpu()  # (B, num_classes)
         confidence, predicted = probs.max(-1)
         names = self.class_names or self._model_names or index_names(probs.shape[-1])
-        titles = [f"label {names[int(label)]}\npredicted {names[int(pred)]} ({p:.2f})"
-                  for label, pred, p in zip(self.labels, predicted, confidence)]
+        titles = [
+            f"label {names[int(label)]}\npredicted {names[int(pred)]} ({p:.2f})"
+            for label, pred, p in zip(self.labels, predicted, confidence)
+        ]
         return rollout_grid(self.images, maps, titles=titles, scale=self.scale)
 
 
@@ -115,8 +132,13 @@ class RelevanceScores(L.Callback):
     """Every `every_n_epochs` epochs (and after the last), log `val/pointing_game/<method>` and `relevance_mass` of the
     first validation images against their `circle_mask(i)`; what cannot be scored is skipped with one warning."""
 
-    def __init__(self, *, methods: Sequence[str] = ("rollout", "chefer", "gradcam"), num_images: int = 64,
-                 every_n_epochs: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        methods: Sequence[str] = ("rollout", "chefer", "gradcam"),
+        num_images: int = 64,
+        every_n_epochs: int = 1,
+    ) -> None:
         super().__init__()
         for method in methods:
             check_choice("methods", method, Method)
@@ -135,8 +157,10 @@ class RelevanceScores(L.Callback):
             return
         val = getattr(trainer.datamodule, "val_set", None) if trainer.datamodule is not None else None
         if val is None or not hasattr(val, "circle_mask"):
-            self._warn_once("masks", "RelevanceScores: the validation set has no ground-truth masks (circle_mask); "
-                                     "nothing is scored.")
+            self._warn_once(
+                "masks",
+                "RelevanceScores: the validation set has no ground-truth masks (circle_mask); nothing is scored.",
+            )
             return
         n = min(self.num_images, len(val))
         x = torch.stack([val[i][0] for i in range(n)]).to(pl_module.device)
@@ -145,8 +169,9 @@ class RelevanceScores(L.Callback):
         usable = usable_methods(model, self.methods, skip=True)
         for method in self.methods:
             if method not in usable:
-                self._warn_once(method, f"RelevanceScores: {type(model).__name__} has no attention layers; "
-                                        f"'{method}' is skipped.")
+                self._warn_once(
+                    method, f"RelevanceScores: {type(model).__name__} has no attention layers; '{method}' is skipped."
+                )
                 continue
             maps = relevance(model, x, method).cpu()
             pl_module.log(f"val/pointing_game/{method}", pointing_game(maps, masks).mean(), sync_dist=False)
@@ -167,13 +192,16 @@ class _TestPredictions(L.Callback):
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.kept.reset()
 
-    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if dataloader_idx != 0 or not trainer.is_global_zero or not self._loggers(trainer):
             return
         if not isinstance(outputs, Tensor):
-            raise TypeError(f"{type(self).__name__} needs test_step to return the logits (B, num_classes); "
-                            f"{type(pl_module).__name__}.test_step returned {type(outputs).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} needs test_step to return the logits (B, num_classes); "
+                f"{type(pl_module).__name__}.test_step returned {type(outputs).__name__}"
+            )
         self.kept.update(batch[0], batch[1], outputs)
 
     def _class_names(self, pl_module: L.LightningModule) -> list[str]:
@@ -185,8 +213,9 @@ class TestPredictionsTable(_TestPredictions):
     """After `test`, log a W&B table of at most `num_rows` test images, the mistakes first: `image`, `true`,
     `predicted`, `probability` and, for a backbone with attention, the `rollout` overlay. Needs a W&B logger."""
 
-    def __init__(self, *, num_rows: int = 64, class_names: Sequence[str] | None = None,
-                 tag: str = "test/predictions") -> None:
+    def __init__(
+        self, *, num_rows: int = 64, class_names: Sequence[str] | None = None, tag: str = "test/predictions"
+    ) -> None:
         check_int("num_rows", num_rows, 1)
         super().__init__(RankedPredictions(num_rows), class_names, to_wandb=True)
         self.num_rows, self.tag = num_rows, tag
@@ -206,10 +235,16 @@ class TestPredictionsTable(_TestPredictions):
                 maps = relevance(model, trainer.precision_plugin.convert_input(x), "rollout").float().cpu()
         names = self._class_names(pl_module)
         self.columns = ["image", "true", "predicted", "probability"] + (["rollout"] if maps is not None else [])
-        rows = [[wandb.Image(_to_uint8(display_image(image))), names[int(kept.labels[i])],
-                 names[int(kept.predicted[i])], float(kept.probability[i]),
-                 *([] if maps is None else [wandb.Image(_to_uint8(overlay(image, maps[i])))])]
-                for i, image in enumerate(kept.images)]
+        rows = [
+            [
+                wandb.Image(_to_uint8(display_image(image))),
+                names[int(kept.labels[i])],
+                names[int(kept.predicted[i])],
+                float(kept.probability[i]),
+                *([] if maps is None else [wandb.Image(_to_uint8(overlay(image, maps[i])))]),
+            ]
+            for i, image in enumerate(kept.images)
+        ]
         for logger in loggers:
             logger.log_table(key=self.tag, columns=self.columns, data=rows, step=trainer.global_step)
         kept.reset()
@@ -218,8 +253,15 @@ class TestPredictionsTable(_TestPredictions):
 class TestMistakesGrid(_TestPredictions):
     """After `test`, log a grid of the `num_images` most confident mistakes, `columns` to a row, to non-W&B loggers."""
 
-    def __init__(self, *, num_images: int = 16, columns: int = 8, class_names: Sequence[str] | None = None,
-                 tag: str = "test/mistakes", dpi: int = 100) -> None:
+    def __init__(
+        self,
+        *,
+        num_images: int = 16,
+        columns: int = 8,
+        class_names: Sequence[str] | None = None,
+        tag: str = "test/mistakes",
+        dpi: int = 100,
+    ) -> None:
         for name, value in (("num_images", num_images), ("columns", columns), ("dpi", dpi)):
             check_int(name, value, 1)
         super().__init__(RankedPredictions(num_images, mistakes_only=True), class_names, to_wandb=False)
@@ -244,8 +286,11 @@ class TestMistakesGrid(_TestPredictions):
             ax.set_axis_off()
             if i < len(kept):
                 ax.imshow(display_image(kept.images[i]), interpolation="nearest")
-                ax.set_title(f"true {name(kept.labels[i])}\npredicted {name(kept.predicted[i])}"
-                             f" ({float(kept.probability[i]):.2f})", fontsize="small")
+                ax.set_title(
+                    f"true {name(kept.labels[i])}\npredicted {name(kept.predicted[i])}"
+                    f" ({float(kept.probability[i]):.2f})",
+                    fontsize="small",
+                )
         figure.suptitle(f"the {len(kept)} most confident of {kept.mistakes} mistakes in {kept.seen} test images")
         return figure
 

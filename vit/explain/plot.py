@@ -39,8 +39,9 @@ def overlay(image: Tensor, patch_map: Tensor, alpha: float = ALPHA) -> np.ndarra
     return ((1.0 - alpha) * rgb + alpha * colours).astype("float32")
 
 
-def rollout_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None,
-                 scale: Scale = "row") -> Figure:
+def rollout_grid(
+    images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None, scale: Scale = "row"
+) -> Figure:
     """A `matplotlib.figure.Figure` (not pyplot's: safe in a callback), one row per image `(B, C, H, W)`: the image
     (`display_image`), titled by `titles`, then each of `maps` (column name -> `(B, gh, gw)`) over it, and colour bars.
     `scale`: a `"row"`'s maps or the whole `"figure"`'s share one colour scale; `"panel"` stretches each map alone."""
@@ -83,13 +84,18 @@ def rollout_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[st
             if row == 0:
                 axes[row, col].set_title(name, fontsize="small")
         if scale == "row":  # the bars are opaque: the colours as they are, not blended with the image
-            fig.colorbar(ScalarMappable(norm, CMAP), ax=axes[row, 1:], shrink=0.9,
-                         label="relevance per patch (this row)")
+            fig.colorbar(
+                ScalarMappable(norm, CMAP), ax=axes[row, 1:], shrink=0.9, label="relevance per patch (this row)"
+            )
     if scale == "figure":
         fig.colorbar(ScalarMappable(norm, CMAP), ax=axes[:, 1:], shrink=0.6, label="relevance per patch (one scale)")
     elif scale == "panel":
-        bar = fig.colorbar(ScalarMappable(Normalize(0.0, 1.0), CMAP), ax=axes[:, 1:], shrink=0.6,
-                           label="each map from its own min to its max")
+        bar = fig.colorbar(
+            ScalarMappable(Normalize(0.0, 1.0), CMAP),
+            ax=axes[:, 1:],
+            shrink=0.6,
+            label="each map from its own min to its max",
+        )
         bar.set_ticks([0.0, 1.0], labels=["min", "max"])
     for ax in axes.flat:
         ax.set_axis_off()
@@ -101,8 +107,9 @@ def _upsample(patch_map: Tensor, size: tuple[int, int]) -> Tensor:
     patch_map = torch.as_tensor(patch_map)
     if patch_map.ndim != 2:
         raise ValueError(f"patch_map must have shape (gh, gw), got {tuple(patch_map.shape)}")
-    return F.interpolate(patch_map.detach().cpu().float()[None, None], size=tuple(size), mode="bilinear",
-                         align_corners=False)[0, 0]  # (H, W)
+    return F.interpolate(
+        patch_map.detach().cpu().float()[None, None], size=tuple(size), mode="bilinear", align_corners=False
+    )[0, 0]  # (H, W)
 
 
 def _limits(maps: Sequence[Tensor], from_zero: bool = False) -> tuple[float, float]:

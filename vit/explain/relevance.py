@@ -36,14 +36,23 @@ from vit.models.record import record_attention
 from vit.models.vision_transformer import Pool
 
 
-def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", target: Tensor | int | None = None, *,
-              head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0, start_layer: int = 0,
-              seed: int = 0) -> Tensor:
+def relevance(
+    model: nn.Module,
+    images: Tensor,
+    method: Method = "rollout",
+    target: Tensor | int | None = None,
+    *,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+    start_layer: int = 0,
+    seed: int = 0,
+) -> Tensor:
     """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1.
     `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and "grad_rollout", `target` to
     `CLASS_METHODS`, `seed` to "random"; given to another method (but `seed`), they are refused."""
-    _check_method(model, method, target=target, head_fusion=head_fusion, discard_ratio=discard_ratio,
-                  start_layer=start_layer)
+    _check_method(
+        model, method, target=target, head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer
+    )
     if method == "random":  # on the patch grid, else (a CNN) on Grad-CAM's
         grid = model.patch_embed.grid_size if hasattr(model, "patch_embed") else grad_cam(model, images[:1]).shape[1:]
         return normalise(torch.rand(images.shape[0], *grid, generator=torch.Generator().manual_seed(seed)))
@@ -57,8 +66,11 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
         maps, grads = attention_gradients(model, images, target)
         (blocks, pool_query), (block_grads, pool_grad) = _split_pool(maps, pool), _split_pool(grads, pool)
         pool_attn = None if pool_query is None else gradient_weighted(pool_query, pool_grad)  # (B, 1, P)
-        tokens = (gradient_rollout(blocks, block_grads, start_layer) if method == "grad_rollout"
-                  else chefer_rollout(blocks, block_grads))  # (B, N, N)
+        tokens = (
+            gradient_rollout(blocks, block_grads, start_layer)
+            if method == "grad_rollout"
+            else chefer_rollout(blocks, block_grads)
+        )  # (B, N, N)
     else:
         with torch.no_grad(), _eval_mode(model), record_attention(model) as maps:
             model(images)
@@ -67,13 +79,17 @@ def relevance(model: nn.Module, images: Tensor, method: Method = "rollout", targ
         pool_attn = None if pool_query is None else fuse_heads(pool_query, head_fusion)  # (B, 1, P)
         if method == "flow":
             return normalise(attention_flow(blocks, pool, pool_attn, grid, regs))
-        tokens = (fuse_heads(blocks[-1]) if method == "attention"  # (B, N, N)
-                  else attention_rollout(blocks, head_fusion, discard_ratio, start_layer, keep_cls_self=pool == "cls"))
+        tokens = (
+            fuse_heads(blocks[-1])
+            if method == "attention"  # (B, N, N)
+            else attention_rollout(blocks, head_fusion, discard_ratio, start_layer, keep_cls_self=pool == "cls")
+        )
     return rollout_to_patch_map(tokens, grid, pool, pool_attn, scale="sum", reg_tokens=regs)
 
 
-def usable_methods(model: nn.Module, requested: Sequence[str], *, skip: bool = False,
-                   option: str = "method=") -> list[str]:
+def usable_methods(
+    model: nn.Module, requested: Sequence[str], *, skip: bool = False, option: str = "method="
+) -> list[str]:
     """The methods of `requested` (`["all"]`: all) that `model` can run, in order: an attention method on a model
     without attention layers (the CNN) is left out with `skip`, else a `ValueError` naming it after `option`."""
     if list(requested) == ["all"]:
@@ -82,13 +98,16 @@ def usable_methods(model: nn.Module, requested: Sequence[str], *, skip: bool = F
     usable = [m for m in requested if m not in ATTENTION_METHODS or attention]
     unusable = [m for m in requested if m not in usable]
     if unusable and not skip:
-        raise ValueError(f"{option}{','.join(unusable)!r} needs a model with attention layers (a ViT); "
-                         f"{type(model).__name__} has none: use 'gradcam' or 'random'")
+        raise ValueError(
+            f"{option}{','.join(unusable)!r} needs a model with attention layers (a ViT); "
+            f"{type(model).__name__} has none: use 'gradcam' or 'random'"
+        )
     return usable
 
 
-def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int | None = None
-                        ) -> tuple[list[Tensor], list[Tensor]]:
+def attention_gradients(
+    model: nn.Module, images: Tensor, target: Tensor | int | None = None
+) -> tuple[list[Tensor], list[Tensor]]:
     """The attention maps of one forward pass (`(B, H, N, N)` per block, then for `pool="map"` the query's
     `(B, H, 1, P)`) and the gradient of the `target` logit (default: the prediction) w.r.t. each (zero if unused),
     detached; parameters' `.grad` untouched, also under `torch.no_grad()` and with frozen parameters."""
@@ -99,15 +118,18 @@ def attention_gradients(model: nn.Module, images: Tensor, target: Tensor | int |
             logits = model(x)  # (B, num_classes); maps [(B, H, N, N), ...]
         _check_recorded(model, maps)
         if not all(attn.requires_grad for attn in maps):
-            raise ValueError("the model's attention maps are not in the autograd graph; "
-                             "its attention layers must record the softmax maps that multiply the values")
+            raise ValueError(
+                "the model's attention maps are not in the autograd graph; "
+                "its attention layers must record the softmax maps that multiply the values"
+            )
         grads = torch.autograd.grad(_target_score(logits, target), maps, allow_unused=True)
     grads = [torch.zeros_like(a) if g is None else g for a, g in zip(maps, grads)]
     return [a.detach() for a in maps], grads
 
 
-def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, grid: tuple[int, int],
-                   reg_tokens: int = 0) -> Tensor:
+def attention_flow(
+    blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, grid: tuple[int, int], reg_tokens: int = 0
+) -> Tensor:
     """Attention flow `(B, gh, gw)` of per-block maps `(B, H, N, N)`: for each input patch, the max flow from it to
     the pooled output through every token of every layer, with capacities `residual(A)` as for rollout, into a
     super-sink fed by the top tokens with the weight the pooling gives them (`readout_weights`)."""
@@ -132,8 +154,9 @@ def attention_flow(blocks: list[Tensor], pool: Pool, pool_attn: Tensor | None, g
         rows.append(L * N + top)
         cols.append(np.full(len(top), sink))
         caps.append(np.round(readout[b, top] * scale).astype(np.int64))
-        graph = csr_matrix((np.concatenate(caps), (np.concatenate(rows), np.concatenate(cols))),
-                           shape=(sink + 1, sink + 1))
+        graph = csr_matrix(
+            (np.concatenate(caps), (np.concatenate(rows), np.concatenate(cols))), shape=(sink + 1, sink + 1)
+        )
         for p in range(grid[0] * grid[1]):
             out[b, p] = maximum_flow(graph, num_prefix + p, sink).flow_value / scale
     return out.reshape(B, *grid).float()
@@ -166,8 +189,9 @@ def gradcam_layer(model: nn.Module):
         return model.blocks[-1].norm1, lambda t: t[:, prefix:].transpose(1, 2).reshape(t.shape[0], -1, gh, gw)
     stages = getattr(model, "stages", None) or getattr(getattr(model, "resnet", None), "stages", None)
     if stages is None:
-        raise ValueError(f"method='gradcam' needs a ViT's blocks or a ResNet's stages; "
-                         f"{type(model).__name__} has neither")
+        raise ValueError(
+            f"method='gradcam' needs a ViT's blocks or a ResNet's stages; {type(model).__name__} has neither"
+        )
     return stages[-1], lambda t: t
 
 
@@ -178,22 +202,35 @@ def to_pixels(maps: Tensor, size: tuple[int, int]) -> Tensor:
     return pixels * (gh * gw) / (H * W)
 
 
-def _check_method(model: nn.Module, method: str, *, target: Tensor | int | None, head_fusion: str,
-                  discard_ratio: float, start_layer: int) -> None:
+def _check_method(
+    model: nn.Module,
+    method: str,
+    *,
+    target: Tensor | int | None,
+    head_fusion: str,
+    discard_ratio: float,
+    start_layer: int,
+) -> None:
     """Raise `ValueError` unless `relevance` can run `method` with these options on `model`; nothing runs."""
     check_choice("method", method, Method)
     check_choice("head_fusion", head_fusion, HeadFusion)
     check_float("discard_ratio", discard_ratio, 0.0, 1.0, high_open=True)
     check_int("start_layer", start_layer, 0)
     if method != "rollout" and (head_fusion != "mean" or discard_ratio != 0.0):
-        raise ValueError("head_fusion and discard_ratio apply to method='rollout' only; got "
-                         f"method={method!r}, head_fusion={head_fusion!r}, discard_ratio={discard_ratio}")
+        raise ValueError(
+            "head_fusion and discard_ratio apply to method='rollout' only; got "
+            f"method={method!r}, head_fusion={head_fusion!r}, discard_ratio={discard_ratio}"
+        )
     if method not in ("rollout", "grad_rollout") and start_layer != 0:
-        raise ValueError(f"start_layer applies to method='rollout' and 'grad_rollout' only; got method={method!r}, "
-                         f"start_layer={start_layer}")
+        raise ValueError(
+            f"start_layer applies to method='rollout' and 'grad_rollout' only; got method={method!r}, "
+            f"start_layer={start_layer}"
+        )
     if method not in CLASS_METHODS and target is not None:
-        raise ValueError(f"target={target!r} applies to the class-specific methods {list(CLASS_METHODS)} only; "
-                         f"method={method!r} is class-agnostic")
+        raise ValueError(
+            f"target={target!r} applies to the class-specific methods {list(CLASS_METHODS)} only; "
+            f"method={method!r} is class-agnostic"
+        )
     usable_methods(model, [method])
 
 
@@ -216,8 +253,10 @@ def _split_pool(maps: list[Tensor], pool: str) -> tuple[list[Tensor], Tensor | N
 
 def _check_recorded(model: nn.Module, attentions: list[Tensor]) -> None:
     if not attentions:
-        raise ValueError(f"{type(model).__name__} recorded no attention maps: rollout needs a model with attention "
-                         "layers (a ViT); for a CNN use a gradient method such as Grad-CAM")
+        raise ValueError(
+            f"{type(model).__name__} recorded no attention maps: rollout needs a model with attention "
+            "layers (a ViT); for a CNN use a gradient method such as Grad-CAM"
+        )
 
 
 @contextlib.contextmanager

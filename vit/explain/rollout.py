@@ -63,14 +63,23 @@ def chain(steps: Sequence[Tensor]) -> Tensor:
     return product
 
 
-def attention_rollout(attentions: Sequence[Tensor], head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0,
-                      start_layer: int = 0, keep_cls_self: bool = True) -> Tensor:
+def attention_rollout(
+    attentions: Sequence[Tensor],
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+    start_layer: int = 0,
+    keep_cls_self: bool = True,
+) -> Tensor:
     """Attention rollout (Abnar & Zuidema 2020) of per-block maps `(B, H, N, N)` from block `start_layer` on ->
     `(B, N, N)`: per block fuse heads, `discard_lowest`, add the `residual`; then `R = Â_L ... Â_2 Â_1`."""
     _check_attentions(attentions)
     check_int("start_layer", start_layer, 0, len(attentions) - 1)  # discard_lowest checks discard_ratio
-    return chain([residual(discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self))
-                  for attn in attentions[start_layer:]])
+    return chain(
+        [
+            residual(discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_cls_self))
+            for attn in attentions[start_layer:]
+        ]
+    )
 
 
 def gradient_rollout(attentions: Sequence[Tensor], grads: Sequence[Tensor], start_layer: int = 0) -> Tensor:
@@ -100,8 +109,14 @@ def readout_weights(pool: Pool, num_tokens: int, pool_attn: Tensor | None = None
     return F.pad(per_patch, (reg_tokens, 0))  # (1 or B, N)
 
 
-def rollout_to_patch_map(rollout: Tensor, grid_size: tuple[int, int], pool: Pool = "cls",
-                         pool_attn: Tensor | None = None, scale: Scale = "minmax", reg_tokens: int = 0) -> Tensor:
+def rollout_to_patch_map(
+    rollout: Tensor,
+    grid_size: tuple[int, int],
+    pool: Pool = "cls",
+    pool_attn: Tensor | None = None,
+    scale: Scale = "minmax",
+    reg_tokens: int = 0,
+) -> Tensor:
     """A token-to-token map `R` `(B, N, N)` as one relevance value per patch, `(B, gh, gw)`: the pooled output's
     row `readout_weights @ R` without the prefix columns, scaled by `minmax` (for display) or `normalise` ("sum")."""
     check_choice("pool", pool, Pool)
@@ -113,11 +128,15 @@ def rollout_to_patch_map(rollout: Tensor, grid_size: tuple[int, int], pool: Pool
     (gh, gw), (B, N, _) = grid_size, rollout.shape
     num_prefix = (1 if pool == "cls" else 0) + reg_tokens
     if N != num_prefix + gh * gw:
-        raise ValueError(f"rollout has N={N} tokens but pool={pool!r} with reg_tokens={reg_tokens} and grid_size="
-                         f"{tuple(grid_size)} needs {num_prefix + gh * gw}")
+        raise ValueError(
+            f"rollout has N={N} tokens but pool={pool!r} with reg_tokens={reg_tokens} and grid_size="
+            f"{tuple(grid_size)} needs {num_prefix + gh * gw}"
+        )
     if pool == "map" and pool_attn.flatten(1).shape != (B, gh * gw):
-        raise ValueError(f"pool_attn must have shape (B, 1, P) = ({B}, 1, {gh * gw}) (the patches) after fusing "
-                         f"heads, got {tuple(pool_attn.shape)}")
+        raise ValueError(
+            f"pool_attn must have shape (B, 1, P) = ({B}, 1, {gh * gw}) (the patches) after fusing "
+            f"heads, got {tuple(pool_attn.shape)}"
+        )
     weights = readout_weights(pool, N, pool_attn, reg_tokens).to(rollout)  # (1, N) or (B, N)
     relevance = (weights.unsqueeze(1) @ rollout).squeeze(1)[:, num_prefix:]  # (B, gh*gw)
     relevance = normalise(relevance) if scale == "sum" else minmax(relevance)

@@ -37,8 +37,15 @@ def average_precision(maps: Tensor, masks: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def deletion_insertion(model: nn.Module, images: Tensor, maps: Tensor, *, background: float | Tensor = 0.0,
-                       target: Tensor | None = None, steps: int | None = None) -> tuple[Tensor, Tensor]:
+def deletion_insertion(
+    model: nn.Module,
+    images: Tensor,
+    maps: Tensor,
+    *,
+    background: float | Tensor = 0.0,
+    target: Tensor | None = None,
+    steps: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """`(deletion AUC, insertion AUC)`, each `(B,)`: the target's probability as the map's cells go, or come, in
     relevance order, at `steps + 1` points (default: one cell at a time); trapezoids over the fraction of cells."""
     (B, _, H, W), (gh, gw) = images.shape, maps.shape[-2:]
@@ -54,8 +61,10 @@ def deletion_insertion(model: nn.Module, images: Tensor, maps: Tensor, *, backgr
     counts, deletion, insertion = torch.linspace(0, cells, steps + 1).round(), [], []
     for k in counts:
         removed = rank_pixels < k  # the k most relevant cells
-        for curve, x in ((deletion, torch.where(removed, fill, images)),
-                         (insertion, torch.where(removed, images, fill))):
+        for curve, x in (
+            (deletion, torch.where(removed, fill, images)),
+            (insertion, torch.where(removed, images, fill)),
+        ):
             curve.append(model(x).softmax(-1).gather(1, target[:, None])[:, 0])
     fraction = (counts / cells).numpy()
     auc = [torch.from_numpy(np.trapezoid(torch.stack(c, 1).numpy(), fraction, axis=1)) for c in (deletion, insertion)]
@@ -66,5 +75,6 @@ def rank_correlation(maps_a: Tensor, maps_b: Tensor) -> Tensor:
     """`(B,)` Spearman rank correlation between two methods' (or models') maps of the same images."""
     from scipy.stats import spearmanr
 
-    return torch.tensor([spearmanr(a, b).statistic
-                         for a, b in zip(maps_a.flatten(1).numpy(), maps_b.flatten(1).numpy())])
+    return torch.tensor(
+        [spearmanr(a, b).statistic for a, b in zip(maps_a.flatten(1).numpy(), maps_b.flatten(1).numpy())]
+    )

@@ -24,10 +24,23 @@ class Attention(nn.Module):
     `attn(x, context, value=v)`: values from `v (B, N, vdim)`. With `kdim = vdim = dim` the input projections are one
     `qkv` layer (timm's layout), else separate `q`, `k`, `v` layers to the width `attn_dim` (default `dim`)."""
 
-    def __init__(self, dim: int, *, num_heads: int = 8, kdim: int | None = None, vdim: int | None = None,
-                 attn_dim: int | None = None, out_dim: int | None = None, qkv_bias: bool = True, qk_norm: bool = False,
-                 attn_score: Score = "scaled_dot", score_dim: int = 16, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, relative: tuple[tuple[int, int], int] | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        num_heads: int = 8,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        attn_dim: int | None = None,
+        out_dim: int | None = None,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        attn_score: Score = "scaled_dot",
+        score_dim: int = 16,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        relative: tuple[tuple[int, int], int] | None = None,
+    ) -> None:
         super().__init__()
         inner = attn_dim or dim
         check_heads(inner, num_heads)
@@ -51,9 +64,17 @@ class Attention(nn.Module):
         # `relative` = (patch grid, prefix tokens): a learned bias per head and offset added to every score
         self.rel_pos = RelativePositionBias(relative[0], num_heads, relative[1]) if relative is not None else None
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, value: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, key_mask: torch.Tensor | None = None, causal: bool = False,
-                rope: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        value: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`(B, M, dim) -> (B, M, out_dim)`: self-attention, or cross-attention to `context` (values from `value`).
         `rope`: rotary angles `(1 or H, M, d / 2)` (`vit.models.rope`) that turn queries and keys before any score
         function sees them (self-attention only: both sides need a position)."""
@@ -69,13 +90,22 @@ class Attention(nn.Module):
             q, k = rotate(q, rope), rotate(k, rope)
         bias = None  # the additive mask M: 0 where a query may look, -inf where it may not
         if mask is not None or key_mask is not None or causal:
-            bias = attention_bias(batch=B, heads=H, num_queries=M, num_keys=k.shape[2], mask=mask,
-                                  key_mask=key_mask, causal=causal, device=q.device)
+            bias = attention_bias(
+                batch=B,
+                heads=H,
+                num_queries=M,
+                num_keys=k.shape[2],
+                mask=mask,
+                key_mask=key_mask,
+                causal=causal,
+                device=q.device,
+            )
         if self.rel_pos is not None:  # the scores become f(q, k) + relative bias, before the mask
             relative = self.rel_pos()  # (1, H, N, N)
             bias = relative if bias is None else bias + relative
-        out = attend_or_record(q, k, v, self.score, self.recorder, bias,
-                               dropout_p=self.attn_drop.p if self.training else 0.0)  # (B, H, M, d)
+        out = attend_or_record(
+            q, k, v, self.score, self.recorder, bias, dropout_p=self.attn_drop.p if self.training else 0.0
+        )  # (B, H, M, d)
         out = out.transpose(1, 2).reshape(B, M, H * d)  # heads concatenated: (B, M, H * d)
         return self.proj_drop(self.proj(out))
 
@@ -92,13 +122,22 @@ class Attention(nn.Module):
             q, k, v = F.linear(x, w_q, b_q), F.linear(context, w_k, b_k), F.linear(value, w_v, b_v)
         else:
             q, k, v = self.q(x), self.k(context), self.v(value)
-        return [t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
-                for t in (q, k, v)]
+        return [
+            t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
+            for t in (q, k, v)
+        ]
 
 
-def attend_or_record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: nn.Module,
-                     recorder: list[torch.Tensor] | None, bias: torch.Tensor | None = None, *,
-                     dropout_p: float = 0.0) -> torch.Tensor:
+def attend_or_record(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score: nn.Module,
+    recorder: list[torch.Tensor] | None,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """`softmax(f(q, k) + M) v` `(B, H, M, d)`, fused where possible; explicit while `recorder` collects the weights."""
     if recorder is None and isinstance(score, FUSED_SCORE_MODULES):
         return attend_fused(q, k, v, score, bias, dropout_p=dropout_p)
@@ -108,8 +147,15 @@ def attend_or_record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: n
     return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: nn.Module, bias: torch.Tensor | None = None,
-           *, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score: nn.Module,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The general mechanism `softmax(f(q, k) + M) v`, explicitly; returns `(out (B, H, M, d), weights (B, H, M, N))`.
     `bias` is the additive mask `M` (0 / -inf / finite), broadcastable to the scores `(B, H, M, N)`. A query whose keys
     are all masked gets zero weights and output, not NaN. `weights` are the softmax before dropout."""
@@ -122,8 +168,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: nn.Module, 
     return out, weights
 
 
-def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: nn.Module, bias: torch.Tensor | None = None,
-                 *, dropout_p: float = 0.0) -> torch.Tensor:
+def attend_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score: nn.Module,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """`attend` through `F.scaled_dot_product_attention`, weights never materialised (`general`: `(W^T q) . k`)."""
     if isinstance(score, GeneralScore):
         q, scale = q @ score.weight, 1.0
@@ -141,8 +194,10 @@ def check_heads(dim: int, num_heads: int) -> None:
     """Raise `ValueError` unless `num_heads >= 1` divides the attention width `dim`, listing the heads that do."""
     check_int("num_heads", num_heads, 1)
     if dim % num_heads:
-        raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}; allowed num_heads "
-                         f"for this width: {[h for h in range(1, dim + 1) if dim % h == 0]}")
+        raise ValueError(
+            f"embed_dim={dim} is not divisible by num_heads={num_heads}; allowed num_heads "
+            f"for this width: {[h for h in range(1, dim + 1) if dim % h == 0]}"
+        )
 
 
 def _clear_empty_rows(bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -43,9 +43,19 @@ def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> 
 class ConvNet(nn.Module):
     """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global pooling, a head (module doc)."""
 
-    def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 3, num_classes: int = 10,
-                 widths: tuple[int, ...] = (32, 32, 32), strides: tuple[int, ...] | None = None, kernel_size: int = 3,
-                 padding: Padding = "zero", pool: Pool = "avg", head: Head = "linear") -> None:
+    def __init__(
+        self,
+        *,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        widths: tuple[int, ...] = (32, 32, 32),
+        strides: tuple[int, ...] | None = None,
+        kernel_size: int = 3,
+        padding: Padding = "zero",
+        pool: Pool = "avg",
+        head: Head = "linear",
+    ) -> None:
         super().__init__()
         check_choice("padding", padding, Padding)
         check_choice("pool", pool, Pool)
@@ -66,14 +76,25 @@ class ConvNet(nn.Module):
             shrink = kernel_size - 1 if padding == "valid" else 0
             h, w = (h - shrink - 1) // s + 1, (w - shrink - 1) // s + 1
         if min(h, w) < 1:
-            raise ValueError(f"padding='valid' leaves no output for img_size={img_size!r} with kernel_size="
-                             f"{kernel_size} and strides={strides}: use fewer layers or padding 'zero'/'circular'")
+            raise ValueError(
+                f"padding='valid' leaves no output for img_size={img_size!r} with kernel_size="
+                f"{kernel_size} and strides={strides}: use fewer layers or padding 'zero'/'circular'"
+            )
         self.feature_size, layers, in_chs = (h, w), [], in_chans
         for width, stride in zip(widths, strides):
-            layers += [nn.Conv2d(in_chs, width, kernel_size, stride=stride, bias=False,
-                                 padding=0 if padding == "valid" else kernel_size // 2,
-                                 padding_mode="circular" if padding == "circular" else "zeros"),
-                       nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+            layers += [
+                nn.Conv2d(
+                    in_chs,
+                    width,
+                    kernel_size,
+                    stride=stride,
+                    bias=False,
+                    padding=0 if padding == "valid" else kernel_size // 2,
+                    padding_mode="circular" if padding == "circular" else "zeros",
+                ),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+            ]
             in_chs = width
         self.features = nn.Sequential(*layers)
         self.pool = {"avg": nn.AdaptiveAvgPool2d(1), "max": nn.AdaptiveMaxPool2d(1), "flatten": nn.Identity()}[pool]
@@ -82,8 +103,11 @@ class ConvNet(nn.Module):
         if head == "linear":  # a bare Linear: the keys `head.weight`, `head.bias`
             self.head = nn.Linear(in_chs, num_classes)
         else:
-            self.head = nn.Sequential(OrderedDict(fc1=nn.Linear(in_chs, 2 * widths[-1]), act=nn.ReLU(),
-                                                  fc2=nn.Linear(2 * widths[-1], num_classes)))
+            self.head = nn.Sequential(
+                OrderedDict(
+                    fc1=nn.Linear(in_chs, 2 * widths[-1]), act=nn.ReLU(), fc2=nn.Linear(2 * widths[-1], num_classes)
+                )
+            )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's feature map ``(B, widths[-1], H', W')``, before pooling."""

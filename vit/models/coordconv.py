@@ -23,12 +23,24 @@ def coord_channels(img_size: int | tuple[int, int], *, dtype: torch.dtype = torc
 class CoordConvResNet(nn.Module):
     """`(B, C, H, W) -> (B, num_classes)`: `ResNet` on the input with normalised y and x channels appended."""
 
-    def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 3, num_classes: int = 10,
-                 widths: tuple[int, ...] = (32, 64, 128), blocks_per_stage: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        widths: tuple[int, ...] = (32, 64, 128),
+        blocks_per_stage: int = 1,
+    ) -> None:
         super().__init__()
         self.img_size, self.in_chans, self.num_classes = check_size("img_size", img_size), in_chans, num_classes
-        self.resnet = ResNet(img_size=self.img_size, in_chans=in_chans + 2, num_classes=num_classes, widths=widths,
-                             blocks_per_stage=blocks_per_stage)
+        self.resnet = ResNet(
+            img_size=self.img_size,
+            in_chans=in_chans + 2,
+            num_classes=num_classes,
+            widths=widths,
+            blocks_per_stage=blocks_per_stage,
+        )
         self.register_buffer("coords", coord_channels(self.img_size), persistent=False)  # (2, H, W)
 
     def add_coords(self, x: torch.Tensor) -> torch.Tensor:

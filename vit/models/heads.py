@@ -16,8 +16,9 @@ class MAPHead(AttentionPoolLatent):
     """Multihead attention pooling (big_vision's "map" head) with timm's `AttentionPoolLatent` parameters; the forward
     pass is ours, so that the learned query's attention uses `attn_score` and is recorded, `(B, H, 1, N)`."""
 
-    def __init__(self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, attn_score: Score = "scaled_dot",
-                 score_dim: int = 16) -> None:
+    def __init__(
+        self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, attn_score: Score = "scaled_dot", score_dim: int = 16
+    ) -> None:
         super().__init__(dim, num_heads=num_heads, mlp_ratio=mlp_ratio, norm_layer=partial(nn.LayerNorm, eps=1e-6))
         self.attn_score = attn_score
         self.score = build_score(attn_score, num_heads=num_heads, head_dim=self.head_dim, score_dim=score_dim)

@@ -16,8 +16,9 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = N
     return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril()
 
 
-def local_mask(grid_size: tuple[int, int], radius: int, num_prefix: int = 0,
-               device: torch.device | None = None) -> torch.Tensor:
+def local_mask(
+    grid_size: tuple[int, int], radius: int, num_prefix: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
     """`(N, N)` bool, `N = num_prefix + gh * gw`: patches see patches within `radius` (Chebyshev); prefix tokens see
     and are seen by every token."""
     gh, gw = grid_size
@@ -47,19 +48,32 @@ def check_mask(mask: torch.Tensor) -> None:
     for name, bad in (("NaN", mask.isnan()), ("+inf", mask == float("inf"))):
         count = int(bad.sum())
         if count:
-            raise ValueError(f"the mask holds {name} ({count} of {mask.numel()} values): an additive bias must be "
-                             "finite (0 = may attend) or -inf (blocked)")
+            raise ValueError(
+                f"the mask holds {name} ({count} of {mask.numel()} values): an additive bias must be "
+                "finite (0 = may attend) or -inf (blocked)"
+            )
 
 
 def _check_dtype(mask: torch.Tensor) -> None:
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise ValueError(f"a mask of dtype {mask.dtype} is not allowed: pass a bool mask (True = may attend; "
-                         "`mask.bool()` for a 0/1 mask) or a float additive bias (0 = may attend, -inf = blocked)")
+        raise ValueError(
+            f"a mask of dtype {mask.dtype} is not allowed: pass a bool mask (True = may attend; "
+            "`mask.bool()` for a 0/1 mask) or a float additive bias (0 = may attend, -inf = blocked)"
+        )
 
 
-def attention_bias(*, batch: int, heads: int, num_queries: int, num_keys: int, mask: torch.Tensor | None = None,
-                   key_mask: torch.Tensor | None = None, causal: bool = False, device: torch.device | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+def attention_bias(
+    *,
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
+    mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor | None:
     """Combine the three mask forms into one additive bias broadcastable to `(B, H, M, N)`, or None. `mask` is bool or
     float; `key_mask` `(B, N)` bool, False for padding keys; `causal`: query `i` sees keys `0..i`."""
     target, parts = (batch, heads, num_queries, num_keys), []
@@ -72,8 +86,10 @@ def attention_bias(*, batch: int, heads: int, num_queries: int, num_keys: int, m
         parts.append(to_additive(mask, dtype))
     if key_mask is not None:
         if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, num_keys):
-            raise ValueError(f"key_mask must be a bool tensor of shape (B, N) = {(batch, num_keys)}, "
-                             f"got {key_mask.dtype} {tuple(key_mask.shape)}")
+            raise ValueError(
+                f"key_mask must be a bool tensor of shape (B, N) = {(batch, num_keys)}, "
+                f"got {key_mask.dtype} {tuple(key_mask.shape)}"
+            )
         parts.append(to_additive(key_mask[:, None, None, :], dtype))  # (B, 1, 1, N)
     if causal:
         parts.append(to_additive(causal_mask(num_queries, num_keys, device), dtype))  # (M, N)

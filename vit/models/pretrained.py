@@ -38,8 +38,9 @@ _HEAD_KEYS = ("head.weight", "head.bias")  # of another shape: another num_class
 _ADAPTED_DIMS = {"patch_embed.proj.weight": (1, 2, 3), "pos_embed": (1,)}
 
 
-def resolve_shape(pretrained: str | os.PathLike | None, *, embed_dim: int | None, depth: int | None,
-                  num_heads: int | None) -> dict[str, int]:
+def resolve_shape(
+    pretrained: str | os.PathLike | None, *, embed_dim: int | None, depth: int | None, num_heads: int | None
+) -> dict[str, int]:
     """`embed_dim`, `depth` and `num_heads`: each as given, else the pretrained source's, else `DEFAULT_SHAPE`'s."""
     given = {"embed_dim": embed_dim, "depth": depth, "num_heads": num_heads}
     missing = [name for name, value in given.items() if value is None]
@@ -63,8 +64,10 @@ def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(
     blocks = [int(found[1]) for key in shapes if (found := _BLOCK_KEY.match(key))]
     patch = shapes.get("patch_embed.proj.weight", ())
     if len(patch) != 4 or not blocks:
-        raise PretrainedError(f"pretrained={text!r} holds no ViT weights (no patch_embed.proj.weight and blocks.N.*): "
-                              f"set {', '.join(wanted)} by hand")
+        raise PretrainedError(
+            f"pretrained={text!r} holds no ViT weights (no patch_embed.proj.weight and blocks.N.*): "
+            f"set {', '.join(wanted)} by hand"
+        )
     found = {"embed_dim": patch[0], "depth": 1 + max(blocks)}
     heads = _config_heads(text)
     if heads is not None:
@@ -80,13 +83,17 @@ def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(
         key = f"blocks.{i}.attn.qkv.weight"
         if shapes.get(key) != (3 * width, width):
             held = f"has shape {shapes[key]}" if key in shapes else "is missing"
-            raise PretrainedError(f"pretrained={text!r}: {key} {held}, and the width embed_dim={width} of "
-                                  f"patch_embed.proj.weight needs ({3 * width}, {width}): its shapes are not those of "
-                                  f"one ViT of depth {found['depth']}")
+            raise PretrainedError(
+                f"pretrained={text!r}: {key} {held}, and the width embed_dim={width} of "
+                f"patch_embed.proj.weight needs ({3 * width}, {width}): its shapes are not those of "
+                f"one ViT of depth {found['depth']}"
+            )
     if heads is None and "num_heads" in wanted:
-        raise PretrainedError(f"pretrained={text!r}: the number of attention heads is not in the weights' shapes "
-                              f"(embed_dim={found['embed_dim']}, depth={found['depth']} are): set num_heads "
-                              "(--model.backbone.init_args.num_heads; timm's ViTs have embed_dim / 64)")
+        raise PretrainedError(
+            f"pretrained={text!r}: the number of attention heads is not in the weights' shapes "
+            f"(embed_dim={found['embed_dim']}, depth={found['depth']} are): set num_heads "
+            "(--model.backbone.init_args.num_heads; timm's ViTs have embed_dim / 64)"
+        )
     return found
 
 
@@ -114,8 +121,10 @@ def _timm_shape(name: str) -> dict[str, int]:
     blocks = getattr(model, "blocks", None)
     attn = getattr(blocks[0], "attn", None) if blocks else None
     if getattr(model, "embed_dim", None) is None or getattr(attn, "num_heads", None) is None:
-        raise PretrainedError(f"pretrained={name!r} is not a ViT of timm's layout ({type(model).__name__}): "
-                              "set embed_dim, depth and num_heads by hand")
+        raise PretrainedError(
+            f"pretrained={name!r} is not a ViT of timm's layout ({type(model).__name__}): "
+            "set embed_dim, depth and num_heads by hand"
+        )
     return {"embed_dim": int(model.embed_dim), "depth": len(blocks), "num_heads": int(attn.num_heads)}
 
 
@@ -128,11 +137,13 @@ def check_layout(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, 
             raise PretrainedError(
                 f"these weights normalise the tokens before the pooling (norm.weight, no fc_norm.weight) and this "
                 f"model (pool={model.pool!r}) after it (fc_norm): set fc_norm=False to load them as they were trained "
-                "(a pool='mean' checkpoint made before fc_norm existed is of this kind)")
+                "(a pool='mean' checkpoint made before fc_norm existed is of this kind)"
+            )
         if not use_fc_norm and has_fc_norm and not has_norm:
             raise PretrainedError(
                 f"these weights normalise the pooled vector (fc_norm.weight, no norm.weight) and this model "
-                f"(pool={model.pool!r}, fc_norm=False) the tokens before the pooling: set fc_norm=True to load them")
+                f"(pool={model.pool!r}, fc_norm=False) the tokens before the pooling: set fc_norm=True to load them"
+            )
     return state
 
 
@@ -147,17 +158,21 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
             try:
                 weight = adapt_input_conv(target.shape[1], weight)
             except (NotImplementedError, AssertionError, RuntimeError, ValueError):  # timm's refusals of a layout
-                raise PretrainedError(f"the pretrained patch kernel has {weight.shape[1]} input channels, which timm "
-                                      f"cannot adapt to in_chans={target.shape[1]} (it adapts 3 channels to any "
-                                      "number)") from None
+                raise PretrainedError(
+                    f"the pretrained patch kernel has {weight.shape[1]} input channels, which timm "
+                    f"cannot adapt to in_chans={target.shape[1]} (it adapts 3 channels to any "
+                    "number)"
+                ) from None
         if weight.shape[-2:] != target.shape[-2:]:
             weight = resample_patch_embed(weight, list(target.shape[-2:]))
         state["patch_embed.proj.weight"] = weight
     if "pos_embed" in state:
         if model.pos_embed_type != "learned":
-            raise PretrainedError(f"the pretrained weights have a learned position table, and this config has "
-                                  f"pos_embed={model.pos_embed_type!r}: a learned table cannot become a fixed "
-                                  "encoding. Use pos_embed='learned' to fine-tune these weights")
+            raise PretrainedError(
+                f"the pretrained weights have a learned position table, and this config has "
+                f"pos_embed={model.pos_embed_type!r}: a learned table cannot become a fixed "
+                "encoding. Use pos_embed='learned' to fine-tune these weights"
+            )
         table = state["pos_embed"]  # (1, prefix + gh * gw, D); no prefix positions with no_embed_class
         prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
         old_patches = table.shape[1] - prefix
@@ -166,9 +181,11 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
             if old_patches < 1 or side * side != old_patches:
                 raise PretrainedError(
                     f"the pretrained position table has {table.shape[1]} tokens, which is not {prefix} prefix "
-                    f"token(s) plus a square grid; {_prefix_hint(table.shape[1], state, model)}")
-            state["pos_embed"] = resample_abs_pos_embed(table, new_size=list(model.patch_embed.grid_size),
-                                                        old_size=[side, side], num_prefix_tokens=prefix)
+                    f"token(s) plus a square grid; {_prefix_hint(table.shape[1], state, model)}"
+                )
+            state["pos_embed"] = resample_abs_pos_embed(
+                table, new_size=list(model.patch_embed.grid_size), old_size=[side, side], num_prefix_tokens=prefix
+            )
     for key in ("head.weight", "head.bias"):
         if key in state and key in ours and state[key].shape != ours[key].shape:
             del state[key]
@@ -184,12 +201,20 @@ def _prefix_hint(num_positions: int, state: dict[str, torch.Tensor], model: nn.M
     patches = num_positions - cls - regs
     if patches > 0 and math.isqrt(patches) ** 2 == patches and cls + regs:
         placed = "each has a position (no_embed_class=False)"
-    return (f"the weights have {cls} CLS token(s) and {regs} register(s) and {placed}; this model has "
-            f"num_prefix_tokens={model.num_prefix_tokens}, no_embed_class={getattr(model, 'no_embed_class', False)}")
+    return (
+        f"the weights have {cls} CLS token(s) and {regs} register(s) and {placed}; this model has "
+        f"num_prefix_tokens={model.num_prefix_tokens}, no_embed_class={getattr(model, 'no_embed_class', False)}"
+    )
 
 
-def create_vit(pretrained: str | os.PathLike, *, embed_dim: int | None = None, depth: int | None = None,
-               num_heads: int | None = None, **kwargs) -> nn.Module:
+def create_vit(
+    pretrained: str | os.PathLike,
+    *,
+    embed_dim: int | None = None,
+    depth: int | None = None,
+    num_heads: int | None = None,
+    **kwargs,
+) -> nn.Module:
     """timm's `create_model(pretrained=True)` for this ViT: the weights `pretrained` names, unset sizes from them."""
     shape = resolve_shape(pretrained, embed_dim=embed_dim, depth=depth, num_heads=num_heads)
     with torch.device("meta"):  # names, shapes and dtypes without memory: the weights must fit before any is spent
@@ -213,9 +238,11 @@ def fit_state_dict(model: nn.Module, source: str | os.PathLike) -> tuple[dict[st
     for key in sorted(set(state) & set(ours)):
         theirs, here = _kind(state[key].dtype), _kind(ours[key].dtype)
         if theirs != here:  # integers or booleans would load as their values into a float parameter, and back
-            raise PretrainedError(f"pretrained={shown!r} is unusable: {key} is a tensor of {theirs}s "
-                                  f"({_name(state[key].dtype)}) in the weights and of {here}s "
-                                  f"({_name(ours[key].dtype)}) in this model; it is refused, not converted")
+            raise PretrainedError(
+                f"pretrained={shown!r} is unusable: {key} is a tensor of {theirs}s "
+                f"({_name(state[key].dtype)}) in the weights and of {here}s "
+                f"({_name(ours[key].dtype)}) in this model; it is refused, not converted"
+            )
     _check_fit(shown, state, ours, fresh=None)  # before resampling, which assumes these dimensions
     state, fresh = adapt_state_dict(state, model)
     _check_fit(shown, state, ours, fresh)
@@ -225,9 +252,11 @@ def fit_state_dict(model: nn.Module, source: str | os.PathLike) -> tuple[dict[st
         converted = tensor.to(ours[key].dtype)  # what load_state_dict would copy in: its finiteness is what counts
         if converted.is_floating_point() and not torch.isfinite(converted).all():
             bad = int((~torch.isfinite(converted)).sum())
-            raise PretrainedError(f"pretrained={shown!r} is unusable: {key} holds {bad} of {converted.numel()} "
-                                  f"values that are not finite as this model's {_name(converted.dtype)} (the "
-                                  f"weights' {_name(tensor.dtype)} values are beyond its range)")
+            raise PretrainedError(
+                f"pretrained={shown!r} is unusable: {key} holds {bad} of {converted.numel()} "
+                f"values that are not finite as this model's {_name(converted.dtype)} (the "
+                f"weights' {_name(tensor.dtype)} values are beyond its range)"
+            )
         state[key] = converted
     return state, fresh
 
@@ -242,8 +271,9 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_fit(source: str, state: dict[str, torch.Tensor], ours: dict[str, torch.Tensor],
-               fresh: list[str] | None) -> None:
+def _check_fit(
+    source: str, state: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], fresh: list[str] | None
+) -> None:
     """Refuse `state` unless its tensors have `ours`'s names and shapes but the `fresh` ones; before it is adapted
     (`fresh` None), only the shapes it has in common, but the dimensions `adapt_state_dict` resamples and the head."""
     common = set(ours) & set(state)
@@ -257,9 +287,10 @@ def _check_fit(source: str, state: dict[str, torch.Tensor], ours: dict[str, torc
         details = [f"{k}: {tuple(state[k].shape)} in the weights, {tuple(ours[k].shape)} here" for k in reshaped[:4]]
         details += [f"{k} missing from the weights" for k in missing[:4]]
         details += [f"{k} not in this model" for k in unexpected[:4]]
-        raise PretrainedError(f"pretrained={source!r} does not fit this config "
-                              f"({len(missing) + len(unexpected) + len(reshaped)} tensors differ): "
-                              + "; ".join(details))
+        raise PretrainedError(
+            f"pretrained={source!r} does not fit this config "
+            f"({len(missing) + len(unexpected) + len(reshaped)} tensors differ): " + "; ".join(details)
+        )
 
 
 def _adaptable(key: str, theirs: torch.Size, ours: torch.Size) -> bool:
@@ -267,12 +298,18 @@ def _adaptable(key: str, theirs: torch.Size, ours: torch.Size) -> bool:
     free = _ADAPTED_DIMS.get(key)
     if free is None:
         return theirs == ours
-    return len(theirs) == len(ours) and 0 not in theirs and all(
-        a == b for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if i not in free)
+    return (
+        len(theirs) == len(ours)
+        and 0 not in theirs
+        and all(a == b for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if i not in free)
+    )
 
 
 def _load(model: nn.Module, state: dict[str, torch.Tensor], fresh: list[str], source: str | os.PathLike) -> None:
     model.load_state_dict(state, strict=not fresh)
     if fresh:
-        log.warning("pretrained=%s: the classifier head has another number of classes; %s re-initialised",
-                    source, " and ".join(fresh))
+        log.warning(
+            "pretrained=%s: the classifier head has another number of classes; %s re-initialised",
+            source,
+            " and ".join(fresh),
+        )

@@ -35,13 +35,16 @@ class RelativePositionBias(nn.Module):
     def __init__(self, grid_size: tuple[int, int], num_heads: int, num_prefix_tokens: int) -> None:
         super().__init__()
         if num_prefix_tokens > 1:
-            raise ValueError(f"pos_embed='relative' takes at most one prefix token (a CLS token), got "
-                             f"{num_prefix_tokens}: register tokens have no offset to the patches (use reg_tokens=0)")
+            raise ValueError(
+                f"pos_embed='relative' takes at most one prefix token (a CLS token), got "
+                f"{num_prefix_tokens}: register tokens have no offset to the patches (use reg_tokens=0)"
+            )
         gh, gw = grid_size
         rows = (2 * gh - 1) * (2 * gw - 1) + 3 * num_prefix_tokens
         self.relative_position_bias_table = nn.Parameter(trunc_normal_(torch.empty(rows, num_heads), std=0.02))
-        self.register_buffer("relative_position_index", relative_index(grid_size, num_prefix_tokens == 1),
-                             persistent=False)
+        self.register_buffer(
+            "relative_position_index", relative_index(grid_size, num_prefix_tokens == 1), persistent=False
+        )
 
     def forward(self) -> torch.Tensor:
         bias = self.relative_position_bias_table[self.relative_position_index]  # (N, N, H)

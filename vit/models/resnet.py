@@ -19,8 +19,11 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(out_chs, out_chs, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_chs)
         self.act = nn.ReLU(inplace=True)
-        self.shortcut = nn.Identity() if stride == 1 and in_chs == out_chs else nn.Sequential(
-            nn.Conv2d(in_chs, out_chs, 1, stride=stride, bias=False), nn.BatchNorm2d(out_chs))
+        self.shortcut = (
+            nn.Identity()
+            if stride == 1 and in_chs == out_chs
+            else nn.Sequential(nn.Conv2d(in_chs, out_chs, 1, stride=stride, bias=False), nn.BatchNorm2d(out_chs))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.act(self.bn1(self.conv1(x)))
@@ -32,18 +35,29 @@ class ResNet(nn.Module):
     """`(B, C, H, W) -> (B, num_classes)`: a 3x3 stem (no max-pool: the CIFAR variant of He et al. 2016), stages of
     basic blocks, each after the first halving the resolution, then global average pooling."""
 
-    def __init__(self, *, img_size: int | tuple[int, int] = 32, in_chans: int = 3, num_classes: int = 10,
-                 widths: tuple[int, ...] = (32, 64, 128), blocks_per_stage: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        img_size: int | tuple[int, int] = 32,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        widths: tuple[int, ...] = (32, 64, 128),
+        blocks_per_stage: int = 1,
+    ) -> None:
         super().__init__()
         if not widths or any(w < 1 for w in widths):
             raise ValueError(f"widths={widths} must be a non-empty tuple of positive ints")
-        for name, value in (("in_chans", in_chans), ("num_classes", num_classes),
-                            ("blocks_per_stage", blocks_per_stage)):
+        for name, value in (
+            ("in_chans", in_chans),
+            ("num_classes", num_classes),
+            ("blocks_per_stage", blocks_per_stage),
+        ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         self.img_size, self.in_chans, self.num_classes = check_size("img_size", img_size), in_chans, num_classes
-        self.stem = nn.Sequential(nn.Conv2d(in_chans, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]),
-                                  nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_chans, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True)
+        )
         stages, in_chs = [], widths[0]
         for i, width in enumerate(widths):
             blocks = [BasicBlock(in_chs, width, stride=1 if i == 0 else 2)]

@@ -25,8 +25,7 @@ TEMPERATURE = {"axial": 100.0, "mixed": 10.0}  # timm's defaults for the two ViT
 def grid_coords(grid_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`(x, y)`, each `(gh * gw,)`: every patch's column and row, in the patches' row-major order."""
     gh, gw = grid_size
-    y, x = torch.meshgrid(torch.arange(gh, dtype=torch.float32), torch.arange(gw, dtype=torch.float32),
-                          indexing="ij")
+    y, x = torch.meshgrid(torch.arange(gh, dtype=torch.float32), torch.arange(gw, dtype=torch.float32), indexing="ij")
     return x.flatten(), y.flatten()
 
 
@@ -61,12 +60,23 @@ class RotaryEmbedding(nn.Module):
     """The angles every block rotates its queries and keys by: `angles(i)` `(1 or num_heads, N, head_dim / 2)` for
     block `i`, zero for the `num_prefix_tokens` first tokens. `mixed` learns `freqs` (timm's `rope.freqs`)."""
 
-    def __init__(self, kind: Rope, *, grid_size: tuple[int, int], head_dim: int, depth: int, num_heads: int,
-                 num_prefix_tokens: int, temperature: float | None = None) -> None:
+    def __init__(
+        self,
+        kind: Rope,
+        *,
+        grid_size: tuple[int, int],
+        head_dim: int,
+        depth: int,
+        num_heads: int,
+        num_prefix_tokens: int,
+        temperature: float | None = None,
+    ) -> None:
         super().__init__()
         if head_dim % 4:
-            raise ValueError(f"pos_embed='rope': the head width {head_dim} (embed_dim / num_heads) must be a "
-                             "multiple of 4 (two axes, each a set of channel pairs)")
+            raise ValueError(
+                f"pos_embed='rope': the head width {head_dim} (embed_dim / num_heads) must be a "
+                "multiple of 4 (two axes, each a set of channel pairs)"
+            )
         self.kind, self.num_prefix_tokens = kind, num_prefix_tokens
         self.temperature = TEMPERATURE[kind] if temperature is None else temperature
         if kind == "axial":

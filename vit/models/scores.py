@@ -13,8 +13,9 @@ Score = Literal["scaled_dot", "dot", "general", "additive", "concat"]
 SCORES: tuple[str, ...] = get_args(Score)
 
 
-def concat_score(q: torch.Tensor, k: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor,
-                 w_a: torch.Tensor) -> torch.Tensor:
+def concat_score(
+    q: torch.Tensor, k: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_a: torch.Tensor
+) -> torch.Tensor:
     """Bahdanau et al. 2015: `w_a^T tanh(W_q q + W_k k)`, weights `(H, d_a, d)`, `(H, d_a, d)`, `(H, d_a)`. The sum
     inside tanh, `(B, H, M, N, d_a)`, is kept for the backward pass: the memory cost of the family."""
     hq = q @ w_q.transpose(-2, -1)  # (B, H, M, d_a)

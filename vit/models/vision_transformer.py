@@ -23,24 +23,51 @@ ROPE = {"rope": "axial", "rope_mixed": "mixed"}  # pos_embed -> the rotary varia
 Pool = Literal["cls", "mean", "map"]
 DEFAULT_SHAPE = {"embed_dim": 192, "depth": 6, "num_heads": 3}  # a ViT-Ti width at half depth, for 32 px images
 # Far above any published ViT (ViT-22B: width 6144, depth 48), so that a typo fails here instead of allocating.
-BOUNDS = {"in_chans": (1, 1024), "num_classes": (1, 10**7), "embed_dim": (1, 65536), "depth": (1, 1024),
-          "reg_tokens": (0, 1024), "score_dim": (1, 65536), "mlp_ratio": (0, 64, True, False),
-          "drop_path_rate": (0, 1, False, True), "qk_init_std": (0, 10, True, False),
-          "init_values": (0, 10, True, False), "rope_temperature": (1, 1e9, False, False)}
+BOUNDS = {
+    "in_chans": (1, 1024),
+    "num_classes": (1, 10**7),
+    "embed_dim": (1, 65536),
+    "depth": (1, 1024),
+    "reg_tokens": (0, 1024),
+    "score_dim": (1, 65536),
+    "mlp_ratio": (0, 64, True, False),
+    "drop_path_rate": (0, 1, False, True),
+    "qk_init_std": (0, 10, True, False),
+    "init_values": (0, 10, True, False),
+    "rope_temperature": (1, 1e9, False, False),
+}
 
 
 class Block(nn.Module):
     """`x + attn(norm1(x))`, then `x + mlp(norm2(x))`, each branch with stochastic depth; timm's parameter names."""
 
-    def __init__(self, dim: int, *, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 qk_norm: bool = False, attn_score: Score = "scaled_dot", score_dim: int = 16,
-                 drop_path: float = 0.0, init_values: float | None = None, eva_names: bool = False,
-                 relative: tuple[tuple[int, int], int] | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        attn_score: Score = "scaled_dot",
+        score_dim: int = 16,
+        drop_path: float = 0.0,
+        init_values: float | None = None,
+        eva_names: bool = False,
+        relative: tuple[tuple[int, int], int] | None = None,
+    ) -> None:
         super().__init__()
         # eps=1e-6 as in timm and the original ViT, so timm checkpoints give identical outputs.
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_score=attn_score,
-                              score_dim=score_dim, relative=relative)
+        self.attn = Attention(
+            dim,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            attn_score=attn_score,
+            score_dim=score_dim,
+            relative=relative,
+        )
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))  # fc1, act (GELU), drop1, norm (Identity), fc2, drop2
@@ -54,8 +81,9 @@ class Block(nn.Module):
         self.gamma_1 = nn.Parameter(torch.full((dim,), float(init_values))) if eva else None
         self.gamma_2 = nn.Parameter(torch.full((dim,), float(init_values))) if eva else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, rope: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, rope: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`(B, N, D) -> (B, N, D)`; `mask` (bool or additive, `vit.models.masks`) limits the attention, `rope` (its
         rotary angles) turns its queries and keys."""
         attended = self.ls1(self.attn(self.norm1(x), mask=mask, rope=rope))
@@ -94,16 +122,37 @@ class VisionTransformer(nn.Module):
 
     `attn_mask`, None here, is a fixed mask every block applies (`vit.models.masks`); a subclass may set it."""
 
-    def __init__(self, *, img_size: int | tuple[int, int] = 32, patch_size: int = 4, in_chans: int = 3,
-                 num_classes: int = 10, embed_dim: int | None = None, depth: int | None = None,
-                 num_heads: int | None = None, mlp_ratio: float = 4.0, pool: Pool = "cls", fc_norm: bool | None = None,
-                 reg_tokens: int = 0, no_embed_class: bool = False, qkv_bias: bool = True, qk_norm: bool = False,
-                 pos_embed: PosEmbed = "learned", drop_path_rate: float = 0.0, attn_score: Score = "scaled_dot",
-                 score_dim: int = 16, qk_init_std: float = 0.02, patch_kernel: int | None = None,
-                 init_values: float | None = None, rope_temperature: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        img_size: int | tuple[int, int] = 32,
+        patch_size: int = 4,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        embed_dim: int | None = None,
+        depth: int | None = None,
+        num_heads: int | None = None,
+        mlp_ratio: float = 4.0,
+        pool: Pool = "cls",
+        fc_norm: bool | None = None,
+        reg_tokens: int = 0,
+        no_embed_class: bool = False,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        pos_embed: PosEmbed = "learned",
+        drop_path_rate: float = 0.0,
+        attn_score: Score = "scaled_dot",
+        score_dim: int = 16,
+        qk_init_std: float = 0.02,
+        patch_kernel: int | None = None,
+        init_values: float | None = None,
+        rope_temperature: float | None = None,
+    ) -> None:
         super().__init__()
-        embed_dim, depth, num_heads = (DEFAULT_SHAPE[k] if v is None else v for k, v in
-                                       (("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads)))
+        embed_dim, depth, num_heads = (
+            DEFAULT_SHAPE[k] if v is None else v
+            for k, v in (("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads))
+        )
         check_arguments(VisionTransformer, locals(), BOUNDS)
         check_int("num_heads", num_heads, 1, embed_dim)
         check_heads(embed_dim, num_heads)
@@ -114,8 +163,13 @@ class VisionTransformer(nn.Module):
         self.num_reg_tokens, self.no_embed_class = reg_tokens, no_embed_class
         self.num_prefix_tokens = (1 if pool == "cls" else 0) + reg_tokens  # the CLS token if any, then the registers
 
-        self.patch_embed = PatchEmbed(img_size=check_size("img_size", img_size), patch_size=patch_size,
-                                      in_chans=in_chans, embed_dim=embed_dim, kernel_size=patch_kernel)
+        self.patch_embed = PatchEmbed(
+            img_size=check_size("img_size", img_size),
+            patch_size=patch_size,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            kernel_size=patch_kernel,
+        )
         num_patches = self.patch_embed.num_patches
         num_placed = num_patches + (0 if no_embed_class else self.num_prefix_tokens)  # the tokens with a position
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pool == "cls" else None
@@ -126,27 +180,49 @@ class VisionTransformer(nn.Module):
             self.register_buffer("pos_embed", sincos_1d(torch.arange(num_placed), embed_dim)[None], persistent=False)
         elif pos_embed == "sincos2d":
             grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (num_patches, D); prefix tokens at 0
-            self.register_buffer("pos_embed", torch.cat([torch.zeros(num_placed - num_patches, embed_dim), grid])[None],
-                                 persistent=False)
+            self.register_buffer(
+                "pos_embed", torch.cat([torch.zeros(num_placed - num_patches, embed_dim), grid])[None], persistent=False
+            )
         else:
             self.pos_embed = None
         relative = (self.patch_embed.grid_size, self.num_prefix_tokens) if pos_embed == "relative" else None
-        self.rope = (RotaryEmbedding(ROPE[pos_embed], grid_size=self.patch_embed.grid_size,
-                                     head_dim=embed_dim // num_heads, depth=depth, num_heads=num_heads,
-                                     num_prefix_tokens=self.num_prefix_tokens, temperature=rope_temperature)
-                     if pos_embed in ROPE else None)
+        self.rope = (
+            RotaryEmbedding(
+                ROPE[pos_embed],
+                grid_size=self.patch_embed.grid_size,
+                head_dim=embed_dim // num_heads,
+                depth=depth,
+                num_heads=num_heads,
+                num_prefix_tokens=self.num_prefix_tokens,
+                temperature=rope_temperature,
+            )
+            if pos_embed in ROPE
+            else None
+        )
         self.register_buffer("attn_mask", None, persistent=False)  # None: every token sees every token
 
         dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # numbers, also under a meta-device build
-        self.blocks = nn.ModuleList(Block(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-                                          qk_norm=qk_norm, attn_score=attn_score, score_dim=score_dim, drop_path=p,
-                                          init_values=init_values, eva_names=pos_embed in ROPE,
-                                          relative=relative)
-                                    for p in dpr)
+        self.blocks = nn.ModuleList(
+            Block(
+                embed_dim,
+                num_heads=num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
+                attn_score=attn_score,
+                score_dim=score_dim,
+                drop_path=p,
+                init_values=init_values,
+                eva_names=pos_embed in ROPE,
+                relative=relative,
+            )
+            for p in dpr
+        )
         self.norm = nn.Identity() if self.use_fc_norm else nn.LayerNorm(embed_dim, eps=1e-6)
         if pool == "map":
-            self.attn_pool = MAPHead(embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score,
-                                     score_dim=score_dim)
+            self.attn_pool = MAPHead(
+                embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score, score_dim=score_dim
+            )
         self.fc_norm = nn.LayerNorm(embed_dim, eps=1e-6) if self.use_fc_norm else nn.Identity()
         self.head_drop = nn.Identity()  # timm's name; this model has no dropout before the head
         self.head = nn.Linear(embed_dim, num_classes)
@@ -179,8 +255,10 @@ class VisionTransformer(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, str | list]:
         """timm's layer groups (`param_groups_layer_decay`): the stem, `blocks.N` one each, `norm`; the rest last."""
-        return {"stem": r"^cls_token|reg_token|pos_embed|patch_embed",
-                "blocks": [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))]}
+        return {
+            "stem": r"^cls_token|reg_token|pos_embed|patch_embed",
+            "blocks": [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
+        }
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, C, H, W) -> (B, N, D)`: the tokens after the last block, normalised by `norm`."""
@@ -206,9 +284,16 @@ class VisionTransformer(nn.Module):
             return torch.utils.checkpoint.checkpoint(block, x, self.attn_mask, rope, use_reentrant=False)
         return block(x, self.attn_mask, rope)
 
-    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, *,
-                              return_prefix_tokens: bool = False, norm: bool = False, output_fmt: str = "NCHW",
-                              intermediates_only: bool = False):
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        *,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ):
         """The patch maps after the chosen blocks (`indices`: the last n, or block numbers), as timm's method: "NCHW"
         `(B, D, gh, gw)` or "NLC"; the final normalised tokens first unless `intermediates_only`."""
         check_choice("output_fmt", output_fmt, ("NCHW", "NLC"))
@@ -254,9 +339,9 @@ class VisionTransformer(nn.Module):
         if self.pool == "cls":
             x = x[:, 0]  # (B, D)
         elif self.pool == "mean":
-            x = x[:, self.num_prefix_tokens:].mean(dim=1)  # the patches: (B, D)
+            x = x[:, self.num_prefix_tokens :].mean(dim=1)  # the patches: (B, D)
         else:
-            x = self.attn_pool(x[:, self.num_prefix_tokens:])  # the query reads the patches: (B, D)
+            x = self.attn_pool(x[:, self.num_prefix_tokens :])  # the query reads the patches: (B, D)
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 

@@ -31,10 +31,24 @@ MAX_CONFIG_BYTES = 16 * 2**20  # 100,000 class names of 100 characters fit; a co
 MAX_PICKLE_BYTES = 256 * 2**20  # a state dict's data.pkl is a few KB: names, shapes, storage keys
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
 # The safetensors format's dtype names (its specification), as torch names them.
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-                       "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
 
 
 class PretrainedError(ValueError):
@@ -54,8 +68,10 @@ def load_state_dict(source: str | os.PathLike, name: str | None = None) -> dict[
             tensor = tensor.float()
         if not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
-            raise PretrainedError(f"{name or f'pretrained={str(source)!r}'} is unusable: {key} holds NaN or "
-                                  f"infinite values ({bad} of {tensor.numel()})")
+            raise PretrainedError(
+                f"{name or f'pretrained={str(source)!r}'} is unusable: {key} holds NaN or "
+                f"infinite values ({bad} of {tensor.numel()})"
+            )
     return state
 
 
@@ -78,8 +94,10 @@ def _local(source: str | os.PathLike, read, name: str | None = None) -> dict[str
     except PretrainedError as err:
         if isinstance(source, str) and _REPO_ID.fullmatch(source) and not source.lower().endswith(_WEIGHT_SUFFIXES):
             # `org/name` is a Hub id unless a file or folder of that name exists; here one did.
-            raise PretrainedError(f"{err}; it was read as a local path because {source} exists here: a Hugging "
-                                  f"Face Hub id is written hf-hub:{source}") from None
+            raise PretrainedError(
+                f"{err}; it was read as a local path because {source} exists here: a Hugging "
+                f"Face Hub id is written hf-hub:{source}"
+            ) from None
         raise
 
 
@@ -114,8 +132,10 @@ def max_bytes() -> int:
     if not value:
         return _DEFAULT_MAX_BYTES
     if not value.isdigit() or int(value) <= 0:
-        raise PretrainedError(f"{MAX_BYTES_VARIABLE}={value!r} is not allowed: expected a whole number of bytes > 0 "
-                              f"(default {_DEFAULT_MAX_BYTES})")
+        raise PretrainedError(
+            f"{MAX_BYTES_VARIABLE}={value!r} is not allowed: expected a whole number of bytes > 0 "
+            f"(default {_DEFAULT_MAX_BYTES})"
+        )
     return int(value)
 
 
@@ -172,8 +192,9 @@ def _read_file(path: Path, name: str, header_only: bool = False) -> dict[str, to
     if path.is_dir() and (path / "model.safetensors").exists():  # a Hub-layout folder, as `vit.export` writes
         path = path / "model.safetensors"
     elif path.is_dir():
-        raise PretrainedError(f"{name} is a folder without a model.safetensors, not a weights file "
-                              "(.safetensors, .pth or .bin)")
+        raise PretrainedError(
+            f"{name} is a folder without a model.safetensors, not a weights file (.safetensors, .pth or .bin)"
+        )
     with open_regular_file(path, name) as f:
         size = _checked_size(f, name)
         if path.suffix.lower() == ".npz":
@@ -198,15 +219,19 @@ def _too_large(name: str, what: str, limit: int) -> PretrainedError:
 
 
 def _numpy_archive(name: str) -> PretrainedError:
-    return PretrainedError(f"{name} is a NumPy .npz archive (JAX / big_vision weights), a format not supported here: "
-                           f"expected {_FORMATS}. timm reads a big_vision ViT's .npz (timm.models.load_checkpoint("
-                           "model, path)); save that model's state_dict() with safetensors.torch.save_file and pass "
-                           "the .safetensors file")
+    return PretrainedError(
+        f"{name} is a NumPy .npz archive (JAX / big_vision weights), a format not supported here: "
+        f"expected {_FORMATS}. timm reads a big_vision ViT's .npz (timm.models.load_checkpoint("
+        "model, path)); save that model's state_dict() with safetensors.torch.save_file and pass "
+        "the .safetensors file"
+    )
 
 
 def _truncated(name: str, kind: str, size: int) -> PretrainedError:
-    return PretrainedError(f"{name} is truncated: it starts like a {kind} file but its end is missing "
-                           f"({size} bytes; was its download or copy interrupted?)")
+    return PretrainedError(
+        f"{name} is truncated: it starts like a {kind} file but its end is missing "
+        f"({size} bytes; was its download or copy interrupted?)"
+    )
 
 
 def _safetensors_header(f: BinaryIO, name: str, size: int) -> tuple[dict[str, dict], int]:
@@ -235,15 +260,19 @@ def _safetensors_header(f: BinaryIO, name: str, size: int) -> tuple[dict[str, di
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
         if dtype not in _SAFETENSORS_DTYPES or not _whole_numbers(shape) or not _whole_numbers(offsets, 2):
-            raise corrupted(f"{key}: expected a dtype of {sorted(_SAFETENSORS_DTYPES)}, a shape of whole numbers and "
-                            "data_offsets [begin, end]")
+            raise corrupted(
+                f"{key}: expected a dtype of {sorted(_SAFETENSORS_DTYPES)}, a shape of whole numbers and "
+                "data_offsets [begin, end]"
+            )
         if math.prod(max(d, 1) for d in shape) >= 2**63:  # its strides would overflow torch's int64
             raise corrupted(f"{key}: shape {shape} is too large for a tensor")
         begin, end = offsets
         expected = math.prod(shape) * _SAFETENSORS_DTYPES[dtype].itemsize
         if end - begin != expected:
-            raise corrupted(f"{key}: data_offsets {offsets} hold {end - begin} bytes, and a {dtype} tensor of shape "
-                            f"{shape} has {expected}")
+            raise corrupted(
+                f"{key}: data_offsets {offsets} hold {end - begin} bytes, and a {dtype} tensor of shape "
+                f"{shape} has {expected}"
+            )
         ends.append((begin, end, key))
     ends.sort()
     if ends and ends[-1][1] > data_bytes:
@@ -252,8 +281,9 @@ def _safetensors_header(f: BinaryIO, name: str, size: int) -> tuple[dict[str, di
     covered = 0
     for begin, end, key in ends:
         if begin != covered:
-            raise corrupted(f"{key}: data_offsets [{begin}, {end}] do not start where the previous tensor ends "
-                            f"({covered})")
+            raise corrupted(
+                f"{key}: data_offsets [{begin}, {end}] do not start where the previous tensor ends ({covered})"
+            )
         covered = end
     if covered != data_bytes:
         raise corrupted(f"its tensors cover {covered} of the {data_bytes} bytes after the header")
@@ -262,8 +292,11 @@ def _safetensors_header(f: BinaryIO, name: str, size: int) -> tuple[dict[str, di
 
 def _whole_numbers(value: object, count: int | None = None) -> bool:
     """Whether `value` is a list of ints >= 0 (not bools) that torch can hold (int64), of `count` items if given."""
-    return (isinstance(value, list) and (count is None or len(value) == count)
-            and all(type(v) is int and 0 <= v < 2**63 for v in value))
+    return (
+        isinstance(value, list)
+        and (count is None or len(value) == count)
+        and all(type(v) is int and 0 <= v < 2**63 for v in value)
+    )
 
 
 def _read_safetensors(f: BinaryIO, name: str, size: int, header_only: bool = False) -> dict[str, torch.Tensor]:
@@ -291,7 +324,7 @@ def _read_torch(f: BinaryIO, name: str, size: int) -> dict[str, torch.Tensor]:
     if head.startswith(b"PK\x03\x04"):
         try:
             entries = zipfile.ZipFile(f).infolist() if zipfile.is_zipfile(f) else None
-        except (zipfile.BadZipFile, OSError, ValueError) as err:
+        except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError) as err:  # a version zipfile lacks
             raise PretrainedError(f"{name} cannot be loaded: it is corrupted ({_first_line(err)})") from None
         if entries is None:
             raise _truncated(name, "torch.save", size)
@@ -299,21 +332,26 @@ def _read_torch(f: BinaryIO, name: str, size: int) -> dict[str, torch.Tensor]:
         if members and all(m.endswith(".npy") for m in members):  # an .npz under another name
             raise _numpy_archive(name)
         if not any(m.endswith("data.pkl") for m in members):  # torch.save writes <name>/data.pkl, <name>/data/0, ...
-            raise PretrainedError(f"{name} is a zip archive, but not one torch.save writes (it has no data.pkl): "
-                                  f"expected {_FORMATS}")
+            raise PretrainedError(
+                f"{name} is a zip archive, but not one torch.save writes (it has no data.pkl): expected {_FORMATS}"
+            )
         _check_entries(entries, name)
     elif not head.startswith(b"\x80"):  # the pickle protocol opcode
-        raise PretrainedError(f"{name} is not a PyTorch weights file (neither the zip archive torch.save writes "
-                              f"nor a pickle): expected {_FORMATS}")
+        raise PretrainedError(
+            f"{name} is not a PyTorch weights file (neither the zip archive torch.save writes "
+            f"nor a pickle): expected {_FORMATS}"
+        )
     try:
         f.seek(0)
         state = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         if found:
-            raise PretrainedError(f"{name} holds Python objects, not only tensors (it asks for {found[1]}); loading it "
-                                  "could run arbitrary code, so it is refused. Pass a state dict saved with "
-                                  "torch.save(model.state_dict(), path), or a .safetensors file") from None
+            raise PretrainedError(
+                f"{name} holds Python objects, not only tensors (it asks for {found[1]}); loading it "
+                "could run arbitrary code, so it is refused. Pass a state dict saved with "
+                "torch.save(model.state_dict(), path), or a .safetensors file"
+            ) from None
         raise PretrainedError(f"{name} is not a PyTorch weights file, or it is corrupted") from None
     except Exception as err:  # noqa: BLE001  (torch raises RuntimeError, EOFError or OSError for damaged archives)
         raise PretrainedError(f"{name} cannot be loaded: it is corrupted ({_first_line(err)})") from None
@@ -321,8 +359,9 @@ def _read_torch(f: BinaryIO, name: str, size: int) -> dict[str, torch.Tensor]:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
             break
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise PretrainedError(f"{name} does not hold a state dict (a mapping of names to tensors)")
     _check_tensors(state, name)
     return {k.removeprefix("module.").removeprefix("backbone."): v for k, v in state.items()}
@@ -336,12 +375,16 @@ def _check_entries(entries: list[zipfile.ZipInfo], name: str) -> None:
         raise _too_large(name, f"unpacks to {total} bytes", limit)
     pickled = sum(e.file_size for e in entries if e.filename.endswith(".pkl"))
     if pickled > MAX_PICKLE_BYTES:
-        raise PretrainedError(f"{name} has {pickled} bytes of pickle beside its tensors (a state dict's names and "
-                              f"shapes take a few KB; limit {MAX_PICKLE_BYTES}); refused")
+        raise PretrainedError(
+            f"{name} has {pickled} bytes of pickle beside its tensors (a state dict's names and "
+            f"shapes take a few KB; limit {MAX_PICKLE_BYTES}); refused"
+        )
     compressed = next((e for e in entries if e.compress_type != zipfile.ZIP_STORED), None)
     if compressed is not None:
-        raise PretrainedError(f"{name} has a compressed entry ({compressed.filename}); torch.save stores its entries "
-                              "uncompressed, so another program wrote this file; refused")
+        raise PretrainedError(
+            f"{name} has a compressed entry ({compressed.filename}); torch.save stores its entries "
+            "uncompressed, so another program wrote this file; refused"
+        )
 
 
 def _check_tensors(state: dict[str, torch.Tensor], name: str) -> None:
@@ -356,9 +399,11 @@ def _check_tensors(state: dict[str, torch.Tensor], name: str) -> None:
     for key, tensor in state.items():
         stored = tensor.untyped_storage().nbytes()
         if tensor.numel() * tensor.element_size() > stored:  # elements sharing memory: a stride-0 view
-            raise PretrainedError(f"{name}: {key} of shape {tuple(tensor.shape)} is a view whose "
-                                  f"{tensor.numel()} elements share {stored} bytes of storage (strides "
-                                  f"{tensor.stride()}); weights are tensors with memory of their own")
+            raise PretrainedError(
+                f"{name}: {key} of shape {tuple(tensor.shape)} is a view whose "
+                f"{tensor.numel()} elements share {stored} bytes of storage (strides "
+                f"{tensor.stride()}); weights are tensors with memory of their own"
+            )
 
 
 def _first_line(err: Exception) -> str:
@@ -381,8 +426,10 @@ def _download(source: str, kind: Literal["hub", "name"]) -> dict[str, torch.Tens
         if kind == "name" and str(err).startswith("Invalid pretrained tag"):
             model = source.split(".", 1)[0]
             tags = [t.split(".", 1)[1] for t in timm.list_pretrained(f"{model}.*")]
-            raise PretrainedError(f"pretrained={source!r}: timm has no pretrained tag {source.split('.', 1)[1]!r} "
-                                  f"for {model}; it has {tags}") from None
+            raise PretrainedError(
+                f"pretrained={source!r}: timm has no pretrained tag {source.split('.', 1)[1]!r} "
+                f"for {model}; it has {tags}"
+            ) from None
         raise _download_error(source, kind, err) from None
     except Exception as err:  # noqa: BLE001  (huggingface_hub and urllib raise many kinds when offline)
         raise _download_error(source, kind, err) from None
@@ -398,7 +445,9 @@ def _download_error(source: str, kind: Literal["hub", "name"], err: Exception) -
 
             repo = timm.models.get_pretrained_cfg(source).hf_hub_id or repo
     taken = " (taken for a Hugging Face Hub id: there is no file of that name)" if _REPO_ID.fullmatch(source) else ""
-    return PretrainedError(f"the weights of {source!r}{taken} could not be downloaded ({_first_line(err)}). Without "
-                           f"network, download the file on a machine that has it (`hf download {repo} "
-                           "model.safetensors --local-dir weights`) and pass the file instead: "
-                           "pretrained=weights/model.safetensors")
+    return PretrainedError(
+        f"the weights of {source!r}{taken} could not be downloaded ({_first_line(err)}). Without "
+        f"network, download the file on a machine that has it (`hf download {repo} "
+        "model.safetensors --local-dir weights`) and pass the file instead: "
+        "pretrained=weights/model.safetensors"
+    )

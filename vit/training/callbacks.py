@@ -20,10 +20,17 @@ from vit.training.run_dir import printable
 def rng_states() -> dict:
     """The global random-number states, as tensors and plain values (loadable with `weights_only=True`)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {"torch": torch.get_rng_state(),
-              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-              "python": random.getstate()}
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state()  # the current device's
     return states
@@ -39,8 +46,10 @@ class Preempted(Exception):
     def __init__(self, signum: int, step: int, ckpt_path: str | None) -> None:
         self.signum, self.step, self.ckpt_path = signum, step, ckpt_path
         where = f"{printable(ckpt_path)} holds step {step}" if ckpt_path else "no checkpoint could be written"
-        super().__init__(f"stopped by {signal.Signals(signum).name} after training step {step}: {where}. Resume with "
-                         "the same command and --ckpt_path last (or --ckpt_path <that file>)")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after training step {step}: {where}. Resume with "
+            "the same command and --ckpt_path last (or --ckpt_path <that file>)"
+        )
 
 
 class StopOnSignal(L.Callback):
@@ -115,8 +124,9 @@ class RestoreRNGState(L.Callback):
         if trainer.ckpt_path is not None and (states := self._to_restore) is not None:
             torch.set_rng_state(states["torch"])
             n = states["numpy"]
-            np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                                 n["cached_gaussian"]))
+            np.random.set_state(
+                (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+            )
             version, internal, gauss = states["python"]
             random.setstate((version, tuple(internal), gauss))
             if "cuda" in states and torch.cuda.is_available():
@@ -165,12 +175,17 @@ class StopOnNonFinite(L.Callback):
 def non_finite_loss_message(trainer: L.Trainer, value: float, step: int, epoch: int, batch_idx: int) -> str:
     """The one line of a non-finite loss: where it happened, the checkpoints on disk to go back to, what to change."""
     kept = saved_checkpoints(trainer)
-    kept = (f"The checkpoints written before it are kept: {', '.join(map(printable, kept))}." if kept
-            else "No checkpoint had been written yet.")
+    kept = (
+        f"The checkpoints written before it are kept: {', '.join(map(printable, kept))}."
+        if kept
+        else "No checkpoint had been written yet."
+    )
     lr = getattr(trainer.lightning_module.hparams, "lr", None)
-    return (f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
-            f"training stopped at step {trainer.global_step}, and nothing from this step on was checkpointed. {kept} "
-            f"Lower the learning rate (model.lr={lr}), add warmup, or look for broken inputs.")
+    return (
+        f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
+        f"training stopped at step {trainer.global_step}, and nothing from this step on was checkpointed. {kept} "
+        f"Lower the learning rate (model.lr={lr}), add warmup, or look for broken inputs."
+    )
 
 
 def saved_checkpoints(trainer: L.Trainer) -> list[str]:
@@ -191,8 +206,10 @@ def check_finite_weights(state_dict: dict[str, torch.Tensor], step: int) -> None
     tensors = {name: t for name, t in state_dict.items() if t.is_floating_point()}
     if tensors and not torch.stack([t.isfinite().all() for t in tensors.values()]).all():  # one host sync
         bad = next(name for name, t in tensors.items() if not t.isfinite().all())
-        raise NonFiniteError(f"{bad} holds NaN or infinite values at training step {step}; the checkpoint was not "
-                             "written, so those on disk hold the weights from before it")
+        raise NonFiniteError(
+            f"{bad} holds NaN or infinite values at training step {step}; the checkpoint was not "
+            "written, so those on disk hold the weights from before it"
+        )
 
 
 class PlainProgress(L.Callback):
@@ -215,14 +232,24 @@ class PlainProgress(L.Callback):
         self._last_line, rate = time.monotonic(), self._batches / max(self._last_batch - self._start, 1e-9)
         if trainer.is_global_zero:
             metrics = "".join(f", {k}={v:.4g}" for k, v in trainer.progress_bar_metrics.items())
-            print(f"Epoch {trainer.current_epoch}: {self._done}/{trainer.num_training_batches} batches, step "
-                  f"{trainer.global_step}, {rate:.2f} it/s{metrics}", flush=True)
+            print(
+                f"Epoch {trainer.current_epoch}: {self._done}/{trainer.num_training_batches} batches, step "
+                f"{trainer.global_step}, {rate:.2f} it/s{metrics}",
+                flush=True,
+            )
 
 
 class FirstStep(L.Callback):
-    """`done` once the first training step has finished: until then a failure is the restored state's (`cli.fit`)."""
+    """`done` once the first training step has finished, its schedule step included (Lightning steps the schedule
+    after `on_train_batch_end`): until then a failure is the restored state's (`cli.fit`)."""
 
     done = False
+    _stepped = False
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        self.done = True
+        self._stepped = True
+
+    def _after_a_step(self, trainer: L.Trainer, *args) -> None:
+        self.done = self.done or self._stepped
+
+    on_train_batch_start = on_train_epoch_end = on_validation_start = _after_a_step

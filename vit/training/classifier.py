@@ -26,8 +26,11 @@ def format_test_results(metrics: dict[str, float], where: str = "") -> str:
     """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, per-class accuracy."""
     lines = [f"test/acc = {metrics['test/acc']:.4f}" + (f"  ({where})" if where else "")]
     lines += [f"{key} = {metrics[key]:.4f}" for key in ("test/top5_acc", "test/ece") if key in metrics]
-    per_class = {key.removeprefix("test/class_acc/"): value for key, value in metrics.items()
-                 if key.startswith("test/class_acc/")}
+    per_class = {
+        key.removeprefix("test/class_acc/"): value
+        for key, value in metrics.items()
+        if key.startswith("test/class_acc/")
+    }
     if per_class:
         width = max(map(len, per_class))
         lines.append("accuracy per class:")
@@ -35,8 +38,9 @@ def format_test_results(metrics: dict[str, float], where: str = "") -> str:
     return "\n".join(lines)
 
 
-def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
-                           min_lr_ratio: float = 0.0) -> LRScheduler:
+def warmup_cosine_schedule(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+) -> LRScheduler:
     """Per-step multiplier of `lr`: `(step + 1) / warmup_steps` during warmup, then a cosine from 1 at
     `warmup_steps` down to `min_lr_ratio` at `total_steps` (torch's LinearLR, CosineAnnealingLR)."""
     lr = optimizer.defaults["lr"]
@@ -58,8 +62,10 @@ def check_class_names(names: object, num_classes: int, source: str) -> list[str]
     if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
         raise ValueError(f"{source}: class names must be a list of str, got {names!r}")
     if len(names) != num_classes or len(set(names)) != len(names):
-        raise ValueError(f"{source}: expected {num_classes} distinct class names (the model's num_classes), "
-                         f"got {len(names)}: {list(names)[:10]}")
+        raise ValueError(
+            f"{source}: expected {num_classes} distinct class names (the model's num_classes), "
+            f"got {len(names)}: {list(names)[:10]}"
+        )
     return list(names)
 
 
@@ -75,12 +81,14 @@ def freeze(backbone: nn.Module, trainable: str | int) -> None:
     if isinstance(trainable, int):
         blocks = getattr(backbone, "blocks", None)
         if blocks is None:
-            raise ValueError(f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no "
-                             "`blocks`")
+            raise ValueError(
+                f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no `blocks`"
+            )
         check_int("trainable", trainable, 0, len(blocks))
         final = ("norm", "fc_norm", "attn_pool")
-        keep += list(blocks[len(blocks) - trainable:]) + [getattr(backbone, name) for name in final
-                                                           if isinstance(getattr(backbone, name, None), nn.Module)]
+        keep += list(blocks[len(blocks) - trainable :]) + [
+            getattr(backbone, name) for name in final if isinstance(getattr(backbone, name, None), nn.Module)
+        ]
     backbone.requires_grad_(False)
     for module in keep:
         module.requires_grad_(True)
@@ -111,11 +119,22 @@ class ImageClassifier(L.LightningModule):
     beside `"inputs"` (the data module's `inputs()`), so a checkpoint opens for inference alone. A batch is
     `(x, y)`, or `(x, y, y_soft)` with Mixup/CutMix: the loss then uses the soft targets, the accuracy `y`."""
 
-    def __init__(self, backbone: nn.Module, *, pretrained: str | None = None, lr: float = 1e-3,
-                 weight_decay: float = 0.05, betas: tuple[float, float] = (0.9, 0.999), warmup_epochs: float = 1.0,
-                 min_lr_ratio: float = 0.0, label_smoothing: float = 0.0, compile: bool = False,
-                 trainable: Literal["all", "head"] | int = "all", layer_decay: float | None = None,
-                 ema_decay: float | None = None) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        *,
+        pretrained: str | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_epochs: float = 1.0,
+        min_lr_ratio: float = 0.0,
+        label_smoothing: float = 0.0,
+        compile: bool = False,
+        trainable: Literal["all", "head"] | int = "all",
+        layer_decay: float | None = None,
+        ema_decay: float | None = None,
+    ) -> None:
         super().__init__()
         check_float("lr", lr, 0.0, low_open=True)
         check_float("weight_decay", weight_decay, 0.0)
@@ -125,11 +144,15 @@ class ImageClassifier(L.LightningModule):
         if layer_decay is not None:
             check_float("layer_decay", layer_decay, 0.0, 1.0, low_open=True)
             if not callable(getattr(backbone, "group_matcher", None)):
-                raise ValueError(f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its "
-                                 f"layers); {type(backbone).__name__} has none")
+                raise ValueError(
+                    f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its "
+                    f"layers); {type(backbone).__name__} has none"
+                )
             if min_lr_ratio != 0:
-                raise ValueError(f"layer_decay={layer_decay} needs min_lr_ratio=0, got {min_lr_ratio}: torch's "
-                                 "CosineAnnealingLR ends every parameter group at the same floor, not at a scaled one")
+                raise ValueError(
+                    f"layer_decay={layer_decay} needs min_lr_ratio=0, got {min_lr_ratio}: torch's "
+                    "CosineAnnealingLR ends every parameter group at the same floor, not at a scaled one"
+                )
         if ema_decay is not None:
             check_float("ema_decay", ema_decay, 0.0, 1.0, high_open=True)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -154,8 +177,9 @@ class ImageClassifier(L.LightningModule):
             self.ema.module.train(backbone.training)
         if compile:
             self.backbone.compile()
-        self.train_acc, self.val_acc, self.test_acc = (MulticlassAccuracy(num_classes, average="micro")
-                                                       for _ in range(3))
+        self.train_acc, self.val_acc, self.test_acc = (
+            MulticlassAccuracy(num_classes, average="micro") for _ in range(3)
+        )
         self.test_top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro") if num_classes > 5 else None
         self.test_ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=15, norm="l1")
         self.test_confusion = MulticlassConfusionMatrix(num_classes=num_classes)
@@ -182,15 +206,18 @@ class ImageClassifier(L.LightningModule):
 
     def on_fit_start(self) -> None:
         # train/loss is logged already averaged over processes: Lightning's sync_dist advice does not apply.
-        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('train/loss'",
-                                category=PossibleUserWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"It is recommended to use `self.log\('train/loss'", category=PossibleUserWarning
+        )
         decay, steps = self.hparams.get("ema_decay"), self.trainer.estimated_stepping_batches
         if decay is None or self.trainer.fast_dev_run or steps == float("inf"):
             return
         if (horizon := 1 / (1 - decay)) > steps:
-            rank_zero_warn(f"ema_decay={decay} averages over ~{round(horizon)} optimizer steps, but this run makes "
-                           f"{int(steps)}: validation, test and the checkpoint use the average, which stays near the "
-                           "initial weights; lower ema_decay or train longer")
+            rank_zero_warn(
+                f"ema_decay={decay} averages over ~{round(horizon)} optimizer steps, but this run makes "
+                f"{int(steps)}: validation, test and the checkpoint use the average, which stays near the "
+                "initial weights; lower ema_decay or train longer"
+            )
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -237,8 +264,9 @@ class ImageClassifier(L.LightningModule):
         """Take the class names of the trainer's data module, when it has them."""
         names = getattr(self.trainer.datamodule, "class_names", None) if self._trainer is not None else None
         if names is not None:
-            self.class_names = check_class_names(names, len(self.class_names),
-                                                 f"{type(self.trainer.datamodule).__name__}.class_names")
+            self.class_names = check_class_names(
+                names, len(self.class_names), f"{type(self.trainer.datamodule).__name__}.class_names"
+            )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["class_names"] = list(self.class_names)
@@ -249,15 +277,37 @@ class ImageClassifier(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "class_names" not in checkpoint:
-            raise ValueError("the checkpoint records no class_names: it was written by an earlier version of this "
-                             "project, whose checkpoints this version does not open")
+            raise ValueError(
+                "the checkpoint records no class_names: it was written by an earlier version of this "
+                "project, whose checkpoints this version does not open"
+            )
         names = check_class_names(checkpoint["class_names"], len(self.class_names), "the checkpoint's class_names")
         if self._trainer is not None and names != self.class_names:
             # The metrics count the data module's labels; different names mean they differ from training's.
-            warnings.warn(f"the checkpoint's class names {names[:10]} differ from the data module's "
-                          f"{self.class_names[:10]}: the reports use the data module's", stacklevel=2)
-            return
-        self.class_names = names
+            warnings.warn(
+                f"the checkpoint's class names {names[:10]} differ from the data module's "
+                f"{self.class_names[:10]}: the reports use the data module's",
+                stacklevel=2,
+            )
+        else:
+            self.class_names = names
+        states = checkpoint.get("lr_schedulers")
+        if self._trainer is not None and self.trainer.state.fn == "fit" and states:
+            self._check_schedule(states[0])
+
+    def _check_schedule(self, state: dict) -> None:
+        """Step a stand-in of the schedule, restored from `state`, through the run's remaining steps (its optimizer
+        holds one tiny parameter per group of this model's): a state the schedule cannot go on from (a group's
+        learning rate missing, say) fails now, as the run resumes, not at the step where it would."""
+        groups = [{"params": [torch.zeros(1)], "lr": group["lr"]} for group in self.optimizer().param_groups]
+        stand_in = torch.optim.SGD(groups)
+        schedule = self.schedule(stand_in)
+        schedule.load_state_dict(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on stepping a schedule: none applies to a stand-in
+            for _ in range(max(0, int(self.trainer.estimated_stepping_batches) - schedule.last_epoch)):
+                stand_in.step()
+                schedule.step()
 
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Class probabilities `(B, num_classes)`."""
@@ -271,21 +321,27 @@ class ImageClassifier(L.LightningModule):
         if hp.get("layer_decay") is None:
             groups = param_groups_weight_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip)
         else:
-            groups = param_groups_layer_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip,
-                                              layer_decay=hp.layer_decay)
+            groups = param_groups_layer_decay(
+                self.backbone, hp.weight_decay, no_weight_decay_list=skip, layer_decay=hp.layer_decay
+            )
             for group in groups:
                 # torch's schedulers ignore timm's `lr_scale`: it enters through each group's own lr.
                 group["lr"] = hp.lr * group["lr_scale"]
         return torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
 
-    def configure_optimizers(self):
-        hp, optimizer = self.hparams, self.optimizer()
+    def schedule(self, optimizer: torch.optim.Optimizer) -> LRScheduler:
+        """The warmup + cosine schedule of `optimizer` over this run's steps."""
+        hp = self.hparams
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup_steps = min(total_steps, round(hp.warmup_epochs * total_steps / max_epochs))
-        schedule = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
-                                          min_lr_ratio=hp.min_lr_ratio)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return warmup_cosine_schedule(
+            optimizer, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=hp.min_lr_ratio
+        )
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer()
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.schedule(optimizer), "interval": "step"}}
 
 
 def training_record(checkpoint: Mapping) -> dict:

@@ -41,8 +41,11 @@ class ViTArgumentParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         prefix = "unrecognized arguments: "
         # jsonargparse's message lists every unknown token, values included: the options are those starting with -.
-        unknown = [token.split("=", 1)[0] for token in message.removeprefix(prefix).split()
-                   if token.startswith("-") and token.lstrip("-")[:1].isalpha()]
+        unknown = [
+            token.split("=", 1)[0]
+            for token in message.removeprefix(prefix).split()
+            if token.startswith("-") and token.lstrip("-")[:1].isalpha()
+        ]
         if not (self.exit_on_error and message.startswith(prefix) and unknown):
             super().error(message, ex)  # every other message, and a parser nested in another, as jsonargparse does
         self.exit(2, f"error: {unknown_options_message(unknown, list(self._option_string_actions), self.prog)}\n")
@@ -75,13 +78,25 @@ class ViTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         for name in ("num_classes", "in_chans", "img_size"):  # the data module knows them; the backbone must match
             parser.link_arguments(f"data.{name}", f"model.backbone.init_args.{name}", apply_on="instantiate")
-        parser.add_argument("--test_after_fit", type=bool, default=True, help=(
-            "After `fit`, run `test` on the best checkpoint (by the ModelCheckpoint monitor) and print test/acc."))
-        parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
-                            help=("torch.set_float32_matmul_precision, set before anything is built. 'high' lets "
-                                  "float32 matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer); 'highest' "
-                                  "keeps full float32; 'medium' allows bfloat16 internally (on CPUs too). "
-                                  "Mixed-precision (bf16) matmuls are not affected."))
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=True,
+            help=(
+                "After `fit`, run `test` on the best checkpoint (by the ModelCheckpoint monitor) and print test/acc."
+            ),
+        )
+        parser.add_argument(
+            "--float32_matmul_precision",
+            type=Literal["highest", "high", "medium"],
+            default="high",
+            help=(
+                "torch.set_float32_matmul_precision, set before anything is built. 'high' lets "
+                "float32 matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer); 'highest' "
+                "keeps full float32; 'medium' allows bfloat16 internally (on CPUs too). "
+                "Mixed-precision (bf16) matmuls are not affected."
+            ),
+        )
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -177,11 +192,14 @@ class ViTCLI(LightningCLI):
         if not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
             # Lightning reads checkpoints it finds itself (SLURM's requeue, `last` of an on-exception checkpoint):
             # another plugin would unpickle them without this project's checks.
-            raise ConfigError(f"trainer.plugins: the checkpoint_io {type(trainer.strategy.checkpoint_io).__name__} "
-                              "would read checkpoints without this project's checks; train.py reads and writes them "
-                              "with vit.artifact.io.AtomicCheckpointIO (or a subclass)")
+            raise ConfigError(
+                f"trainer.plugins: the checkpoint_io {type(trainer.strategy.checkpoint_io).__name__} "
+                "would read checkpoints without this project's checks; train.py reads and writes them "
+                "with vit.artifact.io.AtomicCheckpointIO (or a subclass)"
+            )
         trainer.strategy.checkpoint_io.folders = lambda: {
-            cb.state_key: Path(cb.dirpath).resolve() for cb in trainer.checkpoint_callbacks if cb.dirpath}
+            cb.state_key: Path(cb.dirpath).resolve() for cb in trainer.checkpoint_callbacks if cb.dirpath
+        }
         # Lightning's default bar (Rich's where `rich` is installed, else tqdm's) redraws itself: in a log file, lines.
         if type(trainer.progress_bar_callback) in (TQDMProgressBar, RichProgressBar) and not sys.stdout.isatty():
             trainer.callbacks[trainer.callbacks.index(trainer.progress_bar_callback)] = callbacks.PlainProgress()
@@ -203,8 +221,9 @@ class ViTCLI(LightningCLI):
             except (ConfigError, CheckpointError, DataNotFoundError):
                 raise
             except Exception as err:  # noqa: BLE001  (any other failure here is the config's)
-                raise ConfigError(f"pre-flight: one training image through the model failed: "
-                                  f"{type(err).__name__}: {first_line(err)}") from err
+                raise ConfigError(
+                    f"pre-flight: one training image through the model failed: {type(err).__name__}: {first_line(err)}"
+                ) from err
         for logger in self.trainer.loggers:
             if getattr(logger, "save_dir", None):
                 preflight.check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
@@ -217,8 +236,9 @@ class ViTCLI(LightningCLI):
     def before_fit(self) -> None:
         for name in ("max_epochs", "max_steps"):
             if getattr(self.trainer, name) == 0:
-                raise ConfigError(f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no "
-                                  "limit)")
+                raise ConfigError(
+                    f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no limit)"
+                )
         preflight.check_trainer_options(self.trainer)
         self._check_before_running()
 
@@ -236,8 +256,9 @@ class ViTCLI(LightningCLI):
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
             if started.done:
                 raise
-            raise CheckpointError(f"checkpoint {self._resuming} cannot be resumed: {type(err).__name__}: "
-                                  f"{first_line(err)}") from err
+            raise CheckpointError(
+                f"checkpoint {self._resuming} cannot be resumed: {type(err).__name__}: {first_line(err)}"
+            ) from err
 
 
 def record_test_metrics(folder: Path, results: dict[str, float]) -> None:
@@ -257,19 +278,27 @@ def main(args=None) -> ViTCLI:
     """Entry point of `train.py`: `python train.py {fit,validate,test,predict} --config FILE`; an error a user can
     fix prints one `error: ...` paragraph, no traceback, and exits with 2 (usage) or 1."""
     # Silence torch's `LeafSpec` deprecation raised inside Lightning, and Lightning's advertisement for litlogger.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         if _no_litlogger_tip not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(_no_litlogger_tip)
     # The command line that run_info.json records: `train.py` and its arguments.
-    command = (list(sys.argv) if args is None
-               else ["train.py", *map(str, args)] if isinstance(args, (list, tuple)) else None)
+    command = (
+        list(sys.argv) if args is None else ["train.py", *map(str, args)] if isinstance(args, (list, tuple)) else None
+    )
     try:
         always = [callbacks.RestoreRNGState(), callbacks.StopOnNonFinite(), callbacks.StopOnSignal(), HParamsTable()]
-        return ViTCLI(ImageClassifier, L.LightningDataModule, subclass_mode_data=True, save_config_callback=RunConfig,
-                      save_config_kwargs={"overwrite": False, "command": command},
-                      trainer_defaults={"callbacks": always}, args=args)
+        return ViTCLI(
+            ImageClassifier,
+            L.LightningDataModule,
+            subclass_mode_data=True,
+            save_config_callback=RunConfig,
+            save_config_kwargs={"overwrite": False, "command": command},
+            trainer_defaults={"callbacks": always},
+            args=args,
+        )
     except (ConfigError, CheckpointError, RunDirectoryError) as err:
         _exit(f"error: {err}", code=2)
     except (callbacks.NonFiniteError, DataNotFoundError) as err:
@@ -277,8 +306,11 @@ def main(args=None) -> ViTCLI:
     except callbacks.Preempted as err:
         _exit(str(err), code=128 + err.signum)
     except SIGTERMException:
-        _exit("stopped by SIGTERM during validation: last.ckpt holds the last finished training step. Resume with "
-              "the same command and --ckpt_path last", code=128 + signal.SIGTERM)
+        _exit(
+            "stopped by SIGTERM during validation: last.ckpt holds the last finished training step. Resume with "
+            "the same command and --ckpt_path last",
+            code=128 + signal.SIGTERM,
+        )
     finally:
         # Left to the interpreter's shutdown, a process group can abort a gloo process ("terminate called").
         if torch.distributed.is_available() and torch.distributed.is_initialized():

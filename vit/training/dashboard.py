@@ -29,8 +29,14 @@ class ConfusionMatrix(L.Callback):
     logits `validation_step` returns. `class_names`: the axis labels (by default the model's, else the indices);
     `test_tag`: the name of W&B's own confusion matrix of the test set, logged at the end of `test`."""
 
-    def __init__(self, *, class_names: Sequence[str] | None = None, tag: str = "val/confusion_matrix",
-                 test_tag: str = "test/confusion_matrix", dpi: int = 100) -> None:
+    def __init__(
+        self,
+        *,
+        class_names: Sequence[str] | None = None,
+        tag: str = "val/confusion_matrix",
+        test_tag: str = "test/confusion_matrix",
+        dpi: int = 100,
+    ) -> None:
         super().__init__()
         check_int("dpi", dpi, 1)
         self.class_names = list(class_names) if class_names is not None else None
@@ -43,13 +49,16 @@ class ConfusionMatrix(L.Callback):
         if not trainer.sanity_checking and trainer.state.fn == "fit":
             self._counts, self._epoch, self._step = None, trainer.current_epoch, trainer.global_step
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit" or dataloader_idx != 0:
             return
         if not isinstance(outputs, Tensor):
-            raise TypeError(f"ConfusionMatrix needs validation_step to return the logits (B, num_classes); "
-                            f"{type(pl_module).__name__}.validation_step returned {type(outputs).__name__}")
+            raise TypeError(
+                f"ConfusionMatrix needs validation_step to return the logits (B, num_classes); "
+                f"{type(pl_module).__name__}.validation_step returned {type(outputs).__name__}"
+            )
         if self._counts is None:
             self._counts = MulticlassConfusionMatrix(outputs.shape[-1]).to(outputs.device)
         self._counts.update(outputs.argmax(-1), batch[1])
@@ -60,15 +69,18 @@ class ConfusionMatrix(L.Callback):
             return
         self.matrix = self._counts.compute().cpu()  # synchronised across processes
         if trainer.is_global_zero:
-            figure = self._figure(f"the last validation, {epoch_title(self._epoch, self._step)}",
-                                  self.class_names or getattr(pl_module, "class_names", None))
+            figure = self._figure(
+                f"the last validation, {epoch_title(self._epoch, self._step)}",
+                self.class_names or getattr(pl_module, "class_names", None),
+            )
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
 
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._test_true, self._test_predicted = [], []
 
-    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         # W&B's interactive matrix of the test set; the other loggers have the test metrics.
         if isinstance(outputs, Tensor) and dataloader_idx == 0 and _loggers(trainer, WandbLogger):
             self._test_predicted += outputs.argmax(-1).tolist()
@@ -80,8 +92,12 @@ class ConfusionMatrix(L.Callback):
         import wandb
 
         names = self.class_names or getattr(pl_module, "class_names", None)
-        chart = wandb.plot.confusion_matrix(y_true=self._test_true, preds=self._test_predicted, class_names=names,
-                                            title="test confusion matrix (rank 0's share)")
+        chart = wandb.plot.confusion_matrix(
+            y_true=self._test_true,
+            preds=self._test_predicted,
+            class_names=names,
+            title="test confusion matrix (rank 0's share)",
+        )
         for logger in _loggers(trainer, WandbLogger):
             logger.experiment.log({self.test_tag: chart})
 
@@ -114,9 +130,11 @@ class HParamsTable(L.Callback):
         self._started = True
         datamodule, seed = trainer.datamodule, os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything
         hparams = {**pl_module.hparams_initial, **(datamodule.hparams_initial if datamodule is not None else {})}
-        settings = {**{name: value for name, value in hparams.items() if not name.startswith("_")},
-                    "seed_everything": int(seed) if seed is not None else None,
-                    "trainer": {"max_epochs": trainer.max_epochs, "precision": str(trainer.precision)}}
+        settings = {
+            **{name: value for name, value in hparams.items() if not name.startswith("_")},
+            "seed_everything": int(seed) if seed is not None else None,
+            "trainer": {"max_epochs": trainer.max_epochs, "precision": str(trainer.precision)},
+        }
         for logger in _loggers(trainer, TensorBoardLogger):
             logger.log_metrics({hp_tag(name): math.nan for name in self.metrics}, step=trainer.global_step)
             write_session_start(logger, settings, step=trainer.global_step)
@@ -133,8 +151,11 @@ class HParamsTable(L.Callback):
         self._log(trainer, "test/")
 
     def _log(self, trainer: L.Trainer, prefix: str) -> None:
-        values = {hp_tag(name): float(trainer.callback_metrics[name]) for name in self.metrics
-                  if name.startswith(prefix) and name in trainer.callback_metrics}
+        values = {
+            hp_tag(name): float(trainer.callback_metrics[name])
+            for name in self.metrics
+            if name.startswith(prefix) and name in trainer.callback_metrics
+        }
         for logger in _loggers(trainer, TensorBoardLogger) if values else []:
             logger.log_metrics(values, step=trainer.global_step)
 
@@ -166,8 +187,9 @@ class RankedPredictions:
         probability, predicted = (t.cpu() for t in logits.detach().float().softmax(-1).max(-1))  # (B,), (B,)
         wrong = predicted != y
         # The sort key: a mistake's is -1 - probability (in [-2, -1)), a correct one's its index in the test set (>= 0).
-        order = torch.where(wrong, -probability.double() - 1.0,
-                            torch.arange(self.seen, self.seen + len(y), dtype=torch.float64))
+        order = torch.where(
+            wrong, -probability.double() - 1.0, torch.arange(self.seen, self.seen + len(y), dtype=torch.float64)
+        )
         self.seen, self.mistakes = self.seen + len(y), self.mistakes + int(wrong.sum())
         if self.mistakes_only:
             x, y, predicted, probability, order = x[wrong], y[wrong], predicted[wrong], probability[wrong], order[wrong]
@@ -248,4 +270,3 @@ def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, loggers: Sequence
         elif type(logger).__name__ not in _unsupported_warned:
             _unsupported_warned.add(type(logger).__name__)
             rank_zero_warn(f"{type(logger).__name__} is not supported for images ({tag}); use W&B, TensorBoard or CSV.")
-

@@ -28,8 +28,9 @@ def wandb_online(probe_timeout: float = 3.0) -> tuple[bool, str]:
     base_url = os.environ.get("WANDB_BASE_URL") or wandb.setup().settings.base_url
     url = urlparse(base_url)
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=probe_timeout).close()
+        socket.create_connection(
+            (url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=probe_timeout
+        ).close()
     except OSError as err:
         return False, f"the W&B server {base_url} cannot be reached ({err})"
     return True, f"credentials found and {base_url} reachable"
@@ -45,13 +46,30 @@ class WandbLogger(_LightningWandbLogger):
         log_model: the checkpoints as W&B artifacts: True, those ModelCheckpoint keeps, when fit ends; "all", each
             as it is saved; False, none (offline too: `wandb sync` uploads them)."""
 
-    def __init__(self, *, project: str = "vit", name: str | None = None, save_dir: str = "runs",
-                 offline: bool | None = None, entity: str | None = None, group: str | None = None,
-                 tags: list[str] | None = None, notes: str | None = None, job_type: str | None = None,
-                 log_model: Literal["all"] | bool = False, prefix: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        project: str = "vit",
+        name: str | None = None,
+        save_dir: str = "runs",
+        offline: bool | None = None,
+        entity: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        notes: str | None = None,
+        job_type: str | None = None,
+        log_model: Literal["all"] | bool = False,
+        prefix: str = "",
+        **kwargs: Any,
+    ) -> None:
         # LightningCLI passes every wandb.init argument it knows of, mostly as None: drop those.
-        kwargs = {key: value for key, value in dict(kwargs, entity=entity, group=group, tags=tags, notes=notes,
-                                                     job_type=job_type).items() if value is not None}
+        kwargs = {
+            key: value
+            for key, value in dict(
+                kwargs, entity=entity, group=group, tags=tags, notes=notes, job_type=job_type
+            ).items()
+            if value is not None
+        }
         if "mode" in kwargs:  # an explicit wandb.init(mode=...) is obeyed as it is
             offline, self.mode_reason = kwargs["mode"] in _LOCAL_MODES, f"mode={kwargs['mode']!r} was asked for"
         elif offline is None:
@@ -62,8 +80,9 @@ class WandbLogger(_LightningWandbLogger):
         # To wandb.init directly: Lightning's `offline` would set WANDB_MODE for every later run of the process.
         kwargs.setdefault("mode", "offline" if offline else None)
         # Absolute: W&B's service process resolves a relative folder against its own working directory.
-        super().__init__(name=name, save_dir=os.path.abspath(save_dir), project=project, log_model=log_model,
-                         prefix=prefix, **kwargs)
+        super().__init__(
+            name=name, save_dir=os.path.abspath(save_dir), project=project, log_model=log_model, prefix=prefix, **kwargs
+        )
         self.is_offline = offline
 
     @property
@@ -73,6 +92,8 @@ class WandbLogger(_LightningWandbLogger):
         created, run = self._experiment is None, super().experiment
         if created and self.is_offline:
             run_dir = os.path.dirname(run.dir)  # run.dir is <run_dir>/files
-            rank_zero_info(f"wandb: offline run ({self.mode_reason}), written to {run_dir}\n"
-                           f"wandb: upload it later with: wandb sync {run_dir}")
+            rank_zero_info(
+                f"wandb: offline run ({self.mode_reason}), written to {run_dir}\n"
+                f"wandb: upload it later with: wandb sync {run_dir}"
+            )
         return run

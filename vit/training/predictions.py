@@ -23,15 +23,18 @@ from vit.data.files import text_name
 from vit.training.classifier import index_names
 
 
-def prediction_table(files: list[str], probs: torch.Tensor, class_names: list[str], topk: int = 1
-                     ) -> tuple[list[str], list[list[str]]]:
+def prediction_table(
+    files: list[str], probs: torch.Tensor, class_names: list[str], topk: int = 1
+) -> tuple[list[str], list[list[str]]]:
     """The header and rows of the predictions CSV for `probs` `(N, num_classes)` of `files` (see the module doc)."""
     check_topk(topk, probs.shape[-1])
     columns = ["class_name", "class_index", "probability"]
     header = ["file", *columns] + [f"{column}_{rank}" for rank in range(2, topk + 1) for column in columns]
     confidence, classes = probs.topk(topk, dim=-1)  # (N, K) each, best first
-    rows = [[csv_text(file), *(cell for k, p in zip(ks, ps) for cell in (csv_text(class_names[k]), str(k), f"{p:.6f}"))]
-            for file, ks, ps in zip(files, classes.tolist(), confidence.tolist())]
+    rows = [
+        [csv_text(file), *(cell for k, p in zip(ks, ps) for cell in (csv_text(class_names[k]), str(k), f"{p:.6f}"))]
+        for file, ks, ps in zip(files, classes.tolist(), confidence.tolist())
+    ]
     return header, rows
 
 
@@ -90,16 +93,19 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="epoch")
         check_int("topk", topk, 1)
         if Path(filename).name != filename or not filename.endswith(".csv"):
-            raise ValueError(f"filename={filename!r} is not allowed: expected a file name ending in .csv, "
-                             "without a folder")
+            raise ValueError(
+                f"filename={filename!r} is not allowed: expected a file name ending in .csv, without a folder"
+            )
         self.filename, self.topk = filename, topk
 
     def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions, batch_indices) -> None:
         loaders = trainer.predict_dataloaders
         loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
         if not predictions:
-            warnings.warn("PredictionWriter: no predictions were kept (return_predictions=False?); nothing was written",
-                          stacklevel=2)
+            warnings.warn(
+                "PredictionWriter: no predictions were kept (return_predictions=False?); nothing was written",
+                stacklevel=2,
+            )
             return
         if isinstance(predictions[0], torch.Tensor):  # one dataloader: Lightning gives its batches unnested
             predictions = [predictions]
@@ -113,8 +119,9 @@ class PredictionWriter(BasePredictionWriter):
             stem += f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
             files = [sample_name(loader.dataset, j) for batch in indices for j in batch]
             if len(files) != (n := sum(len(b) for b in batches)):  # known only with Lightning's own sampler wrapper
-                warnings.warn("the predict loader's sample indices are unknown; `file` holds the row number",
-                              stacklevel=2)
+                warnings.warn(
+                    "the predict loader's sample indices are unknown; `file` holds the row number", stacklevel=2
+                )
                 files = [str(j) for j in range(n)]
             probs, output = torch.cat([b.float().cpu() for b in batches]), free_path(folder / f"{stem}.csv")
             write_csv(output, *prediction_table(files, probs, names, self.topk))

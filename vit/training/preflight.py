@@ -50,14 +50,18 @@ def resolve_hpc(subcommand: str, config) -> None:
     checks of any other `--ckpt_path`. `best` names a checkpoint of a `fit` in the same process: refused here."""
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == "best":
-        raise ConfigError(f"--ckpt_path best is the best checkpoint of a fit in the same process, and {subcommand} "
-                          "starts a new one: pass the checkpoint's file (runs/<name>/version_N/checkpoints/...)")
+        raise ConfigError(
+            f"--ckpt_path best is the best checkpoint of a fit in the same process, and {subcommand} "
+            "starts a new one: pass the checkpoint's file (runs/<name>/version_N/checkpoints/...)"
+        )
     folder = Path(config.get("trainer", {}).get("default_root_dir") or os.getcwd())
     if ckpt_path == "hpc" or (ckpt_path is None and SLURMEnvironment.detect()):
         found = hpc_checkpoint(folder)
         if found is None and ckpt_path == "hpc":
-            raise ConfigError(f"--ckpt_path hpc: there is no hpc_ckpt_N.ckpt in {folder} (trainer.default_root_dir, "
-                              "where Lightning saves SLURM's requeue checkpoints)")
+            raise ConfigError(
+                f"--ckpt_path hpc: there is no hpc_ckpt_N.ckpt in {folder} (trainer.default_root_dir, "
+                "where Lightning saves SLURM's requeue checkpoints)"
+            )
         if found is not None:
             rank_zero_info(f"Restoring SLURM's requeue checkpoint {found}")
             config.ckpt_path = str(found)
@@ -75,8 +79,11 @@ def resolve_resume(subcommand: str, config) -> None:
     from an older checkpoint in a new one. Only a single TensorBoard or CSV logger is handled."""
     ckpt_path, logger = config.get("ckpt_path"), config.get("trainer", {}).get("logger")
     class_path = str(getattr(logger, "class_path", "") or "")
-    if (ckpt_path is None or not class_path.endswith(("TensorBoardLogger", "CSVLogger"))
-            or getattr(logger, "init_args", None) is None):
+    if (
+        ckpt_path is None
+        or not class_path.endswith(("TensorBoardLogger", "CSVLogger"))
+        or getattr(logger, "init_args", None) is None
+    ):
         return
     logger = logger.init_args
     root = Path(logger.save_dir) / (logger.get("name", "lightning_logs") or "")  # both loggers' default name
@@ -102,19 +109,26 @@ def resolve_resume(subcommand: str, config) -> None:
         remove_partial_writes(Path(ckpt_path).parent)
         rank_zero_info(f"Resuming the run in {run_dir} from {ckpt_path}")
     else:  # continuing there would overwrite what the run saved after this checkpoint
-        rank_zero_info(f"{ckpt_path} is not the newest last.ckpt of {run_dir}, which is left as it is; "
-                       "training continues from it in a new run folder")
+        rank_zero_info(
+            f"{ckpt_path} is not the newest last.ckpt of {run_dir}, which is left as it is; "
+            "training continues from it in a new run folder"
+        )
 
 
 def check_given_config(subcommand: str, config, checkpoint: dict, model_class: type, ckpt_path) -> list[str]:
     """Raise `CheckpointError` for settings that must match (module docstring); return warnings for the rest."""
     errors, warnings = config_differences(subcommand, config, checkpoint, model_class)
     if errors:
-        why = ("fit resumes the run as it was trained" if subcommand == "fit"
-               else f"{subcommand} evaluates the architecture the checkpoint's weights belong to")
-        raise CheckpointError(f"checkpoint {ckpt_path} was made with other settings than the ones given ({why}): "
-                              f"{'; '.join(errors)}. Drop these options (or the --config that sets them) to use the "
-                              "checkpoint's values, or start a new run")
+        why = (
+            "fit resumes the run as it was trained"
+            if subcommand == "fit"
+            else f"{subcommand} evaluates the architecture the checkpoint's weights belong to"
+        )
+        raise CheckpointError(
+            f"checkpoint {ckpt_path} was made with other settings than the ones given ({why}): "
+            f"{'; '.join(errors)}. Drop these options (or the --config that sets them) to use the "
+            "checkpoint's values, or start a new run"
+        )
     return warnings
 
 
@@ -126,11 +140,17 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
     if isinstance(theirs, dict) and isinstance(ours, dict) and "class_path" in theirs:
         cls = BACKBONES.get(theirs["class_path"])  # a checkpoint's class path is only looked up, never imported
         if BACKBONES.get(ours.get("class_path"), ours.get("class_path")) is not cls:
-            errors.append(f"model.backbone.class_path: {theirs['class_path']} in the checkpoint "
-                          f"vs {ours.get('class_path')} given")
+            errors.append(
+                f"model.backbone.class_path: {theirs['class_path']} in the checkpoint vs {ours.get('class_path')} given"
+            )
         else:  # not `pretrained`: the checkpoint's weights replace it
-            errors += _differences("model.backbone.init_args.", theirs.get("init_args") or {},
-                                   ours.get("init_args") or {}, cls, skip={"pretrained"})
+            errors += _differences(
+                "model.backbone.init_args.",
+                theirs.get("init_args") or {},
+                ours.get("init_args") or {},
+                cls,
+                skip={"pretrained"},
+            )
     model = _differences("model.", hparams, given_model, model_class, skip={"backbone"})
     (errors if subcommand == "fit" else warnings).extend(model)
     if subcommand == "fit":
@@ -138,22 +158,32 @@ def config_differences(subcommand: str, config, checkpoint: dict, model_class: t
         their_class = (checkpoint.get("datamodule_hyper_parameters") or {}).get("_class_path")
         our_class = ours_data.get("class_path") if isinstance(ours_data, dict) else None
         known = {their_class, our_class} <= DATA_MODULES.keys()
-        if their_class is not None and our_class is not None and not (
-                their_class == our_class or (known and data_module(their_class) is data_module(our_class))):
+        if (
+            their_class is not None
+            and our_class is not None
+            and not (their_class == our_class or (known and data_module(their_class) is data_module(our_class)))
+        ):
             # Its data position (the images it has seen) is the position in another data set.
             errors.append(f"data.class_path: {their_class} in the checkpoint vs {our_class} given")
         ours_data = ours_data.get("init_args", ours_data) if isinstance(ours_data, dict) else {}
-        errors += _differences("data.", checkpoint.get("datamodule_hyper_parameters") or {}, ours_data,
-                               skip=NOT_THE_RUN)
+        errors += _differences(
+            "data.", checkpoint.get("datamodule_hyper_parameters") or {}, ours_data, skip=NOT_THE_RUN
+        )
     return errors, warnings
 
 
 def _differences(prefix: str, recorded: dict, given: dict, cls: type | None = None, skip=()) -> list[str]:
     """A line per key of `recorded` given another value; a value given that is `cls`'s default does not count."""
     defaults = {} if cls is None else {k: p.default for k, p in inspect.signature(cls).parameters.items()}
-    return [f"{prefix}{key}: {value!r} in the checkpoint vs {given[key]!r} given" for key, value in recorded.items()
-            if key in given and key not in skip and not key.startswith("_") and _plain(given[key]) != _plain(value)
-            and (key not in defaults or _plain(given[key]) != _plain(defaults[key]))]  # a default: the checkpoint's
+    return [
+        f"{prefix}{key}: {value!r} in the checkpoint vs {given[key]!r} given"
+        for key, value in recorded.items()
+        if key in given
+        and key not in skip
+        and not key.startswith("_")
+        and _plain(given[key]) != _plain(value)
+        and (key not in defaults or _plain(given[key]) != _plain(defaults[key]))
+    ]  # a default: the checkpoint's
 
 
 def _plain(value: Any) -> Any:
@@ -177,8 +207,10 @@ def check_data_fits(source: str, backbone_args: dict, datamodule) -> None:
         if name == "img_size":
             ours, theirs = list(check_size("data.img_size", ours)), list(check_size("img_size", theirs))
         if ours != theirs:
-            raise ConfigError(f"{_named(source)} does not fit this config: its model was trained with "
-                              f"{name}={theirs!r}, the data module gives {name}={ours!r}")
+            raise ConfigError(
+                f"{_named(source)} does not fit this config: its model was trained with "
+                f"{name}={theirs!r}, the data module gives {name}={ours!r}"
+            )
 
 
 MAX_RUN_CONFIG_BYTES = 2**20  # a run's config.yaml is a few KB
@@ -191,16 +223,20 @@ def run_record(ckpt_path: str) -> dict | None:
     import yaml
 
     if "://" in ckpt_path:
-        raise CheckpointError(f"--ckpt_path {ckpt_path} is a URL: fit resumes a run from its own folder; to start from "
-                              "a model, give its model folder as --model.pretrained")
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path} is a URL: fit resumes a run from its own folder; to start from "
+            "a model, give its model folder as --model.pretrained"
+        )
     path = Path(ckpt_path).resolve()
     if HPC_CHECKPOINT.fullmatch(path.name):
         return None
     config = path.parent.parent / "config.yaml"
     if path.parent.name != "checkpoints" or not config.is_file():
-        raise CheckpointError(f"--ckpt_path {ckpt_path} is not in a run folder (<run>/checkpoints/ beside "
-                              "<run>/config.yaml): fit resumes a run from its own config; to start from its model, "
-                              "give the model folder beside it as --model.pretrained")
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path} is not in a run folder (<run>/checkpoints/ beside "
+            "<run>/config.yaml): fit resumes a run from its own config; to start from its model, "
+            "give the model folder beside it as --model.pretrained"
+        )
     with open(config, "rb") as f:
         text = f.read(MAX_RUN_CONFIG_BYTES + 1)
     try:
@@ -243,11 +279,17 @@ def record_backbone(config, backbone: dict) -> None:
 
 def check_trainer_options(trainer) -> None:
     """Refuse what the Trainer takes unchecked: `accumulate_grad_batches` < 1, a negative `gradient_clip_val`."""
-    as_config_error(check_int, "trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, 1,
-                    hint=" (1: a step after every batch)")
+    as_config_error(
+        check_int,
+        "trainer.accumulate_grad_batches",
+        trainer.accumulate_grad_batches,
+        1,
+        hint=" (1: a step after every batch)",
+    )
     if trainer.gradient_clip_val is not None:
-        as_config_error(check_float, "trainer.gradient_clip_val", trainer.gradient_clip_val, 0,
-                        hint=" (0 or null: no clipping)")
+        as_config_error(
+            check_float, "trainer.gradient_clip_val", trainer.gradient_clip_val, 0, hint=" (0 or null: no clipping)"
+        )
 
 
 def check_writable(folder: Path, option: str) -> None:

@@ -44,7 +44,7 @@ def _shown(c: str) -> str:
     if c.isprintable():
         return c
     if "\udc80" <= c <= "\udcff":  # the byte os.fsdecode could not decode
-        return f"\\x{ord(c) - 0xdc00:02x}"
+        return f"\\x{ord(c) - 0xDC00:02x}"
     return c.encode("unicode_escape").decode("ascii")
 
 
@@ -70,8 +70,13 @@ class RunConfig(SaveConfigCallback):
         # Collectives: every rank calls them; rank 0 decides and claims, every rank gets its answer. Without a run
         # folder, save_dir/name/version: the folder holding the run's `checkpoints/`.
         logger = trainer.loggers[0] if trainer.loggers else None
-        run_dir = Path(trainer.log_dir if folder_per_run else trainer.strategy.broadcast(os.path.join(
-            logger.save_dir or trainer.default_root_dir, str(logger.name), version_dir(logger.version))))
+        run_dir = Path(
+            trainer.log_dir
+            if folder_per_run
+            else trainer.strategy.broadcast(
+                os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version_dir(logger.version))
+            )
+        )
         refusal = None
         if trainer.is_global_zero:
             ckpt_path = self.config.get("ckpt_path")
@@ -79,18 +84,28 @@ class RunConfig(SaveConfigCallback):
             self._lock, holder = RunLock.take(run_dir)
             taken = holds_a_run(run_dir, self.config_filename)
             if holder is not None:
-                refusal = (in_use_message(run_dir, holder) if _resumes_in(run_dir, ckpt_path) else
-                           f"{printable(run_dir)} was taken by another run while this one started ({holder}): "
-                           "start this run again, it takes the next free folder")
+                refusal = (
+                    in_use_message(run_dir, holder)
+                    if _resumes_in(run_dir, ckpt_path)
+                    else f"{printable(run_dir)} was taken by another run while this one started ({holder}): "
+                    "start this run again, it takes the next free folder"
+                )
             elif folder_per_run:
                 try:
-                    check_run_dir(run_dir, stage=stage, ckpt_path=ckpt_path, config_filename=self.config_filename,
-                                  locked_here=True)
+                    check_run_dir(
+                        run_dir,
+                        stage=stage,
+                        ckpt_path=ckpt_path,
+                        config_filename=self.config_filename,
+                        locked_here=True,
+                    )
                 except RunDirectoryError as err:
                     refusal = str(err)
             elif taken and not self.overwrite:
-                refusal = (f"{printable(run_dir / self.config_filename)} already exists; "
-                           "not overwriting the config of an earlier run")
+                refusal = (
+                    f"{printable(run_dir / self.config_filename)} already exists; "
+                    "not overwriting the config of an earlier run"
+                )
             if refusal is None:
                 if taken and folder_per_run:
                     self._suffix = _free_suffix(run_dir)
@@ -129,8 +144,10 @@ class RunConfig(SaveConfigCallback):
             with open(path, "w" if self.overwrite else "x") as f:
                 f.write(text)
         except FileExistsError:
-            return (f"{printable(path)} was written by another run while this one started; nothing was written. "
-                    "Start this run again: it takes the next free folder")
+            return (
+                f"{printable(path)} was written by another run while this one started; nothing was written. "
+                "Start this run again: it takes the next free folder"
+            )
         return None
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
@@ -140,8 +157,13 @@ class RunConfig(SaveConfigCallback):
         for logger in trainer.loggers:
             if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 logger.log_hyperparams(config)
-        info = run_info(trainer, stage=stage, seed=self.config.get("seed_everything"),
-                        ckpt_path=self.config.get("ckpt_path"), command=self.command)
+        info = run_info(
+            trainer,
+            stage=stage,
+            seed=self.config.get("seed_everything"),
+            ckpt_path=self.config.get("ckpt_path"),
+            command=self.command,
+        )
         (self._run_dir / f"run_info{self._suffix}.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -182,8 +204,10 @@ class RunLock:
                 continue
             except OSError as err:
                 os.close(fd)
-                rank_zero_warn(f"{printable(path)} cannot be locked ({err.strerror}): this run is not protected "
-                               "from a second process resuming it at the same time")
+                rank_zero_warn(
+                    f"{printable(path)} cannot be locked ({err.strerror}): this run is not protected "
+                    "from a second process resuming it at the same time"
+                )
                 return None, None
             try:  # its holder may have removed the file between our open and our lock: then take the new one
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -197,8 +221,17 @@ class RunLock:
 
     def describe(self, config_name: str) -> None:
         """Write who holds the lock, for the refusal of a second process."""
-        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "config": config_name,
-                           "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n"
+        text = (
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "config": config_name,
+                    "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                }
+            )
+            + "\n"
+        )
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, text.encode(), 0)
 
@@ -243,8 +276,10 @@ def _details(path: Path) -> str:
 
 def in_use_message(run_dir: Path, holder: str) -> str:
     """The refusal of a run folder that a live process trains in."""
-    return (f"{printable(run_dir)} is being trained by another process ({holder}): wait for it to end or stop it, "
-            "then continue the run with --ckpt_path last")
+    return (
+        f"{printable(run_dir)} is being trained by another process ({holder}): wait for it to end or stop it, "
+        "then continue the run with --ckpt_path last"
+    )
 
 
 def version_dir(version) -> str:
@@ -261,8 +296,9 @@ def _resumes_in(log_dir: Path, ckpt_path) -> bool:
     return ckpt_path is not None and log_dir.resolve() in Path(ckpt_path).resolve().parents
 
 
-def check_run_dir(log_dir: Path, *, stage: str, ckpt_path=None, config_filename: str = "config.yaml",
-                  locked_here: bool = False) -> None:
+def check_run_dir(
+    log_dir: Path, *, stage: str, ckpt_path=None, config_filename: str = "config.yaml", locked_here: bool = False
+) -> None:
     """Raise `RunDirectoryError` if a live process trains in `log_dir`, or if it holds a run, unless this is `fit`
     resuming from a checkpoint in it. `locked_here`: this process holds the lock (`RunConfig`), so it is not probed;
     nor is it by the other processes of a multi-process run, whose first process holds it."""
@@ -270,10 +306,12 @@ def check_run_dir(log_dir: Path, *, stage: str, ckpt_path=None, config_filename:
         raise RunDirectoryError(in_use_message(log_dir, holder))
     resuming = stage == "fit" and _resumes_in(log_dir, ckpt_path)
     if holds_a_run(log_dir, config_filename) and not resuming:
-        raise RunDirectoryError(f"the run directory {printable(log_dir)} already holds a run ({config_filename} or "
-                                "checkpoints); nothing was written. Leave trainer.logger.init_args.version unset (each "
-                                "run gets the next free version_N), choose another name/version, or continue that run "
-                                "with --ckpt_path last.")
+        raise RunDirectoryError(
+            f"the run directory {printable(log_dir)} already holds a run ({config_filename} or "
+            "checkpoints); nothing was written. Leave trainer.logger.init_args.version unset (each "
+            "run gets the next free version_N), choose another name/version, or continue that run "
+            "with --ckpt_path last."
+        )
 
 
 def _first_process() -> bool:
@@ -289,8 +327,9 @@ def _free_suffix(log_dir: Path) -> str:
     return f"_resume{k}"
 
 
-def run_info(trainer, *, stage: str | None = None, seed: Any = None, ckpt_path: Any = None,
-             command: list[str] | None = None) -> dict[str, Any]:
+def run_info(
+    trainer, *, stage: str | None = None, seed: Any = None, ckpt_path: Any = None, command: list[str] | None = None
+) -> dict[str, Any]:
     """What a rerun needs beyond `config.yaml`: seed, versions, commit, command line and hardware."""
     info: dict[str, Any] = {
         "command": ["python", *(sys.argv if command is None else command)],
@@ -306,9 +345,13 @@ def run_info(trainer, *, stage: str | None = None, seed: Any = None, ckpt_path: 
         "platform": platform.platform(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-        "devices": {"accelerator": type(trainer.accelerator).__name__, "strategy": type(trainer.strategy).__name__,
-                    "num_nodes": trainer.num_nodes, "world_size": trainer.world_size,
-                    "precision": str(trainer.precision)},
+        "devices": {
+            "accelerator": type(trainer.accelerator).__name__,
+            "strategy": type(trainer.strategy).__name__,
+            "num_nodes": trainer.num_nodes,
+            "world_size": trainer.world_size,
+            "precision": str(trainer.precision),
+        },
     }
     if torch.cuda.is_available() and trainer.root_device.type == "cuda":
         info["devices"]["gpu"] = torch.cuda.get_device_name(trainer.root_device)
@@ -319,8 +362,9 @@ def git_state(folder: Path) -> dict[str, Any] | None:
     """`{"commit", "dirty"}` of the git checkout holding `folder`, or None outside one (or without git)."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=folder, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
