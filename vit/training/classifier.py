@@ -291,9 +291,12 @@ class ImageClassifier(L.LightningModule):
             )
         else:
             self.class_names = names
-        states = checkpoint.get("lr_schedulers")
-        if self._trainer is not None and self.trainer.state.fn == "fit" and states:
-            self._check_schedule(states[0])
+
+    def on_train_start(self) -> None:
+        # After Lightning restored everything (asking for the step count earlier would build the training data
+        # before its position is restored): a resumed schedule is checked before its first step.
+        if self.trainer.ckpt_path is not None and self.trainer.lr_scheduler_configs:
+            self._check_schedule(self.trainer.lr_scheduler_configs[0].scheduler.state_dict())
 
     def _check_schedule(self, state: dict) -> None:
         """Step a stand-in of the schedule, restored from `state`, through the run's remaining steps (its optimizer
