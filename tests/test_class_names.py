@@ -54,14 +54,18 @@ def test_the_checkpoint_keeps_the_data_modules_class_names_and_refuses_a_checkpo
     reloaded = ImageClassifier.load_from_checkpoint(tmp_path / "named.ckpt", backbone=tiny_vit(), weights_only=True)
     assert reloaded.class_names == ["different", "same"]
 
-    del checkpoint["class_names"]  # as written before the names were stored
+    del checkpoint["class_names"]  # as written before the names were stored: no door opens such a .ckpt any more
     torch.save(checkpoint, tmp_path / "old.ckpt")
-    with pytest.raises(ValueError, match=r"^the checkpoint records no class_names: it was written by an earlier"):
+    with pytest.raises(KeyError, match="class_names"):
         ImageClassifier.load_from_checkpoint(tmp_path / "old.ckpt", backbone=tiny_vit(), weights_only=True)
 
     checkpoint["class_names"] = ["one"]
     torch.save(checkpoint, tmp_path / "wrong.ckpt")
-    with pytest.raises(ValueError, match=r"the checkpoint's class_names: expected 2 distinct class names"):
+    with pytest.raises(
+        ValueError,
+        match=r"the checkpoint's class_names: class_names holds 1 name\(s\) \(1 distinct\); "
+        r"the model has 2 classes",
+    ):
         ImageClassifier.load_from_checkpoint(tmp_path / "wrong.ckpt", backbone=tiny_vit(), weights_only=True)
 
 

@@ -47,12 +47,12 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
 def run(
     args: argparse.Namespace, prepare: Callable[[argparse.Namespace], T], work: Callable[[argparse.Namespace, T], int]
 ) -> int:
-    """`work(args, prepare(args))`, the command's exit status; a `ValueError` raised by `prepare` is `fail(err)`."""
+    """`work(args, prepare(args))`, the command's exit status; a `ValueError` raised by either is `fail(err)`: one
+    line, the usage status (a refusal found while working, e.g. an image's record, is no less the input's)."""
     try:
-        prepared = prepare(args)
+        return work(args, prepare(args))
     except ValueError as err:  # CheckpointError and each command's own refusals are ValueErrors
         return fail(err)
-    return work(args, prepared)
 
 
 def fail(message: object, status: int = USAGE) -> int:

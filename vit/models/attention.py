@@ -37,8 +37,6 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         attn_score: Score = "scaled_dot",
         score_dim: int = 16,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
         relative: tuple[tuple[int, int], int] | None = None,
     ) -> None:
         super().__init__()
@@ -57,9 +55,7 @@ class Attention(nn.Module):
         self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.score = build_score(attn_score, num_heads=num_heads, head_dim=self.head_dim, score_dim=score_dim)
-        self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(inner, out_dim or dim)
-        self.proj_drop = nn.Dropout(proj_drop)
         self.recorder: list[torch.Tensor] | None = None  # set by `vit.models.record_attention`
         # `relative` = (patch grid, prefix tokens): a learned bias per head and offset added to every score
         self.rel_pos = RelativePositionBias(relative[0], num_heads, relative[1]) if relative is not None else None
@@ -103,11 +99,9 @@ class Attention(nn.Module):
         if self.rel_pos is not None:  # the scores become f(q, k) + relative bias, before the mask
             relative = self.rel_pos()  # (1, H, N, N)
             bias = relative if bias is None else bias + relative
-        out = attend_or_record(
-            q, k, v, self.score, self.recorder, bias, dropout_p=self.attn_drop.p if self.training else 0.0
-        )  # (B, H, M, d)
+        out = attend_or_record(q, k, v, self.score, self.recorder, bias)  # (B, H, M, d)
         out = out.transpose(1, 2).reshape(B, M, H * d)  # heads concatenated: (B, M, H * d)
-        return self.proj_drop(self.proj(out))
+        return self.proj(out)
 
     def _cross_project(self, x: torch.Tensor, context: torch.Tensor | None, value: torch.Tensor | None):
         """Queries from `x`, keys from `context`, values from `value` (else `context`), each split into heads."""

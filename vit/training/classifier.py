@@ -58,15 +58,15 @@ def index_names(num_classes: int) -> list[str]:
 
 
 def check_class_names(names: object, num_classes: int, source: str) -> list[str]:
-    """`names` as a list of str, or `ValueError` naming `source` unless it holds `num_classes` distinct strings."""
-    if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
-        raise ValueError(f"{source}: class names must be a list of str, got {names!r}")
-    if len(names) != num_classes or len(set(names)) != len(names):
-        raise ValueError(
-            f"{source}: expected {num_classes} distinct class names (the model's num_classes), "
-            f"got {len(names)}: {list(names)[:10]}"
-        )
-    return list(names)
+    """`names` under the one rule a saved model's names follow (`vit.registry.check_names`: distinct, printable,
+    one per class), its refusal a `ValueError` naming `source`: a run whose names a model folder could not hold is
+    refused as it starts, not when its first checkpoint is saved."""
+    from vit.registry import check_names
+
+    try:
+        return check_names(names, num_classes)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
 
 
 def freeze(backbone: nn.Module, trainable: str | int) -> None:
@@ -276,11 +276,6 @@ class ImageClassifier(L.LightningModule):
         checkpoint["training_record"] = training_record(checkpoint)  # for the model folder's card
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if "class_names" not in checkpoint:
-            raise ValueError(
-                "the checkpoint records no class_names: it was written by an earlier version of this "
-                "project, whose checkpoints this version does not open"
-            )
         names = check_class_names(checkpoint["class_names"], len(self.class_names), "the checkpoint's class_names")
         if self._trainer is not None and names != self.class_names:
             # The metrics count the data module's labels; different names mean they differ from training's.
