@@ -177,3 +177,20 @@ def test_slurms_requeue_of_a_real_hpc_checkpoint_continues_the_training(trained,
     assert (last["epoch"], last["global_step"]) == (1, 2 * steps_per_epoch)
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert recorded["ckpt_path"] == str(tmp_path / "hpc_ckpt_1.ckpt")  # restored from it, not trained from scratch
+
+
+def test_the_scores_of_a_model_checkpoint_state_are_numbers_lightning_can_compare(tmp_path):
+    # Found by the fuzzer: a float8 score passed the reader, and Lightning's comparison with it failed mid-run.
+    from vit.artifact.io import confine
+
+    state = {
+        "dirpath": str(tmp_path),
+        "best_model_score": torch.tensor(0.5).to(torch.float8_e4m3fn),
+        "best_k_models": {"": torch.tensor(0.25, dtype=torch.float64)},
+        "kth_value": float("-inf"),
+    }
+    kept = confine(state, None, "callbacks.ModelCheckpoint")
+    assert kept["best_model_score"].dtype == torch.float32 and float(kept["best_model_score"]) == 0.5
+    assert kept["kth_value"] == float("-inf") and kept["best_k_models"] == {}  # another run's: its paths forgotten
+    with pytest.raises(CheckpointError, match=r"callbacks.ModelCheckpoint.best_model_score: 'high' is not a score"):
+        confine({**state, "best_model_score": "high"}, None, "callbacks.ModelCheckpoint")

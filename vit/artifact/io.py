@@ -29,6 +29,7 @@ from vit.registry import shown
 
 PARTIAL_WRITE = re.compile(r"\..+\.[0-9a-f]{16}\.(tmp|old)")  # this module's and `files.write`'s temporary names
 PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")  # the files a ModelCheckpoint state names
+SCORES = ("best_model_score", "kth_value", "current_score")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -113,13 +114,18 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def confine(state: Any, folder: Path | None, key: str) -> dict:
-    """A `ModelCheckpoint` state whose paths are files inside `folder` (links and `..` resolved); a state of another
-    folder (or none known) forgets its paths, as a run continued elsewhere tracks its own checkpoints from there."""
+    """A `ModelCheckpoint` state whose paths are files inside `folder` (links and `..` resolved) and whose scores are
+    numbers; a state of another folder (or none known) forgets its paths, as a run continued elsewhere tracks its own
+    checkpoints from there."""
     if not isinstance(state, dict) or not isinstance(state.get("best_k_models", {}), dict):
         raise CheckpointError(f"{key} is not a ModelCheckpoint state")
+    # Lightning compares every score with the run's as a float tensor: one of another kind fails at the next save.
+    scores = {name: _score(state[name], f"{key}.{name}") for name in SCORES if state.get(name) is not None}
+    best_k = {path: _score(value, f"{key}.best_k_models") for path, value in state.get("best_k_models", {}).items()}
+    state = {**state, **scores, "best_k_models": best_k}
     if folder is None or _resolved(state.get("dirpath")) != folder:
         return {**state, **{name: "" for name in PATHS if name in state}, "best_k_models": {}}
-    for path in [*(state.get(name) for name in PATHS), *state.get("best_k_models", {})]:
+    for path in [*(state.get(name) for name in PATHS), *best_k]:
         if path is None or (isinstance(path, str) and not path):  # no file named
             continue
         resolved = _resolved(path)
@@ -128,6 +134,13 @@ def confine(state: Any, folder: Path | None, key: str) -> dict:
                 f"{key} names {shown(path, 300)}, which is not a checkpoint file of this run's {folder}"
             )
     return state
+
+
+def _score(value: Any, key: str) -> torch.Tensor:
+    try:
+        return torch.tensor(float(value))
+    except (TypeError, ValueError, RuntimeError):
+        raise CheckpointError(f"{key}: {shown(value)} is not a score (one number)") from None
 
 
 def _resolved(path: Any) -> Path | None:
