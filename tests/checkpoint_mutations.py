@@ -711,7 +711,7 @@ def _exit_outcome(code: Any, stderr: str) -> Outcome:
         line = error_line(stderr)
     except (AssertionError, ValueError):
         return Outcome("failed", f"exit {code} without exactly one error: line: {tail}")
-    if code == 1 and "holds NaN or infinite values at training step" in line:
+    if code == 1 and ("holds NaN or infinite values at training step" in line or " is nan at training step" in line):
         # A finite but corrupt optimizer state (exp_avg of -1e38) is no value to refuse on its own: the run diverges
         # and the guard stops it in one line before a checkpoint is overwritten. Refused, during the run.
         return Outcome("refused", f"during the run: {line}")

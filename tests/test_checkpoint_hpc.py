@@ -194,3 +194,16 @@ def test_the_scores_of_a_model_checkpoint_state_are_numbers_lightning_can_compar
     assert kept["kth_value"] == float("-inf") and kept["best_k_models"] == {}  # another run's: its paths forgotten
     with pytest.raises(CheckpointError, match=r"callbacks.ModelCheckpoint.best_model_score: 'high' is not a score"):
         confine({**state, "best_model_score": "high"}, None, "callbacks.ModelCheckpoint")
+
+
+def test_a_path_or_score_nested_too_deeply_to_print_is_refused_in_one_line(tmp_path):
+    # Found by the fuzzer: the message quoting the value raised RecursionError instead.
+    from vit.artifact.io import confine
+
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    for name in ("kth_best_model_path", "best_model_score"):
+        state = {"dirpath": str(tmp_path), "best_k_models": {}, name: deep}
+        with pytest.raises(CheckpointError, match=r"<a list nested too deeply to show>"):
+            confine(state, tmp_path.resolve(), "callbacks.ModelCheckpoint")

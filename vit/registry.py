@@ -49,8 +49,12 @@ MAX_NAME_CHARS = 256
 
 
 def shown(value: Any, limit: int = 60) -> str:
-    """`repr(value)`, cut to `limit` characters: a message quotes a value, never a megabyte of it."""
-    text = repr(value)
+    """`repr(value)`, cut to `limit` characters: a message quotes a value, never a megabyte of it (nor a list nested
+    too deeply to print)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deeply to show>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

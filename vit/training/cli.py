@@ -253,7 +253,7 @@ class ViTCLI(LightningCLI):
             self.trainer.fit(**kwargs)
         except (CheckpointError, ConfigError, RunDirectoryError, DataNotFoundError, callbacks.NonFiniteError):
             raise  # this project's own errors say what they are
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError, ArithmeticError) as err:
             if started.done:
                 raise
             raise CheckpointError(
