@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from studies.arrangement import __main__ as command
-from studies.arrangement import report, shortcuts
+from studies.arrangement import report, settings, shortcuts
 from studies.runner.grid import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_audit_shortcuts_stay_at_chance_on_every_subset_and_the_relation_does_no
 
 def test_the_audit_scores_the_span_bins_the_tables_score():
     cfg = load_config(FIRST_CONFIG)
-    relation = shortcuts.span_subsets(cfg, "relation", 11, 32)
+    relation = settings.span_subsets(cfg, "relation", 11, 32)
     # every image; by_distance.md's bins; within and beyond 11 px (cnn-rf11*) and 21 px (cnn-rf21); spans >= 25
     assert list(relation) == [
         (11, 32),
@@ -75,13 +75,13 @@ def test_the_audit_scores_the_span_bins_the_tables_score():
         (22, 32),
         (25, 32),
     ]
-    ood = shortcuts.span_subsets(cfg, "span_ood", 21, 32)
+    ood = settings.span_subsets(cfg, "span_ood", 21, 32)
     assert list(ood) == [(21, 32), (21, 23), (24, 26), (27, 29), (30, 32), (21, 24), (25, 28), (29, 32), (25, 32)]
     committed = (ROOT / "studies/arrangement/results/arrangement/by_distance.md").read_text()
     assert "| 11-13 | 14-16 | 17-19 | 20-22 | 23-25 | 26-28 | 29-32 |" in committed
     assert "| 21-23 | 24-26 | 27-29 | 30-32 |" in committed
     header = next(line for line in report.span_ood_table([], RESULTS) if line.startswith("| model"))  # its bins
-    assert all(f"test {a}-{b}" in header for a, b in shortcuts.SPAN_OOD_BINS)
+    assert all(f"test {a}-{b}" in header for a, b in settings.SPAN_OOD_BINS)
 
 
 def test_the_audit_scores_the_images_the_study_draws():

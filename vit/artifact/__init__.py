@@ -103,7 +103,7 @@ def from_checkpoint(checkpoint: Mapping) -> tuple[dict, dict[str, torch.Tensor]]
 
 
 def read_config(folder: Path) -> dict:
-    """config.json of `folder`: a regular file of strict JSON, bounded (`weights.read_json`), holding a mapping."""
+    """config.json of `folder`: a regular file of strict JSON, bounded (`weight_files.read_json`), holding a mapping."""
     from vit.models.weights import PretrainedError, read_json
 
     if not folder.is_dir():
