@@ -41,11 +41,31 @@ GENERIC_ARCHITECTURE = "test_vit"
 _TIMM_POOL = {"cls": "token", "mean": "avg", "map": "map"}
 
 
+def _sizes(model: nn.Module) -> dict:
+    """What every timm ViT class takes of this model alike: sizes, biases, QK-norm, the CLS token, the pooling."""
+    from torch import nn
+
+    embed, attn = model.patch_embed, model.blocks[0].attn
+    return dict(
+        img_size=list(embed.img_size),
+        patch_size=embed.patch_size,
+        in_chans=embed.in_chans,
+        num_classes=model.num_classes,
+        embed_dim=model.embed_dim,
+        depth=len(model.blocks),
+        num_heads=attn.num_heads,
+        mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
+        qkv_bias=attn.qkv.bias is not None,
+        qk_norm=not isinstance(attn.q_norm, nn.Identity),
+        class_token=model.cls_token is not None,
+        global_pool=_TIMM_POOL[model.pool],
+    )
+
+
 def timm_args(model: nn.Module) -> dict:
     """The arguments of the timm model that computes what `model` computes (its `VisionTransformer`, or its `Eva`
     for rotary positions); `NotInTimm` naming the option when none does."""
     from timm.layers import LayerScale
-    from torch import nn
 
     from vit.models import VisionTransformer
 
@@ -66,19 +86,8 @@ def timm_args(model: nn.Module) -> dict:
     if model.pos_embed_type == "relative":
         return _relpos_args(model, scaled)
     return dict(
+        **_sizes(model),
         init_values=1.0 if scaled else None,  # only whether there is a scale: its values are the weights'
-        img_size=list(embed.img_size),
-        patch_size=embed.patch_size,
-        in_chans=embed.in_chans,
-        num_classes=model.num_classes,
-        embed_dim=model.embed_dim,
-        depth=len(model.blocks),
-        num_heads=attn.num_heads,
-        mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
-        qkv_bias=attn.qkv.bias is not None,
-        qk_norm=not isinstance(attn.q_norm, nn.Identity),
-        class_token=model.cls_token is not None,
-        global_pool=_TIMM_POOL[model.pool],
         fc_norm=model.use_fc_norm,
         reg_tokens=model.num_reg_tokens,
         no_embed_class=model.no_embed_class,
@@ -93,24 +102,10 @@ _EVA_ROPE = {"axial": ("vit_small_patch16_rope_224", "cat"), "mixed": ("vit_smal
 
 def _eva_args(model: nn.Module) -> dict:
     """timm's `Eva` arguments of a rotary-position ViT: no position table, RoPE in every block's attention."""
-    from torch import nn
-
-    attn = model.blocks[0].attn
     if model.pool == "map":
         raise NotInTimm("pool='map' with rotary positions cannot be exported: timm's Eva pools by token or avg")
     return dict(
-        img_size=list(model.patch_embed.img_size),
-        patch_size=model.patch_embed.patch_size,
-        in_chans=model.patch_embed.in_chans,
-        num_classes=model.num_classes,
-        embed_dim=model.embed_dim,
-        depth=len(model.blocks),
-        num_heads=attn.num_heads,
-        mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
-        qkv_bias=attn.qkv.bias is not None,
-        qk_norm=not isinstance(attn.q_norm, nn.Identity),
-        class_token=model.cls_token is not None,
-        global_pool=_TIMM_POOL[model.pool],
+        **_sizes(model),
         use_fc_norm=model.use_fc_norm,
         num_reg_tokens=model.num_reg_tokens,
         init_values=None if model.blocks[0].gamma_1 is None else 1.0,  # the values are the weights'
@@ -129,9 +124,6 @@ _RELPOS = "vit_relpos_medium_patch16_cls_224"  # timm's relative-position ViT; `
 
 def _relpos_args(model: nn.Module, scaled: bool) -> dict:
     """timm's `VisionTransformerRelPos` arguments (its `RelPosBias` table) of a relative-position ViT."""
-    from torch import nn
-
-    attn = model.blocks[0].attn
     if not scaled:
         raise NotInTimm(
             "pos_embed='relative' without init_values cannot be exported: timm's relative-position "
@@ -142,18 +134,7 @@ def _relpos_args(model: nn.Module, scaled: bool) -> dict:
             "pool='map' with relative positions cannot be exported: timm's relative-position ViT pools by token or avg"
         )
     return dict(
-        img_size=list(model.patch_embed.img_size),
-        patch_size=model.patch_embed.patch_size,
-        in_chans=model.patch_embed.in_chans,
-        num_classes=model.num_classes,
-        embed_dim=model.embed_dim,
-        depth=len(model.blocks),
-        num_heads=attn.num_heads,
-        mlp_ratio=model.blocks[0].mlp.fc1.out_features / model.embed_dim,
-        qkv_bias=attn.qkv.bias is not None,
-        qk_norm=not isinstance(attn.q_norm, nn.Identity),
-        class_token=model.cls_token is not None,
-        global_pool=_TIMM_POOL[model.pool],
+        **_sizes(model),
         fc_norm=model.use_fc_norm,
         init_values=1.0,
         rel_pos_type="bias",
