@@ -42,6 +42,7 @@ def reference_folder(root: Path) -> Path:
     """The tiny ViT's model folder under `root` (written once per root)."""
     import vit.artifact as artifact
     from vit.models import VisionTransformer
+    from vit.models.timm_compat import timm_state_dict
 
     folder = root / "reference_model"
     if not (folder / artifact.CONFIG).exists():
@@ -54,7 +55,7 @@ def reference_folder(root: Path) -> Path:
             ["a", "b", "c"],
             {"class_path": "vit.data.TwoCirclesDataModule", "init_args": {"num_test": 8}},
         )
-        artifact.write(folder, config, artifact.weights(model))
+        artifact.write(folder, config, timm_state_dict(model))
     return folder
 
 

@@ -16,6 +16,8 @@ import vit
 import vit.artifact as artifact
 from vit.artifact.download import DownloadError
 from vit.models import VisionTransformer
+from vit.models.timm_compat import timm_state_dict
+from vit.models.weights import PretrainedError
 
 HANDLERS: dict[str, object] = {}  # path -> bytes to serve, or a callable(handler) that answers itself
 REQUESTS: list[str] = []
@@ -63,7 +65,7 @@ def folder(tmp_path) -> Path:
     }
     inputs = {"img_size": [16, 16], "in_chans": 1, "mean": None, "std": None, "interpolation": "bilinear"}
     config = artifact.describe(model, backbone, inputs, ["no", "yes"])
-    return artifact.write(tmp_path / "model", config, artifact.weights(model))
+    return artifact.write(tmp_path / "model", config, timm_state_dict(model))
 
 
 def serve_folder(folder: Path, prefix: str = "/models/tiny") -> None:
@@ -157,7 +159,7 @@ def test_other_schemes_are_refused_without_a_request(url, server):
 def test_a_bad_limit_is_named(server, monkeypatch):
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_TIMEOUT", "soon")
     with pytest.raises(
-        DownloadError,
+        PretrainedError,  # a setting refused as the byte limit's is (`weight_files.whole_number`)
         match=r"READABLE_VIT_DOWNLOAD_TIMEOUT='soon' is not allowed: expected "
         r"a whole number > 0 \(default 600\)",
     ):

@@ -183,7 +183,7 @@ def test_the_model_folder_opens_in_timm_as_its_own_model_and_in_vit_load(pos_emb
     config = artifact.describe(
         model, {"class_path": "vit.models.VisionTransformer", "init_args": args}, inputs, ["a", "b", "c"]
     )
-    folder = artifact.write(tmp_path / "model", config, artifact.weights(model))
+    folder = artifact.write(tmp_path / "model", config, timm_compat.timm_state_dict(model))
     written = json.loads((folder / "config.json").read_text())
     assert written["architecture"] == TIMM[pos_embed]
     x = torch.randn(2, 3, 32, 32)

@@ -52,14 +52,11 @@ def to_timm(model: VisionTransformer, data_config: dict) -> nn.Module:
     """A timm `VisionTransformer` with `model`'s weights (loaded strictly), in eval mode, `data_config` in its cfg."""
     import timm
 
-    from vit.models.timm_compat import architecture, timm_args
+    from vit.models.timm_compat import architecture, timm_args, timm_state_dict
 
     args = timm_args(model)
     exported = timm.create_model(architecture(args), pretrained=False, **args)
-    state = model.state_dict()
-    if model.pos_embed is not None and "pos_embed" not in state:  # a fixed encoding: a buffer, not in the state dict
-        state["pos_embed"] = model.pos_embed.detach().clone()
-    exported.load_state_dict(state)
+    exported.load_state_dict(timm_state_dict(model))
     cfg = {k: v for k, v in exported.pretrained_cfg.items() if k in _PRETRAINED_CFG_KEYS}
     exported.pretrained_cfg = {**cfg, **data_config}
     return exported.eval()

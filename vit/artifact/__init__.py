@@ -55,18 +55,6 @@ def describe(
     return {**config, "vit": {**own, "data": dict(data) if data else None}}
 
 
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model.safetensors`'s tensors: the state dict, and a fixed position table too (timm's `pos_embed` is a
-    parameter; this project's sin/cos tables are buffers that the state dict leaves out)."""
-    import torch
-
-    state = dict(model.state_dict())
-    fixed = getattr(model, "pos_embed", None)  # any backbone: only a ViT has one
-    if isinstance(fixed, torch.Tensor) and "pos_embed" not in state:
-        state["pos_embed"] = fixed
-    return {key: value.detach().contiguous().clone() for key, value in state.items()}
-
-
 def inference_state(state_dict: Mapping) -> dict:
     """The backbone's weights a command runs: with EMA on, the moving average (`ema.module.*`); else `backbone.*`."""
     prefix = "ema.module." if any(key.startswith("ema.module.") for key in state_dict) else "backbone."
@@ -78,6 +66,7 @@ def from_checkpoint(checkpoint: Mapping) -> tuple[dict, dict[str, torch.Tensor]]
     backbone built in Python (no class path recorded: nothing says how to build it again)."""
     import torch
 
+    from vit.models.timm_compat import timm_state_dict
     from vit.registry import BACKBONES, check_backbone, check_inputs, check_names, construct
 
     backbone = (checkpoint.get("hyper_parameters") or {}).get("backbone")
@@ -99,7 +88,7 @@ def from_checkpoint(checkpoint: Mapping) -> tuple[dict, dict[str, torch.Tensor]]
     config = describe(model, {"class_path": backbone["class_path"], "init_args": args}, inputs, names, data)
     record = checkpoint.get("training_record")  # what `ImageClassifier` records of its run
     config["vit"]["training"] = record if isinstance(record, dict) else {}
-    return config, weights(model)
+    return config, timm_state_dict(model)
 
 
 def read_config(folder: Path) -> dict:
@@ -278,42 +267,23 @@ def read(folder: str | os.PathLike) -> Artifact:
 
 
 def _load_weights(cls: type[nn.Module], args: dict, folder: Path) -> nn.Module:
-    """`cls(**args)` with model.safetensors loaded strictly: names, shapes and kinds compared on the meta device with
-    the file's header before memory is spent, then the data read and checked finite in the model's dtype."""
+    """`cls(**args)` with model.safetensors loaded strictly (`vit.models.fit`): names, shapes and kinds compared on
+    the meta device with the file's header before memory is spent, then the data read and checked finite."""
     import torch
 
+    from vit.models.fit import check_kinds, check_names_and_shapes, in_model_dtypes
     from vit.models.weights import load_state_dict, weight_shapes
-    from vit.registry import meta_backbone, shown
+    from vit.registry import meta_backbone
 
     source = folder / WEIGHTS
     skeleton = meta_backbone(cls, args)
     expected = dict(skeleton.state_dict())
     fixed = {name for name, _ in skeleton.named_buffers()} - set(expected)  # a sin/cos table timm reads as pos_embed
-    found = weight_shapes(source, str(source))
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected) - fixed)
-    if missing or unexpected:
-        first = f"{shown(missing[0], 80)} missing" if missing else f"{shown(unexpected[0], 80)} not in the model"
-        raise CheckpointError(
-            f"{WEIGHTS} does not fit the backbone config.json records: {len(missing)} tensor(s) missing, "
-            f"{len(unexpected)} unexpected; first: {first}"
-        )
-    for name, reference in expected.items():  # in the model's order: the first a reader would look for
-        tensor = found[name]
-        if tuple(tensor.shape) != tuple(reference.shape):
-            raise CheckpointError(
-                f"{WEIGHTS}: {name} has shape {tuple(tensor.shape)}, the backbone config.json records needs "
-                f"{tuple(reference.shape)}"
-            )
-        if tensor.is_floating_point() != reference.is_floating_point():
-            raise CheckpointError(f"{WEIGHTS}: {name} is a {tensor.dtype} tensor, the backbone needs {reference.dtype}")
+    found = {key: value for key, value in weight_shapes(source, str(source)).items() if key not in fixed}
+    check_kinds(found, expected, WEIGHTS)
+    check_names_and_shapes(found, expected, WEIGHTS, "the backbone config.json records")
     state = load_state_dict(source, str(source))
     with torch.random.fork_rng(devices=[]):  # the random init is overwritten: the caller's random stream is kept
         model = cls(**args)
-    converted = {}
-    for name, reference in model.state_dict().items():
-        tensor = state[name].to(reference.dtype)  # in the model's dtype: a float64 1e300 is inf as float32
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{WEIGHTS}: {name} holds NaN or infinite values (as {reference.dtype})")
-        converted[name] = tensor
-    model.load_state_dict(converted)
+    model.load_state_dict(in_model_dtypes(state, model.state_dict(), WEIGHTS))
     return model

@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from vit.checks import CheckpointError, first_line
-from vit.models.weights import MAX_BYTES_VARIABLE
+from vit.models.weight_files import MAX_BYTES_VARIABLE, whole_number
 
 TIMEOUT_VARIABLE = "READABLE_VIT_DOWNLOAD_TIMEOUT"
 DEFAULT_TIMEOUT = 600  # seconds for one file, headers and body: a ViT-B's 350 MB at 1 MB/s fit
@@ -29,14 +29,6 @@ def redact(url: str) -> str:
     return parts._replace(
         netloc=parts.netloc.rpartition("@")[2], query="..." if parts.query else "", fragment=""
     ).geturl()
-
-
-def limit(name: str, default: int) -> int:
-    """The whole number > 0 in the environment variable `name`, or `default` when it is unset."""
-    value = os.environ.get(name, "").strip()
-    if value and (not value.isdigit() or int(value) == 0):
-        raise DownloadError(f"{name}={value!r} is not allowed: expected a whole number > 0 (default {default})")
-    return int(value) if value else default
 
 
 def download_folder(url: str, files: dict[str, int]) -> Path:
@@ -65,7 +57,7 @@ class _HttpOnly(urllib.request.HTTPRedirectHandler):
 def download(url: str, target: Path, max_bytes: int) -> None:
     """GET `url` into `target`, replaced only by a whole file of at most `max_bytes`. The copy runs in a thread
     joined with the deadline: a socket timeout bounds each wait, and a server could trickle forever."""
-    timeout = limit(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT)
+    timeout = whole_number(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT)
     tmp = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"
     failure: list[Exception] = []
 

@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import secrets
-import stat
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,7 +23,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vit.artifact import folder_of, from_checkpoint, remove, write
 from vit.checks import CheckpointError, first_line
-from vit.models.weights import MAX_BYTES_VARIABLE, max_bytes
+from vit.models.weights import MAX_BYTES_VARIABLE, PretrainedError, max_bytes, open_regular_file
 from vit.registry import shown
 
 PARTIAL_WRITE = re.compile(r"\..+\.[0-9a-f]{16}\.(tmp|old)")  # this module's and `files.write`'s temporary names
@@ -87,14 +86,13 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     if "://" in str(path):
         raise CheckpointError(f"checkpoint {path} is a URL: a run's state is read from its own folder only")
     most = max_bytes()
-    try:  # non-blocking: a pipe opens at once (and is refused) instead of waiting for a writer
-        f = open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK))
-    except OSError as err:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror}") from None
+    try:  # a regular file only: a pipe or a device is refused at once instead of blocking the read
+        f = open_regular_file(Path(path), f"checkpoint {path}")
+    except PretrainedError as err:
+        raise CheckpointError(str(err)) from None
     with f:
-        size = os.fstat(f.fileno())
-        if not stat.S_ISREG(size.st_mode) or size.st_size == 0:
-            raise CheckpointError(f"checkpoint {path} is not a checkpoint file (a folder, a device or empty)")
+        if os.fstat(f.fileno()).st_size == 0:
+            raise CheckpointError(f"checkpoint {path} is empty")
         try:
             entries = zipfile.ZipFile(f).infolist()
             if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > most:

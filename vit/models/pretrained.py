@@ -17,6 +17,7 @@ from timm.models import adapt_input_conv
 from torch import nn
 
 from vit.checks import check_arguments, check_int
+from vit.models.fit import check_kinds, check_names_and_shapes, in_model_dtypes
 from vit.models.vision_transformer import BOUNDS, DEFAULT_SHAPE, VisionTransformer
 from vit.models.weights import (
     UNKNOWN_NAME,
@@ -234,62 +235,23 @@ def load_pretrained(model: nn.Module, source: str | os.PathLike) -> None:
 def fit_state_dict(model: nn.Module, source: str | os.PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The weights named by `source` adapted to `model` (which may be on the meta device) in its dtypes, and the keys
     left fresh; `PretrainedError` unless every tensor is of its parameter's kind, fits, and is finite in its dtype."""
-    state, ours, shown = load_state_dict(source), model.state_dict(), str(source)
-    for key in sorted(set(state) & set(ours)):
-        theirs, here = _kind(state[key].dtype), _kind(ours[key].dtype)
-        if theirs != here:  # integers or booleans would load as their values into a float parameter, and back
-            raise PretrainedError(
-                f"pretrained={shown!r} is unusable: {key} is a tensor of {theirs}s "
-                f"({_name(state[key].dtype)}) in the weights and of {here}s "
-                f"({_name(ours[key].dtype)}) in this model; it is refused, not converted"
-            )
-    _check_fit(shown, state, ours, fresh=None)  # before resampling, which assumes these dimensions
+    state, ours, shown = load_state_dict(source), model.state_dict(), f"pretrained={str(source)!r}"
+    check_kinds(state, ours, shown)
+    _check_adaptable(shown, state, ours)  # before resampling, which assumes these dimensions
     state, fresh = adapt_state_dict(state, model)
-    _check_fit(shown, state, ours, fresh)
-    for key, tensor in state.items():
-        if key not in ours:
-            continue
-        converted = tensor.to(ours[key].dtype)  # what load_state_dict would copy in: its finiteness is what counts
-        if converted.is_floating_point() and not torch.isfinite(converted).all():
-            bad = int((~torch.isfinite(converted)).sum())
-            raise PretrainedError(
-                f"pretrained={shown!r} is unusable: {key} holds {bad} of {converted.numel()} "
-                f"values that are not finite as this model's {_name(converted.dtype)} (the "
-                f"weights' {_name(tensor.dtype)} values are beyond its range)"
-            )
-        state[key] = converted
-    return state, fresh
+    check_names_and_shapes(state, ours, shown, fresh=fresh)
+    return in_model_dtypes(state, ours, shown), fresh
 
 
-def _kind(dtype: torch.dtype) -> str:
-    if dtype.is_floating_point:
-        return "floating-point number"
-    return "complex number" if dtype.is_complex else "boolean" if dtype == torch.bool else "integer"
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_fit(
-    source: str, state: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], fresh: list[str] | None
-) -> None:
-    """Refuse `state` unless its tensors have `ours`'s names and shapes but the `fresh` ones; before it is adapted
-    (`fresh` None), only the shapes it has in common, but the dimensions `adapt_state_dict` resamples and the head."""
-    common = set(ours) & set(state)
-    if fresh is not None:
-        missing, unexpected = sorted(set(ours) - common - set(fresh)), sorted(set(state) - common)
-        reshaped = sorted(k for k in common if ours[k].shape != state[k].shape)
-    else:
-        missing, unexpected = [], []
-        reshaped = sorted(k for k in common - set(_HEAD_KEYS) if not _adaptable(k, state[k].shape, ours[k].shape))
-    if missing or unexpected or reshaped:
+def _check_adaptable(source: str, state: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> None:
+    """Refuse `state` before it is adapted unless the shapes it has in common with `ours` are equal, but the
+    dimensions `adapt_state_dict` resamples and the head (which another number of classes leaves fresh)."""
+    common = set(ours) & set(state) - set(_HEAD_KEYS)
+    reshaped = sorted(k for k in common if not _adaptable(k, state[k].shape, ours[k].shape))
+    if reshaped:
         details = [f"{k}: {tuple(state[k].shape)} in the weights, {tuple(ours[k].shape)} here" for k in reshaped[:4]]
-        details += [f"{k} missing from the weights" for k in missing[:4]]
-        details += [f"{k} not in this model" for k in unexpected[:4]]
         raise PretrainedError(
-            f"pretrained={source!r} does not fit this config "
-            f"({len(missing) + len(unexpected) + len(reshaped)} tensors differ): " + "; ".join(details)
+            f"{source} does not fit this config ({len(reshaped)} tensors differ): " + "; ".join(details)
         )
 
 

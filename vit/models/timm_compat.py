@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from vit.checks import CheckpointError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -318,3 +319,15 @@ def timm_config(model: nn.Module, inputs: Mapping, names: list[str]) -> dict:
     # timm passes num_classes itself (from "num_classes"): a second one in model_args is "multiple values".
     config["model_args"] = {key: value for key, value in args.items() if key != "num_classes"}
     return config
+
+
+def timm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s tensors as timm holds them, detached and contiguous for safetensors: the state dict, and a fixed
+    position table too (timm's `pos_embed` is a parameter; this project's sin/cos tables are buffers, which the state
+    dict leaves out). A backbone other than this ViT: its state dict."""
+    from vit.models import VisionTransformer
+
+    state = dict(model.state_dict())
+    if isinstance(model, VisionTransformer) and model.pos_embed is not None and "pos_embed" not in state:
+        state["pos_embed"] = model.pos_embed
+    return {key: value.detach().contiguous().clone() for key, value in state.items()}

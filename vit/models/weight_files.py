@@ -59,15 +59,15 @@ class PretrainedError(ValueError):
 def max_bytes() -> int:
     """The most bytes of tensors a weights file may hold (unpacked): `READABLE_VIT_DOWNLOAD_MAX_BYTES`, as for a
     checkpoint, default 4 GiB."""
-    value = os.environ.get(MAX_BYTES_VARIABLE, "").strip()
-    if not value:
-        return _DEFAULT_MAX_BYTES
-    if not value.isdigit() or int(value) <= 0:
-        raise PretrainedError(
-            f"{MAX_BYTES_VARIABLE}={value!r} is not allowed: expected a whole number of bytes > 0 "
-            f"(default {_DEFAULT_MAX_BYTES})"
-        )
-    return int(value)
+    return whole_number(MAX_BYTES_VARIABLE, _DEFAULT_MAX_BYTES)
+
+
+def whole_number(variable: str, default: int) -> int:
+    """The whole number > 0 in the environment variable `variable` (a limit a user may raise), or `default`."""
+    value = os.environ.get(variable, "").strip()
+    if value and (not value.isdigit() or int(value) == 0):
+        raise PretrainedError(f"{variable}={value!r} is not allowed: expected a whole number > 0 (default {default})")
+    return int(value) if value else default
 
 
 def read_json(path: Path, name: str) -> object:
