@@ -303,11 +303,11 @@ def test_a_compressed_or_oversize_archive_is_refused_before_it_is_unpacked(train
             target.writestr(info.filename, source.read(info))
     packed.replace(ckpt)
     code, stderr = fit(ckpt, config, monkeypatch, capsys)
-    assert code == 2 and "holds compressed entries" in error_line(stderr)
+    assert code == 2 and "has a compressed entry" in error_line(stderr)
     ckpt, config = run_copy(trained, tmp_path / "second")
     monkeypatch.setenv("READABLE_VIT_DOWNLOAD_MAX_BYTES", "1000")
     code, stderr = fit(ckpt, config, monkeypatch, capsys)
-    assert code == 2 and "more than 1000 bytes" in error_line(stderr)
+    assert code == 2 and "above the limit of 1000 bytes" in error_line(stderr)
 
 
 @pytest.mark.parametrize("where", ["model.backbone", "model.backbone.init_args.patch_kernel", "data"])

@@ -229,7 +229,7 @@ def test_a_trainer_state_that_cannot_be_read_is_named_in_one_line(name, tmp_path
     code, stderr = cli(["fit", "--config", str(config), "--ckpt_path", str(last)], monkeypatch, capsys)
     assert code == 2 and "Traceback" not in stderr
     expected = {
-        "empty": "is empty",
+        "empty": "is empty (0 bytes)",
         "truncated": "cannot be loaded as data",
         "garbage": "cannot be loaded as data",
         "weights only": "cannot be resumed: KeyError: 'Trying to restore optimizer state but checkpoint "

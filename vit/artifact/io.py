@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vit.artifact import folder_of, from_checkpoint, remove, write
 from vit.checks import CheckpointError, first_line
-from vit.models.weights import MAX_BYTES_VARIABLE, PretrainedError, max_bytes, open_regular_file
+from vit.models.weight_files import PretrainedError, check_zip_entries, checked_size, open_regular_file
 from vit.registry import shown
 
 PARTIAL_WRITE = re.compile(r"\..+\.[0-9a-f]{16}\.(tmp|old)")  # this module's and `files.write`'s temporary names
@@ -81,31 +81,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The dict in a checkpoint file: a regular file of at most `READABLE_VIT_DOWNLOAD_MAX_BYTES`, a zip archive of
-    uncompressed entries (a zip bomb is small on disk), loaded with `weights_only=True`; else one line naming it."""
+    """The dict in a checkpoint file, read as every weights file is (`vit.models.weight_files`: a regular file, a zip
+    archive of uncompressed entries of at most `READABLE_VIT_DOWNLOAD_MAX_BYTES`) and loaded with `weights_only=True`;
+    else one line naming it."""
     if "://" in str(path):
         raise CheckpointError(f"checkpoint {path} is a URL: a run's state is read from its own folder only")
-    most = max_bytes()
-    try:  # a regular file only: a pipe or a device is refused at once instead of blocking the read
-        f = open_regular_file(Path(path), f"checkpoint {path}")
-    except PretrainedError as err:
-        raise CheckpointError(str(err)) from None
-    with f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise CheckpointError(f"checkpoint {path} is empty")
-        try:
-            entries = zipfile.ZipFile(f).infolist()
-            if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > most:
-                raise CheckpointError(
-                    f"checkpoint {path} holds compressed entries or more than {most} bytes (torch.save stores "
-                    f"its entries uncompressed; set {MAX_BYTES_VARIABLE} to allow more)"
-                )
+    name = f"checkpoint {path}"
+    try:  # the rules of every weights file: a regular file, its size and zip directory bounded before unpacking
+        with open_regular_file(Path(path), name) as f:
+            checked_size(f, name)
+            check_zip_entries(zipfile.ZipFile(f).infolist(), name)
             f.seek(0)
             checkpoint = torch.load(f, map_location="cpu", weights_only=True)
-        except CheckpointError:
-            raise
-        except Exception as err:  # noqa: BLE001  (zip, unpickling, recursion and storage errors: all one line)
-            raise CheckpointError(f"checkpoint {path} cannot be loaded as data: {first_line(err)}") from None
+    except PretrainedError as err:
+        raise CheckpointError(str(err)) from None
+    except Exception as err:  # noqa: BLE001  (zip, unpickling, recursion and storage errors: all one line)
+        raise CheckpointError(f"{name} cannot be loaded as data: {first_line(err)}") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise CheckpointError(f"checkpoint {path} is not a Lightning checkpoint (no state_dict)")
     return checkpoint

@@ -127,7 +127,7 @@ def read_file(path: Path, name: str, header_only: bool = False) -> dict[str, tor
             f"{name} is a folder without a model.safetensors, not a weights file (.safetensors, .pth or .bin)"
         )
     with open_regular_file(path, name) as f:
-        size = _checked_size(f, name)
+        size = checked_size(f, name)
         if path.suffix.lower() == ".npz":
             raise _numpy_archive(name)
         if path.suffix == ".safetensors":
@@ -135,7 +135,7 @@ def read_file(path: Path, name: str, header_only: bool = False) -> dict[str, tor
         return _read_torch(f, name, size)
 
 
-def _checked_size(f: BinaryIO, name: str) -> int:
+def checked_size(f: BinaryIO, name: str) -> int:
     """The size of the open file `f`, refused when empty or above `max_bytes()` (its tensors cannot be smaller)."""
     size, limit = os.fstat(f.fileno()).st_size, max_bytes()
     if size == 0:
@@ -266,7 +266,7 @@ def _read_torch(f: BinaryIO, name: str, size: int) -> dict[str, torch.Tensor]:
             raise PretrainedError(
                 f"{name} is a zip archive, but not one torch.save writes (it has no data.pkl): expected {_FORMATS}"
             )
-        _check_entries(entries, name)
+        check_zip_entries(entries, name)
     elif not head.startswith(b"\x80"):  # the pickle protocol opcode
         raise PretrainedError(
             f"{name} is not a PyTorch weights file (neither the zip archive torch.save writes "
@@ -298,7 +298,7 @@ def _read_torch(f: BinaryIO, name: str, size: int) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module.").removeprefix("backbone."): v for k, v in state.items()}
 
 
-def _check_entries(entries: list[zipfile.ZipInfo], name: str) -> None:
+def check_zip_entries(entries: list[zipfile.ZipInfo], name: str) -> None:
     """The checkpoint's rules for a zip archive, from its central directory before anything is unpacked: at most
     `max_bytes()` unpacked (a zip bomb is small on disk), `MAX_PICKLE_BYTES` of pickle, no compressed entry."""
     limit, total = max_bytes(), sum(e.file_size for e in entries)
