@@ -141,3 +141,11 @@ def test_every_study_module_is_at_most_450_lines():
         name: len(path.read_text().splitlines()) for name, path in _modules().items() if name.startswith("studies")
     }
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_the_checkpoint_package_is_at_most_500_lines():
+    # The model folder's reader and writer, Lightning's one CheckpointIO and the download: all lines of its files,
+    # so that what a hostile checkpoint meets stays small enough to review whole.
+    files = sorted((ROOT / "vit" / "artifact").rglob("*.py"))
+    sizes = {path.name: len(path.read_text().splitlines()) for path in files}
+    assert len(files) >= 3 and sum(sizes.values()) <= 500, sizes

@@ -177,6 +177,13 @@ def construct(cls: type, kwargs: Mapping, failure: str) -> Any:
         raise CheckpointError(f"{failure}: {first_line(ValueError(constructor_message(str(err))))}") from None
 
 
+def build_backbone(cls: type[nn.Module], args: Mapping) -> nn.Module:
+    """`cls(**args)` for saved weights to be loaded into: its random init does not move the caller's random stream
+    (a run saving a checkpoint, a user who seeded before `vit.load`)."""
+    with torch.random.fork_rng(devices=[]):
+        return construct(cls, args, f"its backbone {cls.__name__} cannot be built")
+
+
 def meta_backbone(cls: type[nn.Module], args: Mapping) -> nn.Module:
     """`cls(**args)` on the meta device (names and shapes, no memory), refused if its fixed tables are too large."""
     with torch.device("meta"):

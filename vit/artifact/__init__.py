@@ -7,11 +7,8 @@ Neither file can carry code. `config.json` holds timm's keys where a timm model 
 (`vit.models.timm_compat`) and this project's under "vit": the backbone by registered class path and arguments,
 inputs, class names, the data module, what the run records of itself. Here: what it says (`describe`,
 `from_checkpoint`), where one is (`locate`), writing one whole (`write`), removing one (only one this project wrote),
-and opening one (`read`, checked through `vit.registry`; `load` for whatever a door was given).
-
-    model = vit.artifact.load("runs/two_circles/vit/version_0/checkpoints/last")
-    model.model, model.inputs, model.class_names
-"""
+and opening one (`read`, checked through `vit.registry`; `load` for whatever a door was given: `vit.load` and the
+commands call it)."""
 
 from __future__ import annotations
 
@@ -64,18 +61,15 @@ def inference_state(state_dict: Mapping) -> dict:
 def from_checkpoint(checkpoint: Mapping) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """`(config, tensors)` of the model in a run's checkpoint dict, its record checked (`vit.registry`); None for a
     backbone built in Python (no class path recorded: nothing says how to build it again)."""
-    import torch
-
     from vit.models.timm_compat import timm_state_dict
-    from vit.registry import BACKBONES, check_backbone, check_inputs, check_names, construct
+    from vit.registry import BACKBONES, build_backbone, check_backbone, check_inputs, check_names
 
     backbone = (checkpoint.get("hyper_parameters") or {}).get("backbone")
     if not isinstance(backbone, Mapping) or backbone.get("class_path") not in BACKBONES:
         return None
     cls, args = check_backbone(backbone, "hyper_parameters.backbone")
     inputs = check_inputs(checkpoint.get("inputs"), args)
-    with torch.random.fork_rng(devices=[]):  # its random init must not move the run's random stream
-        model = construct(cls, args, f"its backbone {cls.__name__} cannot be built")
+    model = build_backbone(cls, args)
     try:
         model.load_state_dict(inference_state(checkpoint.get("state_dict") or {}))
     except RuntimeError as err:  # torch's first line names the model, the rest the missing and unexpected keys
@@ -129,7 +123,7 @@ def write(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tens
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n")
         for name in (WEIGHTS, CONFIG):
-            _fsync(tmp / name, os.O_RDONLY)
+            _fsync(tmp / name)
         old = folder.parent / f".{folder.name}.{secrets.token_hex(8)}.old"
         if folder.exists():  # a folder cannot be replaced by a rename: the old one steps aside first
             os.rename(folder, old)
@@ -138,13 +132,13 @@ def write(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tens
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    with contextlib.suppress(OSError):  # not every filesystem lets a folder be fsynced
-        _fsync(folder.parent, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # the rename's entry; not every filesystem lets a folder be fsynced
+        _fsync(folder.parent)
     return folder
 
 
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a folder too: its entries are written back as a file's data
     try:
         os.fsync(fd)
     finally:
@@ -211,7 +205,7 @@ class Artifact:
     """An opened model: `model` (eval mode, on the CPU), `inputs` (`img_size`, `in_chans`, `mean`, `std`,
     `interpolation`, crop), `class_names`, `source` (as messages name it), `backbone` (`{"class_path",
     "init_args"}` as checked), `data` (the data module, checked only when `test_data` builds it), `training` (what
-    the run says of itself, for a model card), `config` (config.json as read)."""
+    the run says of itself, for a model card)."""
 
     model: nn.Module
     inputs: dict
@@ -220,7 +214,6 @@ class Artifact:
     backbone: dict
     data: dict | None = None
     training: dict = field(default_factory=dict)
-    config: dict = field(default_factory=dict)
 
 
 def load(source: str | os.PathLike) -> Artifact:
@@ -233,7 +226,7 @@ def read(folder: str | os.PathLike) -> Artifact:
     arguments; `ArtifactError` naming the folder and the value that cannot be used."""
     from vit.models.timm_compat import own_section
     from vit.models.weights import PretrainedError
-    from vit.registry import check_backbone, check_inputs, check_names, not_allowed, shown
+    from vit.registry import check_backbone, check_inputs, check_names, not_allowed
 
     folder = Path(folder)
     config = read_config(folder)
@@ -241,11 +234,9 @@ def read(folder: str | os.PathLike) -> Artifact:
         own = config["vit"] if "vit" in config else own_section(config)
         if not isinstance(own, dict) or not {"backbone", "inputs", "class_names"} <= set(own):
             raise not_allowed("vit", own, "a mapping of format_version, backbone, inputs and class_names")
-        if type(own.get("format_version")) is not int or own["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(
-                f"vit.format_version={shown(own.get('format_version'))} is not allowed: this version of "
-                f"readable-vit reads model folders of format {FORMAT_VERSION}"
-            )
+        version = own.get("format_version")
+        if type(version) is not int or version != FORMAT_VERSION:  # True == 1, and 1.0 == 1: neither is a version
+            raise not_allowed("vit.format_version", version, f"{FORMAT_VERSION}, the format this version reads")
         cls, args = check_backbone(own["backbone"])
         inputs = check_inputs(own["inputs"], args)
         model = _load_weights(cls, args, folder)
@@ -254,26 +245,17 @@ def read(folder: str | os.PathLike) -> Artifact:
         raise ArtifactError(f"model folder {folder}: {err}") from None
     backbone = {"class_path": own["backbone"]["class_path"], "init_args": args}
     data, training = own.get("data"), own.get("training")
-    return Artifact(
-        model.eval(),
-        inputs,
-        names,
-        str(folder),
-        backbone,
-        data if isinstance(data, dict) else None,
-        training if isinstance(training, dict) else {},
-        config,
-    )
+    data = data if isinstance(data, dict) else None
+    training = training if isinstance(training, dict) else {}
+    return Artifact(model.eval(), inputs, names, str(folder), backbone, data, training)
 
 
 def _load_weights(cls: type[nn.Module], args: dict, folder: Path) -> nn.Module:
     """`cls(**args)` with model.safetensors loaded strictly (`vit.models.fit`): names, shapes and kinds compared on
     the meta device with the file's header before memory is spent, then the data read and checked finite."""
-    import torch
-
     from vit.models.fit import check_kinds, check_names_and_shapes, in_model_dtypes
     from vit.models.weights import load_state_dict, weight_shapes
-    from vit.registry import meta_backbone
+    from vit.registry import build_backbone, meta_backbone
 
     source = folder / WEIGHTS
     skeleton = meta_backbone(cls, args)
@@ -283,7 +265,6 @@ def _load_weights(cls: type[nn.Module], args: dict, folder: Path) -> nn.Module:
     check_kinds(found, expected, WEIGHTS)
     check_names_and_shapes(found, expected, WEIGHTS, "the backbone config.json records")
     state = load_state_dict(source, str(source))
-    with torch.random.fork_rng(devices=[]):  # the random init is overwritten: the caller's random stream is kept
-        model = cls(**args)
+    model = build_backbone(cls, args)
     model.load_state_dict(in_model_dtypes(state, model.state_dict(), WEIGHTS))
     return model

@@ -1,6 +1,6 @@
 """A model folder at an http(s) URL, downloaded: `<url>/config.json` and `<url>/model.safetensors`, each under one
 byte limit and one deadline, into `<torch hub dir>/readable-vit/<hash of the URL>/`. Redirects go to http(s) only
-(urllib would follow one to ftp). A Hub id goes through `huggingface_hub` instead (`files.locate`)."""
+(urllib would follow one to ftp). A Hub id goes through `huggingface_hub` instead (`vit.artifact.locate`)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ class DownloadError(CheckpointError):
 def redact(url: str) -> str:
     """`url` as messages show it: without the query string (often a token), a password, or a fragment."""
     parts = urlsplit(url)
-    return parts._replace(
-        netloc=parts.netloc.rpartition("@")[2], query="..." if parts.query else "", fragment=""
-    ).geturl()
+    query = "..." if parts.query else ""
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2], query=query, fragment="").geturl()
 
 
 def download_folder(url: str, files: dict[str, int]) -> Path:
@@ -70,8 +69,12 @@ def download(url: str, target: Path, max_bytes: int) -> None:
                             f"{redact(url)} is larger than {max_bytes} bytes (set {MAX_BYTES_VARIABLE})"
                         )
                     out.write(chunk)
-        except Exception as err:  # noqa: BLE001  (handed to the caller, which raises it as one line)
+        except DownloadError as err:
             failure.append(err)
+        except Exception as err:  # noqa: BLE001  (handed to the caller, which raises it as one line)
+            failure.append(
+                DownloadError(f"{redact(url)} could not be downloaded: {type(err).__name__}: {first_line(err)}")
+            )
 
     with open(tmp, "wb") as out:  # a thread past the deadline writes on into a file no one sees, then stops
         worker = threading.Thread(target=copy, args=(out,), daemon=True)
@@ -80,10 +83,6 @@ def download(url: str, target: Path, max_bytes: int) -> None:
         try:
             if worker.is_alive():
                 raise DownloadError(f"{redact(url)} timed out: not downloaded in {timeout} s (set {TIMEOUT_VARIABLE})")
-            if failure and not isinstance(failure[0], DownloadError):
-                failure[0] = DownloadError(
-                    f"{redact(url)} could not be downloaded: {type(failure[0]).__name__}: {first_line(failure[0])}"
-                )
             if failure:
                 raise failure[0]
             os.replace(tmp, target)

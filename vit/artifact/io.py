@@ -9,7 +9,6 @@ systems), then the model folder beside it (`last.ckpt` -> `last/`)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
@@ -32,9 +31,8 @@ SCORES = ("best_model_score", "kth_value", "current_score")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """`TorchCheckpointIO` that reads through `read_trainer_state` and confines `ModelCheckpoint` paths, and writes
-    whole files (module doc). `folders()`: `{state key: checkpoint folder}` of the run's `ModelCheckpoint`s, set by
-    `train.py` once the trainer exists; a state of another key, or of another folder, keeps no path."""
+    """`TorchCheckpointIO` as the module doc says. `folders()`: `{state key: checkpoint folder}` of the run's
+    `ModelCheckpoint`s, set by `train.py` once the trainer exists; a state of another key or folder keeps no path."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,8 +63,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            tmp.unlink(missing_ok=True)
         model = from_checkpoint(checkpoint)
         if model is not None:  # None: a backbone built in Python, which nothing records how to build again
             write(folder_of(path), *model)
