@@ -306,17 +306,19 @@ def test_the_explain_command_refuses_an_output_format_before_any_work(out, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backbone, methods", [("vit", "attention,rollout,chefer,gradcam"), ("cnn", "gradcam,random")])
+@pytest.mark.parametrize(
+    "backbone, methods",
+    [("vit", "attention,rollout,chefer,gradcam"), ("cnn", "gradcam,random"), ("convnet", "gradcam,random")],
+)
 def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods, tmp_path, monkeypatch, capsys):
     from PIL import Image
     from robust_helpers import main_in_process, tiny_config
 
     from vit.explain.__main__ import main
 
+    cnn = {"cnn": "vit.models.ResNet", "convnet": "vit.models.ConvNet"}.get(backbone)
     extra = (
-        ["--model.backbone.class_path", "vit.models.ResNet", "--model.backbone.init_args.widths", "[4, 8]"]
-        if backbone == "cnn"
-        else []
+        ["--model.backbone.class_path", cnn, "--model.backbone.init_args.widths", "[4, 8]"] if cnn is not None else []
     )
     main_in_process(
         ["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--test_after_fit", "false", *extra], monkeypatch
@@ -329,9 +331,9 @@ def test_the_explain_command_draws_a_grid_from_any_checkpoint(backbone, methods,
     assert width / height == pytest.approx((3 * (1 + len(methods.split(","))) + 0.75) / (3 * 3), rel=0.01)
     assert main(["--ckpt_path", str(last), "--method", methods, "--out", str(out)]) == 2  # never overwritten
     assert "already exists" in capsys.readouterr().err
-    if backbone == "cnn":
+    if cnn is not None:
         assert main(["--ckpt_path", str(last), "--method", "rollout", "--out", str(tmp_path / "x.png")]) == 2
-        message = "--method 'rollout' needs a model with attention layers (a ViT); ResNet has none"
+        message = f"--method 'rollout' needs a model with attention layers (a ViT); {cnn.split('.')[-1]} has none"
         assert message in capsys.readouterr().err
         # 'all': the attention methods skipped, the random baseline left out; the generated test images drawn as
         # the model sees them (one channel).

@@ -17,7 +17,7 @@ from vit.explain.rollout import (
     minmax,
     rollout_to_patch_map,
 )
-from vit.models import record_attention
+from vit.models import contract, record_attention
 
 
 def random_attentions(layers=3, B=2, H=4, N=5, seed=0):
@@ -40,12 +40,8 @@ class PatchEmbed(nn.Module):
         self.grid_size = grid_size
 
 
-class Recorded(nn.Module):
-    """The recording protocol of `vit.models.record_attention`: append the weights to `recorder`."""
-
-    def __init__(self):
-        super().__init__()
-        self.recorder = None
+class Recorded(contract.Recorded):
+    """A layer `vit.models.record_attention` records (`vit.models.contract.Recorded`): it appends the weights."""
 
     def forward(self, attn):
         if self.recorder is not None:
@@ -53,8 +49,8 @@ class Recorded(nn.Module):
         return attn
 
 
-class TinyViT(nn.Module):
-    """Stand-in ViT whose attention maps are set by hand, recorded through `record_attention`'s protocol.
+class TinyViT(contract.Backbone):
+    """Stand-in ViT whose attention maps are set by hand, recorded through `record_attention`'s contract.
 
     `readout_depth` blocks feed the logits; blocks after that still run and return attention,
     but nothing downstream of them reaches the logits, so their attention gets no gradient.
@@ -62,8 +58,8 @@ class TinyViT(nn.Module):
 
     def __init__(self, pool="cls", depth=2, heads=2, dim=8, readout_depth=None, grid_size=(2, 3)):
         super().__init__()
-        self.pool, self.heads = pool, heads
-        self.num_prefix_tokens = 1 if pool == "cls" else 0
+        self.pool, self.heads, self.num_classes = pool, heads, 3
+        self.num_prefix_tokens, self.num_reg_tokens = (1 if pool == "cls" else 0), 0
         self.readout_depth = depth if readout_depth is None else readout_depth
         self.patch_embed = PatchEmbed(dim, 4, grid_size)
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
@@ -74,13 +70,18 @@ class TinyViT(nn.Module):
         self.record = nn.ModuleList(Recorded() for _ in range(depth + 1))
         self.training_in_forward = None
 
+    has_attention = True
+
+    def gradcam_target(self):
+        return self.patch_embed.proj, lambda fmap: fmap  # (B, D, gh, gw): the patch grid
+
     def split(self, t):  # (B, N, D) -> (B, H, N, D/H)
         B, N, D = t.shape
         return t.view(B, N, self.heads, D // self.heads).transpose(1, 2)
 
     def forward(self, x):
         self.training_in_forward = self.training
-        pool = getattr(self, "pool", "cls")  # test_model_without_pool_attribute_is_read_as_cls deletes it
+        pool = self.pool
         tokens = self.patch_embed.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
         if pool == "cls":
             tokens = torch.cat([self.cls_token.expand(len(x), -1, -1), tokens], dim=1)
@@ -374,8 +375,6 @@ def test_rollout_relevance_rejects_options_that_do_not_apply():
     model, x = tiny_model(), images().double()
     with pytest.raises(ValueError, match="'saliency'"):
         relevance(model, x, "saliency")
-    with pytest.raises(ValueError, match="'gradcam'"):  # this stand-in has neither a ViT's blocks nor a ResNet's stages
-        relevance(model, x, "gradcam")
     with pytest.raises(ValueError, match="head_fusion='max'"):
         relevance(model, x, "grad_rollout", head_fusion="max")
     with pytest.raises(ValueError, match="target=3"):
@@ -441,14 +440,6 @@ def test_patch_map_sum_scale_leaves_a_map_without_relevance_at_zero():
     assert (shares == 0).all()
     with pytest.raises(ValueError, match="scale.*'softmax'"):
         rollout_to_patch_map(rollout, (2, 3), scale="softmax")
-
-
-def test_model_without_pool_attribute_is_read_as_cls():
-    model, x = tiny_model(pool="cls"), images().double()
-    expected = {m: relevance(model, x, m) for m in ("rollout", "grad_rollout")}
-    del model.pool
-    for method, maps in expected.items():
-        torch.testing.assert_close(relevance(model, x, method), maps)
 
 
 # --- gradient rollout on a trained ViT --------------------------------------------------------

@@ -24,6 +24,7 @@ import vit.data
 import vit.models
 from vit.checks import CheckpointError, check_size, constructor_message, describe, first_line, matches
 from vit.data.images import CROP_MODES, build_transform
+from vit.models.contract import Backbone
 from vit.models.vision_transformer import BOUNDS
 
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
@@ -74,7 +75,7 @@ def _public_classes(package, base: type) -> dict[str, type]:
     return found
 
 
-BACKBONES = _public_classes(vit.models, nn.Module)
+BACKBONES = _public_classes(vit.models, Backbone)
 # {class path: class, or its module}: the data modules are imported (Lightning with them) only when one is named.
 DATA_MODULES: dict[str, type | str] = {
     path: module
@@ -94,8 +95,8 @@ def data_module(class_path: str) -> type:
 
 def allow_backbone(cls: type[nn.Module]) -> None:
     """Let model folders name `cls` (by its module path): for a class a study defines and imports first."""
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"{cls!r} is not an nn.Module class")
+    if not (isinstance(cls, type) and issubclass(cls, Backbone)):
+        raise TypeError(f"{cls!r} is not a vit.models.contract.Backbone class")
     BACKBONES[f"{cls.__module__}.{cls.__name__}"] = cls
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from studies.runner.rows import append_rows
-from vit.explain.relevance import METHODS, relevance
+from vit.explain.relevance import FACTS, METHODS, relevance, usable_methods
 from vit.explain.scores import average_precision, deletion_insertion, pointing_game, rank_correlation, relevance_mass
 
 MODELS = {  # name: (kind, pos_embed, register tokens)
@@ -106,11 +106,9 @@ def score_run(
     masks = torch.stack([test.circle_mask(i) for i in range(num_images)])  # (B, H, W)
     target = net(x).argmax(-1)
     rows = []
-    for method in METHODS:
-        if model == "cnn" and method not in ("gradcam", "random"):
-            continue
+    for method in usable_methods(net, ["all"]):  # the CNN: the methods that need no attention layers
         n = flow_images if method == "flow" else num_images
-        kwargs = {"target": target[:n]} if method in ("chefer", "gradcam") else {}
+        kwargs = {"target": target[:n]} if FACTS[method].class_specific else {}
         start = time.perf_counter()
         maps = relevance(net, x[:n], method, **kwargs)
         seconds = (time.perf_counter() - start) / n

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vit.commands import check_output, fail, parser, print_skipped, run
-from vit.explain.methods import CLASS_METHODS, METHODS
+from vit.explain.methods import CLASS_METHODS, FACTS, METHODS
 
 SCALES = ("panel", "row", "figure")  # `vit.explain.plot.SCALES`, named here so `--help` loads no torch
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     options.add_argument(
         "--method",
         default="rollout,chefer,gradcam",
-        help=f"comma-separated, from {list(METHODS)}, or 'all' (those the model allows, not 'random')",
+        help=f"comma-separated, from {list(METHODS)}, or 'all' (what the model allows, less "
+        f"{'/'.join(m for m in METHODS if FACTS[m].baseline)})",
     )
     options.add_argument("--target", help="class to explain (a name or an index); default: each image's prediction")
     options.add_argument("--out", required=True, type=Path, help="image file to write (.png, .pdf, .svg, ...)")
@@ -79,7 +80,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     model = ckpt.model
     transforms = inference_transform(ckpt.inputs), inference_transform({**ckpt.inputs, "in_chans": 3, "mean": None})
     usable = usable_methods(model, methods, option="--method ")
-    methods = [m for m in usable if m != "random"] if methods == ["all"] else usable
+    methods = [m for m in usable if not FACTS[m].baseline] if methods == ["all"] else usable
     target = None if args.target is None else class_index(args.target, ckpt.class_names, option="--target ")
     try:  # without images, the checkpoint's own test images
         data = test_data(ckpt.data, ckpt.inputs, ckpt.source) if args.input_dir is None and not args.image else None

@@ -4,9 +4,11 @@
     pixels = to_pixels(maps, images.shape[-2:])         # (B, H, W), the same mass spread over pixels
 
 Methods (`Method`; docs/explain.md has their formulas and papers): "attention" (the last block's), "rollout",
-"flow", "grad_rollout", "chefer", "gradcam" (on the ViT's tokens at `blocks[-1].norm1` without CLS, as pytorch-grad-cam,
-or on the ResNet's last stage) and "random" (a seeded baseline). The model runs in eval mode, each module's
-train/eval flag restored after, parameters' `.grad` untouched."""
+"flow", "grad_rollout", "chefer", "gradcam" (at the layer the backbone names, `Backbone.gradcam_target`: the ViT's
+tokens at `blocks[-1].norm1` without the prefix tokens, as pytorch-grad-cam, or a CNN's last feature map) and "random"
+(a seeded baseline on that layer's grid). Each method's facts are one row of `vit.explain.methods.FACTS`; the model
+is a `vit.models.contract.Backbone`. It runs in eval mode, each module's train/eval flag restored after, parameters'
+`.grad` untouched."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vit.checks import check_choice, check_float, check_int
-from vit.explain.methods import ATTENTION_METHODS, CLASS_METHODS, METHODS, Method  # noqa: F401  (importable here)
+from vit.explain.methods import ATTENTION_METHODS, CLASS_METHODS, FACTS, METHODS, Method  # noqa: F401  (importable here)
 from vit.explain.rollout import (
     HeadFusion,
     attention_rollout,
@@ -32,6 +34,7 @@ from vit.explain.rollout import (
     residual,
     rollout_to_patch_map,
 )
+from vit.models.contract import Backbone
 from vit.models.record import record_attention
 from vit.models.vision_transformer import Pool
 
@@ -53,15 +56,14 @@ def relevance(
     _check_method(
         model, method, target=target, head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer
     )
-    if method == "random":  # on the patch grid, else (a CNN) on Grad-CAM's
-        grid = model.patch_embed.grid_size if hasattr(model, "patch_embed") else grad_cam(model, images[:1]).shape[1:]
+    if method == "random":  # on the grid Grad-CAM's layer has: a ViT's patches, a CNN's last feature map
+        grid = map_grid(model, images[:1])
         return normalise(torch.rand(images.shape[0], *grid, generator=torch.Generator().manual_seed(seed)))
     if method == "gradcam":
         return normalise(grad_cam(model, images, target))
-    pool = getattr(model, "pool", "cls")  # a model without the attribute pools its CLS token (the classic ViT)
+    # An attention method: `usable_methods` let only a backbone with attention through, which has a ViT's tokens.
+    pool, grid, regs = model.pool, tuple(model.patch_embed.grid_size), model.num_reg_tokens
     check_choice("model.pool", pool, Pool)
-    grid = tuple(model.patch_embed.grid_size)
-    regs = getattr(model, "num_reg_tokens", 0)  # tokens between the CLS token and the patches (timm's name)
     if method in CLASS_METHODS:  # grad_rollout, chefer
         maps, grads = attention_gradients(model, images, target)
         (blocks, pool_query), (block_grads, pool_grad) = _split_pool(maps, pool), _split_pool(grads, pool)
@@ -92,10 +94,14 @@ def usable_methods(
 ) -> list[str]:
     """The methods of `requested` (`["all"]`: all) that `model` can run, in order: an attention method on a model
     without attention layers (the CNN) is left out with `skip`, else a `ValueError` naming it after `option`."""
+    if not isinstance(model, Backbone):
+        raise TypeError(
+            f"{type(model).__name__} is not a vit.models.contract.Backbone: the relevance methods read what a "
+            "backbone declares (its Grad-CAM layer, whether it has attention layers)"
+        )
     if list(requested) == ["all"]:
         requested, skip = METHODS, True
-    attention = hasattr(model, "patch_embed") and any(hasattr(m, "recorder") for m in model.modules())
-    usable = [m for m in requested if m not in ATTENTION_METHODS or attention]
+    usable = [m for m in requested if m not in FACTS or not FACTS[m].attention or model.has_attention]
     unusable = [m for m in requested if m not in usable]
     if unusable and not skip:
         raise ValueError(
@@ -162,9 +168,21 @@ def attention_flow(
     return out.reshape(B, *grid).float()
 
 
-def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = None) -> Tensor:
+def map_grid(model: Backbone, images: Tensor) -> tuple[int, int]:
+    """`(gh, gw)` of the maps `model`'s Grad-CAM layer gives for `images` (one forward pass, no gradient)."""
+    (layer, to_map), store = model.gradcam_target(), {}
+    handle = layer.register_forward_hook(lambda module, inputs, output: store.setdefault("output", output))
+    try:
+        with torch.no_grad(), _eval_mode(model):
+            model(images)
+    finally:
+        handle.remove()
+    return tuple(to_map(store["output"]).shape[-2:])
+
+
+def grad_cam(model: Backbone, images: Tensor, target: Tensor | int | None = None) -> Tensor:
     """Grad-CAM `(B, gh, gw)` at the target layer's resolution: `ReLU(sum_k mean_ij(dy/dA^k) A^k)`."""
-    (layer, to_map), store = gradcam_layer(model), {}
+    (layer, to_map), store = model.gradcam_target(), {}
 
     def keep(module, inputs, output) -> None:  # the forward pass's; a checkpointed layer runs again in backward
         store.setdefault("activation", output)
@@ -180,19 +198,6 @@ def grad_cam(model: nn.Module, images: Tensor, target: Tensor | int | None = Non
     activation, gradient = to_map(store["activation"].detach()), to_map(gradient)  # (B, K, gh, gw)
     weights = gradient.mean(dim=(2, 3), keepdim=True)  # alpha_k: (B, K, 1, 1)
     return F.relu((weights * activation).sum(1))  # (B, gh, gw)
-
-
-def gradcam_layer(model: nn.Module):
-    """The layer Grad-CAM reads, and the function turning its output into `(B, K, gh, gw)` maps."""
-    if hasattr(model, "blocks") and hasattr(model, "patch_embed"):
-        (gh, gw), prefix = model.patch_embed.grid_size, model.num_prefix_tokens
-        return model.blocks[-1].norm1, lambda t: t[:, prefix:].transpose(1, 2).reshape(t.shape[0], -1, gh, gw)
-    stages = getattr(model, "stages", None) or getattr(getattr(model, "resnet", None), "stages", None)
-    if stages is None:
-        raise ValueError(
-            f"method='gradcam' needs a ViT's blocks or a ResNet's stages; {type(model).__name__} has neither"
-        )
-    return stages[-1], lambda t: t
 
 
 def to_pixels(maps: Tensor, size: tuple[int, int]) -> Tensor:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit.checks import check_int
+from vit.models.contract import Recorded
 from vit.models.masks import attention_bias
 from vit.models.relpos import RelativePositionBias
 from vit.models.rope import rotate
@@ -18,7 +19,7 @@ FUSED_SCORES = ("scaled_dot", "dot", "general")
 FUSED_SCORE_MODULES = (DotScore, GeneralScore)
 
 
-class Attention(nn.Module):
+class Attention(Recorded):
     """Multi-head self- or cross-attention with a selectable score function and masks (`vit.models.masks`).
     `attn(x)`: self-attention over `x (B, M, dim)`; `attn(x, context)`: keys and values from `context (B, N, kdim)`;
     `attn(x, context, value=v)`: values from `v (B, N, vdim)`. With `kdim = vdim = dim` the input projections are one

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vit.checks import check_choice, check_size
+from vit.models.contract import Backbone, ToMaps
 from vit.models.inputs import check_image_batch
 
 Padding = Literal["zero", "circular", "valid"]
@@ -40,7 +41,7 @@ def receptive_field(kernel_sizes: tuple[int, ...], strides: tuple[int, ...]) -> 
     return r
 
 
-class ConvNet(nn.Module):
+class ConvNet(Backbone):
     """`(B, C, H, W) -> (B, num_classes)`: ``len(widths)`` conv-BN-ReLU layers, global pooling, a head (module doc)."""
 
     def __init__(
@@ -113,6 +114,9 @@ class ConvNet(nn.Module):
         """The last layer's feature map ``(B, widths[-1], H', W')``, before pooling."""
         check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size, dtype=self.features[0].weight.dtype)
         return self.features(x)
+
+    def gradcam_target(self) -> tuple[nn.Module, ToMaps]:
+        return self.features, lambda fmap: fmap  # the last layer's feature map, before pooling
 
     def forward_head(self, fmap: torch.Tensor) -> torch.Tensor:
         """``(B, C, H', W') -> (B, num_classes)``: global pooling (none for "flatten"), then the head."""

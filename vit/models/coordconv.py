@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from vit.checks import check_size
+from vit.models.contract import Backbone, ToMaps
 from vit.models.inputs import check_image_batch
 from vit.models.resnet import ResNet
 
@@ -20,7 +21,7 @@ def coord_channels(img_size: int | tuple[int, int], *, dtype: torch.dtype = torc
     return torch.stack([rows, cols])  # (2, H, W)
 
 
-class CoordConvResNet(nn.Module):
+class CoordConvResNet(Backbone):
     """`(B, C, H, W) -> (B, num_classes)`: `ResNet` on the input with normalised y and x channels appended."""
 
     def __init__(
@@ -48,6 +49,9 @@ class CoordConvResNet(nn.Module):
         check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size)
         coords = self.coords.to(x.dtype).expand(x.shape[0], -1, -1, -1)  # (B, 2, H, W)
         return torch.cat([x, coords], dim=1)
+
+    def gradcam_target(self) -> tuple[nn.Module, ToMaps]:
+        return self.resnet.gradcam_target()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.resnet(self.add_coords(x))

@@ -9,10 +9,11 @@ from timm.layers import AttentionPoolLatent
 from torch import nn
 
 from vit.models.attention import attend_or_record
+from vit.models.contract import Recorded
 from vit.models.scores import Score, build_score
 
 
-class MAPHead(AttentionPoolLatent):
+class MAPHead(AttentionPoolLatent, Recorded):
     """Multihead attention pooling (big_vision's "map" head) with timm's `AttentionPoolLatent` parameters; the forward
     pass is ours, so that the learned query's attention uses `attn_score` and is recorded, `(B, H, 1, N)`."""
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from vit.checks import check_size
+from vit.models.contract import Backbone, ToMaps
 from vit.models.inputs import check_image_batch
 
 
@@ -31,7 +32,7 @@ class BasicBlock(nn.Module):
         return self.act(y + self.shortcut(x))
 
 
-class ResNet(nn.Module):
+class ResNet(Backbone):
     """`(B, C, H, W) -> (B, num_classes)`: a 3x3 stem (no max-pool: the CIFAR variant of He et al. 2016), stages of
     basic blocks, each after the first halving the resolution, then global average pooling."""
 
@@ -67,6 +68,9 @@ class ResNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.head = nn.Linear(in_chs, num_classes)
+
+    def gradcam_target(self) -> tuple[nn.Module, ToMaps]:
+        return self.stages, lambda fmap: fmap  # the last stage's feature map, before pooling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_image_batch(x, in_chans=self.in_chans, img_size=self.img_size, dtype=self.stem[0].weight.dtype)

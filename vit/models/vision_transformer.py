@@ -12,6 +12,7 @@ from torch.nn.init import trunc_normal_
 
 from vit.checks import check_arguments, check_choice, check_int, check_size
 from vit.models.attention import Attention, check_heads
+from vit.models.contract import Backbone, ToMaps
 from vit.models.heads import MAPHead
 from vit.models.patch_embed import PatchEmbed
 from vit.models.pos_embed import sincos_1d, sincos_2d
@@ -92,7 +93,7 @@ class Block(nn.Module):
         return x + self.drop_path2(mixed if self.gamma_2 is None else self.gamma_2 * mixed)
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(Backbone):
     """A plain ViT whose parameter names match `timm.models.VisionTransformer`; built from numbers alone.
     For the same configuration (scaled-dot scores, learned positions, `pool` "cls", "mean" or "map" for timm's
     `global_pool` "token", "avg" or "map"), a timm ViT's state dict loads strictly and gives the same logits;
@@ -121,6 +122,8 @@ class VisionTransformer(nn.Module):
         patch_kernel: a patch window wider than the patch: overlapping patches (`PatchEmbed`).
 
     `attn_mask`, None here, is a fixed mask every block applies (`vit.models.masks`); a subclass may set it."""
+
+    has_attention = True
 
     def __init__(
         self,
@@ -246,6 +249,11 @@ class VisionTransformer(nn.Module):
             for block in self.blocks:
                 qkv = block.attn.qkv.weight  # (3 * D, D): the q rows, then k, then v
                 trunc_normal_(qkv.data[: 2 * qkv.shape[0] // 3], std=self.qk_init_std)
+
+    def gradcam_target(self) -> tuple[nn.Module, ToMaps]:
+        # The last block's input norm: its patch tokens, laid out on the patch grid (the prefix tokens have no place).
+        (gh, gw), prefix = self.patch_embed.grid_size, self.num_prefix_tokens
+        return self.blocks[-1].norm1, lambda t: t[:, prefix:].transpose(1, 2).reshape(t.shape[0], -1, gh, gw)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
