@@ -388,3 +388,20 @@ def test_the_readme_snippet_runs_on_a_trained_checkpoint(checkpoint, images, tmp
     scope = {}
     exec(compile(snippet, "README.md", "exec"), scope)
     assert scope["relevance"].shape == (4, 4) and float(scope["relevance"].sum()) == pytest.approx(1.0)
+
+
+def test_the_predict_command_imports_no_lightning(checkpoint, images, tmp_path):
+    out = tmp_path / "predictions.csv"
+    code = (
+        "import sys; from vit.predict import main; "
+        "code = main(['--ckpt_path', sys.argv[1], '--input_dir', sys.argv[2], '--output', sys.argv[3]]); "
+        "print(code, sorted(m for m in ('lightning', 'torchmetrics', 'jsonargparse') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint), str(images), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.splitlines()[-1] == "0 []" and out.read_text().startswith("file,class_name,class_index")

@@ -194,7 +194,7 @@ def test_train_py_predict_writes_named_predictions_in_its_run_folder(tmp_path_fa
 
 
 def test_a_taken_file_name_gets_a_number_instead_of_being_overwritten(tmp_path):
-    from vit.training.predictions import free_path
+    from vit.prediction_csv import free_path
 
     (tmp_path / "predictions.csv").write_text("earlier")
     (tmp_path / "predictions-1.csv").write_text("earlier too")

@@ -18,7 +18,7 @@ from robust_helpers import BASE_CONFIG, cli, error_line, subprocess_env, tiny_co
 from torch.utils.data import DataLoader, TensorDataset
 
 from vit.data import ImageFolderDataModule, TwoCirclesDataModule
-from vit.data.base import usable_workers
+from vit.data.images import usable_workers
 from vit.models import VisionTransformer
 from vit.training.callbacks import PlainProgress
 from vit.training.classifier import ImageClassifier

@@ -17,7 +17,7 @@ from robust_helpers import cli, error_line, main_in_process, run_dirs, shared_ru
 from vit.data import ImageFolderDataModule
 from vit.data.images import ImageFiles, UnreadableImageError, build_transform, decode_image, image_files
 from vit.predict import main as predict_main
-from vit.training.predictions import prediction_table
+from vit.prediction_csv import prediction_table
 
 REPO = Path(__file__).resolve().parents[1]
 FF = os.fsdecode(b"\xff")  # how Python spells the byte 0xFF of a file name that is not UTF-8 (a lone surrogate)

@@ -88,9 +88,8 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
     import torch
 
     from vit.api import INPUT_BYTES, NonFiniteError, fitting_batch_size
-    from vit.data.base import usable_workers
-    from vit.data.images import NON_FINITE, ImageFiles, image_files, readable_batches
-    from vit.training.predictions import prediction_table, write_csv
+    from vit.data.images import NON_FINITE, ImageFiles, image_files, readable_batches, usable_workers
+    from vit.prediction_csv import prediction_table, write_csv
 
     files, skipped, names = ImageFiles(image_files(args.input_dir), predictor.transform), {}, predictor.class_names
     batch_size = fitting_batch_size(args.batch_size, predictor.inputs)  # before any image is decoded

@@ -3,7 +3,6 @@ generated two-class tasks share: the seed, the balanced labels and the pixel noi
 
 from __future__ import annotations
 
-import os
 import signal
 
 import lightning as L
@@ -15,6 +14,7 @@ from timm.data import Mixup
 from torch.utils.data import DataLoader, Dataset
 
 from vit.checks import check_choice, check_float, check_int, check_size
+from vit.data.images import usable_workers
 from vit.data.resumable import ResumableTrainingData
 
 
@@ -121,12 +121,6 @@ def leave_signals_to_main(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pl_worker_init_function(worker_id)
-
-
-def usable_workers(num_workers: int) -> int:
-    """`num_workers` capped at the cores this process may run on (torch warns about more)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(num_workers, cores)
 
 
 class SyntheticDataModule(SplitDataModule):

@@ -32,6 +32,13 @@ NON_FINITE = "has NaN or infinite pixels"  # the reason an image, a file or a te
 GREY_MODES = ("1", "L", "LA")  # 8-bit images of these modes are read as "L", of every other mode as "RGB"
 
 
+def usable_workers(num_workers: int) -> int:
+    """`num_workers` capped at the cores this process may run on (torch warns about more). `sched_getaffinity`
+    is Linux's (a job's cores); elsewhere the machine's count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(num_workers, cores)
+
+
 class UnreadableImageError(ValueError):
     """A file that cannot be decoded as an image: the message is `file: why`, one line; `reason` is the why."""
 
@@ -185,9 +192,8 @@ class ImageFiles(Dataset):
     def __init__(self, paths: list[Path], transform) -> None:
         self.paths, self.transform = list(paths), transform
         self.names = [text_name(path.name) for path in self.paths]
-        self.size = next(
-            (tuple(t.size) for t in getattr(transform, "transforms", ()) if isinstance(t, v2.Resize)), None
-        )
+        steps = transform.transforms if isinstance(transform, v2.Compose) else []
+        self.size = next((tuple(t.size) for t in steps if isinstance(t, v2.Resize)), None)
 
     def __len__(self) -> int:
         return len(self.paths)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -62,11 +63,15 @@ class ResumableTrainingData:
     DataLoader takes `sampler=self.train_sampler(dataset, batch_size)` and `generator=self.loader_generator()`."""
 
     _resume_position: dict[str, int] | None = None
+    trainer: Any = None  # LightningDataModule's: the Trainer using this module, None before one does
+
+    def _processes(self) -> tuple[int, int]:
+        """`(world size, this process's rank)`: one process until a Trainer uses this module."""
+        return (1, 0) if self.trainer is None else (int(self.trainer.world_size), int(self.trainer.global_rank))
 
     def train_sampler(self, dataset: Sized, batch_size: int, repeats: int = 1) -> ResumableSampler:
         """The training sampler: this process's share of the epoch's permutation, from a restored position if any."""
-        trainer = getattr(self, "trainer", None)
-        world_size, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
+        world_size, rank = self._processes()
         sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=shuffle_seed(), repeats=repeats)
         if self._resume_position is not None:
             position, self._resume_position = self._resume_position, None
@@ -79,15 +84,14 @@ class ResumableTrainingData:
         return torch.Generator().manual_seed(shuffle_seed())
 
     def state_dict(self) -> dict:
-        trainer = getattr(self, "trainer", None)
+        trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":
             return {}
         # The position depends on the number of processes: vit.training.cli refuses a resume with another one.
         return {"train_position": training_position(trainer), "world_size": int(trainer.world_size)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        trainer = getattr(self, "trainer", None)
-        written, now = state_dict.get("world_size", 1), getattr(trainer, "world_size", 1)
+        written, now = state_dict.get("world_size", 1), self._processes()[0]
         if written != now:
             # Each process's share of the epoch depends on their number: the run cannot continue where it stopped.
             raise ValueError(

@@ -25,6 +25,7 @@ class Backbone(nn.Module, abc.ABC):
 
     num_classes: int
     num_prefix_tokens: int = 0
+    grad_checkpointing: bool = False  # timm's name: blocks recompute their activations in backward (memory for time)
     # True for a ViT: its `Recorded` layers give the maps the attention methods read, over a ViT's tokens (its
     # `pool`, `num_reg_tokens` and `patch_embed.grid_size` say how they are laid out).
     has_attention: ClassVar[bool] = False

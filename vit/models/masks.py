@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:  # vision_transformer imports this module
+    from vit.models.vision_transformer import VisionTransformer
 
 
 def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
@@ -97,10 +100,10 @@ def attention_bias(
 
 
 @contextlib.contextmanager
-def mask_attention(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
+def mask_attention(model: VisionTransformer, mask: torch.Tensor) -> Iterator[None]:
     """While open, every block of a `VisionTransformer` applies `mask` (bool or additive) as its `attn_mask`."""
     check_mask(mask)
-    if getattr(model, "attn_mask", None) is not None:
+    if model.attn_mask is not None:
         raise RuntimeError("the model already applies a mask (attn_mask); combine the two into one mask")
     model.attn_mask = mask
     try:

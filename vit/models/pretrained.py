@@ -175,7 +175,7 @@ def adapt_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[
                 "encoding. Use pos_embed='learned' to fine-tune these weights"
             )
         table = state["pos_embed"]  # (1, prefix + gh * gw, D); no prefix positions with no_embed_class
-        prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
+        prefix = 0 if model.no_embed_class else model.num_prefix_tokens
         old_patches = table.shape[1] - prefix
         if table.shape != ours["pos_embed"].shape:
             side = math.isqrt(max(old_patches, 0))
@@ -204,7 +204,7 @@ def _prefix_hint(num_positions: int, state: dict[str, torch.Tensor], model: nn.M
         placed = "each has a position (no_embed_class=False)"
     return (
         f"the weights have {cls} CLS token(s) and {regs} register(s) and {placed}; this model has "
-        f"num_prefix_tokens={model.num_prefix_tokens}, no_embed_class={getattr(model, 'no_embed_class', False)}"
+        f"num_prefix_tokens={model.num_prefix_tokens}, no_embed_class={model.no_embed_class}"
     )
 
 

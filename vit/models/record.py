@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from vit.models.contract import Recorded
+from vit.models.contract import Backbone, Recorded
 
 
 @contextlib.contextmanager
@@ -21,7 +21,7 @@ def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     layers = [m for m in model.modules() if isinstance(m, Recorded)]
     if any(layer.recorder is not None for layer in layers):
         raise RuntimeError("record_attention is already recording this model; nested recording is not supported")
-    checkpointed = [m for m in model.modules() if getattr(m, "grad_checkpointing", False) is True]
+    checkpointed = [m for m in model.modules() if isinstance(m, Backbone) and m.grad_checkpointing]
     maps: list[torch.Tensor] = []
     for layer in layers:
         layer.recorder = maps

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit.checks import check_int
@@ -80,7 +81,7 @@ class StopOnSignal(L.Callback):
 
     def received(self, trainer: L.Trainer) -> int | None:
         """The signal that asks training to stop, or None (SIGTERM: Lightning's notice, shared between processes)."""
-        if getattr(trainer, "received_sigterm", False):
+        if trainer.received_sigterm:
             return signal.SIGTERM
         return signal.SIGINT if self._sigint else None
 
@@ -95,9 +96,14 @@ class StopOnSignal(L.Callback):
             save_last_checkpoint(trainer)  # validation was stopped: the last finished step is kept
 
 
+def _model_checkpoints(trainer: L.Trainer) -> list[ModelCheckpoint]:
+    """The run's `ModelCheckpoint`s (`trainer.checkpoint_callbacks` may hold other `Checkpoint` kinds)."""
+    return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+
+
 def save_last_checkpoint(trainer: L.Trainer) -> str | None:
     """Write `last.ckpt` now, where the run's `ModelCheckpoint` keeps it; return its path."""
-    keepers = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "save_last", False) and cb.dirpath]
+    keepers = [cb for cb in _model_checkpoints(trainer) if cb.save_last and cb.dirpath]
     if keepers:
         cb = keepers[0]
         path = cb.last_model_path or os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
@@ -180,7 +186,7 @@ def non_finite_loss_message(trainer: L.Trainer, value: float, step: int, epoch: 
         if kept
         else "No checkpoint had been written yet."
     )
-    lr = getattr(trainer.lightning_module.hparams, "lr", None)
+    lr = trainer.lightning_module.hparams.get("lr")
     return (
         f"train/loss is {value} at training step {step} (epoch {epoch}, batch {batch_idx}); "
         f"training stopped at step {trainer.global_step}, and nothing from this step on was checkpointed. {kept} "
@@ -192,7 +198,7 @@ def saved_checkpoints(trainer: L.Trainer) -> list[str]:
     """The run's checkpoints that are on disk now: each `ModelCheckpoint`'s last and best, and the `last.ckpt` a
     signal writes. Only files: a `ModelCheckpoint` names its file before writing it, so when the write is the one
     stopped (a non-finite loss found as it saves), its `best_model_path` / `last_model_path` name nothing."""
-    paths = [getattr(cb, f"{kind}_model_path", "") for cb in trainer.checkpoint_callbacks for kind in ("last", "best")]
+    paths = [path for cb in _model_checkpoints(trainer) for path in (cb.last_model_path, cb.best_model_path)]
     paths.append(os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints", "last.ckpt"))
     found: dict[str, str] = {}  # in order, each file once however its path is written
     for path in paths:

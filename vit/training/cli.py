@@ -24,13 +24,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import vit.artifact as artifact
 from vit.artifact.io import AtomicCheckpointIO
-from vit.checks import CheckpointError, check_int, constructor_message, first_line
+from vit.checks import CheckpointError, check_int, check_topk, constructor_message, first_line
 from vit.data.base import DataNotFoundError
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
 from vit.training import callbacks, preflight
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.dashboard import HParamsTable
-from vit.training.predictions import PredictionWriter, check_topk
+from vit.training.predictions import PredictionWriter
 from vit.training.preflight import ConfigError, as_config_error, is_local_file
 from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
 
@@ -225,7 +225,7 @@ class ViTCLI(LightningCLI):
                     f"pre-flight: one training image through the model failed: {type(err).__name__}: {first_line(err)}"
                 ) from err
         for logger in self.trainer.loggers:
-            if getattr(logger, "save_dir", None):
+            if logger.save_dir:  # Lightning's `Logger.save_dir`: None for a logger without a folder
                 preflight.check_writable(Path(logger.save_dir), "trainer.logger.init_args.save_dir")
         # RunConfig checks it too, but inside the run, where Lightning's clean-up would touch the other run.
         if self.save_config_callback and self.trainer.log_dir is not None:
@@ -235,7 +235,7 @@ class ViTCLI(LightningCLI):
 
     def before_fit(self) -> None:
         for name in ("max_epochs", "max_steps"):
-            if getattr(self.trainer, name) == 0:
+            if getattr(self.trainer, name) == 0:  # by name: the message names the option
                 raise ConfigError(
                     f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no limit)"
                 )

@@ -20,7 +20,7 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vit.checks import check_int
-from vit.training.predictions import free_path
+from vit.prediction_csv import free_path
 from vit.training.run_dir import RunConfig
 
 

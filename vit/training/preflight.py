@@ -188,7 +188,7 @@ def _differences(prefix: str, recorded: dict, given: dict, cls: type | None = No
 
 def _plain(value: Any) -> Any:
     """Namespaces as dicts and tuples as lists, so YAML values and Python values compare equal."""
-    if hasattr(value, "as_dict"):
+    if isinstance(value, Namespace):
         value = value.as_dict()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
