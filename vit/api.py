@@ -254,9 +254,9 @@ def image_name(image: object, index: int) -> str:
 
 def load(path_or_url: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "32") -> Predictor:
     """The trained model of a model folder (`vit.artifact`: what a run writes beside each checkpoint, or
-    `vit.export` writes), a `train.py` checkpoint (its model folder, else the checkpoint itself), an http(s) URL of a
-    checkpoint, or an `hf-hub:org/name` id, ready for inference on `device` (`auto`: a GPU when there is one) with
-    `precision` `32`, `bf16` or `fp16` (autocast; `fp16` on a GPU)."""
+    `vit.export` writes), a `train.py` checkpoint (the model folder beside it), an `hf-hub:org/name` id, a timm model
+    name with pretrained weights, or an http(s) URL of a model folder, ready for inference on `device` (`auto`: a GPU
+    when there is one) with `precision` `32`, `bf16` or `fp16` (autocast; `fp16` on a GPU)."""
     import vit.artifact as artifact
 
     check_source(path_or_url)
