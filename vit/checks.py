@@ -1,4 +1,5 @@
-"""One way to check an argument: every error names the argument, the value given and what is allowed.
+"""One way to check an argument: every error names the argument, the value given and what is allowed (an option,
+a number, an image size, a constructor's keyword arguments within their bounds, a class, `topk`).
 
 Pool = Literal["cls", "mean", "map"]   # allowed options, declared once
 check_choice("pool", pool, Pool)   # pool='avg' is not allowed: expected one of ['cls', 'mean', 'map']
@@ -9,11 +10,11 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import re
-import stat
-import types
 import typing
-from typing import Any, Literal, Union, get_args
+from typing import Any, get_args
+
+from vit.messages import file_kind, first_line  # noqa: F401  (re-exported until every importer names vit.messages)
+from vit.signatures import constructor_message, describe, matches  # noqa: F401  (likewise: vit.signatures)
 
 
 class CheckpointError(ValueError):
@@ -66,26 +67,6 @@ def check_float(
         raise ValueError(f"{name}={value!r} is not allowed: expected a finite number in {interval}")
 
 
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none), for one-line errors."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
-def file_kind(mode: int) -> str:
-    """What a file is, from its `st_mode` (`os.lstat` to see a link itself): "a file", "a symbolic link", ..."""
-    kinds = (
-        (stat.S_ISREG, "a file"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((name for test, name in kinds if test(mode)), "a special file")
-
-
 def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
     """`(H, W)` of an image size (one int: a square, or `[H, W]`); `ValueError` unless each is an int >= `minimum`."""
     square = isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -97,67 +78,6 @@ def check_size(name: str, value: object, minimum: int = 1) -> tuple[int, int]:
             f"{name}={value!r} is not allowed: expected an int >= {minimum} (a square) or a pair [H, W] of them"
         )
     return int(sides[0]), int(sides[1])
-
-
-def constructor_message(text: str) -> str:
-    """The constructor's own message, out of jsonargparse's report for an optional class (`None | DataModule`):
-    each union member's failure but "Expected a <class 'NoneType'>" (which only says the value was not None)."""
-    if not text.startswith("Does not validate against any of the Union subtypes") or "\nErrors:\n" not in text:
-        return text
-    block = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
-    items = [" ".join(item.split()) for item in re.split(r"\n\s*- ", "\n" + block) if item.strip()]
-    items = [item for item in items if not item.startswith("Expected a <class 'NoneType'>")]
-    return "; ".join(items) or text
-
-
-PLAIN = (bool, int, float, str, type(None))  # what YAML and JSON give
-
-
-def matches(value: Any, annotation: Any) -> bool:
-    """Whether `value`, plain data as YAML or JSON gives it, is of the type `annotation` says: bool, int, float (an int
-    too), str, None, `Literal[...]`, unions, and lists or tuples of those. A class or a callable matches nothing."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation is Any:
-        return isinstance(value, PLAIN)
-    if annotation is type(None) or annotation is None:
-        return value is None
-    if annotation is bool or annotation is str:
-        return isinstance(value, annotation)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return any(matches(value, a) for a in args)
-    if origin in (tuple, list) or annotation in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            return False
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            return len(value) == len(args) and all(matches(v, a) for v, a in zip(value, args))
-        inner = args[0] if args else Any
-        return all(matches(v, inner) for v in value)
-    return False  # a class, a callable, a module: nothing a checkpoint may hand a constructor
-
-
-def describe(annotation: Any) -> str:
-    """`annotation` in words, for an error message: "one of ['cls', 'mean']", "an int or null"."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is Literal:
-        return f"one of {list(args)}"
-    if origin in (Union, types.UnionType):
-        return " or ".join(describe(a) for a in args)
-    if annotation is type(None):
-        return "null"
-    if annotation is bool:
-        return "true or false"
-    if origin is tuple and args and args[-1] is not Ellipsis:
-        return f"a list of {len(args)} ({', '.join(describe(a) for a in args)})"
-    if origin in (tuple, list):
-        return f"a list of {describe(args[0]) if args else 'values'}"
-    name = getattr(annotation, "__name__", str(annotation))
-    return f"a{'n' if name[:1] in 'aeiou' else ''} {name}"
 
 
 def check_arguments(cls: type, arguments: dict[str, Any], bounds: dict[str, tuple]) -> None:

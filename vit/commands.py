@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from vit.checks import file_kind, first_line
+from vit.messages import file_kind, first_line
 
 USAGE = 2  # the exit status of a command line that cannot work, as argparse's own errors
 T = TypeVar("T")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vit.checks import CheckpointError, first_line
+from vit.checks import CheckpointError
+from vit.messages import first_line
 
 
 class HubError(CheckpointError):

@@ -22,10 +22,12 @@ from torch import nn
 
 import vit.data
 import vit.models
-from vit.checks import CheckpointError, check_size, constructor_message, describe, first_line, matches
+from vit.checks import CheckpointError, check_size
 from vit.data.images import CROP_MODES, build_transform
+from vit.messages import first_line
 from vit.models.contract import Backbone
 from vit.models.vision_transformer import BOUNDS
+from vit.signatures import constructor_message, describe, matches
 
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 

@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from vit.checks import CheckpointError, first_line
+from vit.checks import CheckpointError
+from vit.messages import first_line
 from vit.models.weight_files import MAX_BYTES_VARIABLE, whole_number
 
 TIMEOUT_VARIABLE = "READABLE_VIT_DOWNLOAD_TIMEOUT"

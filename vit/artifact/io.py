@@ -21,7 +21,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vit.artifact import folder_of, from_checkpoint, remove, write
-from vit.checks import CheckpointError, first_line
+from vit.checks import CheckpointError
+from vit.messages import first_line
 from vit.models.weight_files import PretrainedError, check_zip_entries, checked_size, open_regular_file
 from vit.registry import shown
 

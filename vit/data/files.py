@@ -11,7 +11,7 @@ import re
 import stat
 from pathlib import Path
 
-from vit.checks import file_kind
+from vit.messages import file_kind
 
 SHOWN_SKIPPED = 20  # a folder of 20,000 unreadable files is summed up in one line, not listed
 

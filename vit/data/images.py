@@ -14,8 +14,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from vit.checks import check_choice, check_float, check_size, first_line
+from vit.checks import check_choice, check_float, check_size
 from vit.data.files import not_a_file, text_name
+from vit.messages import first_line
 
 # A JPEG is decoded at 1/2, 1/4 or 1/8 scale while it stays this many times the input's longest side, so that
 # even RandomResizedCrop's smallest crop (0.28 of a side) keeps the input's resolution.

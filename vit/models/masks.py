@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:  # vision_transformer imports this module
-    from vit.models.vision_transformer import VisionTransformer
+from vit.models.contract import Backbone
 
 
 def causal_mask(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
@@ -100,9 +99,11 @@ def attention_bias(
 
 
 @contextlib.contextmanager
-def mask_attention(model: VisionTransformer, mask: torch.Tensor) -> Iterator[None]:
+def mask_attention(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
     """While open, every block of a `VisionTransformer` applies `mask` (bool or additive) as its `attn_mask`."""
     check_mask(mask)
+    if not (isinstance(model, Backbone) and model.has_attention):
+        raise TypeError(f"mask_attention needs a ViT (a backbone with attention layers); {type(model).__name__} is not")
     if model.attn_mask is not None:
         raise RuntimeError("the model already applies a mask (attn_mask); combine the two into one mask")
     model.attn_mask = mask

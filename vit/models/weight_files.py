@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import torch
 
-from vit.checks import file_kind
+from vit.messages import file_kind
 
 _FORMATS = ".safetensors, or a torch.save file (.pth, .pt, .bin, .ckpt, .tar)"
 

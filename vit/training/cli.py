@@ -24,9 +24,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import vit.artifact as artifact
 from vit.artifact.io import AtomicCheckpointIO
-from vit.checks import CheckpointError, check_int, check_topk, constructor_message, first_line
+from vit.checks import CheckpointError, check_int, check_topk
 from vit.data.base import DataNotFoundError
+from vit.messages import first_line
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
+from vit.signatures import constructor_message
 from vit.training import callbacks, preflight
 from vit.training.classifier import ImageClassifier, format_test_results
 from vit.training.dashboard import HParamsTable

@@ -18,7 +18,8 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from vit.checks import CheckpointError, check_float, check_int, check_size, first_line
+from vit.checks import CheckpointError, check_float, check_int, check_size
+from vit.messages import first_line
 from vit.registry import BACKBONES, DATA_MODULES, check_arguments, check_backbone, data_module
 from vit.training.run_dir import find_last_checkpoint, remove_partial_writes, version_dir
 
