@@ -21,7 +21,8 @@ HEAD_FUSIONS = get_args(HeadFusion)
 
 
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
-    """Collapse the head dimension of `(B, H, ...)` attention into `(B, ...)`, in at least float32."""
+    """Collapse the head dimension of `(B, H, ...)` attention into `(B, ...)`, in at least float32: rollout multiplies
+    many near-identity matrices, and half precision loses too much in such a product."""
     check_choice("head_fusion", head_fusion, HeadFusion)
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))
     return {"mean": attn.mean, "max": attn.amax, "min": attn.amin}[head_fusion](dim=1)
@@ -33,7 +34,8 @@ def gradient_weighted(attn: Tensor, grad: Tensor) -> Tensor:
 
 
 def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = True) -> Tensor:
-    """Zero the lowest `int(discard_ratio * N * N)` entries of each `(B, N, N)` map, but [0, 0] with `keep_cls_self`."""
+    """Zero the lowest `int(discard_ratio * N * N)` entries of each `(B, N, N)` map, but [0, 0] with `keep_cls_self`:
+    discarding it could cut the CLS token off from its own path, and rollout reads the CLS token's row."""
     check_float("discard_ratio", discard_ratio, 0.0, 1.0, high_open=True)
     B, N, _ = fused.shape
     num_discard = int(discard_ratio * N * N)
@@ -48,7 +50,8 @@ def discard_lowest(fused: Tensor, discard_ratio: float, keep_cls_self: bool = Tr
 
 
 def residual(fused: Tensor) -> Tensor:
-    """`0.5 * A + 0.5 * I` with every row re-normalised to sum to 1, for `(B, N, N)` maps."""
+    """`0.5 * A + 0.5 * I` with every row re-normalised to sum to 1, for `(B, N, N)` maps: the residual connection
+    passes each token on as much as attention mixes it (Abnar & Zuidema's weighting)."""
     eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
     with_residual = 0.5 * fused + 0.5 * eye  # (B, N, N); every row sums to at least 0.5
     return with_residual / with_residual.sum(dim=-1, keepdim=True)
@@ -71,7 +74,10 @@ def attention_rollout(
     keep_cls_self: bool = True,
 ) -> Tensor:
     """Attention rollout (Abnar & Zuidema 2020) of per-block maps `(B, H, N, N)` from block `start_layer` on ->
-    `(B, N, N)`: per block fuse heads, `discard_lowest`, add the `residual`; then `R = Â_L ... Â_2 Â_1`."""
+    `(B, N, N)`: per block fuse heads, `discard_lowest`, add the `residual`; then `R = Â_L ... Â_2 Â_1`.
+    `head_fusion`: how the heads become one map; `discard_ratio`: the share of the weakest entries dropped (Gildenblat's
+    variant; 0 is the paper's rollout); `start_layer`: the first block chained; `keep_cls_self`: never discard the CLS
+    token's attention to itself (False for a model without a CLS token, where token 0 is a patch)."""
     _check_attentions(attentions)
     check_int("start_layer", start_layer, 0, len(attentions) - 1)  # discard_lowest checks discard_ratio
     return chain(

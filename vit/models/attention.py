@@ -23,7 +23,13 @@ class Attention(Recorded):
     """Multi-head self- or cross-attention with a selectable score function and masks (`vit.models.masks`).
     `attn(x)`: self-attention over `x (B, M, dim)`; `attn(x, context)`: keys and values from `context (B, N, kdim)`;
     `attn(x, context, value=v)`: values from `v (B, N, vdim)`. With `kdim = vdim = dim` the input projections are one
-    `qkv` layer (timm's layout), else separate `q`, `k`, `v` layers to the width `attn_dim` (default `dim`)."""
+    `qkv` layer (timm's layout), else separate `q`, `k`, `v` layers to the width `attn_dim` (default `dim`).
+
+    Two paths compute the same numbers (tested): PyTorch's fused SDPA for the scaled-dot and dot scores, and the
+    explicit `softmax(f(q, k) + M) v` for every score; while `record_attention` collects the weights, every score
+    takes the explicit path, since SDPA never forms them. `qk_norm` (a LayerNorm on each head's queries and keys,
+    as timm's) bounds the logits, which keeps the softmax from saturating when training at a high learning rate
+    (Dehghani et al. 2023)."""
 
     def __init__(
         self,
