@@ -12,21 +12,33 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vit.commands import check_output, fail, parser, print_skipped, run
-from vit.explain.methods import CLASS_METHODS, FACTS, METHODS
+from vit.explain.methods import CLASS_METHODS, FACTS, METHODS, SCALES
 
-SCALES = ("panel", "row", "figure")  # `vit.explain.plot.SCALES`, named here so `--help` loads no torch
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     import lightning as L
     import torch
+    from torch import nn
     from torchvision.transforms import v2
 
-    Prepared = tuple[
-        tuple[torch.nn.Module, list[str]], tuple[v2.Compose, ...], list[str], int | None, L.LightningDataModule | None
-    ]
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` opened before any work: the model and its class names, its input transform and the colour
+    transform the images are drawn with, the methods to draw, the `--target` class, and the checkpoint's test data
+    when no image is given."""
+
+    model: nn.Module
+    class_names: list[str]
+    transform: v2.Compose
+    colour: v2.Compose
+    methods: list[str]
+    target: int | None
+    data: L.LightningDataModule | None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +90,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     check_paths(args)
     ckpt = artifact.load(args.ckpt_path)
     model = ckpt.model
-    transforms = inference_transform(ckpt.inputs), inference_transform({**ckpt.inputs, "in_chans": 3, "mean": None})
+    colour = inference_transform({**ckpt.inputs, "in_chans": 3, "mean": None})
     usable = usable_methods(model, methods, option="--method ")
     methods = [m for m in usable if not FACTS[m].baseline] if methods == ["all"] else usable
     target = None if args.target is None else class_index(args.target, ckpt.class_names, option="--target ")
@@ -86,7 +98,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         data = test_data(ckpt.data, ckpt.inputs, ckpt.source) if args.input_dir is None and not args.image else None
     except CheckpointError as err:
         raise CheckpointError(f"{err}; give images to explain with --input_dir or --image") from err
-    return (model, ckpt.class_names), transforms, methods, target, data
+    return Prepared(model, ckpt.class_names, inference_transform(ckpt.inputs), colour, methods, target, data)
 
 
 def explain(args: argparse.Namespace, prepared: Prepared) -> int:
@@ -97,7 +109,8 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     from vit.explain.plot import rollout_grid
     from vit.explain.relevance import relevance
 
-    (backbone, names), (transform, colour), methods, target, data = prepared
+    backbone, names, transform, colour = prepared.model, prepared.class_names, prepared.transform, prepared.colour
+    methods, target, data = prepared.methods, prepared.target, prepared.data
     if data is None:  # the first --num_images readable images: only those (and the unreadable before them) decoded
         paths = image_files(args.input_dir) if args.input_dir is not None else args.image
         images, files, x, skipped = ImageFiles(paths, transform), [], [], {}  # JPEGs drafted at the model's size

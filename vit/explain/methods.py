@@ -1,9 +1,10 @@
 """The relevance methods and their facts, in one table that `vit.explain.relevance`, the callbacks, the commands and
-the studies read; without importing torch, so that `python -m vit.explain --help` lists them before anything heavy
-is loaded. A new method is a row here and a branch of `relevance` (docs/code.md)."""
+the studies read, and the colour scales a grid of maps can share (`vit.explain.plot`); without importing torch, so
+that `python -m vit.explain --help` lists them before anything heavy is loaded. A new method is a row here and a
+branch of `relevance` (docs/code.md)."""
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 
 @dataclass(frozen=True)
@@ -30,3 +31,7 @@ METHODS = tuple(FACTS)
 Method = Literal[METHODS]  # the names as a type, for jsonargparse and the signatures
 ATTENTION_METHODS = tuple(name for name, facts in FACTS.items() if facts.attention)
 CLASS_METHODS = tuple(name for name, facts in FACTS.items() if facts.class_specific)
+
+# One colour scale per map ("panel"), per image's row of methods ("row"), or for the whole grid ("figure").
+ColourScale = Literal["panel", "row", "figure"]
+SCALES = get_args(ColourScale)
