@@ -185,10 +185,10 @@ def tiny_data():
 
 def test_csv_rollout_every_n_epochs_fixed_images_and_confusion_matrix(tmp_path, monkeypatch):
     drawn_with = []
-    figure = ConfusionMatrix._figure
+    figure = ConfusionMatrix.figure
     monkeypatch.setattr(
         ConfusionMatrix,
-        "_figure",
+        "figure",
         lambda self, title, names=None: (drawn_with.append(names), figure(self, title, names))[1],
     )
     torch.manual_seed(0)
@@ -353,14 +353,14 @@ def test_figures_name_the_epoch_and_step_as_the_checkpoints_do(tmp_path, monkeyp
         titles.append(("rollout", figure.get_suptitle()))
         return to_array(figure, dpi)
 
-    figure = ConfusionMatrix._figure
+    figure = ConfusionMatrix.figure
 
     def confusion_figure(self, title, names=None):
         titles.append(("confusion", title))
         return figure(self, title, names)
 
     monkeypatch.setattr("vit.explain.callbacks.figure_to_array", rollout_array)
-    monkeypatch.setattr(ConfusionMatrix, "_figure", confusion_figure)
+    monkeypatch.setattr(ConfusionMatrix, "figure", confusion_figure)
     checkpoints = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", filename="epoch{epoch:02d}-step{step}", auto_insert_metric_name=False, save_top_k=-1
     )

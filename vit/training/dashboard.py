@@ -69,7 +69,7 @@ class ConfusionMatrix(L.Callback):
             return
         self.matrix = self._counts.compute().cpu()  # synchronised across processes
         if trainer.is_global_zero:
-            figure = self._figure(
+            figure = self.figure(
                 f"the last validation, {epoch_title(self._epoch, self._step)}",
                 self.class_names or getattr(pl_module, "class_names", None),
             )
@@ -101,7 +101,7 @@ class ConfusionMatrix(L.Callback):
         for logger in _loggers(trainer, WandbLogger):
             logger.experiment.log({self.test_tag: chart})
 
-    def _figure(self, title: str, class_names: Sequence[str] | None = None):
+    def figure(self, title: str, class_names: Sequence[str] | None = None):
         """`self.matrix` drawn by torchmetrics, on a Figure of its own (not pyplot's, which would keep it alive)."""
         from matplotlib.figure import Figure
 
