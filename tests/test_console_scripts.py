@@ -16,7 +16,7 @@ def entry_points() -> dict[str, str]:
     return tomllib.loads(PYPROJECT.read_text())["project"]["scripts"]
 
 
-@pytest.mark.parametrize("name", ["vit-train", "vit-predict", "vit-explain", "vit-export"])
+@pytest.mark.parametrize("name", ["vit-train", "vit-predict", "vit-evaluate", "vit-explain", "vit-export"])
 def test_each_command_resolves_to_a_callable(name):
     module, _, function = entry_points()[name].partition(":")
     assert callable(getattr(importlib.import_module(module), function))
@@ -32,7 +32,12 @@ def test_vit_train_gives_the_shell_an_exit_status_not_the_cli_object(monkeypatch
     assert cli.script(["fit", "--config", "x.yaml"]) == 0 and seen == [["fit", "--config", "x.yaml"]]
 
 
-COMMANDS = {"vit-predict": "vit.predict", "vit-explain": "vit.explain.__main__", "vit-export": "vit.export"}
+COMMANDS = {
+    "vit-predict": "vit.predict",
+    "vit-evaluate": "vit.evaluate",
+    "vit-explain": "vit.explain.__main__",
+    "vit-export": "vit.export",
+}
 HEAVY = ("torch", "lightning", "timm", "matplotlib")
 
 

@@ -228,6 +228,13 @@ class Predictor:
             for ks, ps in zip(classes.tolist(), confidence.tolist())
         ]
 
+    def evaluate(self, input_dir: str | os.PathLike, batch_size: int = 256, num_workers: int = 0) -> dict:
+        """The scores on a labelled folder, one sub-folder per class named as the model's classes, every readable image
+        of it: `images`, `top1`, `top5` (5 classes or more), `per_class`, `confusion_matrix` (`vit.evaluate`)."""
+        from vit.evaluate import score_folder
+
+        return score_folder(self, input_dir, batch_size, num_workers)
+
     def explain(self, image: ImageLike | Tensor, method: str = "rollout", target: str | int | None = None) -> Tensor:
         """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`), summing to 1;
         `target` (a class name or index, default: the prediction) is the class the class-specific methods explain."""

@@ -1,0 +1,204 @@
+"""Score a trained model on a labelled folder of your images, every image of it, as timm's `validate.py` does.
+
+    python -m vit.evaluate --ckpt_path runs/folder/finetune_vit/version_0/checkpoints/last \\
+        --input_dir labelled/ --output metrics.json
+
+The folder holds one sub-folder per class (torchvision's `ImageFolder` layout), each matched to the model's class of
+the same name: a folder no class of the model is named after is refused, naming it; a class without a folder is
+named in a note and scores nothing. Printed and written as JSON (`--output`): the number of images scored, top-1 and
+top-5 accuracy (top-5 with at least 5 classes), each class's count and accuracy, and the confusion matrix (a row per
+true class, a column per predicted one, in the model's class order). Unreadable images are named and skipped. In
+Python: `vit.load(...).evaluate("labelled/")` gives the same dictionary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vit.commands import check_output, fail, parser, print_skipped, run, write_failed
+
+if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
+    import torch
+
+    from vit.api import Predictor
+
+
+class EvaluateError(ValueError):
+    """A labelled folder or an argument that `vit.evaluate` cannot work with."""
+
+
+def labelled_files(root: Path, class_names: list[str]) -> tuple[list[Path], list[int], list[str]]:
+    """The images in `root`'s class folders (sorted, not searched further down), each folder's label as the model's
+    index of the class named as it is, and the model's classes no folder is named after."""
+    from vit.data.files import visible_folders
+    from vit.data.images import image_files
+
+    if not root.is_dir():
+        raise EvaluateError(f"--input_dir {root} is not a folder" + ("" if root.exists() else " (it does not exist)"))
+    folders = visible_folders(root)
+    if not folders:
+        raise EvaluateError(
+            f"--input_dir {root} has no class folders: give a folder of one sub-folder per class, named as the "
+            f"model's classes ({_listed(class_names)})"
+        )
+    index = {name: i for i, name in enumerate(class_names)}
+    extra = [name for name in folders if name not in index]
+    if extra:
+        raise EvaluateError(
+            f"--input_dir {root} has folder(s) {_listed(extra)} that name no class of the model; its classes are "
+            f"{_listed(class_names)} (the folders are matched to them by name)"
+        )
+    paths, labels = [], []
+    for name in folders:
+        found = image_files(root / name)
+        paths += found
+        labels += [index[name]] * len(found)
+    return paths, labels, [name for name in class_names if name not in folders]
+
+
+def _listed(names: list[str], most: int = 10) -> str:
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def metrics(probs: torch.Tensor, labels: torch.Tensor, class_names: list[str]) -> dict:
+    """The scores of `probs` `(N, K)` against `labels` `(N,)`: count, top-1, top-5 (K >= 5), per-class count and
+    accuracy (None for a class with no image), and the confusion matrix `[true][predicted]`."""
+    import torch
+
+    K = len(class_names)
+    predicted = probs.argmax(dim=-1)
+    confusion = torch.bincount(labels * K + predicted, minlength=K * K).view(K, K)  # (true, predicted)
+    counts = confusion.sum(dim=1)
+    result = {"images": int(labels.numel()), "top1": float((predicted == labels).float().mean())}
+    if K >= 5:
+        top5 = probs.topk(5, dim=-1).indices  # (N, 5)
+        result["top5"] = float((top5 == labels[:, None]).any(dim=-1).float().mean())
+    result["per_class"] = {
+        name: {"images": int(counts[k]), "accuracy": float(confusion[k, k] / counts[k]) if counts[k] else None}
+        for k, name in enumerate(class_names)
+    }
+    result["class_names"] = list(class_names)
+    result["confusion_matrix"] = confusion.tolist()
+    return result
+
+
+def score_folder(predictor: Predictor, root: str | os.PathLike, batch_size: int = 256, num_workers: int = 0) -> dict:
+    """`metrics` of every readable image in the labelled folder `root` (module doc), with `skipped` (file: why) and
+    `classes_without_images`; `EvaluateError` when no image can be read."""
+    import torch
+
+    from vit.api import NonFiniteError
+    from vit.data.files import text_name
+    from vit.data.images import NON_FINITE, ImageFiles, readable_batches, usable_workers
+
+    root = Path(root)
+    paths, labels, missing = labelled_files(root, predictor.class_names)
+    files = ImageFiles(paths, predictor.transform)
+    files.names = [text_name(os.path.relpath(path, root)) for path in paths]  # class/file, as a reader finds it
+    scored, probs, skipped = [], [], {}
+    for indices, x, unread in readable_batches(files, batch_size, usable_workers(num_workers)):
+        skipped.update({files.names[i]: why for i, why in unread.items()})
+        if x is None:
+            continue
+        finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()  # an image of NaN pixels: the file's fault
+        skipped.update({files.names[i]: NON_FINITE for i, ok in zip(indices, finite) if not ok})
+        indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
+        if indices:
+            try:
+                probs.append(predictor.probabilities(x, batch_size))
+            except NonFiniteError as err:  # from finite pixels: the model's fault
+                raise NonFiniteError(files.names[indices[err.index]], indices[err.index], err.reason) from None
+            scored += indices
+    if not scored:
+        raise EvaluateError(f"no readable image in the class folders of {root}; nothing was scored")
+    result = metrics(torch.cat(probs), torch.tensor([labels[i] for i in scored]), predictor.class_names)
+    return {**result, "skipped": skipped, "classes_without_images": missing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser("vit.evaluate", __doc__)
+    options.add_argument("--ckpt_path", required=True, help="model folder or checkpoint (as vit.predict takes)")
+    options.add_argument("--input_dir", required=True, type=Path, help="folder of one sub-folder of images per class")
+    options.add_argument("--output", type=Path, help="JSON file to write the metrics to (default: printed only)")
+    options.add_argument("--overwrite", action="store_true", help="replace --output if it exists (a regular file only)")
+    options.add_argument("--batch_size", type=int, default=256, help="images per forward pass")
+    options.add_argument("--num_workers", type=int, default=2, help="processes decoding images (at most the cores)")
+    options.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N or mps")
+    options.add_argument(
+        "--precision", default="32", choices=["32", "bf16", "fp16"], help="autocast the model to bfloat16 or float16"
+    )
+    return run(options.parse_args(argv), prepare, evaluate)
+
+
+def prepare(args: argparse.Namespace) -> Predictor:
+    """The arguments and the folder's classes checked, then the model on `--device`."""
+    from vit.api import MAX_BATCH_SIZE, load, resolve_device
+
+    if not 1 <= args.batch_size <= MAX_BATCH_SIZE:
+        raise EvaluateError(f"--batch_size {args.batch_size} is not allowed: expected an int in [1, {MAX_BATCH_SIZE}]")
+    if args.num_workers < 0:
+        raise EvaluateError(f"--num_workers {args.num_workers} is not allowed: expected an int >= 0")
+    if args.output is not None:
+        if args.input_dir.resolve() in args.output.resolve().parents:
+            raise EvaluateError(f"--output {args.output} is inside --input_dir {args.input_dir}; write it elsewhere")
+        check_output("--output", args.output, args.overwrite)
+    predictor = load(args.ckpt_path, resolve_device(args.device, "--device "), args.precision)
+    labelled_files(args.input_dir, predictor.class_names)  # refuse a folder of other classes before any decoding
+    return predictor
+
+
+def evaluate(args: argparse.Namespace, predictor: Predictor) -> int:
+    """Score the folder, print the metrics, write them to `--output`; 1 when nothing could be scored."""
+    from vit.api import NonFiniteError
+
+    try:
+        result = score_folder(predictor, args.input_dir, args.batch_size, args.num_workers)
+    except (EvaluateError, NonFiniteError) as err:
+        return fail(f"{err}; nothing was written", status=1)
+    print_skipped(result["skipped"])
+    if result["classes_without_images"]:
+        print(f"note: no folder for class(es) {_listed(result['classes_without_images'])}", file=sys.stderr)
+    print(report(result))
+    if args.output is not None:
+        try:
+            write_json(args.output, result)
+        except OSError as err:
+            return write_failed("--output", args.output, err)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def report(result: dict) -> str:
+    """The metrics as a person reads them: the totals, then one line per class."""
+    lines = [f"images: {result['images']}", f"top-1 accuracy: {result['top1']:.4f}"]
+    if "top5" in result:
+        lines.append(f"top-5 accuracy: {result['top5']:.4f}")
+    width = max(len(name) for name in result["per_class"])
+    for name, scores in result["per_class"].items():
+        accuracy = "-" if scores["accuracy"] is None else f"{scores['accuracy']:.4f}"
+        lines.append(f"  {name:<{width}}  {scores['images']:>6} images  accuracy {accuracy}")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, result: dict) -> None:
+    """`result` as JSON into `path`, whole: a temporary file beside it, renamed into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
