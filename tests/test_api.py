@@ -167,14 +167,7 @@ def test_a_hostile_checkpoint_raises_and_builds_nothing(shape, checkpoint, tmp_p
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (
-            lambda p, f: p.predict(f, topk=3),
-            "topk=3 is not allowed: expected an int in [1, 2] (the model has 2 classes)",
-        ),
-        (
-            lambda p, f: p.predict(f, topk=0),
-            "topk=0 is not allowed: expected an int in [1, 2] (the model has 2 classes)",
-        ),
+        (lambda p, f: p.predict(f, topk=0), "topk=0 is not allowed: expected an int >= 1"),
         (
             lambda p, f: p.explain(f, method="lime"),
             (
@@ -405,3 +398,55 @@ def test_the_predict_command_imports_no_lightning(checkpoint, images, tmp_path):
         check=True,
     )
     assert done.stdout.splitlines()[-1] == "0 []" and out.read_text().startswith("file,class_name,class_index")
+
+
+def test_pixels_in_every_form_a_pipeline_user_has_give_the_files_probabilities(checkpoint, images):
+    import torchvision.io
+
+    p = vit.load(checkpoint)
+    file = images / "rgb.png"
+    expected = p.probabilities([file])
+    pixels = np.asarray(Image.open(file).convert("RGB"))  # H x W x 3 uint8, as PIL and OpenCV (after BGR->RGB) give
+    decoded = torchvision.io.decode_image(str(file))  # (3, H, W) uint8
+    for image in (pixels, decoded, Image.fromarray(pixels)):
+        assert torch.allclose(p.probabilities([image]), expected, atol=1e-6), type(image)
+        assert torch.allclose(p.probabilities(image), expected, atol=1e-6), type(image)  # one image, not a batch
+    gray = images / "gray.png"
+    assert torch.allclose(p.probabilities(np.asarray(Image.open(gray))), p.probabilities([gray]), atol=1e-6)
+    model_input = p.images([file])  # (1, C, H, W) float: the model's input
+    assert torch.equal(p.probabilities(model_input[0]), p.probabilities(model_input))  # one (C, H, W) input
+    assert torch.allclose(p.explain(decoded, "rollout"), p.explain(file, "rollout"), atol=1e-6)
+
+
+def test_topk_above_the_classes_gives_all_of_them_and_the_predictor_is_callable(checkpoint, images):
+    p = vit.load(checkpoint)
+    file = images / "rgb.png"
+    [everything] = p.predict([file], topk=10)
+    assert sorted(c.class_name for c in everything) == sorted(p.class_names)
+    assert [c.probability for c in everything] == sorted((c.probability for c in everything), reverse=True)
+    assert len(everything) == len(p.class_names) and p(file, topk=10) == [everything]
+    assert repr(p) == (
+        f"Predictor(VisionTransformer, classes [{', '.join(map(repr, p.class_names))}], input 1 x 32 x 32, "
+        "device cpu, precision '32')"
+    )
+
+
+@pytest.mark.parametrize(
+    "image, message",
+    [
+        (np.zeros((8, 8, 3), dtype=np.float32), "images[0]: an array of pixels is uint8 (0-255), got float32"),
+        (np.zeros((8, 8, 4), dtype=np.uint8), "images[0]: an array of pixels is H x W x 3 (RGB) or H x W, got shape"),
+        (torch.zeros(2, 8, 8, dtype=torch.uint8), "images[0]: a uint8 tensor is (C, H, W) with 1 or 3 channels"),
+        (torch.zeros(8, 8), "images: a float tensor is the model's input, (C, H, W) or (B, C, H, W)"),
+        ("https://example.com/cat.jpg", "images[0]='https://example.com/cat.jpg': a URL is not downloaded here"),
+    ],
+)
+def test_an_image_of_another_form_is_refused_naming_it(checkpoint, image, message):
+    with pytest.raises(ValueError) as err:
+        vit.load(checkpoint).probabilities([image] if not isinstance(image, torch.Tensor) else image)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_missing_file_is_named_as_missing(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        vit.load(checkpoint).predict([tmp_path / "nowhere.png"])

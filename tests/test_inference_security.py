@@ -232,7 +232,7 @@ def test_vit_predict_writes_no_csv_when_the_model_overflows_and_skips_a_nan_imag
 
 
 def test_vit_explain_draws_nothing_when_the_model_overflows(images, tmp_path, capsys):
-    from vit.explain.__main__ import explain
+    from vit.explain.__main__ import Prepared, explain
     from vit.registry import inference_transform
 
     transforms = inference_transform(INPUTS), inference_transform({**INPUTS, "in_chans": 3})
@@ -244,14 +244,14 @@ def test_vit_explain_draws_nothing_when_the_model_overflows(images, tmp_path, ca
         scale="row",
         save_maps=tmp_path / "maps.npz",
     )
-    prepared = (overflowing_vit(), NAMES), transforms, ["rollout", "gradcam"], None, None
+    prepared = Prepared(overflowing_vit(), NAMES, *transforms, ["rollout", "gradcam"], None, None)
     assert explain(args, prepared) == 1
     assert capsys.readouterr().err.endswith(
         "error: image_0.png: the model's probabilities or relevance maps are NaN or infinite although the image is "
         "finite (its logits overflow float32); nothing was written\n"
     )
     assert not args.out.exists() and not args.save_maps.exists()
-    prepared = (tiny_vit(), NAMES), transforms, ["rollout", "gradcam"], None, None
+    prepared = Prepared(tiny_vit(), NAMES, *transforms, ["rollout", "gradcam"], None, None)
     assert explain(args, prepared) == 0 and args.out.is_file()  # the same images through a sound model draw
 
 

@@ -4,10 +4,18 @@
 
     predictor = vit.load("runs/folder/vit/version_0/checkpoints/last.ckpt", device="auto")
     predictor.predict(["cat.jpg", "dog.png"], topk=2)   # [[Prediction('cat', 0.93), Prediction('dog', 0.05)], ...]
+    predictor("cat.jpg")                                     # the same as predict
     predictor.explain("cat.jpg", method="chefer", target="dog")   # (gh, gw) relevance, summing to 1
 
-The checkpoint is opened as the commands open it (no code from it runs) and only its backbone is built; images are
-read as `vit.predict` reads them, then resized and normalised as the checkpoint records (`Predictor.transform`).
+The checkpoint is opened as the commands open it (no code from it runs) and only its backbone is built.
+
+An image is a file path, a PIL image, a NumPy array of pixels (`H x W x 3` RGB or `H x W` gray, uint8, as PIL and
+OpenCV give them: convert OpenCV's BGR to RGB first) or a uint8 tensor `(C, H, W)` as `torchvision.io.decode_image`
+gives it; each is read as `vit.predict` reads a file, then resized and normalised as the checkpoint records
+(`Predictor.transform`). A float tensor is taken as the model's input, already resized and normalised: `(C, H, W)`
+one image, `(B, C, H, W)` a batch. A `Prediction` is transformers' pipeline output under other names: `class_name`
+is its `label`, `probability` its `score`; `topk` above the number of classes gives all of them, as the pipeline and
+timm do.
 """
 
 from __future__ import annotations
@@ -21,16 +29,17 @@ from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from PIL import Image, ImageOps
 from torch import Tensor, nn
 
-from vit.checks import CheckpointError, check_choice, check_int, check_topk, class_index
+from vit.checks import CheckpointError, check_choice, check_int, class_index
 from vit.data.images import NON_FINITE, decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
 from vit.registry import inference_transform
 
-ImageLike = str | os.PathLike | Image.Image
+ImageLike = str | os.PathLike | Image.Image | np.ndarray
 Images = ImageLike | Iterable[ImageLike] | Tensor
 AUTOCAST = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision: the dtype autocast runs in
 # The float32 input one forward pass may hold. A checkpoint may ask for images of up to 4096 x 4096 x 64 (the schema's
@@ -122,6 +131,18 @@ class Predictor:
         check_choice("precision", precision, AUTOCAST)
         self.precision = precision
 
+    def __call__(self, images: Images, topk: int = 1, batch_size: int = 256) -> list[list[Prediction]]:
+        """`predict`, as a pipeline is called."""
+        return self.predict(images, topk, batch_size)
+
+    def __repr__(self) -> str:
+        (height, width), shown = self.inputs["img_size"], ", ".join(map(repr, self.class_names[:5]))
+        more = f", ... ({len(self.class_names)} classes)" if len(self.class_names) > 5 else ""
+        return (
+            f"Predictor({type(self.model).__name__}, classes [{shown}{more}], input {self.inputs['in_chans']} x "
+            f"{height} x {width}, device {self.device}, precision {self.precision!r})"
+        )
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -135,24 +156,36 @@ class Predictor:
             raise ValueError("precision='fp16' runs on a GPU; on the CPU use precision='bf16' or '32'")
         return self
 
-    def images(self, images: ImageLike | Iterable[ImageLike] | Tensor) -> Tensor:
-        """The model's input `(B, C, H, W)`: files and PIL images read and transformed, a batch tensor as it is."""
-        if isinstance(images, Tensor):
-            if images.ndim != 4:
-                raise ValueError(f"images: a tensor must be a batch (B, C, H, W), got shape {tuple(images.shape)}")
-            return images
-        if isinstance(images, (str, os.PathLike, Image.Image)):
-            images = [images]
-        size = tuple(self.inputs["img_size"])
-        return torch.stack(
-            [
-                self.transform(
-                    decode_image(Path(image), size)
-                    if not isinstance(image, Image.Image)
-                    else to_input(ImageOps.exif_transpose(image))
+    def images(self, images: Images) -> Tensor:
+        """The model's input `(B, C, H, W)`: each image read and transformed (the module doc says what an image is); a
+        float tensor as it is, `(C, H, W)` one image, `(B, C, H, W)` a batch."""
+        if isinstance(images, Tensor) and images.is_floating_point():
+            if images.ndim not in (3, 4):
+                raise ValueError(
+                    f"images: a float tensor is the model's input, (C, H, W) or (B, C, H, W); got shape "
+                    f"{tuple(images.shape)}"
                 )
-                for image in images
-            ]
+            return images[None] if images.ndim == 3 else images
+        if isinstance(images, Tensor) and images.ndim == 4:  # a uint8 batch (B, C, H, W) of pixels
+            images = list(images)
+        elif isinstance(images, (str, os.PathLike, Image.Image, np.ndarray, Tensor)):
+            images = [images]
+        return torch.stack([self.transform(self._pixels(image, i)) for i, image in enumerate(images)])
+
+    def _pixels(self, image: object, index: int) -> Image.Image | Tensor:
+        """One image as the transform takes it: a file decoded (a JPEG at the model's size), pixels as a PIL image."""
+        if isinstance(image, Image.Image):
+            return to_input(ImageOps.exif_transpose(image))
+        if isinstance(image, np.ndarray) or (isinstance(image, Tensor) and image.dtype == torch.uint8):
+            return to_input(Image.fromarray(_pixel_array(image, index)))
+        if isinstance(image, str) and "://" in image:
+            raise ValueError(f"images[{index}]={image!r}: a URL is not downloaded here; download it and pass the file")
+        if isinstance(image, (str, os.PathLike)):
+            return decode_image(Path(image), tuple(self.inputs["img_size"]))
+        kind = f"a {image.dtype} tensor" if isinstance(image, Tensor) else type(image).__name__
+        raise TypeError(
+            f"images[{index}] is {kind}: expected a file path, a PIL image, a uint8 NumPy array (H x W x 3 or H x W) "
+            "or uint8 tensor (C, H, W) of pixels, or a float tensor of model inputs"
         )
 
     def batches(self, images: Images, batch_size: int) -> Iterator[Tensor]:
@@ -173,7 +206,7 @@ class Predictor:
                 f"per forward pass (at most {INPUT_BYTES / 2**30:g} GiB)",
                 stacklevel=3,
             )
-        if isinstance(images, (Tensor, str, os.PathLike, Image.Image)):
+        if isinstance(images, (Tensor, str, os.PathLike, Image.Image, np.ndarray)):
             x = self.images(images)
             names = (
                 [image_name(images, 0)] if not isinstance(images, Tensor) else [f"images[{i}]" for i in range(len(x))]
@@ -221,7 +254,8 @@ class Predictor:
     def predict(self, images: Images, topk: int = 1, batch_size: int = 256) -> list[list[Prediction]]:
         """Per image (a file, a PIL image, any iterable of them, or a batch), its `topk` most probable classes, best
         first; images are decoded `batch_size` at a time. An empty iterable gives an empty list."""
-        check_topk(topk, len(self.class_names), option="topk=")
+        check_int("topk", topk, 1)
+        topk = min(topk, len(self.class_names))  # all of them, as transformers' pipeline and timm give
         confidence, classes = self.probabilities(images, batch_size).topk(topk, dim=-1)  # (B, K) each, best first
         return [
             [Prediction(self.class_names[k], p) for k, p in zip(ks, ps)]
@@ -242,7 +276,7 @@ class Predictor:
         usable_methods(self.model, [method])
         if target is not None and method in CLASS_METHODS:  # for the others, relevance refuses the target as given
             target = class_index(target, self.class_names)
-        x = image[None] if isinstance(image, Tensor) and image.ndim == 3 else self.images(image)
+        x = self.images(image)
         if x.shape[0] != 1:
             raise ValueError(f"explain takes one image, got {x.shape[0]}; call it once per image")
         with self._model_lock:
@@ -252,6 +286,24 @@ class Predictor:
             what = "the image holds" if not torch.isfinite(x).all() else "the model's arithmetic gives"
             raise NonFiniteError(name, 0, f"its {method} map is NaN or infinite: {what} NaN or infinite values")
         return result
+
+
+def _pixel_array(image: np.ndarray | Tensor, index: int) -> np.ndarray:
+    """uint8 pixels `H x W x 3` (RGB) or `H x W` (gray) from a NumPy array of that layout or a `(C, H, W)` tensor."""
+    if isinstance(image, Tensor):
+        if image.ndim != 3 or image.shape[0] not in (1, 3):
+            raise ValueError(
+                f"images[{index}]: a uint8 tensor is (C, H, W) with 1 or 3 channels, got {tuple(image.shape)}"
+            )
+        image = image.permute(1, 2, 0).squeeze(-1).cpu().numpy()
+    if image.dtype != np.uint8:
+        raise ValueError(
+            f"images[{index}]: an array of pixels is uint8 (0-255), got {image.dtype}; pass model inputs as a float "
+            "tensor"
+        )
+    if not (image.ndim == 2 or (image.ndim == 3 and image.shape[-1] in (1, 3))):
+        raise ValueError(f"images[{index}]: an array of pixels is H x W x 3 (RGB) or H x W, got shape {image.shape}")
+    return image.squeeze(-1) if image.ndim == 3 and image.shape[-1] == 1 else image
 
 
 def image_name(image: object, index: int) -> str:

@@ -38,7 +38,7 @@ def not_a_file(path: str | os.PathLike) -> str | None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return "a symbolic link to nothing (dangling)" if os.path.islink(path) else "removed while being read"
+        return "a symbolic link to nothing (dangling)" if os.path.islink(path) else "not found (no such file)"
     except OSError as err:
         return "a symbolic link loop" if err.errno == errno.ELOOP else (err.strerror or str(err))
     return None if stat.S_ISREG(mode) else f"{file_kind(mode)}, not a regular file"
