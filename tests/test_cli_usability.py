@@ -72,6 +72,23 @@ def test_a_suggestion_needs_a_close_option_not_just_the_shared_prefix():
     )
 
 
+def test_a_typo_inside_a_config_file_is_one_line_naming_the_file_and_the_closest_option(tmp_path, monkeypatch, capsys):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  lrr: 0.01\n")
+    code, stderr = cli(["fit", "--config", str(BASE_CONFIG), "--config", str(typo)], monkeypatch, capsys)
+    assert code == 2 and "usage:" not in stderr
+    assert error_line(stderr) == (
+        f"error: model.lrr (set in {typo}) is not an option of fit; did you mean model.lr? `train.py fit --help` "
+        "lists the options."
+    )
+
+
+def test_a_missing_config_file_is_one_line_without_the_usage(tmp_path, monkeypatch, capsys):
+    code, stderr = cli(["fit", "--config", str(tmp_path / "nope.yaml")], monkeypatch, capsys)
+    assert code == 2 and "usage:" not in stderr
+    assert error_line(stderr) == f"error: --config {tmp_path / 'nope.yaml'} does not exist"
+
+
 def test_other_refusals_keep_jsonargparse_message(monkeypatch, capsys):
     # A stray positional word is no option to suggest for: jsonargparse's own message (with its usage).
     code, stderr = cli(["fit", "--config", str(BASE_CONFIG), "extra"], monkeypatch, capsys)

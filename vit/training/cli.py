@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import lightning as L
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -38,9 +41,15 @@ from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
 
 
 class ViTArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser, whose refusal of an unknown option is one line naming the closest valid option."""
+    """LightningCLI's parser, whose refusal of an unknown option is one line naming the closest valid option, and of a
+    config file that does not exist or sets an option the command does not have, one line naming the file."""
+
+    configs: ClassVar[list[str]] = []  # the --config files of the command line being parsed (`ViTCLI.parse_arguments`)
 
     def error(self, message: str, ex: Exception | None = None):
+        line = config_file_message(message, self.configs, self._all_options())
+        if self.exit_on_error and line is not None:
+            self.exit(2, f"error: {line}\n")
         prefix = "unrecognized arguments: "
         # jsonargparse's message lists every unknown token, values included: the options are those starting with -.
         unknown = [
@@ -51,6 +60,45 @@ class ViTArgumentParser(LightningArgumentParser):
         if not (self.exit_on_error and message.startswith(prefix) and unknown):
             super().error(message, ex)  # every other message, and a parser nested in another, as jsonargparse does
         self.exit(2, f"error: {unknown_options_message(unknown, list(self._option_string_actions), self.prog)}\n")
+
+    def _all_options(self) -> list[str]:
+        """This parser's option strings and its subcommands' (a config file's keys are a subcommand's options)."""
+        options = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):  # `choices`: argparse's map of subcommand parsers
+                options += [o for sub in action.choices.values() for o in sub._option_string_actions]
+        return options
+
+
+def config_file_message(message: str, configs: list[str], options: list[str]) -> str | None:
+    """One line for jsonargparse's refusal of a config file: one that does not exist, or a key in one that names no
+    option (`Subcommand 'fit' does not accept option 'model.learning_rate'`), with the file and the closest option;
+    None for any other message."""
+    missing = re.search(r'Parser key "config":\s*File does not exist: (.+)', message)
+    if missing:
+        return f"--config {missing[1].strip().strip(chr(39))} does not exist"  # jsonargparse quotes the path
+    refused = re.search(r"Subcommand '(\w+)' does not accept option '([^']+)'", message)
+    if refused is None:
+        return None
+    subcommand, key = refused[1], refused[2]
+    where = [path for path in configs if _sets(path, key.split("."))]
+    close = difflib.get_close_matches(f"--{key}", options, n=1, cutoff=0.8)
+    hint = f"; did you mean {close[0].removeprefix('--')}?" if close else "."
+    files = f" (set in {', '.join(where)})" if where else ""
+    return f"{key}{files} is not an option of {subcommand}{hint} `train.py {subcommand} --help` lists the options."
+
+
+def _sets(path: str, keys: list[str]) -> bool:
+    """Whether the YAML file `path` sets the nested key `keys` (`["model", "learning_rate"]`)."""
+    try:
+        node = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
 
 
 def unknown_options_message(unknown: list[str], options: list[str], prog: str) -> str:
@@ -139,6 +187,9 @@ class ViTCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         parser.set_defaults({"test.verbose": False})  # `test` prints `format_test_results` instead of the table
+        given = [str(a) for a in (sys.argv[1:] if args is None else args)] if not isinstance(args, dict) else []
+        configs = [value for option, value in zip(given, given[1:]) if option == "--config"]
+        ViTArgumentParser.configs = configs + [a.split("=", 1)[1] for a in given if a.startswith("--config=")]
         super().parse_arguments(parser, args)
         self._model_folder: artifact.Artifact | None = None  # validate/test/predict: the model it names
         self._resuming: str | None = None  # fit: the checkpoint the run continues from
