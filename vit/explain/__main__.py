@@ -105,36 +105,20 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
     """Draw the relevance maps over the images in colour, one row per image, a column per method; 1 without an image."""
     import torch
 
-    from vit.data.images import NON_FINITE, ImageFiles, image_files, readable_batches
     from vit.explain.plot import rollout_grid
     from vit.explain.relevance import relevance
 
-    backbone, names, transform, colour = prepared.model, prepared.class_names, prepared.transform, prepared.colour
-    methods, target, data = prepared.methods, prepared.target, prepared.data
-    if data is None:  # the first --num_images readable images: only those (and the unreadable before them) decoded
-        paths = image_files(args.input_dir) if args.input_dir is not None else args.image
-        images, files, x, skipped = ImageFiles(paths, transform), [], [], {}  # JPEGs drafted at the model's size
-        images.transform = lambda image: torch.cat([transform(image), colour(image)])  # one decode, (C + 3, H, W)
-        for indices, batch, unread in readable_batches(images, 1):
-            skipped.update({images.names[i]: why for i, why in unread.items()})
-            if batch is not None and not torch.isfinite(batch).all():  # the file's fault: skipped, as unreadable
-                skipped[images.names[indices[0]]] = NON_FINITE
-                continue
-            files, x = files + [images.names[i] for i in indices], x + ([] if batch is None else [batch[0]])
-            if len(x) == args.num_images:
-                break
-        print_skipped(skipped)
-        if not x:
+    backbone, names, methods, target = prepared.model, prepared.class_names, prepared.methods, prepared.target
+    if prepared.data is None:
+        read = _your_images(args, prepared)
+        if read is None:
             return fail("no readable image to explain; nothing was written", status=1)
-        if len(x) + len(skipped) < len(paths):
-            print(
-                f"note: explaining the first {len(x)} readable images of {len(paths)} files (--num_images)",
-                file=sys.stderr,
-            )
-        (x, shown), labels = torch.stack(x).tensor_split([-3], dim=1), None  # the input; RGB as decoded, unnormalised
+        x, shown, files = read
+        labels = None
     else:  # the checkpoint's own test images, with their labels
-        data.setup("test")
-        batch = [data.test_set[i] for i in range(min(args.num_images, len(data.test_set)))]
+        prepared.data.setup("test")
+        test_set = prepared.data.test_set
+        batch = [test_set[i] for i in range(min(args.num_images, len(test_set)))]
         shown = x = torch.stack([b[0] for b in batch])  # generated: drawn as the model sees them
         labels, files = [int(b[1]) for b in batch], [f"test image {i}" for i in range(len(batch))]
 
@@ -162,6 +146,38 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
         save_maps(args.save_maps, dict(zip(methods, maps.values())), files, probs, names, target)
         print(f"wrote {args.save_maps}: the maps of {list(methods)}")
     return 0
+
+
+def _your_images(args: argparse.Namespace, prepared: Prepared):
+    """`(model inputs, RGB images as decoded, names)` of the first `--num_images` readable images (only those, and
+    the unreadable ones before them, decoded), the skipped ones named; None when none is readable."""
+    import torch
+
+    from vit.data.images import NON_FINITE, ImageFiles, image_files, readable_batches
+
+    transform, colour = prepared.transform, prepared.colour
+    paths = image_files(args.input_dir) if args.input_dir is not None else args.image
+    images = ImageFiles(paths, transform)  # JPEGs drafted at the model's size
+    images.transform = lambda image: torch.cat([transform(image), colour(image)])  # one decode, (C + 3, H, W)
+    files, x, skipped = [], [], {}
+    for indices, batch, unread in readable_batches(images, 1):
+        skipped.update({images.names[i]: why for i, why in unread.items()})
+        if batch is not None and not torch.isfinite(batch).all():  # the file's fault: skipped, as unreadable
+            skipped[images.names[indices[0]]] = NON_FINITE
+            continue
+        files += [images.names[i] for i in indices]
+        x += [] if batch is None else [batch[0]]
+        if len(x) == args.num_images:
+            break
+    print_skipped(skipped)
+    if not x:
+        return None
+    if len(x) + len(skipped) < len(paths):
+        print(
+            f"note: explaining the first {len(x)} readable images of {len(paths)} files (--num_images)", file=sys.stderr
+        )
+    model_input, shown = torch.stack(x).tensor_split([-3], dim=1)  # the input; RGB as decoded, unnormalised
+    return model_input, shown, files
 
 
 def save_maps(
