@@ -2,7 +2,7 @@
 
     import vit
 
-    predictor = vit.load("runs/folder/vit/version_0/checkpoints/last.ckpt", device="auto")
+    predictor = vit.load("runs/folder/finetune_vit/version_0/checkpoints/last", device="auto")
     predictor.predict(["cat.jpg", "dog.png"], topk=2)   # [[Prediction('cat', 0.93), Prediction('dog', 0.05)], ...]
     predictor("cat.jpg")                                     # the same as predict
     predictor.explain("cat.jpg", method="chefer", target="dog")   # (gh, gw) relevance, summing to 1
