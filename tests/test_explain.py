@@ -675,9 +675,9 @@ def test_the_explain_command_refuses_save_maps_it_would_overwrite_or_cannot_writ
     )
     [line] = capsys.readouterr().err.splitlines()
     assert line == (
-        f"error: --save-maps {npz} already exists; pass --overwrite to replace it"
+        f"error: --save_maps {npz} already exists; pass --overwrite to replace it"
         if existing
-        else f"error: --save-maps {npz}: its folder {npz.parent} does not exist"
+        else f"error: --save_maps {npz}: its folder {npz.parent} does not exist"
     )
     assert (npz.read_bytes() == b"earlier maps") if existing else not npz.parent.exists()
     assert not (tmp_path / "maps.png").exists()

@@ -130,7 +130,7 @@ def test_predict_and_explain_check_each_output_with_the_shared_rule(tmp_path):
     args = argparse.Namespace(
         out=tmp_path / "new.png", save_maps=tmp_path / "maps.npz", overwrite=True, input_dir=images, image=None
     )
-    with pytest.raises(ValueError, match=re.escape(f"--save-maps {tmp_path / 'maps.npz'} is a named pipe (FIFO)")):
+    with pytest.raises(ValueError, match=re.escape(f"--save_maps {tmp_path / 'maps.npz'} is a named pipe (FIFO)")):
         explain_check_paths(args)
     assert not (tmp_path / "elsewhere.png").exists()
 
@@ -227,7 +227,14 @@ def test_predict_on_a_full_disk_is_one_line_and_leaves_the_earlier_csv_and_no_te
 
     monkeypatch.setattr(csv, "writer", lambda f, *args, **kwargs: FullWriter(f))
     args = argparse.Namespace(
-        ckpt_path="model.ckpt", input_dir=images, output=output, topk=1, batch_size=4, device="cpu", num_workers=0
+        ckpt_path="model.ckpt",
+        input_dir=images,
+        output=output,
+        topk=1,
+        batch_size=4,
+        device="cpu",
+        num_workers=0,
+        recursive=False,
     )
     inputs = {"img_size": [16, 16], "in_chans": 3, "mean": None, "std": None, "interpolation": "bilinear"}
     assert predict(args, Predictor(Model(), inputs, ["red", "blue"])) == 1

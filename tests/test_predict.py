@@ -10,6 +10,7 @@ import csv
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -320,3 +321,19 @@ def test_checkpoints_of_other_layouts_are_refused_in_one_line(checkpoint, tmp_pa
     torch.save({**copy.copy(good), "state_dict": "lr=0.1"}, no_weights)
     with pytest.raises(CheckpointError, match="is not a Lightning checkpoint"):
         read(no_weights)
+
+
+def test_sub_folders_are_named_and_searched_with_recursive(checkpoint, images, tmp_path, capsys):
+    sub = images / "more" / "deeper"
+    sub.mkdir(parents=True)
+    shutil.copy(images / "circles_0.png", sub / "again.png")
+    shutil.copy(images / "circles_1.png", images / "more" / "twice.png")
+    flat, deep = tmp_path / "flat.csv", tmp_path / "deep.csv"
+    assert predict(checkpoint, images, flat) == 0
+    assert "note: 1 sub-folder(s) of " in capsys.readouterr().err
+    assert predict(checkpoint, images, deep, "--recursive") == 0
+    rows = {row["file"]: row for row in csv.DictReader(deep.open())}
+    flat_rows = {row["file"]: row for row in csv.DictReader(flat.open())}
+    assert set(rows) == set(flat_rows) | {"more/twice.png", "more/deeper/again.png"}
+    assert rows["more/deeper/again.png"]["probability"] == flat_rows["circles_0.png"]["probability"]
+    assert rows["more/twice.png"]["class_name"] == flat_rows["circles_1.png"]["class_name"]

@@ -20,6 +20,7 @@ from vit.commands import check_output, fail, parser, print_skipped, run, write_f
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     from vit.api import Predictor
+    from vit.data.images import ImageFiles
 
 
 class PredictError(ValueError):
@@ -46,10 +47,37 @@ def check_paths(input_dir: Path, output: Path, overwrite: bool) -> None:
         ) from None
 
 
+def listed_files(input_dir: Path, recursive: bool, transform) -> ImageFiles:
+    """The files to classify: those directly in `input_dir`, or with `recursive` every file under it (links to a
+    folder listed once, hidden ones left out), named by their path under it; a note names the sub-folders left out."""
+    import os
+
+    from vit.data.files import list_files, text_name, visible_folders
+    from vit.data.images import ImageFiles, image_files
+
+    if not recursive:
+        folders = visible_folders(input_dir)
+        if folders:
+            shown = ", ".join(f"{text_name(f)}/" for f in folders[:5]) + (", ..." if len(folders) > 5 else "")
+            print(
+                f"note: {len(folders)} sub-folder(s) of {input_dir} not searched ({shown}): pass --recursive",
+                file=sys.stderr,
+            )
+        return ImageFiles(image_files(input_dir), transform)
+    [paths], unlisted = list_files([str(input_dir)])
+    print_skipped({os.path.relpath(path, input_dir): why for path, why in unlisted.items()})
+    files = ImageFiles([Path(path) for path in paths], transform)
+    files.names = [text_name(os.path.relpath(path, input_dir)) for path in paths]
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     options = parser("vit.predict", __doc__)
     options.add_argument("--ckpt_path", required=True, help="checkpoint written by train.py (a path or URL)")
-    options.add_argument("--input_dir", required=True, type=Path, help="folder of images (not searched recursively)")
+    options.add_argument("--input_dir", required=True, type=Path, help="folder of images")
+    options.add_argument(
+        "--recursive", action="store_true", help="also the images in --input_dir's sub-folders (named sub/file.jpg)"
+    )
     options.add_argument("--output", required=True, type=Path, help="CSV file to write")
     options.add_argument("--overwrite", action="store_true", help="replace --output if it exists (a regular file only)")
     options.add_argument("--topk", type=int, default=1, help="write the K most probable classes of each image")
@@ -88,10 +116,10 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
     import torch
 
     from vit.api import INPUT_BYTES, NonFiniteError, fitting_batch_size
-    from vit.data.images import NON_FINITE, ImageFiles, image_files, readable_batches, usable_workers
+    from vit.data.images import NON_FINITE, readable_batches, usable_workers
     from vit.prediction_csv import prediction_table, write_csv
 
-    files, skipped, names = ImageFiles(image_files(args.input_dir), predictor.transform), {}, predictor.class_names
+    files, skipped, names = listed_files(args.input_dir, args.recursive, predictor.transform), {}, predictor.class_names
     batch_size = fitting_batch_size(args.batch_size, predictor.inputs)  # before any image is decoded
     if batch_size < args.batch_size:
         channels, (height, width) = predictor.inputs["in_chans"], predictor.inputs["img_size"]
@@ -120,8 +148,10 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
             now = time.monotonic()
             if tty or now - shown >= 10 or done == len(files):
                 shown = now
+                rate = done / max(now - start, 1e-9)
+                eta = f", about {(len(files) - done) / rate:.0f} s left" if done < len(files) else ""
                 print(
-                    f"{args.input_dir}: {done}/{len(files)} images, {done / max(now - start, 1e-9):.1f} images/s",
+                    f"{args.input_dir}: {done}/{len(files)} images, {rate:.1f} images/s{eta}",
                     file=sys.stderr,
                     flush=True,
                     end="\r" if tty and done < len(files) else "\n",

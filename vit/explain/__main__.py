@@ -65,14 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         "or each panel alone, from its own min to max (every map looks sharp, however flat)",
     )
     options.add_argument(
-        "--save-maps",
+        "--save_maps",
+        "--save-maps",  # the spelling of earlier releases; the commands spell options with underscores
         dest="save_maps",
         type=Path,
         help="also write the raw maps to this .npz: one (B, gh, gw) array per method, and files, "
         "predicted, probability, class_names, methods, target (-1: each prediction)",
     )
     options.add_argument(
-        "--overwrite", action="store_true", help="replace --out and --save-maps if they exist (regular files only)"
+        "--overwrite", action="store_true", help="replace --out and --save_maps if they exist (regular files only)"
     )
     return run(options.parse_args(argv), prepare, explain)
 
@@ -244,8 +245,8 @@ def check_paths(args: argparse.Namespace) -> None:
     check_output("--out", args.out, args.overwrite)
     if args.save_maps is not None:
         if args.save_maps.suffix != ".npz":
-            raise ValueError(f"--save-maps {args.save_maps}: expected a name ending in .npz")
-        check_output("--save-maps", args.save_maps, args.overwrite)
+            raise ValueError(f"--save_maps {args.save_maps}: expected a name ending in .npz")
+        check_output("--save_maps", args.save_maps, args.overwrite)
     if args.input_dir is not None and not args.input_dir.is_dir():
         raise ValueError(
             f"--input_dir {args.input_dir} is not a folder"
