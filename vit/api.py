@@ -264,10 +264,35 @@ class Predictor:
 
     def evaluate(self, input_dir: str | os.PathLike, batch_size: int = 256, num_workers: int = 0) -> dict:
         """The scores on a labelled folder, one sub-folder per class named as the model's classes, every readable image
-        of it: `images`, `top1`, `top5` (5 classes or more), `per_class`, `confusion_matrix` (`vit.evaluate`)."""
-        from vit.evaluate import score_folder
+        of it (`vit.scoring.metrics`: `images`, `top1`, `top5` with 5 classes or more, `per_class`,
+        `confusion_matrix`), with `skipped` (file: why) and `classes_without_images`; `EvaluateError` when no image
+        can be read. `python -m vit.evaluate` prints and writes the same."""
+        from vit.data.files import text_name
+        from vit.data.images import ImageFiles, readable_batches, usable_workers
+        from vit.scoring import EvaluateError, labelled_files, metrics
 
-        return score_folder(self, input_dir, batch_size, num_workers)
+        root = Path(input_dir)
+        paths, labels, missing = labelled_files(root, self.class_names)
+        files = ImageFiles(paths, self.transform)
+        files.names = [text_name(os.path.relpath(path, root)) for path in paths]  # class/file, as a reader finds it
+        scored, probs, skipped = [], [], {}
+        for indices, x, unread in readable_batches(files, batch_size, usable_workers(num_workers)):
+            skipped.update({files.names[i]: why for i, why in unread.items()})
+            if x is None:
+                continue
+            finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()  # an image of NaN pixels: the file's fault
+            skipped.update({files.names[i]: NON_FINITE for i, ok in zip(indices, finite) if not ok})
+            indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
+            if indices:
+                try:
+                    probs.append(self.probabilities(x, batch_size))
+                except NonFiniteError as err:  # from finite pixels: the model's fault
+                    raise NonFiniteError(files.names[indices[err.index]], indices[err.index], err.reason) from None
+                scored += indices
+        if not scored:
+            raise EvaluateError(f"no readable image in the class folders of {root}; nothing was scored")
+        result = metrics(torch.cat(probs), torch.tensor([labels[i] for i in scored]), self.class_names)
+        return {**result, "skipped": skipped, "classes_without_images": missing}
 
     def explain(self, image: ImageLike | Tensor, method: str = "rollout", target: str | int | None = None) -> Tensor:
         """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`), summing to 1;

@@ -22,104 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vit.commands import check_output, fail, parser, print_skipped, run, write_failed
+from vit.scoring import EvaluateError, labelled_files, listed
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
-    import torch
-
     from vit.api import Predictor
-
-
-class EvaluateError(ValueError):
-    """A labelled folder or an argument that `vit.evaluate` cannot work with."""
-
-
-def labelled_files(root: Path, class_names: list[str]) -> tuple[list[Path], list[int], list[str]]:
-    """The images in `root`'s class folders (sorted, not searched further down), each folder's label as the model's
-    index of the class named as it is, and the model's classes no folder is named after."""
-    from vit.data.files import visible_folders
-    from vit.data.images import image_files
-
-    if not root.is_dir():
-        raise EvaluateError(f"--input_dir {root} is not a folder" + ("" if root.exists() else " (it does not exist)"))
-    folders = visible_folders(root)
-    if not folders:
-        raise EvaluateError(
-            f"--input_dir {root} has no class folders: give a folder of one sub-folder per class, named as the "
-            f"model's classes ({_listed(class_names)})"
-        )
-    index = {name: i for i, name in enumerate(class_names)}
-    extra = [name for name in folders if name not in index]
-    if extra:
-        raise EvaluateError(
-            f"--input_dir {root} has folder(s) {_listed(extra)} that name no class of the model; its classes are "
-            f"{_listed(class_names)} (the folders are matched to them by name)"
-        )
-    paths, labels = [], []
-    for name in folders:
-        found = image_files(root / name)
-        paths += found
-        labels += [index[name]] * len(found)
-    return paths, labels, [name for name in class_names if name not in folders]
-
-
-def _listed(names: list[str], most: int = 10) -> str:
-    shown = ", ".join(repr(name) for name in names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def metrics(probs: torch.Tensor, labels: torch.Tensor, class_names: list[str]) -> dict:
-    """The scores of `probs` `(N, K)` against `labels` `(N,)`: count, top-1, top-5 (K >= 5), per-class count and
-    accuracy (None for a class with no image), and the confusion matrix `[true][predicted]`."""
-    import torch
-
-    K = len(class_names)
-    predicted = probs.argmax(dim=-1)
-    confusion = torch.bincount(labels * K + predicted, minlength=K * K).view(K, K)  # (true, predicted)
-    counts = confusion.sum(dim=1)
-    result = {"images": int(labels.numel()), "top1": float((predicted == labels).float().mean())}
-    if K >= 5:
-        top5 = probs.topk(5, dim=-1).indices  # (N, 5)
-        result["top5"] = float((top5 == labels[:, None]).any(dim=-1).float().mean())
-    result["per_class"] = {
-        name: {"images": int(counts[k]), "accuracy": float(confusion[k, k] / counts[k]) if counts[k] else None}
-        for k, name in enumerate(class_names)
-    }
-    result["class_names"] = list(class_names)
-    result["confusion_matrix"] = confusion.tolist()
-    return result
-
-
-def score_folder(predictor: Predictor, root: str | os.PathLike, batch_size: int = 256, num_workers: int = 0) -> dict:
-    """`metrics` of every readable image in the labelled folder `root` (module doc), with `skipped` (file: why) and
-    `classes_without_images`; `EvaluateError` when no image can be read."""
-    import torch
-
-    from vit.api import NonFiniteError
-    from vit.data.files import text_name
-    from vit.data.images import NON_FINITE, ImageFiles, readable_batches, usable_workers
-
-    root = Path(root)
-    paths, labels, missing = labelled_files(root, predictor.class_names)
-    files = ImageFiles(paths, predictor.transform)
-    files.names = [text_name(os.path.relpath(path, root)) for path in paths]  # class/file, as a reader finds it
-    scored, probs, skipped = [], [], {}
-    for indices, x, unread in readable_batches(files, batch_size, usable_workers(num_workers)):
-        skipped.update({files.names[i]: why for i, why in unread.items()})
-        if x is None:
-            continue
-        finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()  # an image of NaN pixels: the file's fault
-        skipped.update({files.names[i]: NON_FINITE for i, ok in zip(indices, finite) if not ok})
-        indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
-        if indices:
-            try:
-                probs.append(predictor.probabilities(x, batch_size))
-            except NonFiniteError as err:  # from finite pixels: the model's fault
-                raise NonFiniteError(files.names[indices[err.index]], indices[err.index], err.reason) from None
-            scored += indices
-    if not scored:
-        raise EvaluateError(f"no readable image in the class folders of {root}; nothing was scored")
-    result = metrics(torch.cat(probs), torch.tensor([labels[i] for i in scored]), predictor.class_names)
-    return {**result, "skipped": skipped, "classes_without_images": missing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,12 +65,12 @@ def evaluate(args: argparse.Namespace, predictor: Predictor) -> int:
     from vit.api import NonFiniteError
 
     try:
-        result = score_folder(predictor, args.input_dir, args.batch_size, args.num_workers)
+        result = predictor.evaluate(args.input_dir, args.batch_size, args.num_workers)
     except (EvaluateError, NonFiniteError) as err:
         return fail(f"{err}; nothing was written", status=1)
     print_skipped(result["skipped"])
     if result["classes_without_images"]:
-        print(f"note: no folder for class(es) {_listed(result['classes_without_images'])}", file=sys.stderr)
+        print(f"note: no folder for class(es) {listed(result['classes_without_images'])}", file=sys.stderr)
     print(report(result))
     if args.output is not None:
         try:

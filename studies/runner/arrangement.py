@@ -58,7 +58,6 @@ is bounded by the narrow side, for both nearest axes alike.
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
 import numpy as np
 import torch
@@ -66,10 +65,8 @@ from torch.utils.data import Dataset
 
 from vit.checks import check_choice, check_int, check_size
 from vit.data.base import SyntheticDataModule, balanced_labels, check_pixel_options, noisy_images, seeded_rng
-from vit.data.same_different import column_range
+from vit.data.same_different import Region, column_range  # the same halves as the relation task
 from vit.registry import allow_datamodule
-
-Region = Literal["all", "left", "right"]
 
 DISC_SIZE = 5
 GAP = 1  # empty pixels at least between the two boxes
@@ -253,7 +250,7 @@ class ArrangementDataset(Dataset):
         seed: int = 0,
     ) -> None:
         rng = seeded_rng(num_samples, seed)
-        check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
+        check_disc_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
         self.img_size, self.in_chans, self.noise = img_size, in_chans, float(noise)
         self.region, self.seed = region, seed
         labels = balanced_labels(rng, num_samples)
@@ -281,7 +278,7 @@ class ArrangementDataset(Dataset):
         return self.images[i], self.labels[i]
 
 
-def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: float, region: str) -> None:
+def check_disc_options(*, img_size: int | tuple[int, int], in_chans: int, noise: float, region: str) -> None:
     """Validate the image options (ValueError naming the value and what is allowed)."""
     check_choice("region", region, Region)
     check_size("img_size", img_size, 4 * DISC_SIZE)
@@ -315,7 +312,7 @@ class ArrangementDataModule(SyntheticDataModule):
         super().__init__()
         for name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(name, region, Region)
-        check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
+        check_disc_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
         self.check_sizes(
             num_train=num_train,
             num_val=num_val,

@@ -99,7 +99,7 @@ class SameDifferentDataset(Dataset):
         seed: int = 0,
     ) -> None:
         rng = seeded_rng(num_samples, seed)
-        check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
+        check_stroke_options(img_size=img_size, in_chans=in_chans, noise=noise, region=region)
         if held_out_shape is not None:
             check_int("held_out_shape", held_out_shape, 0, NUM_SHAPES - 1)
         elif with_held_out:
@@ -146,7 +146,7 @@ class SameDifferentDataset(Dataset):
         return self.images[i], self.labels[i]
 
 
-def check_options(*, img_size: int | tuple[int, int], in_chans: int, noise: float, region: str) -> None:
+def check_stroke_options(*, img_size: int | tuple[int, int], in_chans: int, noise: float, region: str) -> None:
     """Validate the image options (ValueError naming the value and what is allowed)."""
     check_choice("region", region, Region)
     check_size("img_size", img_size, 4 * SHAPE_SIZE)  # a side, or [H, W]
@@ -178,7 +178,7 @@ class SameDifferentDataModule(SyntheticDataModule):
             check_int("held_out_shape", held_out_shape, 0, NUM_SHAPES - 1)
         for name, region in (("train_region", train_region), ("test_region", test_region)):
             check_choice(name, region, Region)
-        check_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
+        check_stroke_options(img_size=img_size, in_chans=in_chans, noise=noise, region=train_region)
         self.check_sizes(
             num_train=num_train,
             num_val=num_val,

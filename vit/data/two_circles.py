@@ -23,9 +23,9 @@ from vit.checks import check_choice, check_size
 from vit.data.base import SyntheticDataModule, balanced_labels, check_pixel_options, noisy_images, seeded_rng
 
 Task = Literal["diagonal", "relative"]
-Region = Literal["all", "inner", "border"]
+CircleRegion = Literal["all", "inner", "border"]  # where the circles may be: anywhere, the inner square, the border
 TASKS: tuple[str, ...] = get_args(Task)
-REGIONS: tuple[str, ...] = get_args(Region)
+REGIONS: tuple[str, ...] = get_args(CircleRegion)
 
 RING_WIDTH = 1.5
 # Quadrant q sits at row q // 2, column q % 2: 0 top-left, 1 top-right, 2 bottom-left, 3 bottom-right.
@@ -40,12 +40,12 @@ CLASS_NAMES = {"diagonal": ["not_diagonal", "diagonal"], "relative": ["not_above
 _MAX_ROUNDS = 1000  # rejection-sampling rounds before a placement is infeasible
 
 
-def check_options(
+def check_circle_options(
     *, task: str, img_size: int | tuple[int, int], in_chans: int, radius: tuple[int, int], noise: float, region: str
 ) -> int:
     """Validate the image options shared by the dataset and the datamodule (ValueError if bad); the image's side."""
     check_choice("task", task, Task)
-    check_choice("region", region, Region)
+    check_choice("region", region, CircleRegion)
     height, width = check_size("img_size", img_size, 8)
     if height != width:
         raise ValueError(
@@ -200,11 +200,11 @@ class TwoCirclesDataset(Dataset):
         radius: tuple[int, int] = (3, 5),
         noise: float = 0.05,
         task: Task = "diagonal",
-        region: Region = "all",
+        region: CircleRegion = "all",
         seed: int = 0,
     ) -> None:
         rng = seeded_rng(num_samples, seed)
-        img_size = check_options(
+        img_size = check_circle_options(
             task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise, region=region
         )  # [32, 32] -> 32
         self.task, self.region, self.img_size, self.in_chans = task, region, img_size, in_chans
@@ -242,16 +242,18 @@ class TwoCirclesDataModule(SyntheticDataModule):
         num_train: int = 10_000,
         num_val: int = 1_000,
         num_test: int = 2_000,
-        train_region: Region = "all",
-        test_region: Region = "all",
+        train_region: CircleRegion = "all",
+        test_region: CircleRegion = "all",
         seed: int = 0,
         batch_size: int = 128,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
         for region_name, region in (("train_region", train_region), ("test_region", test_region)):
-            check_choice(region_name, region, Region)
-            check_options(task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise, region=region)
+            check_choice(region_name, region, CircleRegion)
+            check_circle_options(
+                task=task, img_size=img_size, in_chans=in_chans, radius=radius, noise=noise, region=region
+            )
         self.check_sizes(
             num_train=num_train,
             num_val=num_val,
