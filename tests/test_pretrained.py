@@ -136,8 +136,9 @@ def test_a_name_that_cannot_be_downloaded_says_how_to_pass_a_file(monkeypatch, t
     assert message.startswith(f"the weights of {source!r}")
     assert "could not be downloaded (LocalEntryNotFoundError" in message
     assert message.endswith(
-        f"(`hf download {HUB_ID} model.safetensors --local-dir weights`) and pass the file "
-        "instead: pretrained=weights/model.safetensors"
+        f"(`hf download {HUB_ID} model.safetensors config.json --local-dir weights`) and pass the file "
+        "instead: pretrained=weights/model.safetensors (its sizes are read from the file and the config.json "
+        "beside it)"
     )
     assert "\n" not in message
 
@@ -369,6 +370,20 @@ def test_width_and_depth_come_from_a_file_and_the_model_equals_timms(timm_file):
     # What is given wins, so weights of another width are still refused.
     with pytest.raises(PretrainedError, match="does not fit this config"):
         create_vit(img_size=224, patch_size=16, embed_dim=96, num_heads=3, pretrained=str(timm_file))
+
+
+def test_the_offline_hints_command_gives_a_folder_whose_sizes_are_all_read(timm_file, tmp_path):
+    # `hf download timm/<model> model.safetensors config.json`: a timm repo's config.json names the architecture
+    # and no model_args; the heads come from the architecture, so the hinted command builds the model.
+    import json
+    import shutil
+
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    shutil.copy(timm_file, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"architecture": "vit_tiny_patch16_224", "num_classes": 1000}))
+    model = create_vit(img_size=224, patch_size=16, num_classes=1000, pretrained=str(folder / "model.safetensors"))
+    assert (model.embed_dim, len(model.blocks), model.blocks[0].attn.num_heads) == (192, 12, 3)
 
 
 def test_heads_come_from_the_config_json_of_a_hub_layout_folder(timm_file, tmp_path):

@@ -99,14 +99,23 @@ def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(
 
 
 def _config_heads(source: str) -> object:
-    """`model_args.num_heads` of the `config.json` beside the weights (or in their folder), None without one."""
+    """`num_heads` from the `config.json` beside the weights (or in their folder): its `model_args`, else the timm
+    `architecture` it names (a timm Hub repo's config.json names only that); None without one."""
     path = Path(source).expanduser()
     path = (path if path.is_dir() else path.parent) / "config.json"
     if not path.exists():
         return None
     config = read_json(path, f"pretrained={source!r}: {path}")
     args = config.get("model_args") if isinstance(config, dict) else None
-    return args.get("num_heads") if isinstance(args, dict) else None
+    if isinstance(args, dict) and "num_heads" in args:
+        return args["num_heads"]
+    architecture = config.get("architecture") if isinstance(config, dict) else None
+    if not isinstance(architecture, str):
+        return None
+    try:
+        return _timm_shape(architecture)["num_heads"]
+    except (PretrainedError, RuntimeError, ValueError, TypeError):  # no timm ViT this version knows: ask for num_heads
+        return None
 
 
 def _timm_shape(name: str) -> dict[str, int]:

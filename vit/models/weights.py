@@ -149,7 +149,7 @@ def _download_error(source: str, kind: Literal["hub", "name"], err: Exception) -
     taken = " (taken for a Hugging Face Hub id: there is no file of that name)" if _REPO_ID.fullmatch(source) else ""
     return PretrainedError(
         f"the weights of {source!r}{taken} could not be downloaded ({error_summary(err)}). Without "
-        f"network, download the file on a machine that has it (`hf download {repo} "
-        "model.safetensors --local-dir weights`) and pass the file instead: "
-        "pretrained=weights/model.safetensors"
+        f"network, download its files on a machine that has it (`hf download {repo} "
+        "model.safetensors config.json --local-dir weights`) and pass the file instead: "
+        "pretrained=weights/model.safetensors (its sizes are read from the file and the config.json beside it)"
     )
