@@ -187,7 +187,9 @@ def test_auto_augment_policies_change_the_image(make_dm, auto_augment, transform
 
 def _training_batch(dm):
     dm.setup("fit")
-    dm.trainer = SimpleNamespace(training=True)  # the hook only reads trainer.training
+    dm.trainer = SimpleNamespace(
+        training=True, world_size=1, global_rank=0
+    )  # the hook reads trainer.training; the sampler its processes
     torch.manual_seed(0)  # shuffling
     np.random.seed(0)  # timm draws the mixing weight and box with numpy
     x, y = next(iter(dm.train_dataloader()))
@@ -235,12 +237,12 @@ def test_batches_pass_unchanged_outside_training_or_without_mixing(make_dm):
     dm = make_dm(mixup_alpha=1.0)
     dm.setup("fit")
     batch = next(iter(dm.val_dataloader()))
-    for trainer in [None, SimpleNamespace(training=False)]:
+    for trainer in [None, SimpleNamespace(training=False, world_size=1, global_rank=0)]:
         dm.trainer = trainer
         assert dm.on_after_batch_transfer(batch, 0) is batch
 
     plain = make_dm()
-    plain.trainer = SimpleNamespace(training=True)
+    plain.trainer = SimpleNamespace(training=True, world_size=1, global_rank=0)
     assert plain.on_after_batch_transfer(batch, 0) is batch
 
 

@@ -369,7 +369,9 @@ def test_mixup_and_cutmix_give_folder_batches_soft_targets_that_sum_to_one(tmp_p
     )
     with pytest.warns(UserWarning):
         dm.setup("fit")
-    dm.trainer = SimpleNamespace(training=True)  # what on_after_batch_transfer reads of the trainer
+    dm.trainer = SimpleNamespace(
+        training=True, world_size=1, global_rank=0
+    )  # what the hook and the sampler read of the trainer
     loader = dm.train_dataloader()
     assert loader.drop_last and all(len(y) == 4 for _, y in loader)  # every batch even, for timm's flip
     x, _ = next(iter(loader))
@@ -379,7 +381,7 @@ def test_mixup_and_cutmix_give_folder_batches_soft_targets_that_sum_to_one(tmp_p
     assert x_mixed.shape == x.shape and torch.equal(y_out, y)  # the hard labels stay, for train accuracy
     assert y_soft.shape == (4, 2) and torch.allclose(y_soft.sum(1), torch.ones(4))
     assert ((y_soft > 0) & (y_soft < 1)).all()  # soft: both classes in every row
-    dm.trainer = SimpleNamespace(training=False)  # validation batches stay as they are
+    dm.trainer = SimpleNamespace(training=False, world_size=1, global_rank=0)  # validation batches stay as they are
     assert dm.on_after_batch_transfer((x, y), 0)[1] is y
     with pytest.raises(ValueError, match="batch_size=5 must be even when Mixup/CutMix is on"):
         ImageFolderDataModule(root=str(tmp_path / "data"), batch_size=5, cutmix_alpha=1.0)

@@ -66,29 +66,68 @@ def model_card(
     args: dict, data_config: dict, names: list[str], training: dict | None = None, license: str | None = None
 ) -> str:
     """The export's `README.md` from `timm_args` and `training_record`; checkpoint text goes through `markdown_text`."""
-    import timm
-    import torch
+    from vit.models.timm_compat import architecture
 
-    from vit.models.timm_compat import GENERIC_ARCHITECTURE, architecture
-
-    name, (channels, height, width) = architecture(args), data_config["input_size"]
-    with torch.device("meta"):  # the exported model's parameter count, without memory
-        params = sum(p.numel() for p in timm.create_model(name, pretrained=False, **args).parameters())
-    shown = ", ".join(markdown_text(n) for n in names[:20]) + (
-        f", ... ({len(names)} in all)" if len(names) > 20 else ""
-    )
+    name = architecture(args)
+    channels, height, width = data_config["input_size"]
+    shown = ", ".join(markdown_text(n) for n in names[:20])
+    shown += f", ... ({len(names)} in all)" if len(names) > 20 else ""
     training = training or {}
-    front_matter = card_data(name, training, license)
-    if name == GENERIC_ARCHITECTURE:
-        named = (
-            f"timm's `{name}` entry point: no timm ViT has these sizes, and `{name}` builds the one the sizes "
-            "in `model_args` describe"
-        )
-    else:
-        named = f"`{name}`, at the image size and with the head and pooling in `model_args`"
-    lines = [
+    snippet = [  # "Use with timm": load this folder and classify one photo
+        "```python",
+        "import timm",
+        "import torch",
+        "from PIL import Image, ImageOps",
+        "",
+        'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
+        "config = timm.data.resolve_data_config(model=model)",
+        "transform = timm.data.create_transform(**config)",
+        'image = ImageOps.exif_transpose(Image.open("photo.jpg"))  # upright, as the camera held it',
+        f'x = transform(image.convert("{"RGB" if channels == 3 else "L"}"))[None]',
+        "with torch.no_grad():",
+        "    probabilities = model(x).softmax(-1)  # (1, num_classes), in the order of the classes above",
+        "```",
+    ]
+    sections = {  # "## title" -> the lines under it
+        "Architecture": _card_architecture(name, args),
+        "Classes": [f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}."],
+        "Input": [
+            (
+                f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
+                f"({markdown_text(data_config['interpolation'])} interpolation; the aspect ratio is not kept)"
+            ),
+            (
+                f"- pixels scaled to [0, 1], then normalised with mean {markdown_text(list(data_config['mean']))} "
+                f"and std {markdown_text(list(data_config['std']))}"
+            ),
+        ],
+        "Use with timm": snippet,
+        **_card_training(training),
+        "Use with this project": [
+            "The checkpoint this folder was exported from opens with "
+            '`vit.load("last.ckpt")` (`.predict(...)`, `.explain(...)`), and this folder\'s weights with '
+            '`vit.models.pretrained.create_vit("path/to/this/folder/model.safetensors", ...)` and the sizes above.'
+        ],
+    }
+    lines = _card_intro(name, training, license)
+    for title, body in sections.items():
+        lines += ["", f"## {title}", "", *body]
+    return "\n".join(lines) + "\n"
+
+
+def _card_intro(name: str, training: dict, license: str | None) -> list[str]:
+    """The card's front matter (`card_data`), its title, and a paragraph on what the folder holds."""
+    from vit.models.timm_compat import GENERIC_ARCHITECTURE
+
+    named = (
+        f"timm's `{name}` entry point: no timm ViT has these sizes, and `{name}` builds the one the sizes "
+        "in `model_args` describe"
+        if name == GENERIC_ARCHITECTURE
+        else f"`{name}`, at the image size and with the head and pooling in `model_args`"
+    )
+    return [
         "---",
-        *front_matter.to_yaml().splitlines(),
+        *card_data(name, training, license).to_yaml().splitlines(),
         "---",
         "",
         "# Vision Transformer image classifier",
@@ -97,9 +136,17 @@ def model_card(
             f"A ViT exported by `vit.export` for timm: `model.safetensors` holds the weights and `config.json` the "
             f"architecture ({named})."
         ),
-        "",
-        "## Architecture",
-        "",
+    ]
+
+
+def _card_architecture(name: str, args: dict) -> list[str]:
+    """The card's "Architecture" lines: the sizes, pooling and positions in `args`, and the parameter count."""
+    import timm
+    import torch
+
+    with torch.device("meta"):  # the exported model's parameter count, without memory
+        params = sum(p.numel() for p in timm.create_model(name, pretrained=False, **args).parameters())
+    return [
         (
             f"- width (`embed_dim`) {args['embed_dim']}, depth {args['depth']} blocks, {args['num_heads']} heads, "
             f"MLP ratio {args['mlp_ratio']:g}, patch size {args['patch_size']}"
@@ -116,75 +163,32 @@ def model_card(
             )
         ),
         f"- {params / 1e6:.2f} M parameters",
-        "",
-        "## Classes",
-        "",
-        f"{len(names)} classes, label i is the i-th (`config.json`'s `label_names`): {shown}.",
-        "",
-        "## Input",
-        "",
-        (
-            f"- {channels} channel(s), resized to {height} x {width} pixels (height x width) without cropping "
-            f"({markdown_text(data_config['interpolation'])} interpolation; the aspect ratio is not kept)"
-        ),
-        (
-            f"- pixels scaled to [0, 1], then normalised with mean {markdown_text(list(data_config['mean']))} and std "
-            f"{markdown_text(list(data_config['std']))}"
-        ),
-        "",
-        "## Use with timm",
-        "",
-        "```python",
-        "import timm",
-        "import torch",
-        "from PIL import Image, ImageOps",
-        "",
-        'model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"',
-        "config = timm.data.resolve_data_config(model=model)",
-        "transform = timm.data.create_transform(**config)",
-        'image = ImageOps.exif_transpose(Image.open("photo.jpg"))  # upright, as the camera held it',
-        f'x = transform(image.convert("{"RGB" if channels == 3 else "L"}"))[None]',
-        "with torch.no_grad():",
-        "    probabilities = model(x).softmax(-1)  # (1, num_classes), in the order of the classes above",
-        "```",
-        "",
-        "## Training",
-        "",
     ]
-    if training:
-        lines += [
-            f"- data module: {markdown_text(training.get('data_module', 'not recorded'))}",
-            f"- seed of its splits: {markdown_text(training.get('seed', 'not recorded'))}",
-        ]
-        if "epoch" in training:
-            lines.append(
-                f"- written after epoch {markdown_text(training['epoch'])}, "
-                f"step {markdown_text(training.get('global_step', '?'))}"
-            )
-        if "model" in training:
-            lines.append(
-                "- settings: "
-                + ", ".join(f"{markdown_text(k)}: {markdown_text(v)}" for k, v in training["model"].items())
-            )
-        lines += ["", "## Metrics", ""]
-        measured = {
-            **training.get("metrics", {}),
-            **{f"{k} (the test split, after training)": v for k, v in training.get("test", {}).items()},
-        }
-        lines += [f"- {markdown_text(name)}: {value:.4f}" for name, value in measured.items()] or [
-            "- none recorded in the checkpoint"
-        ]
-    else:
-        lines.append("- not recorded in the checkpoint")
-    lines += [
-        "",
-        "## Use with this project",
-        "",
-        "The checkpoint this folder was exported from opens with "
-        '`vit.load("last.ckpt")` (`.predict(...)`, `.explain(...)`), and this folder\'s weights with '
-        '`vit.models.pretrained.create_vit("path/to/this/folder/model.safetensors", ...)` and the sizes above.',
+
+
+def _card_training(training: dict) -> dict[str, list[str]]:
+    """The card's "Training" section (data, seed, epoch, settings) and, when there is a record, its "Metrics"."""
+    if not training:
+        return {"Training": ["- not recorded in the checkpoint"]}
+    lines = [
+        f"- data module: {markdown_text(training.get('data_module', 'not recorded'))}",
+        f"- seed of its splits: {markdown_text(training.get('seed', 'not recorded'))}",
     ]
-    return "\n".join(lines) + "\n"
+    if "epoch" in training:
+        lines.append(
+            f"- written after epoch {markdown_text(training['epoch'])}, "
+            f"step {markdown_text(training.get('global_step', '?'))}"
+        )
+    if "model" in training:
+        lines.append(
+            "- settings: " + ", ".join(f"{markdown_text(k)}: {markdown_text(v)}" for k, v in training["model"].items())
+        )
+    measured = {
+        **training.get("metrics", {}),
+        **{f"{k} (the test split, after training)": v for k, v in training.get("test", {}).items()},
+    }
+    metrics = [f"- {markdown_text(name)}: {value:.4f}" for name, value in measured.items()]
+    return {"Training": lines, "Metrics": metrics or ["- none recorded in the checkpoint"]}
 
 
 # The test metrics a run records (`test/<name>`) and how the Hub's model index names them.

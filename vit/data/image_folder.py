@@ -76,6 +76,48 @@ class ImageFolderDataModule(SplitDataModule):
         mixup_switch_prob: float = 0.5,
     ) -> None:
         super().__init__()
+        size = self._check_options(
+            img_size, in_chans, val_fraction, test_fraction, seed, batch_size, num_workers, normalization
+        )
+        self.save_hyperparameters()
+        self.root = Path(root)
+        self.skipped: dict[str, str] = {}
+        self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
+        self.split_files: dict[str, list[str]] = {}  # split -> its files, relative to root (set up by `setup`)
+        self._split_written: Path | None = None
+        self._build_transforms(
+            size,
+            in_chans,
+            random_resized_crop,
+            horizontal_flip=horizontal_flip,
+            auto_augment=auto_augment,
+            randaugment_num_ops=randaugment_num_ops,
+            randaugment_magnitude=randaugment_magnitude,
+            random_erasing=random_erasing,
+        )
+        self._decode = partial(decode_image, size=size)
+        self._scan_classes()  # fail now, before any training: num_classes is linked into the model
+        self.mixup = batch_mixup(
+            self.num_classes,
+            batch_size=batch_size,
+            mixup_alpha=mixup_alpha,
+            cutmix_alpha=cutmix_alpha,
+            mixup_prob=mixup_prob,
+            mixup_switch_prob=mixup_switch_prob,
+        )
+
+    @staticmethod
+    def _check_options(
+        img_size: int | tuple[int, int],
+        in_chans: int,
+        val_fraction: float,
+        test_fraction: float,
+        seed: int,
+        batch_size: int,
+        num_workers: int,
+        normalization: Normalization,
+    ) -> tuple[int, int]:
+        """Check the sizes, fractions, counts and normalization given to `__init__`; return `img_size` as (H, W)."""
         size = check_size("img_size", img_size, 8)  # (H, W)
         check_choice("in_chans", in_chans, (1, 3))
         check_float("val_fraction", val_fraction, 0.0, 1.0, low_open=True, high_open=True)
@@ -93,12 +135,21 @@ class ImageFolderDataModule(SplitDataModule):
                 f"normalization={normalization!r} is a mean and std for 3 (RGB) channels, but in_chans=1: "
                 "use normalization='none' for one channel"
             )
-        self.save_hyperparameters()
-        self.root = Path(root)
-        self.skipped: dict[str, str] = {}
-        self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
-        self.split_files: dict[str, list[str]] = {}  # split -> its files, relative to root (set up by `setup`)
-        self._split_written: Path | None = None
+        return size
+
+    def _build_transforms(
+        self,
+        size: tuple[int, int],
+        in_chans: int,
+        random_resized_crop: bool,
+        *,
+        horizontal_flip: bool,
+        auto_augment: AutoAugmentName,
+        randaugment_num_ops: int,
+        randaugment_magnitude: int,
+        random_erasing: float,
+    ) -> None:
+        """Set `eval_transform` (resize and normalize) and `train_transform` (crop or resize, then augment)."""
         self.eval_transform = build_transform(size, in_chans, self.normalization)  # what vit.predict uses
         to_tensor = [step for step in self.eval_transform.transforms if not isinstance(step, v2.Resize)]
         crop = v2.RandomResizedCrop(size, antialias=True) if random_resized_crop else v2.Resize(size, antialias=True)
@@ -111,16 +162,6 @@ class ImageFolderDataModule(SplitDataModule):
             randaugment_num_ops=randaugment_num_ops,
             randaugment_magnitude=randaugment_magnitude,
             random_erasing=random_erasing,
-        )
-        self._decode = partial(decode_image, size=size)
-        self._scan_classes()  # fail now, before any training: num_classes is linked into the model
-        self.mixup = batch_mixup(
-            self.num_classes,
-            batch_size=batch_size,
-            mixup_alpha=mixup_alpha,
-            cutmix_alpha=cutmix_alpha,
-            mixup_prob=mixup_prob,
-            mixup_switch_prob=mixup_switch_prob,
         )
 
     @property

@@ -14,6 +14,7 @@ from vit.explain.rollout import minmax
 
 if TYPE_CHECKING:
     import numpy as np
+    from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
 Scale = Literal["panel", "row", "figure"]
@@ -46,29 +47,13 @@ def rollout_grid(
     (`display_image`), titled by `titles`, then each of `maps` (column name -> `(B, gh, gw)`) over it, and colour bars.
     `scale`: a `"row"`'s maps or the whole `"figure"`'s share one colour scale; `"panel"` stretches each map alone."""
     from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
-    if images.ndim != 4:
-        raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
+    _check_grid(images, maps, titles, scale)
     B, _, H, W = images.shape
-    if not maps:
-        raise ValueError("maps must hold at least one (B, gh, gw) map")
-    for name, patch_maps in maps.items():
-        if patch_maps.ndim != 3 or patch_maps.shape[0] != B:
-            raise ValueError(f"maps[{name!r}] must have shape (B={B}, gh, gw), got {tuple(patch_maps.shape)}")
-    if titles is not None and len(titles) != B:
-        raise ValueError(f"titles must hold one title per image ({B}), got {len(titles)}")
-    check_choice("scale", scale, SCALES)
-
     # The limits are the patch maps' own: bilinear upsampling stays within them.
     rows = [[m[row].detach().cpu().float() for m in maps.values()] for row in range(B)]
-    if scale == "figure":
-        norms = [[Normalize(*_limits([m for r in rows for m in r], from_zero=True))] * len(maps)] * B
-    elif scale == "row":
-        norms = [[Normalize(*_limits(r, from_zero=True))] * len(maps) for r in rows]
-    else:
-        norms = [[Normalize(*_limits([m])) for m in r] for r in rows]
+    norms = _grid_norms(rows, len(maps), scale)
 
     cols = 1 + len(maps)
     fig = Figure(figsize=(PANEL_INCHES * cols + COLORBAR_INCHES, PANEL_INCHES * B), layout="constrained")
@@ -87,7 +72,45 @@ def rollout_grid(
             fig.colorbar(
                 ScalarMappable(norm, CMAP), ax=axes[row, 1:], shrink=0.9, label="relevance per patch (this row)"
             )
+    _shared_colorbar(fig, axes, norms, scale)
+    for ax in axes.flat:
+        ax.set_axis_off()
+    return fig
+
+
+def _check_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None, scale: Scale) -> None:
+    """Check `rollout_grid`'s arguments: images `(B, C, H, W)`, maps `(B, gh, gw)`, one title per image, the scale."""
+    if images.ndim != 4:
+        raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
+    B = images.shape[0]
+    if not maps:
+        raise ValueError("maps must hold at least one (B, gh, gw) map")
+    for name, patch_maps in maps.items():
+        if patch_maps.ndim != 3 or patch_maps.shape[0] != B:
+            raise ValueError(f"maps[{name!r}] must have shape (B={B}, gh, gw), got {tuple(patch_maps.shape)}")
+    if titles is not None and len(titles) != B:
+        raise ValueError(f"titles must hold one title per image ({B}), got {len(titles)}")
+    check_choice("scale", scale, SCALES)
+
+
+def _grid_norms(rows: list[list[Tensor]], n_maps: int, scale: Scale) -> list[list[Normalize]]:
+    """The colour scale of each map of each row: one for the figure, one per row, or each map's own."""
+    from matplotlib.colors import Normalize
+
     if scale == "figure":
+        return [[Normalize(*_limits([m for r in rows for m in r], from_zero=True))] * n_maps] * len(rows)
+    if scale == "row":
+        return [[Normalize(*_limits(r, from_zero=True))] * n_maps for r in rows]
+    return [[Normalize(*_limits([m])) for m in r] for r in rows]
+
+
+def _shared_colorbar(fig: Figure, axes: np.ndarray, norms: list[list[Normalize]], scale: Scale) -> None:
+    """The one colour bar beside all the maps: the figure's scale, or a min-to-max bar for per-panel scales."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    if scale == "figure":
+        norm = norms[0][0]  # one scale, shared by every map
         fig.colorbar(ScalarMappable(norm, CMAP), ax=axes[:, 1:], shrink=0.6, label="relevance per patch (one scale)")
     elif scale == "panel":
         bar = fig.colorbar(
@@ -97,9 +120,6 @@ def rollout_grid(
             label="each map from its own min to its max",
         )
         bar.set_ticks([0.0, 1.0], labels=["min", "max"])
-    for ax in axes.flat:
-        ax.set_axis_off()
-    return fig
 
 
 def _upsample(patch_map: Tensor, size: tuple[int, int]) -> Tensor:

@@ -58,6 +58,35 @@ class ConvNet(Backbone):
         head: Head = "linear",
     ) -> None:
         super().__init__()
+        widths, strides = self._check_options(widths, strides, kernel_size, padding, pool, head)
+        self.img_size, self.in_chans, self.num_classes = check_size("img_size", img_size), in_chans, num_classes
+        self.widths, self.strides, self.kernel_size, self.padding = widths, strides, kernel_size, padding
+        self.receptive_field = receptive_field((kernel_size,) * len(widths), strides)
+        h, w = self._last_map_size(img_size)
+        self.feature_size = (h, w)
+        self.features = self._conv_layers()
+        self.pool = {"avg": nn.AdaptiveAvgPool2d(1), "max": nn.AdaptiveMaxPool2d(1), "flatten": nn.Identity()}[pool]
+        self.num_features = widths[-1] * (h * w if pool == "flatten" else 1)  # what the head reads
+        in_chs = self.num_features
+        if head == "linear":  # a bare Linear: the keys `head.weight`, `head.bias`
+            self.head = nn.Linear(in_chs, num_classes)
+        else:
+            self.head = nn.Sequential(
+                OrderedDict(
+                    fc1=nn.Linear(in_chs, 2 * widths[-1]), act=nn.ReLU(), fc2=nn.Linear(2 * widths[-1], num_classes)
+                )
+            )
+
+    @staticmethod
+    def _check_options(
+        widths: tuple[int, ...],
+        strides: tuple[int, ...] | None,
+        kernel_size: int,
+        padding: Padding,
+        pool: Pool,
+        head: Head,
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Check the padding, pool, head, widths, strides and kernel size; return `(widths, strides)` as tuples."""
         check_choice("padding", padding, Padding)
         check_choice("pool", pool, Pool)
         check_choice("head", head, Head)
@@ -69,46 +98,40 @@ class ConvNet(Backbone):
             raise ValueError(f"strides={strides!r} is not allowed: expected {len(widths)} ints >= 1, one per width")
         if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={kernel_size!r} is not allowed: expected an odd int >= 1")
-        self.img_size, self.in_chans, self.num_classes = check_size("img_size", img_size), in_chans, num_classes
-        self.widths, self.strides, self.kernel_size, self.padding = widths, strides, kernel_size, padding
-        self.receptive_field = receptive_field((kernel_size,) * len(widths), strides)
+        return widths, strides
+
+    def _last_map_size(self, img_size: int | tuple[int, int]) -> tuple[int, int]:
+        """`(H', W')` of the last layer's map; `ValueError` when "valid" padding leaves none (`img_size` as given)."""
         h, w = self.img_size
-        for s in strides:  # the last map's size: "zero"/"circular" pad by k // 2, "valid" not at all
-            shrink = kernel_size - 1 if padding == "valid" else 0
+        for s in self.strides:  # the last map's size: "zero"/"circular" pad by k // 2, "valid" not at all
+            shrink = self.kernel_size - 1 if self.padding == "valid" else 0
             h, w = (h - shrink - 1) // s + 1, (w - shrink - 1) // s + 1
         if min(h, w) < 1:
             raise ValueError(
                 f"padding='valid' leaves no output for img_size={img_size!r} with kernel_size="
-                f"{kernel_size} and strides={strides}: use fewer layers or padding 'zero'/'circular'"
+                f"{self.kernel_size} and strides={self.strides}: use fewer layers or padding 'zero'/'circular'"
             )
-        self.feature_size, layers, in_chs = (h, w), [], in_chans
-        for width, stride in zip(widths, strides):
+        return h, w
+
+    def _conv_layers(self) -> nn.Sequential:
+        """The conv-BN-ReLU layers, one per width, padded as `padding` says (the keys `features.<i>.*`)."""
+        layers, in_chs = [], self.in_chans
+        for width, stride in zip(self.widths, self.strides):
             layers += [
                 nn.Conv2d(
                     in_chs,
                     width,
-                    kernel_size,
+                    self.kernel_size,
                     stride=stride,
                     bias=False,
-                    padding=0 if padding == "valid" else kernel_size // 2,
-                    padding_mode="circular" if padding == "circular" else "zeros",
+                    padding=0 if self.padding == "valid" else self.kernel_size // 2,
+                    padding_mode="circular" if self.padding == "circular" else "zeros",
                 ),
                 nn.BatchNorm2d(width),
                 nn.ReLU(inplace=True),
             ]
             in_chs = width
-        self.features = nn.Sequential(*layers)
-        self.pool = {"avg": nn.AdaptiveAvgPool2d(1), "max": nn.AdaptiveMaxPool2d(1), "flatten": nn.Identity()}[pool]
-        self.num_features = in_chs * (h * w if pool == "flatten" else 1)  # what the head reads
-        in_chs = self.num_features
-        if head == "linear":  # a bare Linear: the keys `head.weight`, `head.bias`
-            self.head = nn.Linear(in_chs, num_classes)
-        else:
-            self.head = nn.Sequential(
-                OrderedDict(
-                    fc1=nn.Linear(in_chs, 2 * widths[-1]), act=nn.ReLU(), fc2=nn.Linear(2 * widths[-1], num_classes)
-                )
-            )
+        return nn.Sequential(*layers)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's feature map ``(B, widths[-1], H', W')``, before pooling."""

@@ -166,6 +166,22 @@ class VisionTransformer(Backbone):
         self.num_reg_tokens, self.no_embed_class = reg_tokens, no_embed_class
         self.num_prefix_tokens = (1 if pool == "cls" else 0) + reg_tokens  # the CLS token if any, then the registers
 
+        self._build_embedding(img_size=img_size, patch_size=patch_size, in_chans=in_chans, patch_kernel=patch_kernel)
+        self.rope = self._build_rope(depth=depth, num_heads=num_heads, rope_temperature=rope_temperature)
+        self.register_buffer("attn_mask", None, persistent=False)  # None: every token sees every token
+
+        self.blocks = self._build_blocks(
+            depth, num_heads, mlp_ratio, qkv_bias, qk_norm, attn_score, score_dim, drop_path_rate, init_values
+        )
+        self._build_head(num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score, score_dim=score_dim)
+        self.grad_checkpointing = False
+        self.init_weights()
+
+    def _build_embedding(
+        self, *, img_size: int | tuple[int, int], patch_size: int, in_chans: int, patch_kernel: int | None
+    ) -> None:
+        """Set `patch_embed`, the CLS and register tokens and the position table `pos_embed` (None if it has none)."""
+        embed_dim = self.embed_dim
         self.patch_embed = PatchEmbed(
             img_size=check_size("img_size", img_size),
             patch_size=patch_size,
@@ -174,40 +190,54 @@ class VisionTransformer(Backbone):
             kernel_size=patch_kernel,
         )
         num_patches = self.patch_embed.num_patches
-        num_placed = num_patches + (0 if no_embed_class else self.num_prefix_tokens)  # the tokens with a position
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pool == "cls" else None
-        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
-        if pos_embed == "learned":
+        num_placed = num_patches + (0 if self.no_embed_class else self.num_prefix_tokens)  # the tokens with a position
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if self.pool == "cls" else None
+        self.reg_token = nn.Parameter(torch.zeros(1, self.num_reg_tokens, embed_dim)) if self.num_reg_tokens else None
+        if self.pos_embed_type == "learned":
             self.pos_embed = nn.Parameter(torch.zeros(1, num_placed, embed_dim))
-        elif pos_embed == "sincos1d":
+        elif self.pos_embed_type == "sincos1d":
             self.register_buffer("pos_embed", sincos_1d(torch.arange(num_placed), embed_dim)[None], persistent=False)
-        elif pos_embed == "sincos2d":
+        elif self.pos_embed_type == "sincos2d":
             grid = sincos_2d(*self.patch_embed.grid_size, embed_dim)  # (num_patches, D); prefix tokens at 0
             self.register_buffer(
                 "pos_embed", torch.cat([torch.zeros(num_placed - num_patches, embed_dim), grid])[None], persistent=False
             )
         else:
             self.pos_embed = None
-        relative = (self.patch_embed.grid_size, self.num_prefix_tokens) if pos_embed == "relative" else None
-        self.rope = (
-            RotaryEmbedding(
-                ROPE[pos_embed],
-                grid_size=self.patch_embed.grid_size,
-                head_dim=embed_dim // num_heads,
-                depth=depth,
-                num_heads=num_heads,
-                num_prefix_tokens=self.num_prefix_tokens,
-                temperature=rope_temperature,
-            )
-            if pos_embed in ROPE
-            else None
-        )
-        self.register_buffer("attn_mask", None, persistent=False)  # None: every token sees every token
 
+    def _build_rope(self, *, depth: int, num_heads: int, rope_temperature: float | None) -> RotaryEmbedding | None:
+        """The rotary embedding for "rope" / "rope_mixed" positions, else None."""
+        if self.pos_embed_type not in ROPE:
+            return None
+        return RotaryEmbedding(
+            ROPE[self.pos_embed_type],
+            grid_size=self.patch_embed.grid_size,
+            head_dim=self.embed_dim // num_heads,
+            depth=depth,
+            num_heads=num_heads,
+            num_prefix_tokens=self.num_prefix_tokens,
+            temperature=rope_temperature,
+        )
+
+    def _build_blocks(
+        self,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: float,
+        qkv_bias: bool,
+        qk_norm: bool,
+        attn_score: Score,
+        score_dim: int,
+        drop_path_rate: float,
+        init_values: float | None,
+    ) -> nn.ModuleList:
+        """The `depth` Transformer blocks, their stochastic depth rising linearly to `drop_path_rate`."""
+        pos_embed = self.pos_embed_type
+        relative = (self.patch_embed.grid_size, self.num_prefix_tokens) if pos_embed == "relative" else None
         dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # numbers, also under a meta-device build
-        self.blocks = nn.ModuleList(
+        return nn.ModuleList(
             Block(
-                embed_dim,
+                self.embed_dim,
                 num_heads=num_heads,
                 mlp_ratio=mlp_ratio,
                 qkv_bias=qkv_bias,
@@ -221,16 +251,18 @@ class VisionTransformer(Backbone):
             )
             for p in dpr
         )
+
+    def _build_head(self, *, num_heads: int, mlp_ratio: float, attn_score: Score, score_dim: int) -> None:
+        """Set the final `norm`, the pooling's `attn_pool` ("map" only), `fc_norm`, `head_drop` and the `head`."""
+        embed_dim = self.embed_dim
         self.norm = nn.Identity() if self.use_fc_norm else nn.LayerNorm(embed_dim, eps=1e-6)
-        if pool == "map":
+        if self.pool == "map":
             self.attn_pool = MAPHead(
                 embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, attn_score=attn_score, score_dim=score_dim
             )
         self.fc_norm = nn.LayerNorm(embed_dim, eps=1e-6) if self.use_fc_norm else nn.Identity()
         self.head_drop = nn.Identity()  # timm's name; this model has no dropout before the head
-        self.head = nn.Linear(embed_dim, num_classes)
-        self.grad_checkpointing = False
-        self.init_weights()
+        self.head = nn.Linear(embed_dim, self.num_classes)
 
     def init_weights(self) -> None:
         """timm's scheme (truncated normal, std 0.02), but std `qk_init_std` for the query and key rows of every `qkv`:

@@ -136,6 +136,45 @@ class ImageClassifier(L.LightningModule):
         ema_decay: float | None = None,
     ) -> None:
         super().__init__()
+        num_classes = self._check_options(
+            backbone, lr, weight_decay, betas, warmup_epochs, min_lr_ratio, label_smoothing, layer_decay, ema_decay
+        )
+        # LightningCLI's backbone is recorded as class_path + init_args; a module built in Python is not recorded.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Attribute 'backbone' is an instance of `nn.Module`")
+            self.save_hyperparameters()
+        if isinstance(self.hparams.get("backbone"), nn.Module):
+            self.save_hyperparameters(ignore=["backbone"])
+        if pretrained:
+            load_pretrained(backbone, pretrained)
+        self.backbone = backbone
+        freeze(backbone, trainable)
+        self.ema = ModelEmaV3(backbone, decay=ema_decay).requires_grad_(False) if ema_decay is not None else None
+        if self.ema is not None:  # timm leaves its copy in eval mode; evaluation sets the mode it runs in
+            self.ema.module.train(backbone.training)
+        if compile:
+            self.backbone.compile()
+        self.train_acc, self.val_acc, self.test_acc = (
+            MulticlassAccuracy(num_classes, average="micro") for _ in range(3)
+        )
+        self.test_top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro") if num_classes > 5 else None
+        self.test_ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=15, norm="l1")
+        self.test_confusion = MulticlassConfusionMatrix(num_classes=num_classes)
+        self.class_names = index_names(num_classes)
+
+    @staticmethod
+    def _check_options(
+        backbone: nn.Module,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        warmup_epochs: float,
+        min_lr_ratio: float,
+        label_smoothing: float,
+        layer_decay: float | None,
+        ema_decay: float | None,
+    ) -> int:
+        """Check the optimizer, schedule, layer decay and EMA options against `backbone`; return its `num_classes`."""
         check_float("lr", lr, 0.0, low_open=True)
         check_float("weight_decay", weight_decay, 0.0)
         check_float("warmup_epochs", warmup_epochs, 0.0)
@@ -162,28 +201,7 @@ class ImageClassifier(L.LightningModule):
         num_classes = getattr(backbone, "num_classes", None)
         if not isinstance(num_classes, int):
             raise ValueError(f"backbone {type(backbone).__name__} must have an int attribute `num_classes`")
-        # LightningCLI's backbone is recorded as class_path + init_args; a module built in Python is not recorded.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Attribute 'backbone' is an instance of `nn.Module`")
-            self.save_hyperparameters()
-        if isinstance(self.hparams.get("backbone"), nn.Module):
-            self.save_hyperparameters(ignore=["backbone"])
-        if pretrained:
-            load_pretrained(backbone, pretrained)
-        self.backbone = backbone
-        freeze(backbone, trainable)
-        self.ema = ModelEmaV3(backbone, decay=ema_decay).requires_grad_(False) if ema_decay is not None else None
-        if self.ema is not None:  # timm leaves its copy in eval mode; evaluation sets the mode it runs in
-            self.ema.module.train(backbone.training)
-        if compile:
-            self.backbone.compile()
-        self.train_acc, self.val_acc, self.test_acc = (
-            MulticlassAccuracy(num_classes, average="micro") for _ in range(3)
-        )
-        self.test_top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro") if num_classes > 5 else None
-        self.test_ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=15, norm="l1")
-        self.test_confusion = MulticlassConfusionMatrix(num_classes=num_classes)
-        self.class_names = index_names(num_classes)
+        return num_classes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)
