@@ -727,5 +727,5 @@ def test_the_explain_command_saves_the_maps_it_draws_at_the_scale_asked(
     before = npz.read_bytes()
     out.unlink()
     assert main(args) == 2  # the maps are never overwritten without --overwrite
-    assert "--save-maps" in capsys.readouterr().err and npz.read_bytes() == before and not out.exists()
+    assert "--save_maps" in capsys.readouterr().err and npz.read_bytes() == before and not out.exists()
     assert main([*args, "--overwrite"]) == 0

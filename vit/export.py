@@ -1,7 +1,7 @@
 """Export a trained checkpoint as timm and the Hugging Face Hub read it:
 `model.safetensors`, `config.json`, `README.md`.
 
-    python -m vit.export --ckpt_path runs/folder/vit/version_0/checkpoints/last.ckpt --out exported/
+    python -m vit.export --ckpt_path runs/folder/finetune_vit/version_0/checkpoints/last --out exported/
 
 The backbone's weights go into a timm `VisionTransformer` of the same configuration, written by timm's `save_for_hf`
 (docs/finetune.md, "Export"); what timm cannot compute is refused in one line naming the option."""

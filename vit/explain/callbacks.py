@@ -13,7 +13,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int
-from vit.explain.plot import SCALES, Scale, display_image, overlay, rollout_grid
+from vit.explain.methods import SCALES, ColourScale
+from vit.explain.plot import display_image, overlay, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
@@ -37,7 +38,7 @@ class RolloutImages(L.Callback):
         head_fusion: HeadFusion = "mean",
         discard_ratio: float = 0.0,
         class_names: Sequence[str] | None = None,
-        scale: Scale = "row",
+        scale: ColourScale = "row",
         tag: str = "val/rollout",
         dpi: int = 64,
     ) -> None:

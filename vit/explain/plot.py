@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from vit.checks import check_choice
+from vit.explain.methods import SCALES, ColourScale
 from vit.explain.rollout import minmax
 
 if TYPE_CHECKING:
@@ -17,8 +18,6 @@ if TYPE_CHECKING:
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
-Scale = Literal["panel", "row", "figure"]
-SCALES: tuple[Scale, ...] = ("panel", "row", "figure")
 PANEL_INCHES = 3.0  # each image and overlay of `rollout_grid` is this many inches square
 COLORBAR_INCHES = 0.75  # the width `rollout_grid` adds for its colour bars
 CMAP = "inferno"  # perceptually uniform and readable in grey print, unlike jet
@@ -41,7 +40,7 @@ def overlay(image: Tensor, patch_map: Tensor, alpha: float = ALPHA) -> np.ndarra
 
 
 def rollout_grid(
-    images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None, scale: Scale = "row"
+    images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None = None, scale: ColourScale = "row"
 ) -> Figure:
     """A `matplotlib.figure.Figure` (not pyplot's: safe in a callback), one row per image `(B, C, H, W)`: the image
     (`display_image`), titled by `titles`, then each of `maps` (column name -> `(B, gh, gw)`) over it, and colour bars.
@@ -78,7 +77,7 @@ def rollout_grid(
     return fig
 
 
-def _check_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None, scale: Scale) -> None:
+def _check_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str] | None, scale: ColourScale) -> None:
     """Check `rollout_grid`'s arguments: images `(B, C, H, W)`, maps `(B, gh, gw)`, one title per image, the scale."""
     if images.ndim != 4:
         raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
@@ -93,7 +92,7 @@ def _check_grid(images: Tensor, maps: Mapping[str, Tensor], titles: Sequence[str
     check_choice("scale", scale, SCALES)
 
 
-def _grid_norms(rows: list[list[Tensor]], n_maps: int, scale: Scale) -> list[list[Normalize]]:
+def _grid_norms(rows: list[list[Tensor]], n_maps: int, scale: ColourScale) -> list[list[Normalize]]:
     """The colour scale of each map of each row: one for the figure, one per row, or each map's own."""
     from matplotlib.colors import Normalize
 
@@ -104,7 +103,7 @@ def _grid_norms(rows: list[list[Tensor]], n_maps: int, scale: Scale) -> list[lis
     return [[Normalize(*_limits([m])) for m in r] for r in rows]
 
 
-def _shared_colorbar(fig: Figure, axes: np.ndarray, norms: list[list[Normalize]], scale: Scale) -> None:
+def _shared_colorbar(fig: Figure, axes: np.ndarray, norms: list[list[Normalize]], scale: ColourScale) -> None:
     """The one colour bar beside all the maps: the figure's scale, or a min-to-max bar for per-panel scales."""
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize

@@ -28,7 +28,7 @@ from vit.models.contract import Backbone, ToMaps
 from vit.models.inputs import check_image_batch
 
 Padding = Literal["zero", "circular", "valid"]
-Pool = Literal["avg", "max", "flatten"]
+FeaturePool = Literal["avg", "max", "flatten"]  # how the last feature map is pooled (a ViT's Pool: which tokens)
 Head = Literal["linear", "mlp"]
 
 
@@ -54,7 +54,7 @@ class ConvNet(Backbone):
         strides: tuple[int, ...] | None = None,
         kernel_size: int = 3,
         padding: Padding = "zero",
-        pool: Pool = "avg",
+        pool: FeaturePool = "avg",
         head: Head = "linear",
     ) -> None:
         super().__init__()
@@ -83,12 +83,12 @@ class ConvNet(Backbone):
         strides: tuple[int, ...] | None,
         kernel_size: int,
         padding: Padding,
-        pool: Pool,
+        pool: FeaturePool,
         head: Head,
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Check the padding, pool, head, widths, strides and kernel size; return `(widths, strides)` as tuples."""
         check_choice("padding", padding, Padding)
-        check_choice("pool", pool, Pool)
+        check_choice("pool", pool, FeaturePool)
         check_choice("head", head, Head)
         widths = tuple(widths)
         strides = tuple(strides) if strides is not None else (1,) * len(widths)
