@@ -171,7 +171,7 @@ def save_with_folder(checkpoint: dict, path: Path) -> Path:
     import torch
 
     import vit.artifact as artifact
-    from vit.training.classifier import training_record
+    from vit.training.record import training_record
 
     checkpoint = {**checkpoint, "training_record": training_record(checkpoint)}
     torch.save(checkpoint, path)

@@ -119,8 +119,9 @@ def test_test_metrics_equal_a_brute_force_count():
         assert results[f"test/class_acc/{name}"] == pytest.approx(correct[y == c].mean().item()), name
     assert "test/class_acc/gnu" not in results  # no test image: no accuracy, rather than a made-up 0
 
+    assert results["test/images"] == len(y)  # every test image counted once
     report = format_test_results(results, "some.ckpt").splitlines()
-    assert report[0] == f"test/acc = {results['test/acc']:.4f}  (some.ckpt)"
+    assert report[0] == f"test/acc = {results['test/acc']:.4f} on {len(y)} images  (some.ckpt)"
     assert f"test/top5_acc = {top5:.4f}" in report and f"test/ece = {ece:.4f}" in report
     assert report[report.index("accuracy per class:") + 1] == f"  ant  {correct[y == 0].mean().item():.4f}"
 

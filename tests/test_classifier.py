@@ -188,3 +188,23 @@ def test_layer_decay_options_name_what_is_allowed():
         ImageClassifier(ResNet(img_size=16, in_chans=3, num_classes=3, widths=(4,)), layer_decay=0.75)
     with pytest.raises(ValueError, match="layer_decay=0.75 needs min_lr_ratio=0, got 0.01"):
         ImageClassifier(vit, layer_decay=0.75, min_lr_ratio=0.01)
+
+
+def test_with_layer_decay_each_groups_learning_rate_is_logged_beside_the_heads():
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2)
+    model = ImageClassifier(backbone, lr=0.01, warmup_epochs=0.0, layer_decay=0.5)
+    data = DataLoader(TensorDataset(torch.randn(8, 3, 16, 16), torch.randint(0, 3, (8,))), batch_size=4)
+    trainer = L.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.fit(model, data)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/lr")}
+    # The last step's rates (the schedule has since stepped to its end): the head's, times each group's layer scale.
+    scales = [group["lr_scale"] for group in trainer.optimizers[0].param_groups]
+    assert {k: v for k, v in logged.items() if k != "train/lr"} == {
+        f"train/lr/group_{i}": pytest.approx(logged["train/lr"] * scale) for i, scale in enumerate(scales)
+    }
+    assert max(scales) == 1.0 and len(set(scales)) > 2 and logged["train/lr"] > 0

@@ -408,4 +408,4 @@ def test_the_test_after_fit_is_recorded_in_the_best_checkpoints_model_folder(tmp
         if p.name.startswith("epoch")
     ]
     recorded = json.loads((best.with_suffix("") / "config.json").read_text())["vit"]["training"]["test"]
-    assert f"test/acc = {recorded['test/acc']:.4f}  ({best})" in out
+    assert f"test/acc = {recorded['test/acc']:.4f} on {int(recorded['test/images'])} images  ({best})" in out

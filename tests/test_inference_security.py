@@ -75,6 +75,7 @@ def command_args(images: Path, output: Path, **overrides) -> argparse.Namespace:
             "batch_size": 256,
             "num_workers": 0,
             "device": "cpu",
+            "recursive": False,
             **overrides,
         }
     )
@@ -332,7 +333,7 @@ def test_a_huge_num_workers_is_capped_at_the_cores(images, tmp_path, capsys):
 def test_the_card_has_no_base_model_that_is_not_a_hub_id(pretrained):
     from vit.export import hub_base_model, model_card
     from vit.models.timm_compat import timm_args
-    from vit.training.classifier import training_record
+    from vit.training.record import training_record
 
     assert hub_base_model(pretrained) is None
     record = training_record({"hyper_parameters": {"pretrained": pretrained}})

@@ -27,7 +27,7 @@ from vit.models import VisionTransformer
 from vit.models.timm_compat import timm_args
 from vit.predict import check_paths as predict_check_paths
 from vit.predict import predict
-from vit.training.classifier import training_record
+from vit.training.record import training_record
 
 DATA = {
     "input_size": (3, 32, 32),

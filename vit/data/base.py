@@ -48,6 +48,11 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         """Per-channel ``(mean, std)`` applied after scaling pixels to [0, 1]; ``None``: the pixels as they are."""
         return None
 
+    @property
+    def class_names(self) -> list[str]:
+        """The name of each label, index by index: what a model folder records and the dashboards show."""
+        raise NotImplementedError(f"{type(self).__name__} must name its classes (class_names)")
+
     def inputs(self) -> dict:
         """How an image becomes the model's input, as plain values a checkpoint records for inference."""
         (height, width), norm = check_size("img_size", self.img_size), self.normalization
@@ -143,10 +148,6 @@ class SyntheticDataModule(SplitDataModule):
             ("num_workers", num_workers, 0),
         ):
             check_int(name, value, minimum)
-
-    @property
-    def class_names(self) -> list[str]:
-        raise NotImplementedError  # the name of each label, index by index
 
     def make_split(self, split: str, num_samples: int, region: str) -> Dataset:
         raise NotImplementedError

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import lightning as L
 import torch
@@ -18,13 +16,16 @@ from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError, MulticlassConfusionMatrix
 
-from vit.checks import check_float, check_int
+from vit.checks import check_float, check_int, check_size
+from vit.data.base import SplitDataModule
 from vit.models.pretrained import load_pretrained
+from vit.training.record import training_record
 
 
 def format_test_results(metrics: dict[str, float], where: str = "") -> str:
     """The printed summary of a test: accuracy (then `where`, e.g. the checkpoint), top-5, ECE, per-class accuracy."""
-    lines = [f"test/acc = {metrics['test/acc']:.4f}" + (f"  ({where})" if where else "")]
+    scored = f" on {int(metrics['test/images'])} images" if "test/images" in metrics else ""
+    lines = [f"test/acc = {metrics['test/acc']:.4f}{scored}" + (f"  ({where})" if where else "")]
     lines += [f"{key} = {metrics[key]:.4f}" for key in ("test/top5_acc", "test/ece") if key in metrics]
     per_class = {
         key.removeprefix("test/class_acc/"): value
@@ -219,7 +220,11 @@ class ImageClassifier(L.LightningModule):
         self.train_acc(logits, y)
         self.log("train/loss", mean_loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
-        self.log("train/lr", max(self.lr_schedulers().get_last_lr()), on_step=True, on_epoch=False)  # the head's
+        rates = self.lr_schedulers().get_last_lr()
+        self.log("train/lr", max(rates), on_step=True, on_epoch=False)  # the head's
+        if len(set(rates)) > 1:  # layer decay: each group's rate, as Lightning's LearningRateMonitor logs them
+            for i, rate in enumerate(rates):
+                self.log(f"train/lr/group_{i}", rate, on_step=True, on_epoch=False)
         return {"loss": loss, "mean_loss": mean_loss}
 
     def on_fit_start(self) -> None:
@@ -274,13 +279,19 @@ class ImageClassifier(L.LightningModule):
         counts = self.test_confusion.compute()  # (K, K), rows true classes; summed over processes
         self.test_confusion.reset()
         per_class = counts.diagonal() / counts.sum(dim=1)  # NaN for a class without test images
+        self.log("test/images", counts.sum().float())  # how many were scored (summed over processes already)
         for name, accuracy in zip(self.class_names, per_class.tolist()):
             if accuracy == accuracy:  # not NaN
                 self.log(f"test/class_acc/{name}", accuracy)
 
     def setup(self, stage: str) -> None:
         """Take the class names of the trainer's data module, when it has them."""
-        names = getattr(self.trainer.datamodule, "class_names", None) if self._trainer is not None else None
+        data = self.trainer.datamodule if self._trainer is not None else None
+        if isinstance(data, SplitDataModule):  # this project's data modules declare their inputs and class names
+            height, width = check_size("data.img_size", data.img_size)
+            self.example_input_array = torch.zeros(1, data.in_chans, height, width)  # for TensorBoard's graph
+        # A user's own LightningDataModule may name its classes too: read as this project's data modules declare it.
+        names = getattr(data, "class_names", None)
         if names is not None:
             self.class_names = check_class_names(
                 names, len(self.class_names), f"{type(self.trainer.datamodule).__name__}.class_names"
@@ -289,7 +300,7 @@ class ImageClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["class_names"] = list(self.class_names)
         data = self.trainer.datamodule if self._trainer is not None else None
-        if hasattr(data, "inputs"):  # what inference needs from the data, so that it needs no data module
+        if callable(getattr(data, "inputs", None)):  # SplitDataModule's, or a user's module that declares the same
             checkpoint["inputs"] = data.inputs()
         checkpoint["training_record"] = training_record(checkpoint)  # for the model folder's card
 
@@ -358,40 +369,3 @@ class ImageClassifier(L.LightningModule):
     def configure_optimizers(self):
         optimizer = self.optimizer()
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.schedule(optimizer), "interval": "step"}}
-
-
-def training_record(checkpoint: Mapping) -> dict:
-    """What a checkpoint says of its training, for a model card: run facts, `model` settings, `metrics` (finite
-    monitored scores). Only strings, ints, floats, bools and lists of those: config.json is strict JSON."""
-    data = checkpoint.get("datamodule_hyper_parameters") or {}
-    hparams = checkpoint.get("hyper_parameters") or {}
-    facts = {
-        "data_module": data.get("_class_path"),
-        "dataset": data.get("dataset"),
-        "seed": data.get("seed"),
-        "epoch": checkpoint.get("epoch"),
-        "global_step": checkpoint.get("global_step"),
-        "pretrained": hparams.get("pretrained"),
-    }
-    record = {key: value for key, value in facts.items() if type(value) in (str, int)}
-    settings = {k: v for k, v in hparams.items() if not k.startswith("_") and k != "backbone" and _json(v)}
-    if settings:
-        record["model"] = settings
-    metrics = {}
-    for state in (checkpoint.get("callbacks") or {}).values():
-        if isinstance(state, Mapping) and isinstance(state.get("monitor"), str):
-            for key, label in (("best_model_score", "best"), ("current_score", "at this checkpoint")):
-                score = state.get(key)
-                score = score.item() if isinstance(score, torch.Tensor) and score.numel() == 1 else score
-                if isinstance(score, float) and math.isfinite(score):
-                    metrics[f"{state['monitor']} ({label})"] = score
-    if metrics:
-        record["metrics"] = metrics
-    return record
-
-
-def _json(value: Any) -> bool:
-    """Whether `value` is a plain JSON value: a str, an int, a finite float, a bool, or a list of those."""
-    if isinstance(value, list):
-        return all(_json(v) for v in value)
-    return isinstance(value, (str, int, bool)) or (isinstance(value, float) and math.isfinite(value))
