@@ -199,21 +199,19 @@ def summary(reports: list[DoorReport], top: int) -> str:
     return "\n".join(lines)
 
 
-def fuzz_inputs(door: str, root: Path, examples: int, random_seed: int, log: Path | None, predictor) -> DoorReport:
-    """As `fuzz`, for a weight-file or an image door (`tests/input_mutations.py`)."""
+def _input_door(door: str, root: Path, predictor) -> tuple[Callable, list, object]:
+    """`(opener, notable variants, strategy of random variants)` of a weight-file, an image or the artifact door."""
     from input_mutations import (
         decode_door,
         image_variants,
         notable_image_variants,
         notable_weight_variants,
-        opened,
         predict_door,
         reference_weights,
         weight_variants,
         weights_door,
     )
 
-    report, folder = DoorReport(door, reason=input_reason), root / door
     if door == "artifact":
         from artifact_mutations import artifact_door, folder_variants, notable_folder_variants, reference_folder
 
@@ -225,6 +223,15 @@ def fuzz_inputs(door: str, root: Path, examples: int, random_seed: int, log: Pat
     else:
         opener = decode_door if door == "decode" else predict_door(predictor)
         notable, strategy = [variant for variant, _ in notable_image_variants()], image_variants()
+    return opener, notable, strategy
+
+
+def fuzz_inputs(door: str, root: Path, examples: int, random_seed: int, log: Path | None, predictor) -> DoorReport:
+    """As `fuzz`, for a weight-file or an image door (`tests/input_mutations.py`)."""
+    from input_mutations import opened
+
+    report, folder = DoorReport(door, reason=input_reason), root / door
+    opener, notable, strategy = _input_door(door, root, predictor)
 
     def one(variant) -> None:
         outcome = opened(opener, variant, folder)

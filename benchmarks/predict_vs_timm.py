@@ -139,84 +139,96 @@ def summary(values: list[float], digits: int = 2) -> str:
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/predict_bench"))
     parser.add_argument("--sizes", default="500,5000", help="folder sizes: throughput on the largest, RSS on each")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--num_workers", type=int, default=2)
-    args = parser.parse_args()
-    sizes = sorted(int(n) for n in args.sizes.split(","))
-    ckpt, export = build_model(args.work)
-    for n in sizes:
-        write_images(args.work / f"images_{n}", n)
-    results: dict[str, list] = {
-        "vit_ips": [],
-        "timm_ips": [],
-        "ratio": [],
-        **{f"rss_{n}": [] for n in sizes},
-        "rss_timm": [],
-        "vit_start": [],
-        "timm_start": [],
-        "start_ratio": [],
-    }
+    return parser.parse_args()
+
+
+def _folder_commands(
+    args: argparse.Namespace, ckpt: Path, export: Path, folder: Path, out: Path
+) -> tuple[list[str], list[str]]:
+    """The `vit.predict` and timm-loop commands over `folder`, writing `vit.csv` and `timm.csv` into `out`."""
     options = ["--batch_size", str(args.batch_size), "--num_workers", str(args.num_workers), "--device", "cpu"]
-    for repeat in range(args.repeats):
-        for n in sizes:  # vit.predict on each size: its RSS; on the largest, its images/s against timm's
-            folder, out = args.work / f"images_{n}", args.work / "out"
-            vit_run = [
-                sys.executable,
-                "-m",
-                "vit.predict",
-                "--ckpt_path",
-                str(ckpt),
-                "--input_dir",
-                str(folder),
-                "--output",
-                str(out / "vit.csv"),
-                "--overwrite",
-                *options,
-            ]
-            timm_run = [
-                sys.executable,
-                "-c",
-                TIMM_LOOP,
-                str(export),
-                str(folder),
-                str(out / "timm.csv"),
-                str(args.batch_size),
-                str(args.num_workers),
-            ]
-            out.mkdir(exist_ok=True)
-            order = ["vit", "timm"] if repeat % 2 == 0 else ["timm", "vit"]
-            measured = {}
-            for side in order if n == sizes[-1] else ["vit"]:
-                _, rss, text = timed(vit_run if side == "vit" else timm_run)
-                if side == "vit":
-                    results[f"rss_{n}"].append(rss)
-                    measured["vit"] = float(re.findall(r"([\d.]+) images/s", text)[-1])
-                else:
-                    results["rss_timm"].append(rss)
-                    measured["timm"] = json.loads(text.strip().splitlines()[0])["images_per_s"]
-            if n == sizes[-1]:
-                results["vit_ips"].append(measured["vit"])
-                results["timm_ips"].append(measured["timm"])
-                results["ratio"].append(measured["vit"] / measured["timm"])
-                with open(out / "vit.csv") as a, open(out / "timm.csv") as b:
-                    ours = {row[0]: row[2] for row in list(csv.reader(a))[1:]}
-                    theirs = {row[0]: row[1] for row in csv.reader(b)}
-                agree = sum(ours[k] == theirs.get(k) for k in ours) / len(ours)
-                print(f"repeat {repeat}: top-1 class agrees on {agree:.1%} of {len(ours)} images", flush=True)
-        image = str(next((args.work / f"images_{sizes[0]}").glob("*.jpg")))
-        starts = {}
-        for side in ["vit", "timm"] if repeat % 2 == 0 else ["timm", "vit"]:
-            code, model = (VIT_START, str(ckpt)) if side == "vit" else (TIMM_START, str(export))
-            starts[side] = timed([sys.executable, "-c", code, model, image])[0]
-        results["vit_start"].append(starts["vit"])
-        results["timm_start"].append(starts["timm"])
-        results["start_ratio"].append(starts["vit"] / starts["timm"])
-        print(f"repeat {repeat}: " + json.dumps({k: round(v[-1], 3) for k, v in results.items()}), flush=True)
+    vit_run = [
+        sys.executable,
+        "-m",
+        "vit.predict",
+        "--ckpt_path",
+        str(ckpt),
+        "--input_dir",
+        str(folder),
+        "--output",
+        str(out / "vit.csv"),
+        "--overwrite",
+        *options,
+    ]
+    timm_run = [
+        sys.executable,
+        "-c",
+        TIMM_LOOP,
+        str(export),
+        str(folder),
+        str(out / "timm.csv"),
+        str(args.batch_size),
+        str(args.num_workers),
+    ]
+    return vit_run, timm_run
+
+
+def _agreement(out: Path) -> tuple[float, int]:
+    """The share of images whose top-1 class is the same in `out`'s `vit.csv` and `timm.csv`, and vit's count."""
+    with open(out / "vit.csv") as a, open(out / "timm.csv") as b:
+        ours = {row[0]: row[2] for row in list(csv.reader(a))[1:]}
+        theirs = {row[0]: row[1] for row in csv.reader(b)}
+    agree = sum(ours[k] == theirs.get(k) for k in ours) / len(ours)
+    return agree, len(ours)
+
+
+def _time_folder(
+    args: argparse.Namespace, ckpt: Path, export: Path, n: int, largest: bool, repeat: int, results: dict[str, list]
+) -> None:
+    """One repeat on the folder of `n` images into `results`: vit.predict's peak RSS; on the `largest`, both loops'
+    images/s (and timm's RSS), in this repeat's order, and how often their top-1 classes agree."""
+    folder, out = args.work / f"images_{n}", args.work / "out"
+    vit_run, timm_run = _folder_commands(args, ckpt, export, folder, out)
+    out.mkdir(exist_ok=True)
+    order = ["vit", "timm"] if repeat % 2 == 0 else ["timm", "vit"]
+    measured = {}
+    for side in order if largest else ["vit"]:
+        _, rss, text = timed(vit_run if side == "vit" else timm_run)
+        if side == "vit":
+            results[f"rss_{n}"].append(rss)
+            measured["vit"] = float(re.findall(r"([\d.]+) images/s", text)[-1])
+        else:
+            results["rss_timm"].append(rss)
+            measured["timm"] = json.loads(text.strip().splitlines()[0])["images_per_s"]
+    if largest:
+        results["vit_ips"].append(measured["vit"])
+        results["timm_ips"].append(measured["timm"])
+        results["ratio"].append(measured["vit"] / measured["timm"])
+        agree, count = _agreement(out)
+        print(f"repeat {repeat}: top-1 class agrees on {agree:.1%} of {count} images", flush=True)
+
+
+def _time_start(ckpt: Path, export: Path, image: str, repeat: int, results: dict[str, list]) -> None:
+    """One repeat of start-up + one prediction of `image`, vit and timm in this repeat's order, into `results`."""
+    starts = {}
+    for side in ["vit", "timm"] if repeat % 2 == 0 else ["timm", "vit"]:
+        code, model = (VIT_START, str(ckpt)) if side == "vit" else (TIMM_START, str(export))
+        starts[side] = timed([sys.executable, "-c", code, model, image])[0]
+    results["vit_start"].append(starts["vit"])
+    results["timm_start"].append(starts["timm"])
+    results["start_ratio"].append(starts["vit"] / starts["timm"])
+
+
+def _print_summary(args: argparse.Namespace, sizes: list[int], results: dict[str, list]) -> None:
+    """The figures over the repeats: images/s, peak RSS per folder size, start-up."""
     print(
         f"\nimages/s on {sizes[-1]} images (batch {args.batch_size}, {args.num_workers} workers, cpu): "
         f"vit.predict {summary(results['vit_ips'], 1)}, timm {summary(results['timm_ips'], 1)}, "
@@ -233,6 +245,31 @@ def main() -> None:
         f"start-up + one prediction, s: vit.load {summary(results['vit_start'])}, timm.create_model "
         f"{summary(results['timm_start'])}, ratio {summary(results['start_ratio'])}"
     )
+
+
+def main() -> None:
+    args = _parse_args()
+    sizes = sorted(int(n) for n in args.sizes.split(","))
+    ckpt, export = build_model(args.work)
+    for n in sizes:
+        write_images(args.work / f"images_{n}", n)
+    results: dict[str, list] = {
+        "vit_ips": [],
+        "timm_ips": [],
+        "ratio": [],
+        **{f"rss_{n}": [] for n in sizes},
+        "rss_timm": [],
+        "vit_start": [],
+        "timm_start": [],
+        "start_ratio": [],
+    }
+    for repeat in range(args.repeats):
+        for n in sizes:  # vit.predict on each size: its RSS; on the largest, its images/s against timm's
+            _time_folder(args, ckpt, export, n, n == sizes[-1], repeat, results)
+        image = str(next((args.work / f"images_{sizes[0]}").glob("*.jpg")))
+        _time_start(ckpt, export, image, repeat, results)
+        print(f"repeat {repeat}: " + json.dumps({k: round(v[-1], 3) for k, v in results.items()}), flush=True)
+    _print_summary(args, sizes, results)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ def csv_choices(value: str, allowed: tuple[str, ...], name: str) -> list[str]:
     return chosen
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(
@@ -176,14 +177,22 @@ def main() -> None:
         "since with more threads, time spent spinning at barriers counts too)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[str], list[bool], list[str]]:
+    """The precisions, compile settings and modes to time, after checking the counts are positive."""
     precisions = csv_choices(args.precision, PRECISIONS, "precision")
     compiles = [c == "on" for c in csv_choices(args.compile, ("off", "on"), "compile")]
     modes = csv_choices(args.modes, MODES, "modes")
     for name in ("batch_size", "repeats", "steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)} must be >= 1")
+    return precisions, compiles, modes
 
+
+def _device(args: argparse.Namespace) -> tuple[torch.device, Callable[[], float], str]:
+    """The device (threads and TF32 set), the clock, and a description of where the models run."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -198,11 +207,12 @@ def main() -> None:
         where = torch.cuda.get_device_name(device)
     else:
         where = f"CPU, {torch.get_num_threads()} torch threads"
-    torch.manual_seed(args.seed)
-    ours, theirs = build_pair(args, device)
+    return device, clock, where
+
+
+def _print_header(args: argparse.Namespace, ours: nn.Module, x: torch.Tensor, where: str) -> None:
+    """Count our model's parameters and FLOPs, then print the configuration, the device and the table's heading."""
     params = sum(p.numel() for p in ours.parameters())
-    x = torch.randn(args.batch_size, args.in_chans, args.img_size, args.img_size, device=device)
-    y = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
     fwd_flops, train_flops = flops_per_image(ours, x[: min(8, args.batch_size)])
 
     tokens = (args.img_size // args.patch_size) ** 2 + 1
@@ -221,6 +231,64 @@ def main() -> None:
     print(header)
     print("-" * len(header), flush=True)
 
+
+def _warm_up(
+    steps: dict[str, Callable], x: torch.Tensor, y: torch.Tensor, warmup: int, device: torch.device
+) -> dict[str, float]:
+    """Run each model's `warmup` untimed steps; the wall seconds each took (compilation included)."""
+    compile_note = {}
+    for name, step in steps.items():
+        start = time.perf_counter()
+        for _ in range(warmup):
+            step(x, y)
+        synchronize(device)
+        compile_note[name] = time.perf_counter() - start
+    return compile_note
+
+
+def _rates(
+    steps: dict[str, Callable],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    clock: Callable[[], float],
+) -> dict[str, list[float]]:
+    """Images/s of each model per repeat, ours first on even repeats and timm first on odd ones."""
+    rates = {"ours": [], "timm": []}
+    for r in range(args.repeats):
+        for name in ("ours", "timm") if r % 2 == 0 else ("timm", "ours"):
+            rates[name].append(images_per_second(steps[name], x, y, args.steps, device, clock))
+    return rates
+
+
+def _print_row(mode: str, precision: str, compile: bool, rates: dict, compile_note: dict) -> None:
+    """One line of the table (and, when compiled, the warm-up's seconds beneath it)."""
+    ratios = [a / b for a, b in zip(rates["ours"], rates["timm"])]
+    print(
+        f"{mode:>7} | {precision:>4} | {'on' if compile else 'off':>7} | "
+        f"{summary(rates['ours'], '6.0f'):>22} | {summary(rates['timm'], '6.0f'):>22} | "
+        f"{summary(ratios, '5.3f'):>19}",
+        flush=True,
+    )
+    if compile:
+        print(
+            f"{'':>7}   warm-up incl. compilation: ours {compile_note['ours']:.0f} s, "
+            f"timm {compile_note['timm']:.0f} s",
+            flush=True,
+        )
+
+
+def main() -> None:
+    args = _parse_args()
+    precisions, compiles, modes = _settings(args)
+    device, clock, where = _device(args)
+    torch.manual_seed(args.seed)
+    ours, theirs = build_pair(args, device)
+    x = torch.randn(args.batch_size, args.in_chans, args.img_size, args.img_size, device=device)
+    y = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
+    _print_header(args, ours, x, where)
+
     for precision in precisions:
         for compile in compiles:
             for mode in modes:
@@ -229,30 +297,9 @@ def main() -> None:
                     "ours": make_step(ours, mode, precision, compile, device),
                     "timm": make_step(theirs, mode, precision, compile, device),
                 }
-                compile_note = {}
-                for name, step in steps.items():
-                    start = time.perf_counter()
-                    for _ in range(args.warmup):
-                        step(x, y)
-                    synchronize(device)
-                    compile_note[name] = time.perf_counter() - start
-                rates = {"ours": [], "timm": []}
-                for r in range(args.repeats):
-                    for name in ("ours", "timm") if r % 2 == 0 else ("timm", "ours"):
-                        rates[name].append(images_per_second(steps[name], x, y, args.steps, device, clock))
-                ratios = [a / b for a, b in zip(rates["ours"], rates["timm"])]
-                print(
-                    f"{mode:>7} | {precision:>4} | {'on' if compile else 'off':>7} | "
-                    f"{summary(rates['ours'], '6.0f'):>22} | {summary(rates['timm'], '6.0f'):>22} | "
-                    f"{summary(ratios, '5.3f'):>19}",
-                    flush=True,
-                )
-                if compile:
-                    print(
-                        f"{'':>7}   warm-up incl. compilation: ours {compile_note['ours']:.0f} s, "
-                        f"timm {compile_note['timm']:.0f} s",
-                        flush=True,
-                    )
+                compile_note = _warm_up(steps, x, y, args.warmup, device)
+                rates = _rates(steps, x, y, args, device, clock)
+                _print_row(mode, precision, compile, rates, compile_note)
 
 
 if __name__ == "__main__":

@@ -97,100 +97,145 @@ def subset_label(setting: str, lo: int, hi: int) -> str:
     return f"{setting} {lo}" if lo == hi else f"{setting} {lo}-{hi}"
 
 
+def _row(label: str, name: str, acc: float, n: int, what: str) -> dict:
+    """One result row: ``name``'s accuracy on the ``n`` images of subset ``label``, with its exact 95% interval."""
+    low, high = clopper_pearson(round(acc * n), n)
+    return {
+        "region": label,
+        "n": n,
+        "baseline": name,
+        "accuracy": round(acc, 4),
+        "low": round(low, 4),
+        "high": round(high, 4),
+        "shortcut": name not in NOT_SHORTCUTS,
+        "what": what,
+    }
+
+
+def _pixel(c: np.ndarray, img_size: int) -> np.ndarray:
+    """The flat pixel of each (row, col) centre."""
+    return c[..., 0] * img_size + c[..., 1]  # (N, ...) flat pixel of (N, ..., 2) (row, col)
+
+
+def _two_hot(c: np.ndarray, img_size: int) -> np.ndarray:
+    """The two-hot map (N, img_size**2) of each sample's two centres."""
+    out = np.zeros((len(c), img_size * img_size), dtype=np.float32)
+    np.add.at(out, (np.arange(len(c))[:, None], c[..., 0] * img_size + c[..., 1]), 1.0)
+    return out
+
+
+def _sorted_centres(c: np.ndarray, img_size: int) -> np.ndarray:
+    """Both centres of each sample without order (sorted by flat pixel), as (N, 4)."""
+    order = np.argsort(_pixel(c, img_size), axis=1)  # (N, 2)
+    return np.take_along_axis(c, order[..., None], axis=1).reshape(len(c), 4)
+
+
+def _bayes(fit: Images, test: Images, name: str, key, what: str) -> tuple[str, float, str]:
+    """``(name, accuracy, what)`` of the majority label per ``key(images)`` learned on ``fit``, scored on ``test``."""
+    return name, bayes_accuracy(key(fit), fit.labels, key(test), test.labels), what
+
+
+def _geometry_scores(fit: Images, test: Images, img_size: int) -> list[tuple[str, float, str]]:
+    """``(name, accuracy, what)`` of the Bayes shortcuts on the centres: one disc, the midpoint, span and distance."""
+    return [
+        *(
+            _bayes(
+                fit,
+                test,
+                name,
+                lambda im, k=k: _pixel(im.centres[:, k], img_size),
+                f"Bayes on the centre pixel of disc {name[-1]} alone",
+            )
+            for k, name in enumerate(("disc_a", "disc_b"))
+        ),
+        _bayes(
+            fit,
+            test,
+            "disc_random",
+            lambda im: _pixel(im.centres[np.arange(len(im.pick)), im.pick], img_size),
+            "Bayes on the centre pixel of one disc chosen at random",
+        ),
+        _bayes(
+            fit,
+            test,
+            "midpoint",
+            lambda im: im.centres[..., 0].sum(1) * 2 * img_size + im.centres[..., 1].sum(1),
+            "Bayes on the midpoint (half pixels)",
+        ),
+        _bayes(fit, test, "span", lambda im: im.span, "Bayes on the span"),
+        _bayes(
+            fit,
+            test,
+            "distance",
+            lambda im: np.rint(np.hypot(*(im.centres[:, 1] - im.centres[:, 0]).T)).astype(np.int64),
+            "Bayes on the rounded centre distance",
+        ),
+    ]
+
+
+def _layout_scores(fit: Images, test: Images, img_size: int) -> list[tuple[str, float, str]]:
+    """``(name, accuracy, what)`` of the shortcuts on the ink, the blobs, the quadrants, the pixels and the centres."""
+    ytr, yte = fit.labels, test.labels
+    return [
+        (
+            "ink",
+            logreg_accuracy(fit.pixels.sum(1, keepdims=True), ytr, test.pixels.sum(1, keepdims=True), yte),
+            "logistic regression on the total ink",
+        ),
+        _bayes(fit, test, "parts", lambda im: im.blobs, "Bayes on the number of blobs in the pixels"),
+        _bayes(
+            fit,
+            test,
+            "quadrants",
+            lambda im: _cells(im.centres, img_size // 2, img_size),
+            "Bayes on the quadrants of both discs (unordered)",
+        ),
+        ("pixels_logreg", logreg_accuracy(fit.pixels, ytr, test.pixels, yte), "logistic regression on the raw pixels"),
+        (
+            "centres_logreg",
+            logreg_accuracy(_two_hot(fit.centres, img_size), ytr, _two_hot(test.centres, img_size), yte),
+            "logistic regression on the two-hot map of the centres",
+        ),
+    ]
+
+
+def _relation_scores(fit: Images, test: Images, img_size: int, mlp: bool) -> list[tuple[str, float, str]]:
+    """``(name, accuracy, what)`` of the baselines that read the relation (the MLP with ``mlp`` only)."""
+    ytr, yte = fit.labels, test.labels
+    scores = [
+        _bayes(
+            fit,
+            test,
+            "grid4",
+            lambda im: _cells(im.centres, img_size // 4, img_size),
+            "Bayes on the cells of a 4x4 grid of both discs (unordered): the relation at 8 px",
+        ),
+        (
+            "positions_sorted",
+            _trees_accuracy(_sorted_centres(fit.centres, img_size), ytr, _sorted_centres(test.centres, img_size), yte),
+            "gradient-boosted trees on both centres, sorted: the relation itself",
+        ),
+    ]
+    if mlp:
+        scores.append(
+            (
+                "pixels_mlp",
+                _mlp_accuracy(fit.pixels, ytr, test.pixels, yte),
+                "2-layer MLP (256 hidden) on the raw pixels: a model",
+            )
+        )
+    return scores
+
+
 def audit_subset(
     fit: Images, test: Images, label: str, *, img_size: int = 32, relation: bool = False, mlp: bool = True
 ) -> list[dict]:
     """Rows ``{region, n, baseline, accuracy, low, high, shortcut, what}`` of every shortcut fit on ``fit`` and scored
     on ``test`` (``region``: the subset's ``label``); with ``relation``, the baselines that read the relation too."""
-    ytr, yte, ctr, cte = fit.labels, test.labels, fit.centres, test.centres
-    rows = []
-
-    def add(name: str, acc: float, what: str) -> None:
-        low, high = clopper_pearson(round(acc * len(yte)), len(yte))
-        rows.append(
-            {
-                "region": label,
-                "n": len(yte),
-                "baseline": name,
-                "accuracy": round(acc, 4),
-                "low": round(low, 4),
-                "high": round(high, 4),
-                "shortcut": name not in NOT_SHORTCUTS,
-                "what": what,
-            }
-        )
-
-    def bayes(name: str, key, what: str) -> None:
-        add(name, bayes_accuracy(key(fit), ytr, key(test), yte), what)
-
-    def pixel(c: np.ndarray) -> np.ndarray:
-        return c[..., 0] * img_size + c[..., 1]  # (N, ...) flat pixel of (N, ..., 2) (row, col)
-
-    for k, name in enumerate(("disc_a", "disc_b")):
-        bayes(name, lambda im, k=k: pixel(im.centres[:, k]), f"Bayes on the centre pixel of disc {name[-1]} alone")
-    bayes(
-        "disc_random",
-        lambda im: pixel(im.centres[np.arange(len(im.pick)), im.pick]),
-        "Bayes on the centre pixel of one disc chosen at random",
-    )
-    bayes(
-        "midpoint",
-        lambda im: im.centres[..., 0].sum(1) * 2 * img_size + im.centres[..., 1].sum(1),
-        "Bayes on the midpoint (half pixels)",
-    )
-    bayes("span", lambda im: im.span, "Bayes on the span")
-    bayes(
-        "distance",
-        lambda im: np.rint(np.hypot(*(im.centres[:, 1] - im.centres[:, 0]).T)).astype(np.int64),
-        "Bayes on the rounded centre distance",
-    )
-    add(
-        "ink",
-        logreg_accuracy(fit.pixels.sum(1, keepdims=True), ytr, test.pixels.sum(1, keepdims=True), yte),
-        "logistic regression on the total ink",
-    )
-    bayes("parts", lambda im: im.blobs, "Bayes on the number of blobs in the pixels")
-    bayes(
-        "quadrants",
-        lambda im: _cells(im.centres, img_size // 2, img_size),
-        "Bayes on the quadrants of both discs (unordered)",
-    )
-    add("pixels_logreg", logreg_accuracy(fit.pixels, ytr, test.pixels, yte), "logistic regression on the raw pixels")
-
-    def two_hot(c):
-        out = np.zeros((len(c), img_size * img_size), dtype=np.float32)
-        np.add.at(out, (np.arange(len(c))[:, None], c[..., 0] * img_size + c[..., 1]), 1.0)
-        return out
-
-    add(
-        "centres_logreg",
-        logreg_accuracy(two_hot(ctr), ytr, two_hot(cte), yte),
-        "logistic regression on the two-hot map of the centres",
-    )
-    if not relation:
-        return rows
-    bayes(
-        "grid4",
-        lambda im: _cells(im.centres, img_size // 4, img_size),
-        "Bayes on the cells of a 4x4 grid of both discs (unordered): the relation at 8 px",
-    )
-
-    def sorted_centres(c):
-        order = np.argsort(pixel(c), axis=1)  # (N, 2)
-        return np.take_along_axis(c, order[..., None], axis=1).reshape(len(c), 4)
-
-    add(
-        "positions_sorted",
-        _trees_accuracy(sorted_centres(ctr), ytr, sorted_centres(cte), yte),
-        "gradient-boosted trees on both centres, sorted: the relation itself",
-    )
-    if mlp:
-        add(
-            "pixels_mlp",
-            _mlp_accuracy(fit.pixels, ytr, test.pixels, yte),
-            "2-layer MLP (256 hidden) on the raw pixels: a model",
-        )
-    return rows
+    scores = _geometry_scores(fit, test, img_size) + _layout_scores(fit, test, img_size)
+    if relation:
+        scores += _relation_scores(fit, test, img_size, mlp)
+    return [_row(label, name, acc, len(test.labels), what) for name, acc, what in scores]
 
 
 def audit(setting: Setting, *, img_size: int = 32, mlp: bool = True) -> list[dict]:
@@ -209,21 +254,23 @@ def audit(setting: Setting, *, img_size: int = 32, mlp: bool = True) -> list[dic
     return rows
 
 
-def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: float, command: str) -> None:
-    """``shortcuts.csv`` (every row) and ``shortcuts.md`` (a table per setting) in ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _interval(r: dict) -> str:
+    """A row's accuracy with its interval, in percent: ``51.2 [49.8, 52.6]``."""
+    return f"{100 * r['accuracy']:.1f} [{100 * r['low']:.1f}, {100 * r['high']:.1f}]"
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    """Every row into the CSV at ``path``."""
     fields = ["region", "n", "baseline", "accuracy", "low", "high", "shortcut", "what"]
-    with (out_dir / "shortcuts.csv").open("w", newline="") as f:
+    with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
-    shortcuts = list(dict.fromkeys(r["baseline"] for r in rows if r["shortcut"]))
-    table = {(r["region"], r["baseline"]): r for r in rows}
 
-    def interval(r: dict) -> str:
-        return f"{100 * r['accuracy']:.1f} [{100 * r['low']:.1f}, {100 * r['high']:.1f}]"
 
-    lines = [
+def _intro(seconds: float, command: str) -> list[str]:
+    """The lines of ``shortcuts.md``'s title and its paragraph on how the audit was made."""
+    return [
         "# Arrangement: shortcut audit per span subset, test accuracy (%) with exact 95% intervals",
         "",
         (
@@ -236,26 +283,34 @@ def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: flo
         ),
         "",
     ]
-    for s in settings:
-        lines += [
-            f"## `{s.name}`: {len(s.scored.labels):,} images scored, fit on {len(s.fit.labels):,}",
-            "",
-            "| spans | n | scored by | " + " | ".join(shortcuts) + " | highest |",
-            "|---" * (len(shortcuts) + 4) + "|",
-        ]
-        for (a, b), why in s.subsets.items():
-            label = subset_label(s.name, a, b)
-            cells = [table[(label, name)] for name in shortcuts]
-            top = max(cells, key=lambda r: r["accuracy"])
-            lines.append(
-                f"| {label.split(' ')[-1]} | {cells[0]['n']} | {why} | "
-                + " | ".join(f"{100 * r['accuracy']:.1f}" for r in cells)
-                + f" | {top['baseline']} {interval(top)} |"
-            )
-        lines.append("")
+
+
+def _setting_table(s: Setting, shortcuts: list[str], table: dict) -> list[str]:
+    """The lines of one setting's table: a row per subset, a column per shortcut, and the subset's highest."""
+    lines = [
+        f"## `{s.name}`: {len(s.scored.labels):,} images scored, fit on {len(s.fit.labels):,}",
+        "",
+        "| spans | n | scored by | " + " | ".join(shortcuts) + " | highest |",
+        "|---" * (len(shortcuts) + 4) + "|",
+    ]
+    for (a, b), why in s.subsets.items():
+        label = subset_label(s.name, a, b)
+        cells = [table[(label, name)] for name in shortcuts]
+        top = max(cells, key=lambda r: r["accuracy"])
+        lines.append(
+            f"| {label.split(' ')[-1]} | {cells[0]['n']} | {why} | "
+            + " | ".join(f"{100 * r['accuracy']:.1f}" for r in cells)
+            + f" | {top['baseline']} {_interval(top)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _relation_table(rows: list[dict], table: dict) -> list[str]:
+    """The lines of the table of the baselines that read the relation, a row per setting."""
     relation = [r for r in rows if not r["shortcut"]]
     models = list(dict.fromkeys(r["baseline"] for r in relation))
-    lines += [
+    lines = [
         "## Not shortcuts: the relation read, on every image of each setting",
         "",
         "| setting | " + " | ".join(models) + " |",
@@ -264,9 +319,14 @@ def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: flo
     for region in dict.fromkeys(r["region"] for r in relation):
         lines.append(
             f"| {region} | "
-            + " | ".join(interval(table[(region, m)]) if (region, m) in table else "–" for m in models)
+            + " | ".join(_interval(table[(region, m)]) if (region, m) in table else "–" for m in models)
             + " |"
         )
+    return lines
+
+
+def _verdict(rows: list[dict]) -> list[str]:
+    """The closing lines: the shortcuts above ``LIMIT``, the highest one, and what each baseline is."""
     failed = [
         f"{r['baseline']} ({r['region']}: {100 * r['accuracy']:.1f}%)"
         for r in rows
@@ -274,15 +334,28 @@ def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: flo
     ]
     worst = max((r for r in rows if r["shortcut"]), key=lambda r: r["accuracy"])
     what = {r["baseline"]: r["what"] for r in rows}
-    lines += [
+    return [
         "",
         f"Shortcuts above {100 * LIMIT:.0f}%: "
         + (", ".join(failed) if failed else "none")
-        + f". Highest: {worst['baseline']} on `{worst['region']}`, {interval(worst)}.",
+        + f". Highest: {worst['baseline']} on `{worst['region']}`, {_interval(worst)}.",
         "",
         *[f"- `{b}`: {what[b]}" for b in what],
         "",
     ]
+
+
+def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: float, command: str) -> None:
+    """``shortcuts.csv`` (every row) and ``shortcuts.md`` (a table per setting) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_csv(rows, out_dir / "shortcuts.csv")
+    shortcuts = list(dict.fromkeys(r["baseline"] for r in rows if r["shortcut"]))
+    table = {(r["region"], r["baseline"]): r for r in rows}
+    lines = _intro(seconds, command)
+    for s in settings:
+        lines += _setting_table(s, shortcuts, table)
+    lines += _relation_table(rows, table)
+    lines += _verdict(rows)
     (out_dir / "shortcuts.md").write_text("\n".join(lines))
 
 

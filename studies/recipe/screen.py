@@ -58,9 +58,8 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, decay_fraction:
     return 1.0 if step < decay_start else max(0.0, (total - step) / max(1, total - decay_start))
 
 
-def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict:
-    """One bare training run; returns the CSV row's values. Every 50 steps, the plateau diagnostics
-    (`studies.recipe.diagnostics`) on 128 validation images go to `curve_path` (JSON), untimed."""
+def _data(settings: dict, seed: int) -> SameDifferentDataModule:
+    """The run's splits, set up: the candidate's training and test sizes and 128 validation images for the probes."""
     data = SameDifferentDataModule(
         num_train=settings["num_train"],
         num_val=128,
@@ -71,13 +70,50 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
         batch_size=64,
     )
     data.setup()
-    x_train, y_train = data.train_set.images.contiguous(), data.train_set.labels
-    x_probe, probe_labels = data.val_set.images, data.val_set.token_labels(settings["model"]["patch_size"])
-    curve = []
+    return data
+
+
+def _model_and_optimizer(settings: dict, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The seeded model the candidate describes and its AdamW (no weight decay where the model says none)."""
     torch.manual_seed(seed)
     model = screened.build(img_size=32, in_chans=1, num_classes=2, **settings["model"])
     groups = param_groups_weight_decay(model, settings["weight_decay"], no_weight_decay_list=model.no_weight_decay())
     optimizer = torch.optim.AdamW(groups, lr=settings["lr"], betas=tuple(settings["betas"]))
+    return model, optimizer
+
+
+def _diagnostics(model: torch.nn.Module, step: int, losses: list[float], x_probe, probe_labels) -> dict:
+    """One point of the plateau curve at ``step``: the recent loss, gradient norms, attention and token probes."""
+    model.eval()
+    point = {
+        "step": step,
+        "loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+        **grad_norms(model),
+        **attention_stats(model, x_probe),
+    }
+    for block in (0, len(model.blocks) - 1):
+        point[f"probe/block{block}_acc"] = token_probe(model, x_probe, probe_labels, block=block)
+    model.train()
+    return point
+
+
+def _test_accuracy(model: torch.nn.Module, test_set) -> str:
+    """The model's accuracy on the test split (in batches of 500), as the CSV writes it."""
+    model.eval()
+    with torch.no_grad():
+        x_test, y_test = test_set.images, test_set.labels
+        predicted = torch.cat([model(x_test[i : i + 500]).argmax(-1) for i in range(0, len(y_test), 500)])
+    return f"{(predicted == y_test).float().mean().item():.4f}"
+
+
+def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict:
+    """One bare training run; returns the CSV row's values. Every 50 steps, the plateau diagnostics
+    (`studies.recipe.diagnostics`) on 128 validation images go to `curve_path` (JSON), untimed."""
+    data = _data(settings, seed)
+    x_train, y_train = data.train_set.images.contiguous(), data.train_set.labels
+    x_probe, probe_labels = data.val_set.images, data.val_set.token_labels(settings["model"]["patch_size"])
+    curve = []
+    model, optimizer = _model_and_optimizer(settings, seed)
     steps, batch = settings["steps"], settings["batch_size"]
     warmup = int(settings["warmup_fraction"] * steps)
     generator = torch.Generator().manual_seed(seed)
@@ -98,17 +134,7 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
         loss.backward()
         if step % 50 == 0:
             tic = time.perf_counter()
-            model.eval()
-            point = {
-                "step": step,
-                "loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-                **grad_norms(model),
-                **attention_stats(model, x_probe),
-            }
-            for block in (0, len(model.blocks) - 1):
-                point[f"probe/block{block}_acc"] = token_probe(model, x_probe, probe_labels, block=block)
-            curve.append(point)
-            model.train()
+            curve.append(_diagnostics(model, step, losses, x_probe, probe_labels))
             diagnostics_s += time.perf_counter() - tic
         if settings.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings["clip"])
@@ -122,12 +148,8 @@ def train_one(settings: dict, seed: int, curve_path: Path | None = None) -> dict
     seconds = time.perf_counter() - start - diagnostics_s
     if curve_path is not None:
         curve_path.write_text(json.dumps(curve))
-    model.eval()
-    with torch.no_grad():
-        x_test, y_test = data.test_set.images, data.test_set.labels
-        predicted = torch.cat([model(x_test[i : i + 500]).argmax(-1) for i in range(0, len(y_test), 500)])
     return {
-        "test_acc": f"{(predicted == y_test).float().mean().item():.4f}",
+        "test_acc": _test_accuracy(model, data.test_set),
         "left_plateau_at": left_at or "",
         "final_train_loss": f"{sum(losses[-50:]) / 50:.4f}",
         "s_per_step": f"{seconds / steps_done:.4f}",

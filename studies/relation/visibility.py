@@ -123,13 +123,8 @@ def binned(row: dict, lo: int, hi: int) -> float:
     return sum(s * n for s, n in sel) / total if total else float("nan")
 
 
-def write_predictions(rows: list[dict], out: Path, *, acc_visible: float, config: str) -> None:
-    """The predictions page: per CNN the visible share and the predicted accuracy per span bin, and the crossing."""
-    if not rows:
-        raise ValueError(f"{config} has no ConvNet in a same_different experiment: nothing to predict")
-    spans = sorted({d for r in rows for d in r["spans"]})
-    edges = bins(spans)
-    heads = [f"{lo}-{hi}" for lo, hi in edges]
+def _summary(rows: list[dict], out: Path, acc_visible: float, config: str) -> list[str]:
+    """The page's title, how it was computed, and its table of one row per CNN with its crossings."""
     lines = [
         "# Predictions of the partial-view (visibility) model, written before the runs",
         "",
@@ -155,7 +150,15 @@ def write_predictions(rows: list[dict], out: Path, *, acc_visible: float, config
             f"{r['whole'] * 100:.1f}% | {r['accuracy'] * 100:.1f}% | {half} | {chance} | "
             f"{'yes' if r['additive'] else 'no: max pooling or MLP head'} |"
         )
-    lines += [
+    return lines
+
+
+def _per_bin(rows: list[dict], acc_visible: float) -> list[str]:
+    """The two tables per span bin, one row per CNN: the visible share, then the predicted accuracy."""
+    spans = sorted({d for r in rows for d in r["spans"]})
+    edges = bins(spans)
+    heads = [f"{lo}-{hi}" for lo, hi in edges]
+    lines = [
         "",
         "## Visible share (%) per span bin",
         "",
@@ -177,6 +180,14 @@ def write_predictions(rows: list[dict], out: Path, *, acc_visible: float, config
             + " | ".join(f"{predicted_accuracy(binned(r, lo, hi), acc_visible) * 100:.1f}" for lo, hi in edges)
             + " |"
         )
+    return lines
+
+
+def write_predictions(rows: list[dict], out: Path, *, acc_visible: float, config: str) -> None:
+    """The predictions page: per CNN the visible share and the predicted accuracy per span bin, and the crossing."""
+    if not rows:
+        raise ValueError(f"{config} has no ConvNet in a same_different experiment: nothing to predict")
+    lines = _summary(rows, out, acc_visible, config) + _per_bin(rows, acc_visible)
     lines += [
         "",
         "## Visible share per span (px), exact",
