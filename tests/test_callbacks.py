@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from dashboard_helpers import TINY, wandb_records
@@ -383,3 +384,22 @@ def test_figures_name_the_epoch_and_step_as_the_checkpoints_do(tmp_path, monkeyp
         ("rollout", "after epoch 01 (step 4)"),
         ("confusion", "the last validation, after epoch 01 (step 4)"),
     ]
+
+
+@pytest.mark.slow
+def test_on_wandb_an_image_folders_split_is_written_into_the_runs_own_folder(tmp_path, monkeypatch, offline_wandb):
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+                tmp_path / "images" / name / f"{i}.png"
+            )
+    folder_data = ["--data", "vit.data.ImageFolderDataModule", "--data.root", str(tmp_path / "images")]
+    folder_data += ["--data.img_size", "32", "--data.batch_size", "4", "--data.num_workers", "0"]
+    args = ["fit", "--config", VIT_CONFIG, "--config", WANDB_CONFIG, *folder_data, "--trainer.max_epochs", "1"]
+    cli = run_cli([*args, "--trainer.accelerator", "cpu", "--test_after_fit", "false"], tmp_path, monkeypatch)
+    run = Path(cli.trainer.checkpoint_callback.dirpath).parent  # runs/<project>/<run id>/, beside checkpoints/
+    split = json.loads((run / "split.json").read_text())
+    assert len(split["train"]) + len(split["val"]) + len(split["test"]) == 16 and (run / "config.yaml").is_file()
+    assert not (tmp_path / "runs" / "split.json").exists()  # not the shared save_dir, which each run overwrote

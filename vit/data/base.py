@@ -53,6 +53,11 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         """The name of each label, index by index: what a model folder records and the dashboards show."""
         raise NotImplementedError(f"{type(self).__name__} must name its classes (class_names)")
 
+    def run_files(self) -> dict[str, str]:
+        """Files of this data for the run folder (name: text), written beside `config.yaml` as the run starts: what
+        another run needs to use the same data. None by default."""
+        return {}
+
     def inputs(self) -> dict:
         """How an image becomes the model's input, as plain values a checkpoint records for inference."""
         (height, width), norm = check_size("img_size", self.img_size), self.normalization

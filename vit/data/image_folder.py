@@ -4,7 +4,8 @@
     my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
 
 A split without a folder of its own is drawn from the training images; which file went where is `split_files`
-and `split.json` in the run folder. Each file is decoded once at `setup`, so a corrupt one is skipped then."""
+and `split.json` in the run folder (`run_files`, written by the run). Each file is decoded once at `setup`, so a
+corrupt one is skipped then."""
 
 from __future__ import annotations
 
@@ -84,7 +85,6 @@ class ImageFolderDataModule(SplitDataModule):
         self.skipped: dict[str, str] = {}
         self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
         self.split_files: dict[str, list[str]] = {}  # split -> its files, relative to root (set up by `setup`)
-        self._split_written: Path | None = None
         self._build_transforms(
             size,
             in_chans,
@@ -251,7 +251,6 @@ class ImageFolderDataModule(SplitDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             self._make_splits()
-        self._write_split()  # here, not in _make_splits: a check before the run may have set up without a trainer
 
     def _make_splits(self) -> None:
         train_dir, val_dir, test_dir = self._folder("train"), self._folder("val"), self._folder("test")
@@ -294,17 +293,9 @@ class ImageFolderDataModule(SplitDataModule):
         )
         return [text_name(os.path.relpath(folder.samples[i][0], self.root)) for i in indices]
 
-    def _write_split(self) -> None:
-        """`split.json` (`{"root", "train", "val", "test"}`, paths under `root`) in the trainer's run folder, if any."""
-        trainer = self.trainer
-        if trainer is None or trainer.log_dir is None or not trainer.is_global_zero:
-            return
-        path = Path(trainer.log_dir) / "split.json"
-        if path == self._split_written:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._split_written = path
-        path.write_text(json.dumps({"root": text_name(str(self.root)), **self.split_files}, indent=1))
+    def run_files(self) -> dict[str, str]:
+        """`split.json`: `{"root", "train", "val", "test"}`, each split's files under `root`."""
+        return {"split.json": json.dumps({"root": text_name(str(self.root)), **self.split_files}, indent=1)}
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         batch_size = self.hparams.batch_size

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from vit.artifact.io import PARTIAL_WRITE
+from vit.data.base import SplitDataModule
 
 try:
     import fcntl
@@ -121,7 +122,17 @@ class RunConfig(SaveConfigCallback):
         if trainer.is_global_zero:
             self._run_dir = run_dir
             self.save_config(trainer, pl_module, stage)
+            self._save_data_files(trainer.datamodule, run_dir)
         self.already_saved = trainer.strategy.broadcast(True)
+
+    def _save_data_files(self, datamodule, run_dir: Path) -> None:
+        """The data module's own record of the run (`SplitDataModule.run_files`: an image folder's `split.json`) in
+        the run folder, beside `config.yaml`, with the config's suffix when the folder held another run."""
+        if not isinstance(datamodule, SplitDataModule):
+            return
+        for name, text in datamodule.run_files().items():
+            stem, ext = os.path.splitext(name)
+            (run_dir / f"{stem}{self._suffix}{ext}").write_text(text)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._release()
