@@ -15,7 +15,8 @@ from robust_helpers import cli, error_line, main_in_process, tiny_config
 
 from vit.training import run_dir as run_dir_module
 from vit.training.callbacks import Preempted, saved_checkpoints
-from vit.training.run_dir import LOCK_NAME, RunDirectoryError, RunLock, check_run_dir, printable
+from vit.training.run_dir import RunDirectoryError, check_run_dir
+from vit.training.run_lock import LOCK_NAME, RunLock, printable
 
 
 class PoisonWeights(L.Callback):

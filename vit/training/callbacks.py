@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit.checks import check_int
-from vit.training.run_dir import printable
+from vit.training.run_lock import printable
 
 
 def rng_states() -> dict:
