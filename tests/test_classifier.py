@@ -208,3 +208,26 @@ def test_with_layer_decay_each_groups_learning_rate_is_logged_beside_the_heads()
         f"train/lr/group_{i}": pytest.approx(logged["train/lr"] * scale) for i, scale in enumerate(scales)
     }
     assert max(scales) == 1.0 and len(set(scales)) > 2 and logged["train/lr"] > 0
+
+
+@pytest.mark.parametrize("opt, cls", [("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD), ("lamb", None)])
+def test_the_optimizer_is_timms_by_name_over_the_same_parameter_groups(opt, cls):
+    import timm.optim
+
+    backbone = VisionTransformer(**CIFAR_CFG)
+    model = ImageClassifier(backbone, opt=opt, lr=0.01, weight_decay=0.05, betas=(0.8, 0.9), layer_decay=0.5)
+    optimizer, _ = optimizer_and_schedule(model, total_steps=10, max_epochs=1)
+    reference = timm.optim.create_optimizer_v2(backbone, opt=opt, lr=0.01, weight_decay=0.05, layer_decay=0.5)
+    assert type(optimizer) is (cls or type(reference))
+    ours = sorted((g["lr_scale"], g["weight_decay"], len(g["params"])) for g in optimizer.param_groups)
+    theirs = sorted((g["lr_scale"], g["weight_decay"], len(g["params"])) for g in reference.param_groups)
+    assert ours == theirs  # timm's own layer-decay groups for its factory
+    if "betas" in optimizer.defaults:
+        assert optimizer.defaults["betas"] == (0.8, 0.9)
+    else:
+        assert optimizer.defaults["momentum"] == 0.9 and optimizer.defaults["nesterov"]  # timm's sgd
+
+
+def test_an_optimizer_timm_does_not_have_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"opt='adamx' is not allowed: expected one of timm's optimizers"):
+        ImageClassifier(VisionTransformer(**CIFAR_CFG), opt="adamx")

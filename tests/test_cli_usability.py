@@ -89,6 +89,13 @@ def test_a_missing_config_file_is_one_line_without_the_usage(tmp_path, monkeypat
     assert error_line(stderr) == f"error: --config {tmp_path / 'nope.yaml'} does not exist"
 
 
+@pytest.mark.parametrize("option, names", [("--optimizer", "--model.opt"), ("--lr_scheduler", "--model.warmup_epochs")])
+def test_lightnings_optimizer_options_are_refused_naming_the_models(option, names, monkeypatch, capsys):
+    code, stderr = cli(["fit", "--config", str(BASE_CONFIG), option, "SGD"], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in stderr
+    assert error_line(stderr).startswith(f"error: {option} is not an option here: ") and names in error_line(stderr)
+
+
 def test_other_refusals_keep_jsonargparse_message(monkeypatch, capsys):
     # A stray positional word is no option to suggest for: jsonargparse's own message (with its usage).
     code, stderr = cli(["fit", "--config", str(BASE_CONFIG), "extra"], monkeypatch, capsys)

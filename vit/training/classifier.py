@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Literal
 
 import lightning as L
+import timm.optim
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
@@ -96,13 +98,17 @@ def freeze(backbone: nn.Module, trainable: str | int) -> None:
 
 
 class ImageClassifier(L.LightningModule):
-    """Cross-entropy training of `backbone` with AdamW and a per-step warmup + cosine schedule.
+    """Cross-entropy training of `backbone` with a timm optimizer (AdamW by default) and a per-step warmup + cosine
+    schedule.
 
     Args:
         backbone: the network, with a `num_classes` attribute; in YAML, `class_path: vit.models.VisionTransformer`
             (or `ResNet`) with its `init_args`.
         pretrained: weights the `VisionTransformer` starts from: a timm model name, a hub id or a local file; it fills
             the backbone's unset `embed_dim`, `depth`, `num_heads`. Never loaded again from a checkpoint.
+        opt: the optimizer by timm's name (`timm.optim.list_optimizers()`: adamw, sgd (with Nesterov momentum 0.9),
+            lamb, lion, ...), built by `timm.optim.create_optimizer_v2` over this model's parameter groups; `betas`
+            go to those that take them.
         lr: peak learning rate, reached after `warmup_epochs`.
         warmup_epochs: linear warmup length (may be fractional); stepped per iteration.
         weight_decay: AdamW decoupled weight decay, applied to weight matrices only.
@@ -125,6 +131,7 @@ class ImageClassifier(L.LightningModule):
         backbone: nn.Module,
         *,
         pretrained: str | None = None,
+        opt: str = "adamw",
         lr: float = 1e-3,
         weight_decay: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -140,6 +147,11 @@ class ImageClassifier(L.LightningModule):
         num_classes = self._check_options(
             backbone, lr, weight_decay, betas, warmup_epochs, min_lr_ratio, label_smoothing, layer_decay, ema_decay
         )
+        if opt not in timm.optim.list_optimizers():  # timm's registry: its names, lower case
+            raise ValueError(
+                f"opt={opt!r} is not allowed: expected one of timm's optimizers (timm.optim.list_optimizers(): "
+                "adamw, sgd, momentum, lamb, lion, adopt, ...)"
+            )
         # LightningCLI's backbone is recorded as class_path + init_args; a module built in Python is not recorded.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Attribute 'backbone' is an instance of `nn.Module`")
@@ -341,8 +353,9 @@ class ImageClassifier(L.LightningModule):
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.evaluated(x).softmax(dim=-1)
 
-    def optimizer(self) -> torch.optim.AdamW:
-        """The AdamW optimizer of the trainable parameters, in the parameter groups `configure_optimizers` uses."""
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer (`opt`, by timm's factory) of the trainable parameters, in the groups `configure_optimizers`
+        uses."""
         # Weight decay on weight matrices only: not on norms, biases, or `no_weight_decay()` (position, CLS token).
         hp, skip = self.hparams, getattr(self.backbone, "no_weight_decay", set)()
         if hp.get("layer_decay") is None:
@@ -354,7 +367,10 @@ class ImageClassifier(L.LightningModule):
             for group in groups:
                 # torch's schedulers ignore timm's `lr_scale`: it enters through each group's own lr.
                 group["lr"] = hp.lr * group["lr_scale"]
-        return torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas)
+        opt = hp.get("opt", "adamw")  # runs from before the option trained with AdamW
+        takes_betas = "betas" in inspect.signature(timm.optim.get_optimizer_class(opt)).parameters
+        extra = {"betas": tuple(hp.betas)} if takes_betas else {}
+        return timm.optim.create_optimizer_v2(groups, opt=opt, lr=hp.lr, weight_decay=hp.weight_decay, **extra)
 
     def schedule(self, optimizer: torch.optim.Optimizer) -> LRScheduler:
         """The warmup + cosine schedule of `optimizer` over this run's steps."""

@@ -101,10 +101,22 @@ def _sets(path: str, keys: list[str]) -> bool:
     return True
 
 
+# LightningCLI's optimizer options, which this CLI leaves out, and what to give instead.
+LIGHTNING_OPTIMIZER_OPTIONS = {
+    "--optimizer": "--optimizer is not an option here: the optimizer is --model.opt, by timm's name (adamw, sgd, "
+    "lamb, ...), with --model.lr, --model.weight_decay and --model.betas.",
+    "--lr_scheduler": "--lr_scheduler is not an option here: the schedule is a warmup and a cosine "
+    "(--model.warmup_epochs, --model.min_lr_ratio), over each parameter group's own rate.",
+}
+
+
 def unknown_options_message(unknown: list[str], options: list[str], prog: str) -> str:
     """`unknown option --model.layer_decy; did you mean --model.layer_decay?`, a sentence per unknown option."""
     sentences = []
     for option in unknown:  # a high cutoff: the options of one group share their prefix (`--model.`)
+        if option.split(".")[0] in LIGHTNING_OPTIMIZER_OPTIONS:
+            sentences.append(LIGHTNING_OPTIMIZER_OPTIONS[option.split(".")[0]])
+            continue
         # A prefix of one option (abbreviations are refused) names it; else the closest spelling.
         extended = sorted(o for o in options if o.startswith(option))
         close = extended[:1] if len(extended) == 1 else difflib.get_close_matches(option, options, n=1, cutoff=0.8)
@@ -350,6 +362,9 @@ def main(args=None) -> ViTCLI:
             save_config_callback=RunConfig,
             save_config_kwargs={"overwrite": False, "command": command},
             trainer_defaults={"callbacks": always},
+            # The optimizer and schedule are the model's (`--model.opt`, warmup + cosine over its parameter groups):
+            # LightningCLI's own --optimizer / --lr_scheduler would drop those groups; they are refused by name.
+            auto_configure_optimizers=False,
             args=args,
         )
     except (ConfigError, CheckpointError, RunDirectoryError) as err:
