@@ -53,6 +53,10 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         """The name of each label, index by index: what a model folder records and the dashboards show."""
         raise NotImplementedError(f"{type(self).__name__} must name its classes (class_names)")
 
+    def missing_files(self) -> list[str]:
+        """The files `prepare_data` has yet to fetch (CIFAR's download); none for data that is made or given."""
+        return []
+
     def run_files(self) -> dict[str, str]:
         """Files of this data for the run folder (name: text), written beside `config.yaml` as the run starts: what
         another run needs to use the same data. None by default."""
@@ -103,7 +107,8 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Mix training batches on the device (when `mixup` is set): `(x, y)` -> `(x_mixed, y, y_soft)`."""
-        if self.mixup is None or self.trainer is None or not self.trainer.training:
+        # Not the model summary's example input (a bare tensor, `ImageClassifier.example_input_array`).
+        if self.mixup is None or self.trainer is None or not self.trainer.training or isinstance(batch, torch.Tensor):
             return batch
         x_mixed, y_soft = self.mixup(*batch)  # mixes x in place; y_soft (B, num_classes), rows sum to 1
         return x_mixed, batch[1], y_soft

@@ -19,6 +19,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from vit.checks import CheckpointError, check_float, check_int, check_size
+from vit.data.base import SplitDataModule
 from vit.messages import first_line
 from vit.registry import BACKBONES, DATA_MODULES, check_arguments, check_backbone, data_module
 from vit.training.run_dir import find_last_checkpoint, remove_partial_writes, version_dir
@@ -307,11 +308,12 @@ def check_writable(folder: Path, option: str) -> None:
 
 
 def forward_one_image(model, datamodule) -> None:
-    """One training image through the backbone (eager, eval mode, no gradient), so a shape or type error shows now."""
-    if callable(getattr(datamodule, "missing_files", None)) and datamodule.missing_files():
-        return  # prepare_data downloads them first, in the right process
+    """One training image through the backbone (eager, eval mode, no gradient), so a shape or type error shows now;
+    for this project's data modules (a user's own LightningDataModule declares no training split to read)."""
+    if not isinstance(datamodule, SplitDataModule) or datamodule.missing_files():
+        return  # missing files: prepare_data downloads them first, in the right process
     datamodule.setup("fit")
-    dataset = getattr(datamodule, "train_set", None)
+    dataset = datamodule.train_set
     if dataset is None or len(dataset) == 0:
         return
     backbone, was_training = model.backbone, model.backbone.training
