@@ -361,6 +361,12 @@ RESUME_CASES = {
     "a numpy random state out of range": (("callbacks", "RestoreRNGState", "numpy", "pos"), 2**53 + 1),
     # Found by benchmarks/fuzz_checkpoints.py: the cosine after the warmup would fail only once it starts.
     "the cosine's rates for fewer groups": (("lr_schedulers", 0, "_schedulers", 1, "base_lrs"), [1e-3]),
+    # Found by benchmarks/fuzz_checkpoints.py: a step count past int64, which failed in ModelCheckpoint mid-run.
+    "a step count past int64": (
+        ("loops", "fit_loop", "epoch_loop.automatic_optimization.optim_progress", "optimizer", "step", "total")
+        + ("completed",),
+        2**64,
+    ),
     # What an earlier version saved: a LambdaLR's state (its lambda itself is not saved).
     "the schedule of an earlier version": (
         ("lr_schedulers",),

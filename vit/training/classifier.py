@@ -331,7 +331,12 @@ class ImageClassifier(L.LightningModule):
     def on_train_start(self) -> None:
         # After Lightning restored everything (asking for the step count earlier would build the training data
         # before its position is restored): a resumed schedule is checked before its first step.
-        if self.trainer.ckpt_path is not None and self.trainer.lr_scheduler_configs:
+        if self.trainer.ckpt_path is None:
+            return
+        for name, value in (("global_step", self.trainer.global_step), ("current_epoch", self.trainer.current_epoch)):
+            if not 0 <= value < 2**63:  # Lightning makes int64 tensors of them as it logs and checkpoints
+                raise ValueError(f"the restored loop gives {name}={value}, beyond what a step or epoch count can be")
+        if self.trainer.lr_scheduler_configs:
             self._check_schedule(self.trainer.lr_scheduler_configs[0].scheduler.state_dict())
 
     def _check_schedule(self, state: dict) -> None:
