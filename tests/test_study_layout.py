@@ -149,3 +149,19 @@ def test_the_checkpoint_package_is_at_most_500_lines():
     files = sorted((ROOT / "vit" / "artifact").rglob("*.py"))
     sizes = {path.name: len(path.read_text().splitlines()) for path in files}
     assert len(files) >= 3 and sum(sizes.values()) <= 500, sizes
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    # The formatter owns the layout, so these are sizes of formatted code: a module reads in one sitting, a function
+    # on one screen. A function's size runs from its `def` to its last line (docstring and comments included).
+    modules, functions = {}, {}
+    files = [*(ROOT / "vit").rglob("*.py"), *(ROOT / "studies").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    for path in [*files, ROOT / "train.py"]:
+        text = path.read_text()
+        name = str(path.relative_to(ROOT))
+        if len(text.splitlines()) > 400:
+            modules[name] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                functions[f"{name}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    assert (modules, functions) == ({}, {})

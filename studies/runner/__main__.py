@@ -61,7 +61,7 @@ from studies.runner.grid import calibration_plan, choose_lr, load_config, plan
 from studies.runner.lock import Stopped
 from studies.runner.report import write_reports
 from studies.runner.runs_csv import StudyError, read_rows
-from vit.training.run_dir import printable
+from vit.training.run_lock import printable
 
 PROG = "python -m studies.runner"
 EXECUTORS = ("local", "debug", "slurm")

@@ -135,6 +135,7 @@ def plan(cfg: dict, lrs: dict[str, float] | None = None) -> list[Run]:
 
 
 def _runs(cfg: dict, entries: list[dict], seeds: list[int], lr_of) -> list[Run]:
+    """The runs of ``entries`` in the order they are run (see ``plan``), each key once."""
     base_digest = hashlib.sha256(Path(cfg["base_config"]).read_bytes()).hexdigest()[:12]
     runs, keys = [], set()
     for exp in entries:
@@ -142,59 +143,70 @@ def _runs(cfg: dict, entries: list[dict], seeds: list[int], lr_of) -> list[Run]:
             for task in exp["tasks"]:
                 for num_train in exp["num_train"]:
                     for model in exp["models"]:
-                        epochs, val_every, val_batches = schedule(
-                            num_train,
-                            train_samples=exp["train_samples"],
-                            num_val_checks=cfg["num_val_checks"],
-                            batch_size=cfg["batch_size"],
-                        )
-                        trainer = {"max_epochs": epochs, "check_val_every_n_epoch": val_every}
-                        if val_batches:  # only then: the other runs keep their settings fingerprint
-                            trainer["val_check_interval"] = val_batches
-                        data_class, _ = TASK_DATA[task]
-                        init_args = {
-                            "num_train": num_train,
-                            "num_val": cfg["num_val"],
-                            "num_test": cfg["num_test"],
-                            "batch_size": cfg["batch_size"],
-                            "seed": seed,
-                            "train_region": exp["train_region"],
-                            "test_region": exp["test_region"],
-                        }
-                        if task in two_circles.TASKS:
-                            init_args["task"] = task
-                        init_args.update(exp.get("data") or {})  # only when given: other runs keep their fingerprint
-                        lr = lr_of(model)
-                        model_args = {
-                            "backbone": cfg["models"][model],
-                            "warmup_epochs": round(cfg["warmup_fraction"] * epochs, 4),
-                        }
-                        if lr is not None:
-                            model_args["lr"] = lr
-                        overrides = {
-                            "seed_everything": seed,
-                            "trainer": trainer,
-                            "model": model_args,
-                            "data": {"class_path": data_class, "init_args": init_args},
-                        }
-                        run = Run(
-                            exp["name"],
-                            task,
-                            model,
-                            num_train,
-                            seed,
-                            exp["train_region"],
-                            exp["test_region"],
-                            epochs,
-                            overrides,
-                            base_digest,
-                            lr,
-                            exp["shift_region"],
-                        )
+                        run = _run(cfg, exp, task, model, num_train, seed, lr_of(model), base_digest)
                         if run.key not in keys:
                             keys.add(run.key)
                             runs.append(run)
     return runs
+
+
+def _run(
+    cfg: dict, exp: dict, task: str, model: str, num_train: int, seed: int, lr: float | None, base_digest: str
+) -> Run:
+    """One grid point with its train.py overrides: schedule, model, data."""
+    epochs, val_every, val_batches = schedule(
+        num_train,
+        train_samples=exp["train_samples"],
+        num_val_checks=cfg["num_val_checks"],
+        batch_size=cfg["batch_size"],
+    )
+    trainer = {"max_epochs": epochs, "check_val_every_n_epoch": val_every}
+    if val_batches:  # only then: the other runs keep their settings fingerprint
+        trainer["val_check_interval"] = val_batches
+    data_class, _ = TASK_DATA[task]
+    model_args = {
+        "backbone": cfg["models"][model],
+        "warmup_epochs": round(cfg["warmup_fraction"] * epochs, 4),
+    }
+    if lr is not None:
+        model_args["lr"] = lr
+    overrides = {
+        "seed_everything": seed,
+        "trainer": trainer,
+        "model": model_args,
+        "data": {"class_path": data_class, "init_args": _data_args(cfg, exp, task, num_train, seed)},
+    }
+    return Run(
+        exp["name"],
+        task,
+        model,
+        num_train,
+        seed,
+        exp["train_region"],
+        exp["test_region"],
+        epochs,
+        overrides,
+        base_digest,
+        lr,
+        exp["shift_region"],
+    )
+
+
+def _data_args(cfg: dict, exp: dict, task: str, num_train: int, seed: int) -> dict:
+    """The data module's ``init_args`` of one run."""
+    init_args = {
+        "num_train": num_train,
+        "num_val": cfg["num_val"],
+        "num_test": cfg["num_test"],
+        "batch_size": cfg["batch_size"],
+        "seed": seed,
+        "train_region": exp["train_region"],
+        "test_region": exp["test_region"],
+    }
+    if task in two_circles.TASKS:
+        init_args["task"] = task
+    init_args.update(exp.get("data") or {})  # only when given: other runs keep their fingerprint
+    return init_args
 
 
 __all__ = [

@@ -12,7 +12,8 @@ import yaml
 from studies.runner import arrangement
 from vit.checks import check_choice
 from vit.data import same_different, two_circles
-from vit.training.run_dir import printable
+from vit.signatures import PLAIN
+from vit.training.run_lock import printable
 
 # Every task the study can run: its data module and the placement regions it knows.
 TASK_DATA = {
@@ -21,7 +22,6 @@ TASK_DATA = {
     "arrangement": ("studies.runner.arrangement.ArrangementDataModule", get_args(arrangement.Region)),
 }
 # The value of a data option (an experiment's ``data``): a plain scalar, checked by the data module itself.
-PLAIN = (int, float, str, bool, type(None))
 # A model or experiment name: part of each run's key, which names its folder under log_dir and its file names.
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -51,7 +51,18 @@ def _check_name(where: str, key: str, value: object, *, dash: bool = True) -> No
 
 def load_config(path: str | Path) -> dict:
     """Read and check a study config; errors name the key, the value and what is allowed."""
-    path = Path(path)
+    cfg, where = _read_config(Path(path))
+    _check_settings(cfg, where)
+    models = _check_models(cfg, where)
+    _check_experiments(cfg, models, where)
+    _check_calibration(cfg, where)
+    _check_comparisons(cfg, where)
+    _check_shortcuts(cfg, where)
+    return cfg
+
+
+def _read_config(path: Path) -> tuple[dict, str]:
+    """The config file's top-level mapping and the file's name as messages show it."""
     if path.is_dir():
         raise ValueError(f"study config {str(path)!r} is a folder, not a YAML file")
     if not path.is_file():
@@ -64,6 +75,11 @@ def load_config(path: str | Path) -> dict:
     if not isinstance(cfg, dict):
         got = "an empty file" if cfg is None else type(cfg).__name__
         raise ValueError(f"{where}: expected a mapping at the top level, got {got}")
+    return cfg, where
+
+
+def _check_settings(cfg: dict, where: str) -> None:
+    """Check the top-level keys, the paths, the seeds and the scalar settings."""
     allowed = {
         "base_config",
         "out_dir",
@@ -101,6 +117,10 @@ def load_config(path: str | Path) -> dict:
     warmup = _require(cfg, "warmup_fraction", (int, float), where)
     if not 0 <= warmup <= 1:
         raise ValueError(f"{where}: warmup_fraction={warmup!r} is not allowed: expected a float in [0, 1]")
+
+
+def _check_models(cfg: dict, where: str) -> dict:
+    """Check ``models`` (name -> backbone mapping) and return it."""
     models = _require(cfg, "models", dict, where)
     for name, model in models.items():
         _check_name(where, "models", name)
@@ -109,75 +129,101 @@ def load_config(path: str | Path) -> dict:
                 f"{where}: models.{name} must be a backbone mapping with a class_path "
                 f"(and init_args), as under model.backbone in a train.py config"
             )
-    experiments = _require(cfg, "experiments", list, where)
-    if not experiments:
+    return models
+
+
+def _check_experiments(cfg: dict, models: dict, where: str) -> None:
+    """Check ``experiments``: a non-empty list of entries, each checked on its own and against its namesakes."""
+    entries = _require(cfg, "experiments", list, where)
+    if not entries:
         raise ValueError(
             f"{where}: experiments=[] is not allowed: expected a non-empty list of experiments "
             "(each a mapping with name, tasks, models, num_train)"
         )
     seen: dict[str, tuple] = {}
-    for i, exp in enumerate(experiments):
-        w = f"{where}: experiments[{i}]"
-        if not isinstance(exp, dict):
-            raise ValueError(f"{w}: expected a mapping")
-        extra = set(exp) - {
-            "name",
-            "tasks",
-            "models",
-            "num_train",
-            "train_region",
-            "test_region",
-            "shift_region",
-            "train_samples",
-            "data",
-        }
-        if extra:
-            raise ValueError(f"{w}: unknown keys {sorted(extra)}")
-        name = _require(exp, "name", str, w)
-        _check_name(w, "name", name, dash=False)  # '-' separates the parts of a run key
-        tasks = _require(exp, "tasks", list, w)
+    for i, exp in enumerate(entries):
+        _check_experiment(f"{where}: experiments[{i}]", exp, cfg, models, seen)
+
+
+def _check_experiment(w: str, exp: object, cfg: dict, models: dict, seen: dict[str, tuple]) -> None:
+    """Check one experiment entry, filling in its defaults (regions, ``data``, ``train_samples``)."""
+    if not isinstance(exp, dict):
+        raise ValueError(f"{w}: expected a mapping")
+    extra = set(exp) - {
+        "name",
+        "tasks",
+        "models",
+        "num_train",
+        "train_region",
+        "test_region",
+        "shift_region",
+        "train_samples",
+        "data",
+    }
+    if extra:
+        raise ValueError(f"{w}: unknown keys {sorted(extra)}")
+    name = _require(exp, "name", str, w)
+    _check_name(w, "name", name, dash=False)  # '-' separates the parts of a run key
+    tasks = _require(exp, "tasks", list, w)
+    for task in tasks:
+        check_choice(f"{w}.tasks", task, tuple(TASK_DATA))
+    for model in _require(exp, "models", list, w):
+        check_choice(f"{w}.models", model, tuple(models))
+    sizes = _require(exp, "num_train", list, w)
+    if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+        raise ValueError(f"{w}: num_train={sizes!r} is not allowed: expected a list of ints >= 1")
+    _check_regions(w, exp, tasks)
+    _check_data_and_budget(w, exp, cfg)
+    _check_shared_name(w, name, exp, seen)
+    if name == CALIBRATE:
+        raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
+
+
+def _check_regions(w: str, exp: dict, tasks: list) -> None:
+    """Check an entry's placements (``all`` by default, no shift region) against every task it names."""
+    for region in ("train_region", "test_region"):
         for task in tasks:
-            check_choice(f"{w}.tasks", task, tuple(TASK_DATA))
-        for model in _require(exp, "models", list, w):
-            check_choice(f"{w}.models", model, tuple(models))
-        sizes = _require(exp, "num_train", list, w)
-        if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
-            raise ValueError(f"{w}: num_train={sizes!r} is not allowed: expected a list of ints >= 1")
-        for region in ("train_region", "test_region"):
-            for task in tasks:
-                check_choice(f"{w}.{region} (task {task})", exp.setdefault(region, "all"), TASK_DATA[task][1])
-        if exp.setdefault("shift_region", None) is not None:
-            for task in tasks:
-                check_choice(f"{w}.shift_region (task {task})", exp["shift_region"], TASK_DATA[task][1])
-        data = exp.setdefault("data", {})
-        reserved = {"num_train", "num_val", "num_test", "batch_size", "seed", "train_region", "test_region", "task"}
-        if not isinstance(data, dict) or set(data) & reserved or any(not isinstance(v, PLAIN) for v in data.values()):
-            raise ValueError(
-                f"{w}: data={data!r} is not allowed: expected a mapping of the data module's other "
-                f"options (e.g. train_max_span) to plain values; the grid sets {sorted(reserved)}"
-            )
-        samples = exp.setdefault("train_samples", cfg.get("train_samples"))
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"{w}: train_samples={samples!r} is not allowed: expected an int >= 1")
-        # Entries may share a name (e.g. all models at one size, a few models at more sizes): they
-        # fill one table, so they must agree on the placements and the budget.
-        settings = (
-            exp["train_region"],
-            exp["test_region"],
-            exp["shift_region"],
-            exp["train_samples"],
-            sorted(exp["data"].items()),
+            check_choice(f"{w}.{region} (task {task})", exp.setdefault(region, "all"), TASK_DATA[task][1])
+    if exp.setdefault("shift_region", None) is not None:
+        for task in tasks:
+            check_choice(f"{w}.shift_region (task {task})", exp["shift_region"], TASK_DATA[task][1])
+
+
+def _check_data_and_budget(w: str, exp: dict, cfg: dict) -> None:
+    """Check an entry's data options (``{}`` by default) and ``train_samples`` (the study's by default)."""
+    data = exp.setdefault("data", {})
+    reserved = {"num_train", "num_val", "num_test", "batch_size", "seed", "train_region", "test_region", "task"}
+    if not isinstance(data, dict) or set(data) & reserved or any(not isinstance(v, PLAIN) for v in data.values()):
+        raise ValueError(
+            f"{w}: data={data!r} is not allowed: expected a mapping of the data module's other "
+            f"options (e.g. train_max_span) to plain values; the grid sets {sorted(reserved)}"
         )
-        if seen.setdefault(name, settings) != settings:
-            raise ValueError(
-                f"{w}: experiment {name!r} is listed with (train_region, test_region, shift_region, "
-                f"train_samples, data) {seen[name]} and {settings}; entries that share a name must "
-                "share them"
-            )
-        if name == CALIBRATE:
-            raise ValueError(f"{w}: name={name!r} is reserved for the learning-rate calibration")
-    _check_calibration(cfg, where)
-    _check_comparisons(cfg, where)
+    samples = exp.setdefault("train_samples", cfg.get("train_samples"))
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"{w}: train_samples={samples!r} is not allowed: expected an int >= 1")
+
+
+def _check_shared_name(w: str, name: str, exp: dict, seen: dict[str, tuple]) -> None:
+    """Raise unless the entry agrees with the earlier entries of its name (``seen``: name -> their settings)."""
+    # Entries may share a name (e.g. all models at one size, a few models at more sizes): they
+    # fill one table, so they must agree on the placements and the budget.
+    settings = (
+        exp["train_region"],
+        exp["test_region"],
+        exp["shift_region"],
+        exp["train_samples"],
+        sorted(exp["data"].items()),
+    )
+    if seen.setdefault(name, settings) != settings:
+        raise ValueError(
+            f"{w}: experiment {name!r} is listed with (train_region, test_region, shift_region, "
+            f"train_samples, data) {seen[name]} and {settings}; entries that share a name must "
+            "share them"
+        )
+
+
+def _check_shortcuts(cfg: dict, where: str) -> None:
+    """Check ``shortcuts`` (optional): the sizes of the shortcut audit's training and test sets."""
     if "shortcuts" in cfg:
         sc = _require(cfg, "shortcuts", dict, where)
         extra = set(sc) - {"num_train", "num_test"}
@@ -186,7 +232,6 @@ def load_config(path: str | Path) -> dict:
         for name in ("num_train", "num_test"):
             if _require(sc, name, int, f"{where}: shortcuts") < 100:
                 raise ValueError(f"{where}: shortcuts.{name}={sc[name]!r} is not allowed: expected an int >= 100")
-    return cfg
 
 
 def _check_calibration(cfg: dict, where: str) -> None:
@@ -201,6 +246,21 @@ def _check_calibration(cfg: dict, where: str) -> None:
         )
     if "families" not in cfg:
         return
+    families = _check_families(cfg, where)
+    if "lrs" in cfg:
+        _check_fixed_lrs(cfg, families, where)
+        return
+    cal = _require(cfg, "calibration", dict, where)
+    w = f"{where}: calibration"
+    extra = set(cal) - {"task", "num_train", "seed", "seeds", "lrs", "models", "data"}
+    if extra:
+        raise ValueError(f"{w}: unknown keys {sorted(extra)}")
+    _check_calibration_runs(w, cal, cfg)
+    _check_calibration_grid(w, cal, families)
+
+
+def _check_families(cfg: dict, where: str) -> dict:
+    """Check ``families`` (each model in at most one, every model of the experiments in one) and return it."""
     families = _require(cfg, "families", dict, where)
     owner: dict[str, str] = {}
     for family, members in families.items():
@@ -216,20 +276,22 @@ def _check_calibration(cfg: dict, where: str) -> None:
             f"{where}: models {sorted(used - set(owner))} are in no family, so no learning rate "
             f"would be calibrated for them; add them to 'families'"
         )
-    if "lrs" in cfg:
-        fixed = _require(cfg, "lrs", dict, where)
-        if set(fixed) != set(families) or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 for v in fixed.values()
-        ):
-            raise ValueError(
-                f"{where}: lrs={fixed!r} is not allowed: expected one rate in (0, 1) for each family {sorted(families)}"
-            )
-        return
-    cal = _require(cfg, "calibration", dict, where)
-    w = f"{where}: calibration"
-    extra = set(cal) - {"task", "num_train", "seed", "seeds", "lrs", "models", "data"}
-    if extra:
-        raise ValueError(f"{w}: unknown keys {sorted(extra)}")
+    return families
+
+
+def _check_fixed_lrs(cfg: dict, families: dict, where: str) -> None:
+    """Check the fixed ``lrs``: one rate in (0, 1) for each family."""
+    fixed = _require(cfg, "lrs", dict, where)
+    if set(fixed) != set(families) or any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 for v in fixed.values()
+    ):
+        raise ValueError(
+            f"{where}: lrs={fixed!r} is not allowed: expected one rate in (0, 1) for each family {sorted(families)}"
+        )
+
+
+def _check_calibration_runs(w: str, cal: dict, cfg: dict) -> None:
+    """Check what the calibration runs on: its task, training-set size and seeds (a ``seed`` becomes a list of one)."""
     check_choice(f"{w}.task", _require(cal, "task", str, w), tuple(TASK_DATA))
     if ("seed" in cal) == ("seeds" in cal):
         raise ValueError(
@@ -253,6 +315,10 @@ def _check_calibration(cfg: dict, where: str) -> None:
                 f"{w}: seed={seed} is one of the study's seeds {cfg['seeds']}; calibrate on "
                 f"other data than the study is scored on"
             )
+
+
+def _check_calibration_grid(w: str, cal: dict, families: dict) -> None:
+    """Check what the calibration tries: its data options, its rates and one model for each family."""
     data = cal.get("data", {})
     if not isinstance(data, dict) or any(not isinstance(v, PLAIN) for v in data.values()):
         raise ValueError(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from studies.runner import processes
 from studies.runner.runs_csv import StudyError
-from vit.training.run_dir import printable
+from vit.training.run_lock import printable
 
 LOCK_NAME = "study.lock"  # in out_dir, held by the invocation running the study (lock_out_dir)
 
@@ -44,40 +44,8 @@ def lock_out_dir(out_dir: Path):
     except OSError as err:
         raise _unusable("out_dir", out_dir, err) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").partition("\n")[0].strip() or "unknown"
-            pid = printable(pid)
-            raise StudyError(
-                f"{shown} is in use by another study invocation (PID {pid}, lock {shown_path}): wait "
-                f"for it to finish, or stop it (kill {pid}) and rerun; two at once would redo each "
-                "other's runs"
-            ) from None
-        except OSError as err:
-            raise StudyError(
-                f"{shown_path} cannot be locked ({err.strerror}): put out_dir on a filesystem with locks"
-            ) from None
-        text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
-        previous = printable(text.partition("\n")[0].strip())
-        if orphans := processes.live_jobs(text):  # a local job's run ignores SIGTERM (submitit): kill -9 stops it
-            runs = ", ".join(f"{key} (PIDs {' '.join(map(str, tree))})" for key, tree in orphans)
-            pids = " ".join(str(pid) for _, tree in orphans for pid in tree)
-            raise StudyError(
-                f"{shown}: the study invocation that held {shown_path} (PID {previous or 'unknown'}) was "
-                f"killed, but runs it started still run: {runs}. Their results can no longer be "
-                f"recorded: stop them (kill -9 {pids}) or wait for them to end, then rerun; started "
-                "now, they would run twice in the same folders"
-            )
-        if previous:
-            print(
-                f"taking over {shown_path}: the invocation that held it (PID {previous}) ended without releasing it "
-                "(killed?); its unfinished runs are redone",
-                file=sys.stderr,
-                flush=True,
-            )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _flock(fd, shown, shown_path)
+        _take_over(fd, shown, shown_path)
 
         def record_job(pid: int, key: str) -> None:
             os.pwrite(fd, processes.job_line(pid, key).encode(), os.fstat(fd).st_size)
@@ -88,6 +56,48 @@ def lock_out_dir(out_dir: Path):
             os.ftruncate(fd, 0)  # an empty lock file: this invocation ended, it was not killed
     finally:
         os.close(fd)  # releases the lock
+
+
+def _flock(fd: int, shown: str, shown_path: str) -> None:
+    """Lock the open lock file ``fd`` without waiting, or raise ``StudyError`` naming the invocation that holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").partition("\n")[0].strip() or "unknown"
+        pid = printable(pid)
+        raise StudyError(
+            f"{shown} is in use by another study invocation (PID {pid}, lock {shown_path}): wait "
+            f"for it to finish, or stop it (kill {pid}) and rerun; two at once would redo each "
+            "other's runs"
+        ) from None
+    except OSError as err:
+        raise StudyError(
+            f"{shown_path} cannot be locked ({err.strerror}): put out_dir on a filesystem with locks"
+        ) from None
+
+
+def _take_over(fd: int, shown: str, shown_path: str) -> None:
+    """Refuse while jobs of a killed invocation run on, say so when taking over from one, write this PID."""
+    text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
+    previous = printable(text.partition("\n")[0].strip())
+    if orphans := processes.live_jobs(text):  # a local job's run ignores SIGTERM (submitit): kill -9 stops it
+        runs = ", ".join(f"{key} (PIDs {' '.join(map(str, tree))})" for key, tree in orphans)
+        pids = " ".join(str(pid) for _, tree in orphans for pid in tree)
+        raise StudyError(
+            f"{shown}: the study invocation that held {shown_path} (PID {previous or 'unknown'}) was "
+            f"killed, but runs it started still run: {runs}. Their results can no longer be "
+            f"recorded: stop them (kill -9 {pids}) or wait for them to end, then rerun; started "
+            "now, they would run twice in the same folders"
+        )
+    if previous:
+        print(
+            f"taking over {shown_path}: the invocation that held it (PID {previous}) ended without releasing it "
+            "(killed?); its unfinished runs are redone",
+            file=sys.stderr,
+            flush=True,
+        )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
 
 def _unusable(key: str, path: Path, err: OSError) -> StudyError:

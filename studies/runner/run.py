@@ -17,7 +17,7 @@ import submitit
 import yaml
 
 from studies.runner.grid import Run
-from vit.training.run_dir import printable
+from vit.training.run_lock import printable
 
 PREDICTIONS = "predictions"  # <out_dir>/predictions/<run key>.npz: each run's per-image test predictions
 
@@ -231,6 +231,22 @@ def run_one(
     overrides_path = run_dir / "study_overrides.yaml"
     overrides_path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     start = time.perf_counter()
+    cli = _fit(main, run, base_config, overrides_path)
+    seconds = time.perf_counter() - start
+    trainer = cli.trainer
+    if trainer.interrupted or "test/acc" not in trainer.callback_metrics:
+        raise RuntimeError(
+            f"run {run.key} did not finish (interrupted={trainer.interrupted}); its logs are in {run_dir}"
+        )
+    test_acc = float(trainer.callback_metrics["test/acc"])
+    by_distance, shift, splits = _distance_scores(run, cli.model.backbone, cli.datamodule, test_acc)
+    if predictions_dir is not None:
+        save_predictions(Path(predictions_dir) / f"{run.key}.npz", splits)
+    return _row(run, cli, run_dir, seconds, test_acc, by_distance, shift, revision)
+
+
+def _fit(main, run: Run, base_config: str, overrides_path: Path):
+    """Fit and test the run through ``main`` (``train.py``'s CLI); return the CLI (its trainer, model and data)."""
     with warnings.catch_warnings():
         # main(args=...) is the documented way to call LightningCLI from Python; its warning is
         # about `python -m studies.runner`'s own sys.argv. TensorBoard and CSV share the run directory.
@@ -239,7 +255,7 @@ def run_one(
         stderr = _ErrorLine(sys.stderr)
         try:
             with contextlib.redirect_stderr(stderr):
-                cli = main(args=["fit", "--config", base_config, "--config", str(overrides_path)])
+                return main(args=["fit", "--config", base_config, "--config", str(overrides_path)])
         except SystemExit as stop:
             if stop.code not in (1, 2):  # a signal's exit status: the study's own stop handles it
                 raise
@@ -248,15 +264,10 @@ def run_one(
             raise RuntimeError(failed(run) + (stderr.error() or f"train.py exited with status {stop.code}")) from None
         finally:
             finish_wandb_run()
-    seconds = time.perf_counter() - start
-    trainer = cli.trainer
-    if trainer.interrupted or "test/acc" not in trainer.callback_metrics:
-        raise RuntimeError(
-            f"run {run.key} did not finish (interrupted={trainer.interrupted}); its logs are in {run_dir}"
-        )
-    best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
-    backbone, data = cli.model.backbone, cli.datamodule
-    test_acc = float(trainer.callback_metrics["test/acc"])
+
+
+def _distance_scores(run: Run, backbone, data, test_acc: float) -> tuple[dict, dict, dict]:
+    """``(by_distance, shift columns, splits)``: the test set re-scored per distance, the moved test set scored."""
     # The tested (best) weights are in the model now; score them again per distance between the parts.
     preds = predict_images(backbone, data.test_set)
     by_distance = accuracy_by_distance(data.test_set, preds)
@@ -273,8 +284,16 @@ def run_one(
             "shift_acc": f"{sum(c for c, _ in shift_by_distance.values()) / len(shifted):.4f}",
             "shift_by_distance": json.dumps(shift_by_distance, separators=(",", ":")),
         }
-    if predictions_dir is not None:
-        save_predictions(Path(predictions_dir) / f"{run.key}.npz", splits)
+    return by_distance, shift, splits
+
+
+def _row(
+    run: Run, cli, run_dir: Path, seconds: float, test_acc: float, by_distance: dict, shift: dict, revision: str
+) -> dict:
+    """The run's row of ``runs.csv``: its settings, its cost and its scores."""
+    trainer = cli.trainer
+    best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
+    backbone, data = cli.model.backbone, cli.datamodule
     return {
         "key": run.key,
         "experiment": run.experiment,

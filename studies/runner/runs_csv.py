@@ -10,7 +10,7 @@ from pathlib import Path
 
 from studies.runner.grid import CALIBRATE, Run
 from studies.runner.rows import append_rows
-from vit.training.run_dir import printable
+from vit.training.run_lock import printable
 
 COLUMNS = (
     "key",

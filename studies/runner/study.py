@@ -19,7 +19,7 @@ from studies.runner.lock import lock_out_dir, make_dirs, stop_on_sigterm
 from studies.runner.report import write_reports
 from studies.runner.run import PREDICTIONS, StudyJob, code_revision, failed
 from studies.runner.runs_csv import StudyError, append_row, read_rows
-from vit.training.run_dir import printable
+from vit.training.run_lock import printable
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root, which holds the `studies` package
 
@@ -214,8 +214,6 @@ def _run_study(
     timeout_min: int,
     record_job,
 ) -> list[dict]:
-    from tqdm.auto import tqdm
-
     out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
     csv_path = out_dir / "runs.csv"
     read_rows(csv_path)  # a damaged row stops the study here, before any work
@@ -224,55 +222,22 @@ def _run_study(
     pool = make_executor(executor, log_dir / "submitit", timeout_min=timeout_min, slurm=slurm)
     budget = [max_runs]
 
-    def todo_of(runs: list[Run]) -> list[Run]:
-        done = {row["key"]: row for row in read_rows(csv_path)}
-        for run in runs:
-            row = done.get(run.key)
-            if row is not None and row["fingerprint"] != run.fingerprint:
-                raise StudyError(
-                    f"{printable(csv_path)} holds run {run.key} made with other settings (fingerprint "
-                    f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
-                    f"out_dir/log_dir for the new settings, or move the old results away"
-                )
-        todo = [run for run in runs if run.key not in done]
-        if budget[0] is not None:
-            todo, budget[0] = todo[: budget[0]], budget[0] - min(budget[0], len(todo))
-        return todo
-
     def execute(runs: list[Run], desc: str) -> None:
-        todo = todo_of(runs)
-        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=not progress)
-
-        def on_done(job: StudyJob, row: dict) -> None:
-            append_row(csv_path, row)
-            bar.update()
-            bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
-
-        def on_submit(job: StudyJob, handle) -> None:
-            if isinstance(handle, submitit.LocalJob):  # the job id of a local job is its controller's PID
-                record_job(int(handle.job_id), job.run.key)
-
-        jobs = [
-            StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision, str(out_dir / PREDICTIONS))
-            for run in todo
-        ]
-        try:
-            with studies_importable():
-                failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done, on_submit=on_submit)
-        finally:
-            bar.close()  # also when stopped: the message that follows starts a line of its own
-        if failures:
-            raise RunsFailed(
-                f"{len(failures)} runs failed (rerun the same command to retry them): "
-                + "; ".join(f"{k}: {e}" for k, e in failures)
-            )
+        """``_execute`` with this study's settings and budget."""
+        _execute(
+            runs,
+            desc,
+            cfg=cfg,
+            pool=pool,
+            parallel=parallel,
+            progress=progress,
+            record_job=record_job,
+            revision=revision,
+            budget=budget,
+        )
 
     if "shortcuts" in cfg and not (out_dir / "shortcuts.csv").exists():
-        # Measure the shortcuts before the models: every task, on fresh draws.
-        from studies.runner import shortcuts
-
-        shortcuts.write([r for t in shortcuts.TASKS for r in shortcuts.audit(t, **cfg["shortcuts"])], out_dir)
-        print(f"shortcut audit written to {printable(out_dir / 'shortcuts.md')}", flush=True)
+        _audit_shortcuts(cfg, out_dir)
     lrs = None
     if "calibration" in cfg:
         execute(calibration_plan(cfg), "calibration runs")
@@ -288,3 +253,74 @@ def _run_study(
     if rows:  # none with --max-runs 0 on a new study
         write_reports(rows, out_dir, cfg)
     return rows
+
+
+def _audit_shortcuts(cfg: dict, out_dir: Path) -> None:
+    """Write ``shortcuts.csv`` and ``shortcuts.md``: the shortcut audit of every task."""
+    # Measure the shortcuts before the models: every task, on fresh draws.
+    from studies.runner import shortcuts
+
+    shortcuts.write([r for t in shortcuts.TASKS for r in shortcuts.audit(t, **cfg["shortcuts"])], out_dir)
+    print(f"shortcut audit written to {printable(out_dir / 'shortcuts.md')}", flush=True)
+
+
+def _todo(runs: list[Run], csv_path: Path, budget: list) -> list[Run]:
+    """The runs with no row in ``csv_path``, at most ``budget[0]`` of them (None: all), taken off the budget."""
+    done = {row["key"]: row for row in read_rows(csv_path)}
+    for run in runs:
+        row = done.get(run.key)
+        if row is not None and row["fingerprint"] != run.fingerprint:
+            raise StudyError(
+                f"{printable(csv_path)} holds run {run.key} made with other settings (fingerprint "
+                f"{row['fingerprint']}, the config now gives {run.fingerprint}); use a new "
+                f"out_dir/log_dir for the new settings, or move the old results away"
+            )
+    todo = [run for run in runs if run.key not in done]
+    if budget[0] is not None:
+        todo, budget[0] = todo[: budget[0]], budget[0] - min(budget[0], len(todo))
+    return todo
+
+
+def _execute(
+    runs: list[Run],
+    desc: str,
+    *,
+    cfg: dict,
+    pool,
+    parallel: int,
+    progress: bool,
+    record_job,
+    revision: str,
+    budget: list,
+) -> None:
+    """Run the unfinished ones of ``runs`` (``_todo``) on ``pool``, a row in ``runs.csv`` as each finishes."""
+    from tqdm.auto import tqdm
+
+    out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
+    csv_path = out_dir / "runs.csv"
+    todo = _todo(runs, csv_path, budget)
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=not progress)
+
+    def on_done(job: StudyJob, row: dict) -> None:
+        append_row(csv_path, row)
+        bar.update()
+        bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
+
+    def on_submit(job: StudyJob, handle) -> None:
+        if isinstance(handle, submitit.LocalJob):  # the job id of a local job is its controller's PID
+            record_job(int(handle.job_id), job.run.key)
+
+    jobs = [
+        StudyJob(run, cfg["base_config"], str(log_dir), cfg["threads"], revision, str(out_dir / PREDICTIONS))
+        for run in todo
+    ]
+    try:
+        with studies_importable():
+            failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done, on_submit=on_submit)
+    finally:
+        bar.close()  # also when stopped: the message that follows starts a line of its own
+    if failures:
+        raise RunsFailed(
+            f"{len(failures)} runs failed (rerun the same command to retry them): "
+            + "; ".join(f"{k}: {e}" for k, e in failures)
+        )

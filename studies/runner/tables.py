@@ -22,71 +22,39 @@ from studies.runner.cells import (
 from studies.runner.grid import calibration_scores, experiments
 from studies.runner.stats import fisher_p, holm, paired_permutation_p, sign_test_p
 
+SUMMARY_COLUMNS = [
+    "experiment",
+    "task",
+    "model",
+    "num_train",
+    "train_region",
+    "test_region",
+    "receptive_field",
+    "n_seeds",
+    "test_acc_median",
+    "test_acc_min",
+    "test_acc_max",
+    "test_acc_runs",
+    "success_threshold",
+    "successes",
+    "success_ci_low",
+    "success_ci_high",
+    "shift_region",
+    "shift_acc_median",
+    "shift_acc_runs",
+    "lr",
+    "params",
+    "flops_per_image",
+    "train_time_median_s",
+    "revisions",
+]  # the columns of summary.csv, in order
+
 
 def summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
     """``summary.csv`` and ``summary.md``: every cell's runs, median, successes and cost."""
-    header = [
-        "experiment",
-        "task",
-        "model",
-        "num_train",
-        "train_region",
-        "test_region",
-        "receptive_field",
-        "n_seeds",
-        "test_acc_median",
-        "test_acc_min",
-        "test_acc_max",
-        "test_acc_runs",
-        "success_threshold",
-        "successes",
-        "success_ci_low",
-        "success_ci_high",
-        "shift_region",
-        "shift_acc_median",
-        "shift_acc_runs",
-        "lr",
-        "params",
-        "flops_per_image",
-        "train_time_median_s",
-        "revisions",
-    ]
-    table = []
-    for (exp, task, model, n), runs in cells.items():
-        accs = [float(r["test_acc"]) for r in runs]
-        thr = success_threshold(shortcuts, task)
-        succ = successes(accs, thr)
-        shifted = [float(r["shift_acc"]) for r in runs if r.get("shift_acc")]
-        table.append(
-            {
-                "experiment": exp,
-                "task": task,
-                "model": model,
-                "num_train": n,
-                "train_region": runs[0]["train_region"],
-                "test_region": runs[0]["test_region"],
-                "receptive_field": model_rf(cfg, model) if model in cfg["models"] else None,
-                "n_seeds": len(accs),
-                "test_acc_median": f"{np.median(accs):.4f}",
-                "test_acc_min": f"{min(accs):.4f}",
-                "test_acc_max": f"{max(accs):.4f}",
-                "test_acc_runs": " ".join(f"{a:.4f}" for a in accs),
-                "success_threshold": "" if thr is None else f"{thr:.4f}",
-                "successes": "" if succ is None else succ[0],
-                "success_ci_low": "" if succ is None else f"{succ[1]:.3f}",
-                "success_ci_high": "" if succ is None else f"{succ[2]:.3f}",
-                "shift_region": runs[0].get("shift_region", ""),
-                "shift_acc_median": f"{np.median(shifted):.4f}" if shifted else "",
-                "shift_acc_runs": " ".join(f"{a:.4f}" for a in shifted),
-                "lr": runs[0].get("lr", ""),
-                "params": runs[0].get("params", ""),
-                "flops_per_image": runs[0].get("flops_per_image", ""),
-                "train_time_median_s": f"{np.median([float(r['train_time_s']) for r in runs]):.1f}",
-                "revisions": " ".join(sorted({r.get("revision", "") for r in runs})),
-            }
-        )
+    table = [_summary_row(key, runs, shortcuts, cfg) for key, runs in cells.items()]
     with (out_dir / "summary.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=header, lineterminator="\n")
+        w = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS, lineterminator="\n")
         w.writeheader()
         w.writerows(table)
     revisions = sorted({r["revisions"] for r in table})
@@ -101,57 +69,94 @@ def summary(cells: dict, shortcuts: dict, out_dir: Path, cfg: dict) -> None:
     ]
     for exp in experiments(cfg):
         for task in exp["tasks"]:
-            sel = sorted(
-                (t for t in table if t["experiment"] == exp["name"] and t["task"] == task),
-                key=lambda t: exp["models"].index(t["model"]) if t["model"] in exp["models"] else len(exp["models"]),
-            )
-            if not sel:
-                continue
-            thr = success_threshold(shortcuts, task)
-            moved = exp.get("shift_region")
-            sizes = len(exp["num_train"]) > 1  # then each row names its training-set size
-            lines += [
-                f"## {exp['name']}: task `{task}`, train region `{exp['train_region']}`, test region "
-                f"`{exp['test_region']}`" + (f" (success > {thr * PERCENT:.2f}%)" if thr and thr < 1 else ""),
-                "",
-                "| model | " + ("train images | " if sizes else "") + "RF (px) | n | median | runs | "
-                "success k/n [95% CI] | "
-                + (f"median moved to `{moved}` | " if moved else "")
-                + "lr | params | MFLOPs/image | s/run |",
-                "|---" * (10 + bool(moved) + sizes) + "|",
-            ]
-            if sizes:
-                sel.sort(
-                    key=lambda t: (
-                        exp["models"].index(t["model"]) if t["model"] in exp["models"] else len(exp["models"]),
-                        int(t["num_train"]),
-                    )
-                )
-            for t in sel:
-                runs = " ".join(f"{float(a) * PERCENT:.1f}" for a in t["test_acc_runs"].split())
-                succ = (
-                    "–"
-                    if t["successes"] == ""
-                    else (
-                        f"{t['successes']}/{t['n_seeds']} "
-                        f"[{float(t['success_ci_low']):.2f}, {float(t['success_ci_high']):.2f}]"
-                    )
-                )
-                flops = f"{int(t['flops_per_image']) / 1e6:.1f}" if t["flops_per_image"] else ""
-                shift = (
-                    (f"{float(t['shift_acc_median']) * PERCENT:.1f} | " if t["shift_acc_median"] else "– | ")
-                    if moved
-                    else ""
-                )
-                lines.append(
-                    f"| {t['model']} | "
-                    + (f"{int(t['num_train']):,} | " if sizes else "")
-                    + f"{t['receptive_field'] or '–'} | {t['n_seeds']} | "
-                    f"{float(t['test_acc_median']) * PERCENT:.1f} | {runs} | {succ} | {shift}{t['lr']} | "
-                    f"{t['params']} | {flops} | {t['train_time_median_s']} |"
-                )
-            lines.append("")
+            lines += _summary_section(table, shortcuts, exp, task)
     (out_dir / "summary.md").write_text("\n".join(lines))
+
+
+def _summary_row(key: tuple, runs: list[dict], shortcuts: dict, cfg: dict) -> dict:
+    """One cell's row of ``summary.csv`` (``SUMMARY_COLUMNS``) from its runs."""
+    exp, task, model, n = key
+    accs = [float(r["test_acc"]) for r in runs]
+    thr = success_threshold(shortcuts, task)
+    succ = successes(accs, thr)
+    shifted = [float(r["shift_acc"]) for r in runs if r.get("shift_acc")]
+    return {
+        "experiment": exp,
+        "task": task,
+        "model": model,
+        "num_train": n,
+        "train_region": runs[0]["train_region"],
+        "test_region": runs[0]["test_region"],
+        "receptive_field": model_rf(cfg, model) if model in cfg["models"] else None,
+        "n_seeds": len(accs),
+        "test_acc_median": f"{np.median(accs):.4f}",
+        "test_acc_min": f"{min(accs):.4f}",
+        "test_acc_max": f"{max(accs):.4f}",
+        "test_acc_runs": " ".join(f"{a:.4f}" for a in accs),
+        "success_threshold": "" if thr is None else f"{thr:.4f}",
+        "successes": "" if succ is None else succ[0],
+        "success_ci_low": "" if succ is None else f"{succ[1]:.3f}",
+        "success_ci_high": "" if succ is None else f"{succ[2]:.3f}",
+        "shift_region": runs[0].get("shift_region", ""),
+        "shift_acc_median": f"{np.median(shifted):.4f}" if shifted else "",
+        "shift_acc_runs": " ".join(f"{a:.4f}" for a in shifted),
+        "lr": runs[0].get("lr", ""),
+        "params": runs[0].get("params", ""),
+        "flops_per_image": runs[0].get("flops_per_image", ""),
+        "train_time_median_s": f"{np.median([float(r['train_time_s']) for r in runs]):.1f}",
+        "revisions": " ".join(sorted({r.get("revision", "") for r in runs})),
+    }
+
+
+def _summary_section(table: list[dict], shortcuts: dict, exp: dict, task: str) -> list[str]:
+    """The ``summary.md`` section of one experiment and task: its heading and a row per cell (none without cells)."""
+    sel = sorted(
+        (t for t in table if t["experiment"] == exp["name"] and t["task"] == task),
+        key=lambda t: exp["models"].index(t["model"]) if t["model"] in exp["models"] else len(exp["models"]),
+    )
+    if not sel:
+        return []
+    thr = success_threshold(shortcuts, task)
+    moved = exp.get("shift_region")
+    sizes = len(exp["num_train"]) > 1  # then each row names its training-set size
+    lines = [
+        f"## {exp['name']}: task `{task}`, train region `{exp['train_region']}`, test region "
+        f"`{exp['test_region']}`" + (f" (success > {thr * PERCENT:.2f}%)" if thr and thr < 1 else ""),
+        "",
+        "| model | " + ("train images | " if sizes else "") + "RF (px) | n | median | runs | "
+        "success k/n [95% CI] | "
+        + (f"median moved to `{moved}` | " if moved else "")
+        + "lr | params | MFLOPs/image | s/run |",
+        "|---" * (10 + bool(moved) + sizes) + "|",
+    ]
+    if sizes:
+        sel.sort(
+            key=lambda t: (
+                exp["models"].index(t["model"]) if t["model"] in exp["models"] else len(exp["models"]),
+                int(t["num_train"]),
+            )
+        )
+    lines += [_summary_line(t, sizes, moved) for t in sel]
+    return lines + [""]
+
+
+def _summary_line(t: dict, sizes: bool, moved: str | None) -> str:
+    """One cell's row of a ``summary.md`` table, from its ``summary.csv`` row."""
+    runs = " ".join(f"{float(a) * PERCENT:.1f}" for a in t["test_acc_runs"].split())
+    succ = (
+        "–"
+        if t["successes"] == ""
+        else f"{t['successes']}/{t['n_seeds']} [{float(t['success_ci_low']):.2f}, {float(t['success_ci_high']):.2f}]"
+    )
+    flops = f"{int(t['flops_per_image']) / 1e6:.1f}" if t["flops_per_image"] else ""
+    shift = (f"{float(t['shift_acc_median']) * PERCENT:.1f} | " if t["shift_acc_median"] else "– | ") if moved else ""
+    return (
+        f"| {t['model']} | "
+        + (f"{int(t['num_train']):,} | " if sizes else "")
+        + f"{t['receptive_field'] or '–'} | {t['n_seeds']} | "
+        f"{float(t['test_acc_median']) * PERCENT:.1f} | {runs} | {succ} | {shift}{t['lr']} | "
+        f"{t['params']} | {flops} | {t['train_time_median_s']} |"
+    )
 
 
 def calibration(rows: list[dict], out_dir: Path, cfg: dict) -> None:

@@ -155,30 +155,56 @@ def report(cells: dict, out_dir: Path, cfg: dict) -> None:
             files = [f for r in runs if (f := pred_dir / f"{r.get('key')}.npz").exists()]
             if net is None or not files:
                 continue
-            got = rebin(unit_windows(net), files)
-            (cv, nv), (ch, nh) = got["visible"], got["hidden"]
-            acc_visible = cv / nv if nv else float("nan")
-            spans = sorted(got["span"])
-            measured = np.array([got["span"][d][0] / got["span"][d][1] for d in spans])
-            share = np.array([got["span"][d][2] / got["span"][d][1] for d in spans])
-            curves[(exp["name"], m)] = (
-                spans,
-                measured,
-                predicted_accuracy(share, acc_visible),
-                [got["span"][d][1] for d in spans],
-            )
-            sections.append(
-                f"| {exp['name']} | {m} | {net.receptive_field} | "
-                f"{'yes' if is_additive(cfg['models'][m]) else 'no'} | {len(files)} | "
-                f"{nv / (nv + nh) * PERCENT:.1f} | "
-                + (f"{acc_visible * PERCENT:.1f} ({nv})" if nv else "–")
-                + " | "
-                + (f"{ch / nh * PERCENT:.1f} ({nh})" if nh else "–")
-                + " |"
-            )
+            curves[(exp["name"], m)], row = _rebinned_model(exp["name"], m, net, files, cfg)
+            sections.append(row)
     if not sections:
         return
-    lines = [
+    all_spans = sorted({d for spans, *_ in curves.values() for d in spans})
+    edges = distance_edges(all_spans)
+    lines = _page_head(sections, edges)
+    binned = {}  # (experiment, model) -> (measured, predicted) per bin, the bin's pairs pooled
+    for key, curve in curves.items():
+        per_bin = _per_bin(curve, edges)
+        binned[key] = np.array(per_bin)
+        lines.append(
+            f"| {key[1]} | "
+            + " | ".join("–" if np.isnan(a) else f"{a * PERCENT:.1f} / {p * PERCENT:.1f}" for a, p in per_bin)
+            + " |"
+        )
+    (out_dir / "visibility.md").write_text("\n".join(lines) + "\n")
+    _figures(binned, edges, out_dir)
+
+
+def _rebinned_model(name: str, m: str, net: ConvNet, files: list[Path], cfg: dict) -> tuple[tuple, str]:
+    """One CNN's runs re-binned: its curve ``(spans, measured, predicted, counts)`` and its row of the first table."""
+    got = rebin(unit_windows(net), files)
+    (cv, nv), (ch, nh) = got["visible"], got["hidden"]
+    acc_visible = cv / nv if nv else float("nan")
+    spans = sorted(got["span"])
+    measured = np.array([got["span"][d][0] / got["span"][d][1] for d in spans])
+    share = np.array([got["span"][d][2] / got["span"][d][1] for d in spans])
+    curve = (
+        spans,
+        measured,
+        predicted_accuracy(share, acc_visible),
+        [got["span"][d][1] for d in spans],
+    )
+    row = (
+        f"| {name} | {m} | {net.receptive_field} | "
+        f"{'yes' if is_additive(cfg['models'][m]) else 'no'} | {len(files)} | "
+        f"{nv / (nv + nh) * PERCENT:.1f} | "
+        + (f"{acc_visible * PERCENT:.1f} ({nv})" if nv else "–")
+        + " | "
+        + (f"{ch / nh * PERCENT:.1f} ({nh})" if nh else "–")
+        + " |"
+    )
+    return curve, row
+
+
+def _page_head(sections: list[str], edges: np.ndarray) -> list[str]:
+    """``visibility.md`` up to the rows of its span table: the text, the table of the models, the span table's head."""
+    heads = [f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
+    return [
         "# Test accuracy re-binned by the partial-view (visibility) model",
         "",
         "A test pair is *visible* to a CNN when one unit of its last layer holds at least "
@@ -198,36 +224,34 @@ def report(cells: dict, out_dir: Path, cfg: dict) -> None:
         "Predicted: the accuracy on visible pairs (the row above, the one number taken from the runs) where "
         "a pair is visible, 50% elsewhere, pooled over the bin.",
         "",
+        "| model | " + " | ".join(heads) + " |",
+        "|---" * (len(heads) + 1) + "|",
     ]
-    all_spans = sorted({d for spans, *_ in curves.values() for d in spans})
-    edges = distance_edges(all_spans)
-    heads = [f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
-    lines += ["| model | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
-    binned = {}  # (experiment, model) -> (measured, predicted) per bin, the bin's pairs pooled
-    for key, (spans, measured, predicted, counts) in curves.items():
-        per_bin = []
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            sel = [(a, p, n) for d, a, p, n in zip(spans, measured, predicted, counts) if lo <= d < hi]
-            total = sum(n for *_, n in sel)
-            per_bin.append(
-                (sum(a * n for a, _, n in sel) / total, sum(p * n for _, p, n in sel) / total)
-                if total
-                else (np.nan, np.nan)
-            )
-        binned[key] = np.array(per_bin)
-        lines.append(
-            f"| {key[1]} | "
-            + " | ".join("–" if np.isnan(a) else f"{a * PERCENT:.1f} / {p * PERCENT:.1f}" for a, p in per_bin)
-            + " |"
-        )
-    (out_dir / "visibility.md").write_text("\n".join(lines) + "\n")
 
+
+def _per_bin(curve: tuple, edges: np.ndarray) -> list[tuple[float, float]]:
+    """``(measured, predicted)`` accuracy of each bin of ``edges``, its spans' pairs pooled (NaN: no pairs)."""
+    spans, measured, predicted, counts = curve
+    per_bin = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = [(a, p, n) for d, a, p, n in zip(spans, measured, predicted, counts) if lo <= d < hi]
+        total = sum(n for *_, n in sel)
+        per_bin.append(
+            (sum(a * n for a, _, n in sel) / total, sum(p * n for _, p, n in sel) / total)
+            if total
+            else (np.nan, np.nan)
+        )
+    return per_bin
+
+
+def _figures(binned: dict, edges: np.ndarray, out_dir: Path) -> None:
+    """``<experiment>_same_different_visibility.png``: each CNN's measured and predicted curve, per experiment."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for name in sorted({e for e, _ in curves}):
+    for name in sorted({e for e, _ in binned}):
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
         centres = (edges[:-1] + edges[1:] - 1) / 2
         for i, ((_, m), values) in enumerate(c for c in binned.items() if c[0][0] == name):
