@@ -22,7 +22,8 @@ from vit.data.images import usable_workers
 from vit.models import VisionTransformer
 from vit.training.callbacks import PlainProgress
 from vit.training.classifier import ImageClassifier
-from vit.training.cli import main, unknown_options_message
+from vit.training.cli import main
+from vit.training.cli_messages import unknown_options_message
 
 THREE_CORES = {0, 1, 2}  # the cores a job may run on, as `os.sched_getaffinity` gives them
 
@@ -94,6 +95,16 @@ def test_lightnings_optimizer_options_are_refused_naming_the_models(option, name
     code, stderr = cli(["fit", "--config", str(BASE_CONFIG), option, "SGD"], monkeypatch, capsys)
     assert code == 2 and "Traceback" not in stderr
     assert error_line(stderr).startswith(f"error: {option} is not an option here: ") and names in error_line(stderr)
+
+
+def test_a_backbone_size_the_data_link_would_replace_is_refused_naming_the_data_option(monkeypatch, capsys):
+    args = ["fit", "--config", str(BASE_CONFIG), "--model.backbone.init_args.img_size", "96"]
+    code, stderr = cli(args, monkeypatch, capsys)
+    assert code == 2
+    assert error_line(stderr) == (
+        "error: model.backbone.init_args.img_size=96 differs from the data's img_size=32, which the backbone takes "
+        "(train.py links the data module's img_size into it): set --data.img_size instead"
+    )
 
 
 def test_other_refusals_keep_jsonargparse_message(monkeypatch, capsys):

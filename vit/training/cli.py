@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
-import difflib
+import contextlib
+import inspect
 import json
 import logging
 import math
 import os
-import re
 import secrets
 import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import lightning as L
 import torch
-import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -27,103 +25,29 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import vit.artifact as artifact
 from vit.artifact.io import AtomicCheckpointIO
-from vit.checks import CheckpointError, check_int, check_topk
+from vit.checks import CheckpointError, check_int, check_size, check_topk
 from vit.data.base import DataNotFoundError
 from vit.messages import first_line
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
+from vit.registry import BACKBONES
 from vit.signatures import constructor_message
 from vit.training import callbacks, preflight
 from vit.training.classifier import ImageClassifier, format_test_results
+from vit.training.cli_messages import ViTArgumentParser
 from vit.training.dashboard import HParamsTable
 from vit.training.predictions import PredictionWriter
 from vit.training.preflight import ConfigError, as_config_error, is_local_file
 from vit.training.run_dir import RunConfig, RunDirectoryError, check_run_dir
 
-
-class ViTArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser, whose refusal of an unknown option is one line naming the closest valid option, and of a
-    config file that does not exist or sets an option the command does not have, one line naming the file."""
-
-    configs: ClassVar[list[str]] = []  # the --config files of the command line being parsed (`ViTCLI.parse_arguments`)
-
-    def error(self, message: str, ex: Exception | None = None):
-        line = config_file_message(message, self.configs, self._all_options())
-        if self.exit_on_error and line is not None:
-            self.exit(2, f"error: {line}\n")
-        prefix = "unrecognized arguments: "
-        # jsonargparse's message lists every unknown token, values included: the options are those starting with -.
-        unknown = [
-            token.split("=", 1)[0]
-            for token in message.removeprefix(prefix).split()
-            if token.startswith("-") and token.lstrip("-")[:1].isalpha()
-        ]
-        if not (self.exit_on_error and message.startswith(prefix) and unknown):
-            super().error(message, ex)  # every other message, and a parser nested in another, as jsonargparse does
-        self.exit(2, f"error: {unknown_options_message(unknown, list(self._option_string_actions), self.prog)}\n")
-
-    def _all_options(self) -> list[str]:
-        """This parser's option strings and its subcommands' (a config file's keys are a subcommand's options)."""
-        options = list(self._option_string_actions)
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):  # `choices`: argparse's map of subcommand parsers
-                options += [o for sub in action.choices.values() for o in sub._option_string_actions]
-        return options
+LINKED = ("num_classes", "in_chans", "img_size")  # the data module's, linked into the backbone's arguments
 
 
-def config_file_message(message: str, configs: list[str], options: list[str]) -> str | None:
-    """One line for jsonargparse's refusal of a config file: one that does not exist, or a key in one that names no
-    option (`Subcommand 'fit' does not accept option 'model.learning_rate'`), with the file and the closest option;
-    None for any other message."""
-    missing = re.search(r'Parser key "config":\s*File does not exist: (.+)', message)
-    if missing:
-        return f"--config {missing[1].strip().strip(chr(39))} does not exist"  # jsonargparse quotes the path
-    refused = re.search(r"Subcommand '(\w+)' does not accept option '([^']+)'", message)
-    if refused is None:
-        return None
-    subcommand, key = refused[1], refused[2]
-    where = [path for path in configs if _sets(path, key.split("."))]
-    close = difflib.get_close_matches(f"--{key}", options, n=1, cutoff=0.8)
-    hint = f"; did you mean {close[0].removeprefix('--')}?" if close else "."
-    files = f" (set in {', '.join(where)})" if where else ""
-    return f"{key}{files} is not an option of {subcommand}{hint} `train.py {subcommand} --help` lists the options."
-
-
-def _sets(path: str, keys: list[str]) -> bool:
-    """Whether the YAML file `path` sets the nested key `keys` (`["model", "learning_rate"]`)."""
-    try:
-        node = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    for key in keys:
-        if not isinstance(node, dict) or key not in node:
-            return False
-        node = node[key]
-    return True
-
-
-# LightningCLI's optimizer options, which this CLI leaves out, and what to give instead.
-LIGHTNING_OPTIMIZER_OPTIONS = {
-    "--optimizer": "--optimizer is not an option here: the optimizer is --model.opt, by timm's name (adamw, sgd, "
-    "lamb, ...), with --model.lr, --model.weight_decay and --model.betas.",
-    "--lr_scheduler": "--lr_scheduler is not an option here: the schedule is a warmup and a cosine "
-    "(--model.warmup_epochs, --model.min_lr_ratio), over each parameter group's own rate.",
-}
-
-
-def unknown_options_message(unknown: list[str], options: list[str], prog: str) -> str:
-    """`unknown option --model.layer_decy; did you mean --model.layer_decay?`, a sentence per unknown option."""
-    sentences = []
-    for option in unknown:  # a high cutoff: the options of one group share their prefix (`--model.`)
-        if option.split(".")[0] in LIGHTNING_OPTIMIZER_OPTIONS:
-            sentences.append(LIGHTNING_OPTIMIZER_OPTIONS[option.split(".")[0]])
-            continue
-        # A prefix of one option (abbreviations are refused) names it; else the closest spelling.
-        extended = sorted(o for o in options if o.startswith(option))
-        close = extended[:1] if len(extended) == 1 else difflib.get_close_matches(option, options, n=1, cutoff=0.8)
-        sentences.append(f"unknown option {option}" + (f"; did you mean {close[0]}?" if close else "."))
-    if len(sentences) > 1 or not sentences[0].endswith("?"):
-        sentences.append(f"`{prog.replace(' [options]', '')} --help` lists the options.")
-    return " ".join(sentences)
+def _size(name: str, value: object) -> object:
+    """`value` as compared: an image size as `(H, W)` (32 and [32, 32] are one size), anything else as it is."""
+    if name == "img_size" and value is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            return check_size(name, value)
+    return value
 
 
 class ViTCLI(LightningCLI):
@@ -138,7 +62,7 @@ class ViTCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        for name in ("num_classes", "in_chans", "img_size"):  # the data module knows them; the backbone must match
+        for name in LINKED:  # the data module knows them; the backbone must match
             parser.link_arguments(f"data.{name}", f"model.backbone.init_args.{name}", apply_on="instantiate")
         parser.add_argument(
             "--test_after_fit",
@@ -237,11 +161,19 @@ class ViTCLI(LightningCLI):
         """No merge of the checkpoint's hyperparameters: its model is built from checked values."""
 
     def instantiate_classes(self) -> None:
+        given = self._linked_given()
         # A constructor's error names a bad value: a usage error (see `main`), unlike the same error in training.
         try:
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
             raise ConfigError(constructor_message(str(err))) from err
+        for name, value in given.items():
+            data = getattr(self.datamodule, name, None)  # what the link gave the backbone (a user's module: maybe none)
+            if data is not None and _size(name, value) != _size(name, data):
+                raise ConfigError(
+                    f"model.backbone.init_args.{name}={value!r} differs from the data's {name}={data!r}, which the "
+                    f"backbone takes (train.py links the data module's {name} into it): set --data.{name} instead"
+                )
         if self._model_folder is not None:
             opened, backbone = self._model_folder, self._model_folder.backbone
             self.model = ImageClassifier(opened.model)
@@ -249,6 +181,20 @@ class ViTCLI(LightningCLI):
             self._add_configure_optimizers_method_to_model(self.subcommand)
             preflight.check_data_fits(opened.source, backbone["init_args"], self.datamodule)
             preflight.record_backbone(self.config[self.subcommand], backbone)
+
+    def _linked_given(self) -> dict:
+        """The backbone's linked sizes (`add_arguments_to_parser`) set to other than its defaults: given by hand."""
+        backbone = self.config[self.subcommand].model.get("backbone")
+        class_path = backbone.get("class_path") if backbone is not None else None
+        if class_path not in BACKBONES:
+            return {}
+        defaults = {k: p.default for k, p in inspect.signature(BACKBONES[class_path]).parameters.items()}
+        init_args = backbone.get("init_args") or {}
+        return {
+            name: init_args[name]
+            for name in LINKED
+            if init_args.get(name) is not None and _size(name, init_args[name]) != _size(name, defaults.get(name))
+        }
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
