@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from robust_helpers import BASE_CONFIG, cli, error_line, subprocess_env, tiny_config, train_command
+from robust_helpers import BASE_CONFIG, cli, error_line, main_in_process, subprocess_env, tiny_config, train_command
 from torch.utils.data import DataLoader, TensorDataset
 
 from vit.data import ImageFolderDataModule, TwoCirclesDataModule
@@ -105,6 +105,15 @@ def test_a_backbone_size_the_data_link_would_replace_is_refused_naming_the_data_
         "error: model.backbone.init_args.img_size=96 differs from the data's img_size=32, which the backbone takes "
         "(train.py links the data module's img_size into it): set --data.img_size instead"
     )
+
+
+def test_a_backbone_whose_sizes_are_its_bases_defaults_takes_the_datas_without_a_word(tmp_path, monkeypatch, capsys):
+    # StudyViT passes **kwargs to VisionTransformer: its img_size / num_classes defaults are its base's, not given.
+    args = ["fit", "--config", str(tiny_config(tmp_path, max_epochs=1)), "--data.img_size", "64"]
+    args += ["--model.backbone.class_path", "studies.runner.models.StudyViT", "--test_after_fit", "false"]
+    main_in_process(args, monkeypatch)  # trains: no refusal (it used to name num_classes=10 against the data's 2)
+    [last] = (tmp_path / "runs").glob("*/version_0/checkpoints/last.ckpt")
+    assert "'img_size': 64" in str(torch.load(last, weights_only=True)["hyper_parameters"]["backbone"])
 
 
 def test_other_refusals_keep_jsonargparse_message(monkeypatch, capsys):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import math
@@ -29,7 +28,7 @@ from vit.checks import CheckpointError, check_int, check_size, check_topk
 from vit.data.base import DataNotFoundError
 from vit.messages import first_line
 from vit.models.pretrained import DEFAULT_SHAPE, PretrainedError, resolve_shape
-from vit.registry import BACKBONES
+from vit.registry import BACKBONES, signature
 from vit.signatures import constructor_message
 from vit.training import callbacks, preflight
 from vit.training.classifier import ImageClassifier, format_test_results
@@ -188,7 +187,8 @@ class ViTCLI(LightningCLI):
         class_path = backbone.get("class_path") if backbone is not None else None
         if class_path not in BACKBONES:
             return {}
-        defaults = {k: p.default for k, p in inspect.signature(BACKBONES[class_path]).parameters.items()}
+        # The registry's reading of the constructor: a study's backbone passes its **kwargs to VisionTransformer's.
+        defaults = {k: p.default for k, p in signature(BACKBONES[class_path])[0].items()}
         init_args = backbone.get("init_args") or {}
         return {
             name: init_args[name]
