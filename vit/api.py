@@ -35,7 +35,7 @@ from PIL import Image, ImageOps
 from torch import Tensor, nn
 
 from vit.checks import CheckpointError, check_choice, check_int, class_index
-from vit.data.images import NON_FINITE, decode_image, to_input
+from vit.data.images import NON_FINITE, ImageFiles, decode_image, to_input
 from vit.explain.relevance import CLASS_METHODS, Method, relevance, usable_methods
 from vit.registry import inference_transform
 
@@ -268,7 +268,6 @@ class Predictor:
         `confusion_matrix`), with `skipped` (file: why) and `classes_without_images`; `EvaluateError` when no image
         can be read. `python -m vit.evaluate` prints and writes the same."""
         from vit.data.files import text_name
-        from vit.data.images import ImageFiles, readable_batches, usable_workers
         from vit.scoring import EvaluateError, labelled_files, metrics
 
         root = Path(input_dir)
@@ -276,23 +275,39 @@ class Predictor:
         files = ImageFiles(paths, self.transform)
         files.names = [text_name(os.path.relpath(path, root)) for path in paths]  # class/file, as a reader finds it
         scored, probs, skipped = [], [], {}
-        for indices, x, unread in readable_batches(files, batch_size, usable_workers(num_workers)):
-            skipped.update({files.names[i]: why for i, why in unread.items()})
-            if x is None:
-                continue
-            finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()  # an image of NaN pixels: the file's fault
-            skipped.update({files.names[i]: NON_FINITE for i, ok in zip(indices, finite) if not ok})
-            indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
-            if indices:
-                try:
-                    probs.append(self.probabilities(x, batch_size))
-                except NonFiniteError as err:  # from finite pixels: the model's fault
-                    raise NonFiniteError(files.names[indices[err.index]], indices[err.index], err.reason) from None
+        for indices, batch_probs, batch_skipped in self.file_batches(files, batch_size, num_workers):
+            skipped.update(batch_skipped)
+            if batch_probs is not None:
+                probs.append(batch_probs)
                 scored += indices
         if not scored:
             raise EvaluateError(f"no readable image in the class folders of {root}; nothing was scored")
         result = metrics(torch.cat(probs), torch.tensor([labels[i] for i in scored]), self.class_names)
         return {**result, "skipped": skipped, "classes_without_images": missing}
+
+    def file_batches(
+        self, files: ImageFiles, batch_size: int, num_workers: int = 0
+    ) -> Iterator[tuple[list[int], Tensor | None, dict[str, str]]]:
+        """Per batch of `files`, decoded a batch ahead in `num_workers` processes: the indices of its readable images,
+        their probabilities (None when it has none), and the files it skipped (name: why). An image of NaN pixels is
+        the file's fault, skipped as an unreadable one; NaN probabilities from finite pixels are the model's fault,
+        a `NonFiniteError` naming the file. What `vit.predict` and `evaluate` both run."""
+        from vit.data.images import readable_batches, usable_workers  # looked up here: a test replaces the decoder
+
+        for indices, x, unread in readable_batches(files, batch_size, usable_workers(num_workers)):
+            skipped = {files.names[i]: why for i, why in unread.items()}
+            if x is not None:
+                finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()
+                skipped.update({files.names[i]: NON_FINITE for i, ok in zip(indices, finite) if not ok})
+                indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
+            if x is None or not indices:
+                yield [], None, skipped
+                continue
+            try:
+                probs = self.probabilities(x, batch_size)
+            except NonFiniteError as err:  # from finite pixels: every image may meet it
+                raise NonFiniteError(files.names[indices[err.index]], indices[err.index], err.reason) from None
+            yield indices, probs, skipped
 
     def explain(self, image: ImageLike | Tensor, method: str = "rollout", target: str | int | None = None) -> Tensor:
         """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`), summing to 1;

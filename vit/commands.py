@@ -10,9 +10,10 @@ import os
 import re
 import stat
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 from vit.messages import file_kind, first_line
 
@@ -90,3 +91,17 @@ def print_skipped(skipped: dict[str, str]) -> None:
 
     for line in first_skipped(skipped, "skipped {name}: not a readable image ({why})"):
         print(line, file=sys.stderr)
+
+
+def write_whole(path: Path, fill: Callable[[TextIO], bool], newline: str | None = None) -> None:
+    """Write the text file `path` whole: `fill(f)` writes a temporary file in the same folder, which then replaces
+    `path` (mode 0644) if `fill` returns True; it is removed otherwise, and on an error: no half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline=newline) as f:
+            keep = fill(f)
+        if keep:
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone once renamed

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.commands import check_output, fail, parser, print_skipped, run, write_failed
-from vit.scoring import EvaluateError, labelled_files, listed
+from vit.commands import check_output, fail, parser, print_skipped, run, write_failed, write_whole
+from vit.scoring import EvaluateError, class_folders, listed
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     from vit.api import Predictor
@@ -56,7 +54,7 @@ def prepare(args: argparse.Namespace) -> Predictor:
             raise EvaluateError(f"--output {args.output} is inside --input_dir {args.input_dir}; write it elsewhere")
         check_output("--output", args.output, args.overwrite)
     predictor = load(args.ckpt_path, resolve_device(args.device, "--device "), args.precision)
-    labelled_files(args.input_dir, predictor.class_names)  # refuse a folder of other classes before any decoding
+    class_folders(args.input_dir, predictor.class_names)  # refuse a folder of other classes before any work
     return predictor
 
 
@@ -94,16 +92,14 @@ def report(result: dict) -> str:
 
 
 def write_json(path: Path, result: dict) -> None:
-    """`result` as JSON into `path`, whole: a temporary file beside it, renamed into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    """`result` as JSON into `path`, whole (`vit.commands.write_whole`)."""
+
+    def fill(f) -> bool:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+        return True
+
+    write_whole(path, fill)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,6 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
     import torch
 
     from vit.api import INPUT_BYTES, NonFiniteError, fitting_batch_size
-    from vit.data.images import NON_FINITE, readable_batches, usable_workers
     from vit.prediction_csv import prediction_table, write_csv
 
     files, skipped, names = listed_files(args.input_dir, args.recursive, predictor.transform), {}, predictor.class_names
@@ -132,18 +131,10 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
 
     def rows():  # each batch's rows; progress on stderr: redrawn in place on a terminal, else a line every 10 s
         done, start, shown, tty = 0, time.monotonic(), 0.0, sys.stderr.isatty()
-        for indices, x, unread in readable_batches(files, batch_size, usable_workers(args.num_workers)):
-            skipped.update({files.names[i]: why for i, why in unread.items()})
-            done += len(indices) + len(unread)
-            if x is not None:  # an image of NaN pixels is the file's fault: skipped, as an unreadable one
-                finite = torch.isfinite(x).flatten(1).all(dim=1).tolist()
-                skipped.update({files.names[i]: NON_FINITE for i, ok in zip(indices, finite) if not ok})
-                indices, x = [i for i, ok in zip(indices, finite) if ok], x[torch.tensor(finite)]
-            if x is not None and indices:
-                try:
-                    probs = predictor.probabilities(x, batch_size)
-                except NonFiniteError as err:  # from finite pixels: the model's fault, every image may meet it
-                    raise NonFiniteError(files.names[indices[err.index]], indices[err.index], err.reason) from None
+        for indices, probs, skipped_here in predictor.file_batches(files, batch_size, args.num_workers):
+            skipped.update(skipped_here)
+            done += len(indices) + len(skipped_here)
+            if probs is not None:
                 yield from prediction_table([files.names[i] for i in indices], probs, names, args.topk)[1]
             now = time.monotonic()
             if tty or now - shown >= 10 or done == len(files):

@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import csv
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from vit.checks import check_topk
+from vit.commands import write_whole
 from vit.data.files import text_name
 
 
@@ -43,22 +42,21 @@ def csv_text(name: str) -> str:
 
 
 def write_csv(output: Path, header: list[str], rows: Iterable[list[str]], keep_empty: bool = True) -> int:
-    """Write a CSV, its rows as they come, to a temporary file in the same folder, then rename it: no half-written file
-    is ever left. Returns the number of rows; with `keep_empty=False` and none, nothing is written."""
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            writer, count = csv.writer(f), 0
-            writer.writerow(header)
-            for row in rows:
-                writer.writerow(row)
-                count += 1
-        if count or keep_empty:
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, output)
-        return count
-    finally:
-        Path(tmp).unlink(missing_ok=True)  # gone once renamed; removed on an error or with no rows to keep
+    """Write a CSV, its rows as they come, whole (`vit.commands.write_whole`): no half-written file is ever left.
+    Returns the number of rows; with `keep_empty=False` and none, nothing is written."""
+    count = 0
+
+    def fill(f) -> bool:
+        nonlocal count
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for row in rows:
+            writer.writerow(row)
+            count += 1
+        return bool(count) or keep_empty
+
+    write_whole(output, fill, newline="")
+    return count
 
 
 def free_path(path: Path) -> Path:

@@ -15,11 +15,10 @@ class EvaluateError(ValueError):
     """A labelled folder or an argument that `vit.evaluate` cannot work with."""
 
 
-def labelled_files(root: Path, class_names: list[str]) -> tuple[list[Path], list[int], list[str]]:
-    """The images in `root`'s class folders (sorted, not searched further down), each folder's label as the model's
-    index of the class named as it is, and the model's classes no folder is named after."""
+def class_folders(root: Path, class_names: list[str]) -> tuple[list[str], list[str]]:
+    """`root`'s class folders, each named as one of the model's classes, and the classes no folder is named after;
+    `EvaluateError` naming what does not fit (no image is listed: a check before any work)."""
     from vit.data.files import visible_folders
-    from vit.data.images import image_files
 
     if not root.is_dir():
         raise EvaluateError(f"--input_dir {root} is not a folder" + ("" if root.exists() else " (it does not exist)"))
@@ -29,19 +28,28 @@ def labelled_files(root: Path, class_names: list[str]) -> tuple[list[Path], list
             f"--input_dir {root} has no class folders: give a folder of one sub-folder per class, named as the "
             f"model's classes ({listed(class_names)})"
         )
-    index = {name: i for i, name in enumerate(class_names)}
-    extra = [name for name in folders if name not in index]
+    extra = [name for name in folders if name not in class_names]
     if extra:
         raise EvaluateError(
             f"--input_dir {root} has folder(s) {listed(extra)} that name no class of the model; its classes are "
             f"{listed(class_names)} (the folders are matched to them by name)"
         )
+    return folders, [name for name in class_names if name not in folders]
+
+
+def labelled_files(root: Path, class_names: list[str]) -> tuple[list[Path], list[int], list[str]]:
+    """The images in `root`'s class folders (`class_folders`; sorted, not searched further down), each folder's label
+    as the model's index of the class named as it is, and the model's classes no folder is named after."""
+    from vit.data.images import image_files
+
+    folders, missing = class_folders(root, class_names)
+    index = {name: i for i, name in enumerate(class_names)}
     paths, labels = [], []
     for name in folders:
         found = image_files(root / name)
         paths += found
         labels += [index[name]] * len(found)
-    return paths, labels, [name for name in class_names if name not in folders]
+    return paths, labels, missing
 
 
 def listed(names: list[str], most: int = 10) -> str:
