@@ -101,9 +101,9 @@ def prepare(args: argparse.Namespace) -> Predictor:
     check_paths(args.input_dir, args.output, args.overwrite)
     if not 1 <= args.batch_size <= MAX_BATCH_SIZE:
         raise PredictError(f"--batch_size {args.batch_size} is not allowed: expected an int in [1, {MAX_BATCH_SIZE}]")
-    for option, minimum in (("topk", 1), ("num_workers", 0)):  # --topk <= classes, --num_workers <= cores: below
-        if getattr(args, option) < minimum:
-            raise PredictError(f"--{option} {getattr(args, option)} is not allowed: expected an int >= {minimum}")
+    for option, value, minimum in (("topk", args.topk, 1), ("num_workers", args.num_workers, 0)):  # maxima: below
+        if value < minimum:
+            raise PredictError(f"--{option} {value} is not allowed: expected an int >= {minimum}")
     predictor = load(args.ckpt_path, resolve_device(args.device, "--device "), args.precision)
     check_topk(args.topk, len(predictor.class_names))
     return predictor

@@ -68,5 +68,5 @@ def describe(annotation: Any) -> str:
         return f"a list of {len(args)} ({', '.join(describe(a) for a in args)})"
     if origin in (tuple, list):
         return f"a list of {describe(args[0]) if args else 'values'}"
-    name = getattr(annotation, "__name__", str(annotation))
+    name = getattr(annotation, "__name__", str(annotation))  # a class has a name; a typing construct only a repr
     return f"a{'n' if name[:1] in 'aeiou' else ''} {name}"

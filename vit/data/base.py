@@ -113,19 +113,20 @@ class SplitDataModule(ResumableTrainingData, L.LightningDataModule):
         x_mixed, y_soft = self.mixup(*batch)  # mixes x in place; y_soft (B, num_classes), rows sum to 1
         return x_mixed, batch[1], y_soft
 
-    def _split(self, name: str) -> Dataset:
-        if getattr(self, name) is None:
+    @staticmethod
+    def _split(name: str, split: Dataset | None) -> Dataset:
+        if split is None:
             raise RuntimeError(f"{name} is not set up: call setup() with the matching stage before asking for a loader")
-        return getattr(self, name)
+        return split
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self._split("train_set"), train=True)
+        return self._loader(self._split("train_set", self.train_set), train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self._split("val_set"), train=False)
+        return self._loader(self._split("val_set", self.val_set), train=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self._split("test_set"), train=False)
+        return self._loader(self._split("test_set", self.test_set), train=False)
 
     predict_dataloader = test_dataloader
 

@@ -13,12 +13,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from vit.checks import check_choice, check_int
+from vit.data.base import SplitDataModule
 from vit.explain.methods import SCALES, ColourScale
 from vit.explain.plot import display_image, overlay, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
 from vit.training.classifier import index_names
+from vit.training.contract import HasRegionMasks, class_names_of, explained_network
 from vit.training.dashboard import RankedPredictions, epoch_title, figure_to_array, log_image
 
 METHOD_TITLES = {"grad_rollout": "grad rollout"}  # a column's title; the others are titled by their name
@@ -89,7 +91,7 @@ class RolloutImages(L.Callback):
             self._choose_images()
         if not trainer.is_global_zero:
             return
-        model, self._model_names = getattr(pl_module, "backbone", pl_module), getattr(pl_module, "class_names", None)
+        model, self._model_names = explained_network(pl_module), class_names_of(pl_module)
         usable = usable_methods(model, self.methods, skip=True)
         if len(usable) < len(self.methods) and not self._warned:
             left_out = [m for m in self.methods if m not in usable]
@@ -156,8 +158,9 @@ class RelevanceScores(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not _due(trainer, self.every_n_epochs):
             return
-        val = getattr(trainer.datamodule, "val_set", None) if trainer.datamodule is not None else None
-        if val is None or not hasattr(val, "circle_mask"):
+        data = trainer.datamodule
+        val = data.val_set if isinstance(data, SplitDataModule) else None
+        if not isinstance(val, HasRegionMasks):
             self._warn_once(
                 "masks",
                 "RelevanceScores: the validation set has no ground-truth masks (circle_mask); nothing is scored.",
@@ -166,7 +169,7 @@ class RelevanceScores(L.Callback):
         n = min(self.num_images, len(val))
         x = torch.stack([val[i][0] for i in range(n)]).to(pl_module.device)
         masks = torch.stack([val.circle_mask(i) for i in range(n)])
-        model = getattr(pl_module, "backbone", pl_module)
+        model = explained_network(pl_module)
         usable = usable_methods(model, self.methods, skip=True)
         for method in self.methods:
             if method not in usable:
@@ -207,7 +210,7 @@ class _TestPredictions(L.Callback):
 
     def _class_names(self, pl_module: L.LightningModule) -> list[str]:
         """The names of the classes drawn: the callback's own `class_names`, else the model's, else the indices."""
-        return self.class_names or getattr(pl_module, "class_names", None) or index_names(self.kept.num_classes)
+        return self.class_names or class_names_of(pl_module) or index_names(self.kept.num_classes)
 
 
 class TestPredictionsTable(_TestPredictions):
@@ -228,7 +231,7 @@ class TestPredictionsTable(_TestPredictions):
             return
         import wandb
 
-        model = getattr(pl_module, "evaluated", getattr(pl_module, "backbone", pl_module))
+        model = explained_network(pl_module, evaluated=True)
         maps = None
         if usable_methods(model, ("rollout",), skip=True):
             x = kept.images.to(next(model.parameters()).device)

@@ -5,13 +5,16 @@ logits, `num_classes`, `num_prefix_tokens` (timm's name: the tokens before the p
 `has_attention` (whether the attention methods of `vit.explain` can read it) and `gradcam_target` (the layer
 Grad-CAM reads). The explain, export and registry code read these instead of probing for attributes, so a new
 backbone is one class that implements them (docs/code.md). `Recorded` marks a layer whose attention weights
-`vit.models.record_attention` collects."""
+`vit.models.record_attention` collects.
+
+`Classifies`, `GroupsLayers` and `ExemptsFromDecay` are the parts of timm's model interface that training reads in
+any backbone, timm's or this project's (timm's models share no base class that declares them)."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -41,3 +44,25 @@ class Recorded(nn.Module):
     (None when idle): `vit.models.attention.Attention` and the MAP head's query."""
 
     recorder: list[torch.Tensor] | None = None
+
+
+@runtime_checkable
+class Classifies(Protocol):
+    """A network with timm's `num_classes`: the width of its logits."""
+
+    num_classes: int
+
+
+@runtime_checkable
+class GroupsLayers(Protocol):
+    """A network with timm's `group_matcher`: which parameters form each layer, for layer-wise learning-rate decay
+    (`timm.optim.param_groups_layer_decay`)."""
+
+    def group_matcher(self, coarse: bool = False) -> dict: ...
+
+
+@runtime_checkable
+class ExemptsFromDecay(Protocol):
+    """A network with timm's `no_weight_decay`: the names of parameters kept out of weight decay (positions, CLS)."""
+
+    def no_weight_decay(self) -> set[str]: ...

@@ -128,20 +128,19 @@ def _timm_shape(name: str) -> dict[str, int]:
         if not str(err).startswith(("Unknown model", "Invalid pretrained tag")):
             raise
         raise PretrainedError(UNKNOWN_NAME.format(name)) from None
-    blocks = getattr(model, "blocks", None)
-    attn = getattr(blocks[0], "attn", None) if blocks else None
-    if getattr(model, "embed_dim", None) is None or getattr(attn, "num_heads", None) is None:
+    # timm's ViT class (its DeiT and other variants subclass it): the layout `adapt_state_dict` maps onto this one.
+    if not isinstance(model, timm.models.vision_transformer.VisionTransformer) or not len(model.blocks):
         raise PretrainedError(
             f"pretrained={name!r} is not a ViT of timm's layout ({type(model).__name__}): "
             "set embed_dim, depth and num_heads by hand"
         )
-    return {"embed_dim": int(model.embed_dim), "depth": len(blocks), "num_heads": int(attn.num_heads)}
+    return {"embed_dim": int(model.embed_dim), "depth": len(model.blocks), "num_heads": model.blocks[0].attn.num_heads}
 
 
 def check_layout(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """`state`, unless its final LayerNorm sits on the other side of the pooling (`norm` against `fc_norm`)."""
-    use_fc_norm = getattr(model, "use_fc_norm", None)
-    if use_fc_norm is not None:
+    if isinstance(model, VisionTransformer):  # the only model here that puts a norm on either side of the pooling
+        use_fc_norm = model.use_fc_norm
         has_norm, has_fc_norm = "norm.weight" in state, "fc_norm.weight" in state
         if use_fc_norm and has_norm and not has_fc_norm:
             raise PretrainedError(

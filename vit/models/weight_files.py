@@ -91,7 +91,7 @@ def open_regular_file(path: Path, name: str) -> BinaryIO:
     """`path` opened for reading, or `PretrainedError` unless it is a regular file: a named pipe would block the open
     until a writer came, and a device would never end. O_NONBLOCK and the `fstat` after opening keep a file swapped
     for a pipe after the first check from blocking either."""
-    nonblocking = getattr(os, "O_NONBLOCK", 0)
+    nonblocking = getattr(os, "O_NONBLOCK", 0)  # POSIX's flag (and O_BINARY, below, Windows'): 0 where absent
     try:
         kind = file_kind(os.stat(path).st_mode)
         if kind != "a file":

@@ -20,7 +20,9 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibratio
 
 from vit.checks import check_float, check_int, check_size
 from vit.data.base import SplitDataModule
+from vit.models.contract import Classifies, ExemptsFromDecay, GroupsLayers
 from vit.models.pretrained import load_pretrained
+from vit.training.contract import DeclaresInputs, class_names_of
 from vit.training.record import training_record
 
 
@@ -78,20 +80,20 @@ def freeze(backbone: nn.Module, trainable: str | int) -> None:
         return
     if isinstance(trainable, bool) or not (trainable == "head" or isinstance(trainable, int)):
         raise ValueError(f"trainable={trainable!r} is not allowed: expected 'all', 'head' or a number of last blocks")
-    if not isinstance(getattr(backbone, "head", None), nn.Module):
+    # timm's names for the children (torch keeps them in `named_children`, where no typing Protocol can declare them)
+    children = dict(backbone.named_children())
+    if "head" not in children:
         raise ValueError(f"trainable={trainable!r} needs a backbone with a `head`; {type(backbone).__name__} has none")
-    keep = [backbone.head]
+    keep = [children["head"]]
     if isinstance(trainable, int):
-        blocks = getattr(backbone, "blocks", None)
+        blocks = children.get("blocks")
         if blocks is None:
             raise ValueError(
                 f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no `blocks`"
             )
         check_int("trainable", trainable, 0, len(blocks))
         final = ("norm", "fc_norm", "attn_pool")
-        keep += list(blocks[len(blocks) - trainable :]) + [
-            getattr(backbone, name) for name in final if isinstance(getattr(backbone, name, None), nn.Module)
-        ]
+        keep += list(blocks[len(blocks) - trainable :]) + [children[name] for name in final if name in children]
     backbone.requires_grad_(False)
     for module in keep:
         module.requires_grad_(True)
@@ -195,7 +197,7 @@ class ImageClassifier(L.LightningModule):
         check_float("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
         if layer_decay is not None:
             check_float("layer_decay", layer_decay, 0.0, 1.0, low_open=True)
-            if not callable(getattr(backbone, "group_matcher", None)):
+            if not isinstance(backbone, GroupsLayers):
                 raise ValueError(
                     f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its "
                     f"layers); {type(backbone).__name__} has none"
@@ -211,7 +213,7 @@ class ImageClassifier(L.LightningModule):
             raise ValueError(f"betas={betas!r} is not allowed: expected two numbers in [0, 1)")
         for i, beta in enumerate(betas):
             check_float(f"betas[{i}]", beta, 0.0, 1.0, high_open=True)
-        num_classes = getattr(backbone, "num_classes", None)
+        num_classes = backbone.num_classes if isinstance(backbone, Classifies) else None
         if not isinstance(num_classes, int):
             raise ValueError(f"backbone {type(backbone).__name__} must have an int attribute `num_classes`")
         return num_classes
@@ -302,8 +304,8 @@ class ImageClassifier(L.LightningModule):
         if isinstance(data, SplitDataModule):  # this project's data modules declare their inputs and class names
             height, width = check_size("data.img_size", data.img_size)
             self.example_input_array = torch.zeros(1, data.in_chans, height, width)  # for TensorBoard's graph
-        # A user's own LightningDataModule may name its classes too: read as this project's data modules declare it.
-        names = getattr(data, "class_names", None)
+        # A user's own LightningDataModule may name its classes too (vit.training.contract.NamesClasses).
+        names = class_names_of(data)
         if names is not None:
             self.class_names = check_class_names(
                 names, len(self.class_names), f"{type(self.trainer.datamodule).__name__}.class_names"
@@ -312,7 +314,7 @@ class ImageClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["class_names"] = list(self.class_names)
         data = self.trainer.datamodule if self._trainer is not None else None
-        if callable(getattr(data, "inputs", None)):  # SplitDataModule's, or a user's module that declares the same
+        if isinstance(data, DeclaresInputs):  # SplitDataModule, or a user's module that declares the same
             checkpoint["inputs"] = data.inputs()
         checkpoint["training_record"] = training_record(checkpoint)  # for the model folder's card
 
@@ -362,7 +364,8 @@ class ImageClassifier(L.LightningModule):
         """The optimizer (`opt`, by timm's factory) of the trainable parameters, in the groups `configure_optimizers`
         uses."""
         # Weight decay on weight matrices only: not on norms, biases, or `no_weight_decay()` (position, CLS token).
-        hp, skip = self.hparams, getattr(self.backbone, "no_weight_decay", set)()
+        hp = self.hparams
+        skip = self.backbone.no_weight_decay() if isinstance(self.backbone, ExemptsFromDecay) else set()
         if hp.get("layer_decay") is None:
             groups = param_groups_weight_decay(self.backbone, hp.weight_decay, no_weight_decay_list=skip)
         else:

@@ -245,8 +245,8 @@ class ViTCLI(LightningCLI):
     before_validate = before_test = before_predict = _check_before_running
 
     def before_fit(self) -> None:
-        for name in ("max_epochs", "max_steps"):
-            if getattr(self.trainer, name) == 0:  # by name: the message names the option
+        for name, value in (("max_epochs", self.trainer.max_epochs), ("max_steps", self.trainer.max_steps)):
+            if value == 0:
                 raise ConfigError(
                     f"trainer.{name}=0 would train nothing: expected a positive number (or -1 for no limit)"
                 )

@@ -21,6 +21,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vit.checks import check_int
 from vit.prediction_csv import free_path
+from vit.training.contract import class_names_of
 from vit.training.run_dir import RunConfig
 
 
@@ -71,7 +72,7 @@ class ConfusionMatrix(L.Callback):
         if trainer.is_global_zero:
             figure = self.figure(
                 f"the last validation, {epoch_title(self._epoch, self._step)}",
-                self.class_names or getattr(pl_module, "class_names", None),
+                self.class_names or class_names_of(pl_module),
             )
             log_image(trainer, self.tag, figure_to_array(figure, self.dpi))
 
@@ -91,7 +92,7 @@ class ConfusionMatrix(L.Callback):
             return
         import wandb
 
-        names = self.class_names or getattr(pl_module, "class_names", None)
+        names = self.class_names or class_names_of(pl_module)
         chart = wandb.plot.confusion_matrix(
             y_true=self._test_true,
             preds=self._test_predicted,

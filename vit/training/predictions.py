@@ -16,6 +16,7 @@ from torchvision.datasets import DatasetFolder
 from vit.checks import check_int
 from vit.prediction_csv import free_path, prediction_table, write_csv
 from vit.training.classifier import index_names
+from vit.training.contract import class_names_of
 
 
 def sample_name(dataset: Dataset, index: int) -> str:
@@ -53,7 +54,7 @@ class PredictionWriter(BasePredictionWriter):
             predictions = [predictions]
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        names = getattr(pl_module, "class_names", None) or index_names(predictions[0][0].shape[-1])
+        names = class_names_of(pl_module) or index_names(predictions[0][0].shape[-1])
         for i, (loader, batches, indices) in enumerate(zip(loaders, predictions, batch_indices)):
             if not batches:
                 continue

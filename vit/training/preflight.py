@@ -80,12 +80,9 @@ def resolve_resume(subcommand: str, config) -> None:
     configured version's); `fit` from a run's newest `last.ckpt`, with no version set, continues in that run's folder,
     from an older checkpoint in a new one. Only a single TensorBoard or CSV logger is handled."""
     ckpt_path, logger = config.get("ckpt_path"), config.get("trainer", {}).get("logger")
-    class_path = str(getattr(logger, "class_path", "") or "")
-    if (
-        ckpt_path is None
-        or not class_path.endswith(("TensorBoardLogger", "CSVLogger"))
-        or getattr(logger, "init_args", None) is None
-    ):
+    # None, `false` or a list of several loggers is not one logger's config
+    class_path = str(logger.get("class_path") or "") if isinstance(logger, Namespace) else ""
+    if ckpt_path is None or not class_path.endswith(("TensorBoardLogger", "CSVLogger")) or not logger.get("init_args"):
         return
     logger = logger.init_args
     root = Path(logger.save_dir) / (logger.get("name", "lightning_logs") or "")  # both loggers' default name
@@ -203,6 +200,7 @@ def check_data_fits(source: str, backbone_args: dict, datamodule) -> None:
     """Raise `ConfigError` when the data module's images or classes are not the ones the model of `source` (its
     backbone built with `backbone_args`) takes."""
     for name in ("num_classes", "in_chans", "img_size"):
+        # the data link's names (train.py): a user's data module gives those it has
         ours, theirs = getattr(datamodule, name, None), backbone_args.get(name)
         if ours is None or theirs is None:
             continue
