@@ -359,8 +359,14 @@ RESUME_CASES = {
     "weights of another shape": (("state_dict", "backbone.head.bias"), torch.zeros(7)),
     # Found by benchmarks/fuzz_checkpoints.py: numpy's OverflowError as the random states are restored.
     "a numpy random state out of range": (("callbacks", "RestoreRNGState", "numpy", "pos"), 2**53 + 1),
-    # Found by benchmarks/fuzz_checkpoints.py: the cosine after the warmup would fail only once it starts.
-    "the cosine's rates for fewer groups": (("lr_schedulers", 0, "_schedulers", 1, "base_lrs"), [1e-3]),
+    # Found by benchmarks/fuzz_checkpoints.py (in torch's schedule then): a rate list shorter than the groups.
+    "the schedule's rates for fewer groups": (("lr_schedulers", 0, "base_values"), [1e-3]),
+    "a schedule's rate that is not finite": (("lr_schedulers", 0, "lr_min"), float("nan")),
+    # What an earlier version saved: torch's warmup + cosine (SequentialLR).
+    "torch's schedule of an earlier version": (
+        ("lr_schedulers",),
+        [{"_milestones": [2], "last_epoch": 4, "_schedulers": [{}, {}], "_last_lr": [1e-3, 1e-3]}],
+    ),
     # Found by benchmarks/fuzz_checkpoints.py: a step count past int64, which failed in ModelCheckpoint mid-run.
     "a step count past int64": (
         ("loops", "fit_loop", "epoch_loop.automatic_optimization.optim_progress", "optimizer", "step", "total")
@@ -392,8 +398,10 @@ def test_a_trainer_state_that_does_not_fit_the_run_fails_in_one_line(case, train
     assert victim.read_text() == "keep me"
 
 
-def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypatch):
-    """The checkpoints a resumed run writes have their model folders, which every door opens."""
+def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypatch, caplog):
+    """The checkpoints a resumed run writes have their model folders, which every door opens; a run resumed with
+    more epochs than it was started with says that its schedule follows the new config."""
+    caplog.set_level("INFO")
     for epochs in (1, 2, 3):
         config = tiny_config(tmp_path, max_epochs=epochs)
         main_in_process(
@@ -409,6 +417,11 @@ def test_a_resumed_run_resumes_again_and_its_checkpoints_open(tmp_path, monkeypa
         )
     last = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["epoch"] == 2
+    notices = [r.getMessage() for r in caplog.records if "learning-rate schedule" in r.getMessage()]
+    assert notices == [
+        f"The learning-rate schedule goes on from update {step} as this config sets it, not as saved"
+        for step in (8, 16)
+    ]
     main_in_process(["validate", "--config", str(config), "--ckpt_path", str(last)], monkeypatch)
     assert vit.load(last).class_names == ["not_diagonal", "diagonal"]
 

@@ -75,11 +75,19 @@ def test_freezing_options_name_what_is_allowed():
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """The schedule written out: linear warmup to 1 over `warmup_steps`, then a cosine to `min_lr_ratio`."""
-    if step < warmup_steps:
+    """The schedule written out: linear warmup, update t at (t + 1) / W, reaching 1 at update W - 1, then a cosine
+    from there to `min_lr_ratio` at `total_steps`."""
+    peak = max(0, warmup_steps - 1)
+    if step < peak:
         return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, (step - peak) / max(1, total_steps - peak))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_step(step: int, warmup_steps: int, decay_steps: int, decay_rate: float) -> float:
+    """The step schedule written out: the same warmup, then times `decay_rate` every `decay_steps` updates."""
+    peak = max(0, warmup_steps - 1)
+    return (step + 1) / warmup_steps if step < peak else decay_rate ** ((step - peak) // decay_steps)
 
 
 @pytest.mark.parametrize(
@@ -107,9 +115,8 @@ def test_learning_rate_at_every_step_follows_warmup_then_cosine_also_after_a_res
         expected = lr * warmup_cosine(step, warmup_steps, total_steps, min_lr_ratio)
         for group in optimizer.param_groups:
             assert group["lr"] == pytest.approx(expected, rel=0, abs=lr * 1e-12), step
-        assert schedule.get_last_lr()[0] == pytest.approx(expected, rel=0, abs=lr * 1e-12), step
         optimizer.step()
-        schedule.step()
+        schedule.step_update(step + 1)  # as `ImageClassifier.lr_scheduler_step`: the update count after the step
 
 
 def layer_of(name: str, depth: int) -> int:
@@ -124,13 +131,15 @@ def layer_of(name: str, depth: int) -> int:
     return depth + 1  # fc_norm, attn_pool, head
 
 
-@pytest.mark.parametrize("pool", ["cls", "map"])
-def test_layer_decay_gives_each_layer_lr_times_decay_to_the_depth_above_it_at_every_step(pool):
+@pytest.mark.parametrize("pool, min_lr_ratio", [("cls", 0.0), ("map", 0.1)])
+def test_layer_decay_gives_each_layer_lr_times_decay_to_the_depth_above_it_at_every_step(pool, min_lr_ratio):
     depth, decay, lr, total_steps, warmup_steps = 3, 0.75, 0.01, 20, 10
     backbone = VisionTransformer(
         img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=depth, num_heads=2, pool=pool, reg_tokens=1
     )
-    model = ImageClassifier(backbone, lr=lr, weight_decay=0.05, warmup_epochs=1.0, layer_decay=decay)
+    model = ImageClassifier(
+        backbone, lr=lr, weight_decay=0.05, warmup_epochs=1.0, layer_decay=decay, min_lr_ratio=min_lr_ratio
+    )
     optimizer, schedule = optimizer_and_schedule(model, total_steps=total_steps, max_epochs=2)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     named = list(backbone.named_parameters())
@@ -142,13 +151,13 @@ def test_layer_decay_gives_each_layer_lr_times_decay_to_the_depth_above_it_at_ev
         assert group_of[id(p)]["lr_scale"] == pytest.approx(scale[name], rel=1e-12), name
         is_weight = p.ndim >= 2 and name not in ("cls_token", "reg_token", "pos_embed", "attn_pool.latent")
         assert group_of[id(p)]["weight_decay"] == (0.05 if is_weight else 0.0), name
-    # torch's schedulers ignore `lr_scale`: what the optimizer uses is each group's lr, scaled at every step.
+    # timm's schedules give each group `value * lr_scale`: its warmup, peak and floor, scaled at every step.
     for step in range(total_steps + 1):
-        factor = warmup_cosine(step, warmup_steps, total_steps, 0.0)
+        factor = warmup_cosine(step, warmup_steps, total_steps, min_lr_ratio)
         for name, p in named:
             assert group_of[id(p)]["lr"] == pytest.approx(lr * scale[name] * factor, rel=1e-9, abs=1e-15), (step, name)
         optimizer.step()
-        schedule.step()
+        schedule.step_update(step + 1)
 
 
 def test_layer_decay_groups_are_those_timm_gives_its_own_vision_transformer():
@@ -186,8 +195,7 @@ def test_layer_decay_options_name_what_is_allowed():
     ImageClassifier(vit, layer_decay=1.0)  # every layer at lr: allowed
     with pytest.raises(ValueError, match="layer_decay=0.75 needs a backbone with timm's `group_matcher`.*ResNet"):
         ImageClassifier(ResNet(img_size=16, in_chans=3, num_classes=3, widths=(4,)), layer_decay=0.75)
-    with pytest.raises(ValueError, match="layer_decay=0.75 needs min_lr_ratio=0, got 0.01"):
-        ImageClassifier(vit, layer_decay=0.75, min_lr_ratio=0.01)
+    ImageClassifier(vit, layer_decay=0.75, min_lr_ratio=0.01)  # each group's floor is its own (timm's lr_scale)
 
 
 def test_with_layer_decay_each_groups_learning_rate_is_logged_beside_the_heads():
@@ -231,3 +239,65 @@ def test_the_optimizer_is_timms_by_name_over_the_same_parameter_groups(opt, cls)
 def test_an_optimizer_timm_does_not_have_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"opt='adamx' is not allowed: expected one of timm's optimizers"):
         ImageClassifier(VisionTransformer(**CIFAR_CFG), opt="adamx")
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_step_schedule_multiplies_the_rate_by_decay_rate_every_decay_epochs_also_after_a_resume(opt):
+    lr, total_steps, max_epochs = 0.1, 60, 6  # 10 updates an epoch: warmup 5, a decay every 15 updates
+    backbone = ResNet(img_size=32, in_chans=1, num_classes=2)
+
+    def build():
+        model = ImageClassifier(
+            backbone, opt=opt, lr=lr, warmup_epochs=0.5, sched="step", decay_epochs=1.5, decay_rate=0.5
+        )
+        return optimizer_and_schedule(model, total_steps=total_steps, max_epochs=max_epochs)
+
+    optimizer, schedule = build()
+    for step in range(total_steps):
+        if step == 23:  # as Lightning resumes: new objects, then the saved states
+            states = optimizer.state_dict(), schedule.state_dict()
+            optimizer, schedule = build()
+            optimizer.load_state_dict(states[0])
+            schedule.load_state_dict(states[1])
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(lr * warmup_step(step, 5, 15, 0.5), rel=1e-12), step
+        optimizer.step()
+        schedule.step_update(step + 1)
+
+
+def test_schedule_options_name_what_is_allowed():
+    backbone = ResNet(img_size=32, in_chans=1, num_classes=2)
+    with pytest.raises(ValueError, match=r"^sched='linear' is not allowed: expected one of \['cosine', 'tanh', 'step'"):
+        ImageClassifier(backbone, sched="linear")
+    with pytest.raises(ValueError, match=r"^decay_epochs=0.0 is not allowed"):
+        ImageClassifier(backbone, sched="step", decay_epochs=0.0)
+    with pytest.raises(ValueError, match=r"^decay_rate=1.5 is not allowed"):
+        ImageClassifier(backbone, sched="step", decay_rate=1.5)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"param_group_field": "weight_decay"}, "the schedule's param_group_field='weight_decay' is not of the kind"),
+        (
+            {"base_values": [0.1]},
+            r"the schedule's base_values=\[0.1\] is not of the kind this run's has \(\[0.1, 0.1\]\)",
+        ),
+        ({"lr_min": float("nan")}, "the schedule's lr_min=nan is not of the kind"),
+        ({"t_initial": 0}, "the schedule's state cannot give the rate of update 3: "),
+        (
+            {"optimizer": {}},
+            r"^the schedule's state is not a CosineLRScheduler's .*: it has optimizer and lacks nothing$",
+        ),
+    ],
+)
+def test_a_restored_schedule_state_is_refused_unless_it_holds_what_this_runs_holds(change, message):
+    from vit.training.optim import check_restored, warmup_schedule
+
+    def schedule():
+        optimizer = torch.optim.SGD([{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)]}], lr=0.1)
+        return warmup_schedule(optimizer, warmup_steps=4, total_steps=20)
+
+    check_restored(schedule(), schedule().state_dict(), 0, 20)  # its own state goes on to the end
+    with pytest.raises(ValueError, match=message):
+        check_restored(schedule(), {**schedule().state_dict(), **change}, 0, 20)

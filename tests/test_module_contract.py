@@ -15,8 +15,9 @@ from vit.data.base import SplitDataModule
 from vit.explain.relevance import relevance, usable_methods
 from vit.models import ConvNet, VisionTransformer
 from vit.models.contract import Classifies, ExemptsFromDecay, GroupsLayers
-from vit.training.classifier import ImageClassifier, freeze
-from vit.training.contract import DeclaresInputs, NamesClasses, class_names_of, explained_network
+from vit.training.classifier import ImageClassifier, explained_network
+from vit.training.contract import DeclaresInputs, NamesClasses, class_names_of
+from vit.training.optim import freeze
 
 VIT = dict(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=3)
 

@@ -313,3 +313,28 @@ def test_loader_workers_ignore_stop_signals_and_are_seeded_as_lightning_seeds_th
     assert [ignored for ignored, *_ in ours] == [[torch.tensor([True])] * 2] * 2
     assert [draws for _, *draws in ours] == [draws for _, *draws in lightnings]
     assert ours[0][1:] != ours[1][1:]  # each worker draws its own numbers
+
+
+def test_sgd_with_a_step_schedule_stopped_after_an_epoch_and_resumed_ends_like_an_uninterrupted_run(
+    tmp_path, monkeypatch
+):
+    """timm's optimizer and schedule by name resume exactly: the rates follow the update count, and the run that
+    stopped after its first epoch and went on to the third has the uninterrupted run's weights and rates."""
+    options = ["--model.opt", "sgd", "--model.lr", "0.05", "--model.sched", "step", "--model.warmup_epochs", "0.5"]
+    options += ["--model.decay_epochs", "1", "--model.decay_rate", "0.5", "--test_after_fit", "false"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    main_in_process(["fit", "--config", str(tiny_config(whole)), *options], monkeypatch)
+    for epochs, resume in ((1, []), (3, ["--ckpt_path", "last"])):
+        main_in_process(["fit", "--config", str(tiny_config(split, max_epochs=epochs)), *options, *resume], monkeypatch)
+    [uninterrupted], [resumed] = (run_dirs(root) for root in (whole, split))
+    ours, theirs = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True) for d in (resumed, uninterrupted))
+    assert ours["global_step"] == theirs["global_step"] == 3 * STEPS_PER_EPOCH
+    assert ours["state_dict"].keys() == theirs["state_dict"].keys()
+    for key, value in theirs["state_dict"].items():
+        assert torch.equal(ours["state_dict"][key], value), key
+    # The rate of the next update, written out: a warmup of half an epoch, then halved every epoch after it.
+    warmup = STEPS_PER_EPOCH // 2
+    expected = 0.05 * 0.5 ** ((3 * STEPS_PER_EPOCH - (warmup - 1)) // STEPS_PER_EPOCH)
+    for checkpoint in (ours, theirs):
+        assert [g["lr"] for g in checkpoint["optimizer_states"][0]["param_groups"]] == pytest.approx([expected] * 2)
+        assert checkpoint["optimizer_states"][0]["param_groups"][0]["momentum"] == 0.9  # timm's sgd

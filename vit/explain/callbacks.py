@@ -19,8 +19,8 @@ from vit.explain.plot import display_image, overlay, rollout_grid
 from vit.explain.relevance import METHODS, Method, relevance, usable_methods
 from vit.explain.rollout import HEAD_FUSIONS, HeadFusion
 from vit.explain.scores import pointing_game, relevance_mass
-from vit.training.classifier import index_names
-from vit.training.contract import HasRegionMasks, class_names_of, explained_network
+from vit.training.classifier import explained_network, index_names
+from vit.training.contract import HasRegionMasks, class_names_of
 from vit.training.dashboard import RankedPredictions, epoch_title, figure_to_array, log_image
 
 METHOD_TITLES = {"grad_rollout": "grad rollout"}  # a column's title; the others are titled by their name

@@ -10,19 +10,20 @@ import lightning as L
 import timm.optim
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
+from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError, MulticlassConfusionMatrix
 
-from vit.checks import check_float, check_int, check_size
+from vit.checks import check_choice, check_float, check_size
 from vit.data.base import SplitDataModule
-from vit.models.contract import Classifies, ExemptsFromDecay, GroupsLayers
+from vit.models.contract import Backbone, Classifies, ExemptsFromDecay, GroupsLayers
 from vit.models.pretrained import load_pretrained
 from vit.training.contract import DeclaresInputs, class_names_of
+from vit.training.optim import SCHEDULES, check_restored, freeze, warmup_schedule
 from vit.training.record import training_record
 
 
@@ -43,20 +44,6 @@ def format_test_results(metrics: dict[str, float], where: str = "") -> str:
     return "\n".join(lines)
 
 
-def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
-) -> LRScheduler:
-    """Per-step multiplier of `lr`: `(step + 1) / warmup_steps` during warmup, then a cosine from 1 at
-    `warmup_steps` down to `min_lr_ratio` at `total_steps` (torch's LinearLR, CosineAnnealingLR)."""
-    lr = optimizer.defaults["lr"]
-    cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=lr * min_lr_ratio)
-    if warmup_steps == 0:
-        return cosine
-    # LinearLR's factor at step s is start + (1 - start) * s / total_iters = (s + 1) / warmup_steps.
-    warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, total_iters=max(1, warmup_steps - 1))
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
-
-
 def index_names(num_classes: int) -> list[str]:
     """The class names of a model that knows none: `["0", "1", ...]`."""
     return [str(i) for i in range(num_classes)]
@@ -74,34 +61,9 @@ def check_class_names(names: object, num_classes: int, source: str) -> list[str]
         raise ValueError(f"{source}: {err}") from None
 
 
-def freeze(backbone: nn.Module, trainable: str | int) -> None:
-    """Leave trainable only what `trainable` names (see `ImageClassifier`); the rest gets `requires_grad=False`."""
-    if trainable == "all":
-        return
-    if isinstance(trainable, bool) or not (trainable == "head" or isinstance(trainable, int)):
-        raise ValueError(f"trainable={trainable!r} is not allowed: expected 'all', 'head' or a number of last blocks")
-    # timm's names for the children (torch keeps them in `named_children`, where no typing Protocol can declare them)
-    children = dict(backbone.named_children())
-    if "head" not in children:
-        raise ValueError(f"trainable={trainable!r} needs a backbone with a `head`; {type(backbone).__name__} has none")
-    keep = [children["head"]]
-    if isinstance(trainable, int):
-        blocks = children.get("blocks")
-        if blocks is None:
-            raise ValueError(
-                f"trainable={trainable} counts Transformer blocks; {type(backbone).__name__} has no `blocks`"
-            )
-        check_int("trainable", trainable, 0, len(blocks))
-        final = ("norm", "fc_norm", "attn_pool")
-        keep += list(blocks[len(blocks) - trainable :]) + [children[name] for name in final if name in children]
-    backbone.requires_grad_(False)
-    for module in keep:
-        module.requires_grad_(True)
-
-
 class ImageClassifier(L.LightningModule):
-    """Cross-entropy training of `backbone` with a timm optimizer (AdamW by default) and a per-step warmup + cosine
-    schedule.
+    """Cross-entropy training of `backbone` with a timm optimizer (AdamW by default) and a timm schedule (warmup +
+    cosine by default), stepped per optimizer update.
 
     Args:
         backbone: the network, with a `num_classes` attribute; in YAML, `class_path: vit.models.VisionTransformer`
@@ -112,21 +74,27 @@ class ImageClassifier(L.LightningModule):
             lamb, lion, ...), built by `timm.optim.create_optimizer_v2` over this model's parameter groups; `betas`
             go to those that take them.
         lr: peak learning rate, reached after `warmup_epochs`.
-        warmup_epochs: linear warmup length (may be fractional); stepped per iteration.
+        warmup_epochs: linear warmup length (may be fractional): update t of W at `lr * (t + 1) / W`.
         weight_decay: AdamW decoupled weight decay, applied to weight matrices only.
-        min_lr_ratio: the cosine ends at `lr * min_lr_ratio`.
+        sched: the schedule after the warmup, by timm's name (`vit.training.optim.SCHEDULES`): "cosine" (or
+            "tanh") to `lr * min_lr_ratio` at the last update, "step" (times `decay_rate` every `decay_epochs`),
+            "constant".
+        min_lr_ratio: the cosine ends at `lr * min_lr_ratio` (each group's, with layer decay).
+        decay_epochs, decay_rate: the "step" schedule's interval (may be fractional) and factor.
         label_smoothing: applied to hard labels and to the soft (Mixup/CutMix) targets alike.
         compile: `torch.compile` the backbone in place (`nn.Module.compile`), so checkpoint keys stay `backbone.*`.
         trainable: what fine-tuning trains: "all"; "head" (a linear probe); or an int k, the last k blocks with the
             final norm (`norm` or `fc_norm`) and the head. Frozen parameters get no gradient and are not optimized.
         layer_decay: layer-wise learning-rate decay d in (0, 1] (BEiT; MAE), off by default: of L = depth + 2 layers
-            (stem, blocks, head: `group_matcher`), layer i trains at `lr * d ** (L - 1 - i)`; needs `min_lr_ratio=0`.
+            (stem, blocks, head: `group_matcher`), layer i trains at `lr * d ** (L - 1 - i)` (timm's `lr_scale`).
         ema_decay: keep an exponential moving average of the backbone (timm's `ModelEmaV3`), off by default.
             Validation, test and prediction use it; checkpoints hold it as `ema.module.*` beside `backbone.*`.
 
     `class_names` (`["0", "1", ...]` until known) comes from the data module and travels in every checkpoint
     beside `"inputs"` (the data module's `inputs()`), so a checkpoint opens for inference alone. A batch is
     `(x, y)`, or `(x, y, y_soft)` with Mixup/CutMix: the loss then uses the soft targets, the accuracy `y`."""
+
+    _saved_schedule: dict | None = None  # a resumed checkpoint's schedule state (`on_load_checkpoint`)
 
     def __init__(
         self,
@@ -138,7 +106,10 @@ class ImageClassifier(L.LightningModule):
         weight_decay: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_epochs: float = 1.0,
+        sched: str = "cosine",
         min_lr_ratio: float = 0.0,
+        decay_epochs: float = 30.0,
+        decay_rate: float = 0.1,
         label_smoothing: float = 0.0,
         compile: bool = False,
         trainable: Literal["all", "head"] | int = "all",
@@ -149,6 +120,9 @@ class ImageClassifier(L.LightningModule):
         num_classes = self._check_options(
             backbone, lr, weight_decay, betas, warmup_epochs, min_lr_ratio, label_smoothing, layer_decay, ema_decay
         )
+        check_choice("sched", sched, SCHEDULES)
+        check_float("decay_epochs", decay_epochs, 0.0, low_open=True)
+        check_float("decay_rate", decay_rate, 0.0, 1.0)
         if opt not in timm.optim.list_optimizers():  # timm's registry: its names, lower case
             raise ValueError(
                 f"opt={opt!r} is not allowed: expected one of timm's optimizers (timm.optim.list_optimizers(): "
@@ -202,11 +176,6 @@ class ImageClassifier(L.LightningModule):
                     f"layer_decay={layer_decay} needs a backbone with timm's `group_matcher` (its "
                     f"layers); {type(backbone).__name__} has none"
                 )
-            if min_lr_ratio != 0:
-                raise ValueError(
-                    f"layer_decay={layer_decay} needs min_lr_ratio=0, got {min_lr_ratio}: torch's "
-                    "CosineAnnealingLR ends every parameter group at the same floor, not at a scaled one"
-                )
         if ema_decay is not None:
             check_float("ema_decay", ema_decay, 0.0, 1.0, high_open=True)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -234,7 +203,7 @@ class ImageClassifier(L.LightningModule):
         self.train_acc(logits, y)
         self.log("train/loss", mean_loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
-        rates = self.lr_schedulers().get_last_lr()
+        rates = [group["lr"] for group in self.trainer.optimizers[0].param_groups]  # this update's
         self.log("train/lr", max(rates), on_step=True, on_epoch=False)  # the head's
         if len(set(rates)) > 1:  # layer decay: each group's rate, as Lightning's LearningRateMonitor logs them
             for i, rate in enumerate(rates):
@@ -329,6 +298,8 @@ class ImageClassifier(L.LightningModule):
             )
         else:
             self.class_names = names
+        # The schedule's state as saved: Lightning loads it into the schedule as it is; `on_train_start` checks it.
+        self._saved_schedule = next(iter(checkpoint.get("lr_schedulers") or []), None)
 
     def on_train_start(self) -> None:
         # After Lightning restored everything (asking for the step count earlier would build the training data
@@ -339,21 +310,25 @@ class ImageClassifier(L.LightningModule):
             if not 0 <= value < 2**63:  # Lightning makes int64 tensors of them as it logs and checkpoints
                 raise ValueError(f"the restored loop gives {name}={value}, beyond what a step or epoch count can be")
         if self.trainer.lr_scheduler_configs:
-            self._check_schedule(self.trainer.lr_scheduler_configs[0].scheduler.state_dict())
+            self._resume_schedule(self.trainer.lr_scheduler_configs[0].scheduler)
 
-    def _check_schedule(self, state: dict) -> None:
-        """Step a stand-in of the schedule, restored from `state`, through the run's remaining steps (its optimizer
-        holds one tiny parameter per group of this model's): a state the schedule cannot go on from (a group's
-        learning rate missing, say) fails now, as the run resumes, not at the step where it would."""
-        groups = [{"params": [torch.zeros(1)], "lr": group["lr"]} for group in self.optimizer().param_groups]
-        stand_in = torch.optim.SGD(groups)
-        schedule = self.schedule(stand_in)
-        schedule.load_state_dict(state)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's notes on stepping a schedule: none applies to a stand-in
-            for _ in range(max(0, int(self.trainer.estimated_stepping_batches) - schedule.last_epoch)):
-                stand_in.step()
-                schedule.step()
+    def _resume_schedule(self, live: Scheduler) -> None:
+        """Check the saved schedule on a stand-in of this run's (its optimizer holds one tiny parameter per group of
+        this model's) through the run's remaining updates, so that a state the run cannot go on from fails now, not
+        at the update where it would; then set `live` to this config's schedule at the restored update (the same
+        as the saved one unless the config changed, e.g. a longer `max_epochs`)."""
+        rates = [{k: v for k, v in group.items() if k in ("lr", "lr_scale")} for group in self.optimizer().param_groups]
+        stand_in = self.schedule(torch.optim.SGD([{**rate, "params": [torch.zeros(1)]} for rate in rates]))
+        fresh, saved, step = stand_in.state_dict(), self._saved_schedule, self.trainer.global_step
+        check_restored(
+            stand_in, saved if isinstance(saved, dict) else {}, step, int(self.trainer.estimated_stepping_batches)
+        )
+        if saved != fresh:
+            rank_zero_info(
+                f"The learning-rate schedule goes on from update {step} as this config sets it, not as saved"
+            )
+        live.load_state_dict(fresh)
+        live.step_update(num_updates=step)
 
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Class probabilities `(B, num_classes)`."""
@@ -372,24 +347,44 @@ class ImageClassifier(L.LightningModule):
             groups = param_groups_layer_decay(
                 self.backbone, hp.weight_decay, no_weight_decay_list=skip, layer_decay=hp.layer_decay
             )
-            for group in groups:
-                # torch's schedulers ignore timm's `lr_scale`: it enters through each group's own lr.
-                group["lr"] = hp.lr * group["lr_scale"]
         opt = hp.get("opt", "adamw")  # runs from before the option trained with AdamW
         takes_betas = "betas" in inspect.signature(timm.optim.get_optimizer_class(opt)).parameters
         extra = {"betas": tuple(hp.betas)} if takes_betas else {}
         return timm.optim.create_optimizer_v2(groups, opt=opt, lr=hp.lr, weight_decay=hp.weight_decay, **extra)
 
-    def schedule(self, optimizer: torch.optim.Optimizer) -> LRScheduler:
-        """The warmup + cosine schedule of `optimizer` over this run's steps."""
+    def schedule(self, optimizer: torch.optim.Optimizer) -> Scheduler:
+        """The warmup + `sched` schedule of `optimizer` over this run's updates (epochs turned into updates at this
+        run's updates per epoch)."""
         hp = self.hparams
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-        warmup_steps = min(total_steps, round(hp.warmup_epochs * total_steps / max_epochs))
-        return warmup_cosine_schedule(
-            optimizer, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=hp.min_lr_ratio
+        per_epoch = total_steps / max_epochs
+        return warmup_schedule(
+            optimizer,
+            sched=hp.get("sched", "cosine"),  # runs from before the option: the cosine
+            warmup_steps=min(total_steps, round(hp.warmup_epochs * per_epoch)),
+            total_steps=total_steps,
+            min_lr_ratio=hp.min_lr_ratio,
+            decay_steps=max(1, round(hp.get("decay_epochs", 30.0) * per_epoch)),
+            decay_rate=hp.get("decay_rate", 0.1),
         )
+
+    def lr_scheduler_step(self, scheduler: Scheduler, metric=None) -> None:
+        # timm's schedules are a function of the update count: the rate of the next update, after `global_step`.
+        scheduler.step_update(num_updates=self.global_step)
 
     def configure_optimizers(self):
         optimizer = self.optimizer()
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.schedule(optimizer), "interval": "step"}}
+
+
+def explained_network(module: nn.Module, *, evaluated: bool = False) -> nn.Module:
+    """The network the explain callbacks read in `module`: an `ImageClassifier`'s backbone (its `evaluated` weights,
+    the EMA's when there is one, if `evaluated`), else `module` itself when it is a `Backbone`, else its first child
+    that is one (a user's LightningModule wrapping a backbone), else `module` (which the methods then refuse, in
+    one line naming its type)."""
+    if isinstance(module, ImageClassifier):
+        return module.evaluated if evaluated else module.backbone
+    if isinstance(module, Backbone):
+        return module
+    return next((child for child in module.children() if isinstance(child, Backbone)), module)
