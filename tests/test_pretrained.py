@@ -143,6 +143,37 @@ def test_a_name_that_cannot_be_downloaded_says_how_to_pass_a_file(monkeypatch, t
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("source", ["vit_tiny_patch16_224.augreg_in21k", f"hf-hub:{HUB_ID}"])
+def test_where_the_hub_cannot_be_reached_the_download_reads_only_the_cache_after_one_connection_attempt(
+    monkeypatch, tmp_path, source
+):
+    """Without network huggingface_hub retries every file for about a minute; the Hub's host is tried once instead
+    (here a port that refuses), then only the cache is read, and huggingface_hub's offline switch is put back."""
+    import socket
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # discard: refused
+    monkeypatch.setattr(
+        huggingface_hub.constants,
+        "HUGGINGFACE_CO_URL_TEMPLATE",
+        "http://127.0.0.1:9/{repo_id}/resolve/{revision}/{filename}",
+    )
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    attempts, connect = [], socket.socket.connect
+
+    def counted(sock, address):
+        attempts.append(address)
+        return connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", counted)
+    with pytest.raises(PretrainedError, match=r"could not be downloaded \(LocalEntryNotFoundError"):
+        create_vit(pretrained=source, **SMALL)
+    assert attempts == [("127.0.0.1", 9)]
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False
+
+
 @pytest.mark.parametrize(
     "source",
     [

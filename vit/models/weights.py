@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from vit.hub import cache_only_if_unreachable
 from vit.models.weight_files import (
     MAX_BYTES_VARIABLE,
     MAX_CONFIG_BYTES,
@@ -121,7 +122,8 @@ def _download(source: str, kind: Literal["hub", "name"]) -> dict[str, torch.Tens
     # timm reads `hf-hub:org/name` (the repo's config.json names the architecture) and refuses a bare `org/name`.
     timm_name = "hf-hub:" + source.split(":", 1)[-1] if kind == "hub" else source
     try:
-        return timm.create_model(timm_name, pretrained=True).state_dict()
+        with cache_only_if_unreachable():
+            return timm.create_model(timm_name, pretrained=True).state_dict()
     except RuntimeError as err:
         if kind == "name" and str(err).startswith("Unknown model"):
             raise PretrainedError(UNKNOWN_NAME.format(source)) from None
