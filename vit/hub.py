@@ -1,20 +1,16 @@
 """The Hugging Face Hub, in one place: ids (`is_hub_id`), a repo's files through `huggingface_hub`'s cache
-(`hub_folder`: its cache first; offline, only the cache), a timm name's repo (`timm_repo`), the Hub id a run
-started from (`hub_base_model`, `hub_dataset`: a model card names only these), and `cache_only_if_unreachable`,
-which spares a machine without network huggingface_hub's minute of retries."""
+(`hub_folder`: its cache first; offline or where the Hub cannot be reached, `vit.offline`, only the cache), a timm
+name's repo (`timm_repo`), and the Hub id a run started from (`hub_base_model`, `hub_dataset`: a model card names
+only these)."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-import socket
-import urllib.parse
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from vit.checks import CheckpointError
 from vit.messages import first_line
+from vit.offline import cache_only_if_unreachable
 
 
 class HubError(CheckpointError):
@@ -22,41 +18,6 @@ class HubError(CheckpointError):
 
 
 _TIMM_NAME = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)?")  # timm's model names, with a pretrained tag: no path
-
-
-PROBE_TIMEOUT = 3.0  # seconds for the Hub's host to accept a connection
-
-
-def hub_reachable(timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether the Hub's host (huggingface_hub's endpoint, `HF_ENDPOINT`) accepts a TCP connection within
-    `timeout` s; True behind a proxy, which only the proxy can answer for."""
-    from huggingface_hub import constants
-
-    url = urllib.parse.urlsplit(constants.ENDPOINT)
-    if url.hostname is None or urllib.request.getproxies():
-        return True
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-    except OSError:  # no route, no name resolution, refused, timed out
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def cache_only_if_unreachable() -> Iterator[None]:
-    """Downloads inside read only huggingface_hub's cache when the Hub cannot be reached: without network it retries
-    each file for about a minute (5 retries, backing off to 8 s) before it looks in the cache. Its offline switch is
-    the one `HF_HUB_OFFLINE=1` sets, which it reads at every request."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or hub_reachable():
-        yield
-        return
-    constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE = False
 
 
 def timm_repo(name: str) -> str | None:

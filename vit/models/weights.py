@@ -11,7 +11,6 @@ from typing import Literal
 
 import torch
 
-from vit.hub import cache_only_if_unreachable
 from vit.models.weight_files import (
     MAX_BYTES_VARIABLE,
     MAX_CONFIG_BYTES,
@@ -22,6 +21,7 @@ from vit.models.weight_files import (
     read_file,
     read_json,
 )
+from vit.offline import cache_only_if_unreachable
 
 # The file-level names other modules take from here, as `vit.models.weights` is where pretrained weights come from.
 __all__ = [
