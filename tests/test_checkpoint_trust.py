@@ -259,9 +259,8 @@ def test_a_hostile_checkpoint_given_to_a_notebook_builds_nothing(trained, tmp_pa
         "init_args": {"in_features": 4, "device": popen(marker)},
     }
     (bad / "config.json").write_text(json.dumps(recorded))
-    monkeypatch.setenv("VIT_NB_CHECKPOINT", str(bad))
     with pytest.raises(CellExecutionError, match=r"vit\.backbone\.class_path='timm\.layers\.Mlp'"):
-        execute("attention_rollout_two_circles.ipynb")
+        execute("attention_rollout_two_circles.ipynb", CHECKPOINT=str(bad))
     assert not marker.exists()
 
 

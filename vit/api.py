@@ -310,7 +310,8 @@ class Predictor:
             yield indices, probs, skipped
 
     def explain(self, image: ImageLike | Tensor, method: str = "rollout", target: str | int | None = None) -> Tensor:
-        """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`), summing to 1;
+        """The relevance map `(gh, gw)` of one image (a file, a PIL image or a model input `(C, H, W)`), summing to 1
+        (all zeros where a clamped method, chefer or gradcam, finds no positive evidence);
         `target` (a class name or index, default: the prediction) is the class the class-specific methods explain."""
         check_choice("method", method, Method)
         usable_methods(self.model, [method])

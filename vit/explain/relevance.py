@@ -50,7 +50,8 @@ def relevance(
     start_layer: int = 0,
     seed: int = 0,
 ) -> Tensor:
-    """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1.
+    """Relevance `(B, gh, gw)` of `images` for `model`'s prediction (or `target`), each map summing to 1, or all zeros
+    where the method finds no positive evidence (Chefer's rule and Grad-CAM clamp at 0).
     `head_fusion` and `discard_ratio` apply to "rollout", `start_layer` to "rollout" and "grad_rollout", `target` to
     `CLASS_METHODS`, `seed` to "random"; given to another method (but `seed`), they are refused."""
     _check_method(
