@@ -12,9 +12,15 @@ from vit.training.classifier import ImageClassifier
 CIFAR_CFG = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=2, num_heads=3)
 
 
-def optimizer_and_schedule(model: ImageClassifier, total_steps: int, max_epochs: int):
-    """What Lightning gets from `configure_optimizers`, for a run of `total_steps` optimizer steps."""
-    model.trainer = SimpleNamespace(estimated_stepping_batches=total_steps, max_epochs=max_epochs)
+def optimizer_and_schedule(model: ImageClassifier, total_steps: int, max_epochs: int, per_epoch: int | None = None):
+    """What Lightning gets from `configure_optimizers`, for a run of `total_steps` optimizer steps of `per_epoch`
+    an epoch (by default the run's steps over its epochs; fewer steps: `max_steps` ends the run first)."""
+    model.trainer = SimpleNamespace(
+        estimated_stepping_batches=total_steps,
+        max_epochs=max_epochs,
+        num_training_batches=per_epoch or total_steps // max_epochs,
+        accumulate_grad_batches=1,
+    )
     config = model.configure_optimizers()
     return config["optimizer"], config["lr_scheduler"]["scheduler"]
 
@@ -241,16 +247,16 @@ def test_an_optimizer_timm_does_not_have_is_refused_naming_it():
         ImageClassifier(VisionTransformer(**CIFAR_CFG), opt="adamx")
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_a_step_schedule_multiplies_the_rate_by_decay_rate_every_decay_epochs_also_after_a_resume(opt):
-    lr, total_steps, max_epochs = 0.1, 60, 6  # 10 updates an epoch: warmup 5, a decay every 15 updates
+@pytest.mark.parametrize("opt, total_steps", [("sgd", 60), ("adamw", 60), ("sgd", 40)])
+def test_a_step_schedule_multiplies_the_rate_by_decay_rate_every_decay_epochs_also_after_a_resume(opt, total_steps):
+    lr, max_epochs = 0.1, 6  # 10 updates an epoch: warmup 5, a decay every 15 updates; 40: max_steps ends the run
     backbone = ResNet(img_size=32, in_chans=1, num_classes=2)
 
     def build():
         model = ImageClassifier(
             backbone, opt=opt, lr=lr, warmup_epochs=0.5, sched="step", decay_epochs=1.5, decay_rate=0.5
         )
-        return optimizer_and_schedule(model, total_steps=total_steps, max_epochs=max_epochs)
+        return optimizer_and_schedule(model, total_steps=total_steps, max_epochs=max_epochs, per_epoch=10)
 
     optimizer, schedule = build()
     for step in range(total_steps):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Literal
 
@@ -355,10 +356,11 @@ class ImageClassifier(L.LightningModule):
     def schedule(self, optimizer: torch.optim.Optimizer) -> Scheduler:
         """The warmup + `sched` schedule of `optimizer` over this run's updates (epochs turned into updates at this
         run's updates per epoch)."""
-        hp = self.hparams
-        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
-        max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-        per_epoch = total_steps / max_epochs
+        hp, trainer = self.hparams, self.trainer
+        total_steps = max(1, int(trainer.estimated_stepping_batches))  # sets up the training data: batches known
+        per_epoch = total_steps / (trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1)
+        if math.isfinite(trainer.num_training_batches):  # not where `max_steps` ends the run before `max_epochs`
+            per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
         return warmup_schedule(
             optimizer,
             sched=hp.get("sched", "cosine"),  # runs from before the option: the cosine
