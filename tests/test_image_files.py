@@ -265,7 +265,11 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_scale_but_never_below_four_times_t
     root = two_classes(tmp_path / "data")
     (tmp_path / "big.jpg").rename(root / "a" / "big.jpg")
     asked.clear()
-    ImageFolderDataModule(root=str(root), img_size=16).setup("fit")
+    dm = ImageFolderDataModule(root=str(root), img_size=16, val_fraction=0.2, test_fraction=0.2)
+    dm.setup("fit")
+    assert asked == []  # setup reads no image; the loader decodes it when read
+    split = next(split for split in ("train", "val", "test") if "a/big.jpg" in dm.split_files[split])
+    getattr(dm, f"{split}_set")[dm.split_files[split].index("a/big.jpg")]
     assert asked == [(64, 64)]
 
 
@@ -282,11 +286,13 @@ def test_an_image_over_the_decompression_bomb_limit_is_refused_with_its_name(tmp
 
 
 @pytest.mark.slow
-def test_a_class_whose_only_file_is_broken_is_named_with_the_file_and_why(tmp_path, monkeypatch, capsys):
+def test_a_class_without_an_image_file_is_named_with_the_file_and_why(tmp_path, monkeypatch, capsys):
+    # Setup reads no image: a class whose only file is named .png but broken is skipped when read instead
+    # (tests/test_image_folder_lazy.py).
     root = two_classes(tmp_path / "data")
     for path in (root / "b").iterdir():
         path.unlink()
-    (root / "b" / "only.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    (root / "b" / "only.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")
     code, err = cli(
         [
             "fit",
@@ -309,20 +315,25 @@ def test_a_class_whose_only_file_is_broken_is_named_with_the_file_and_why(tmp_pa
         capsys,
     )
     assert code == 1 and error_line(err) == (
-        f"error: class folder {root / 'b'} has no readable image (only.png: "
-        "cannot identify image file: not a format Pillow reads): every class "
-        "folder needs at least one"
+        f"error: class folder {root / 'b'} has no image file (only.heic: "
+        "not named as an image (.heic)): every class folder needs at least one"
     )
 
 
-def test_a_file_broken_after_setup_is_named_when_the_loader_reads_it(tmp_path):
+def test_a_file_broken_after_setup_is_skipped_and_named_when_the_loader_reads_it(tmp_path):
     root = two_classes(tmp_path / "data")
-    dm = ImageFolderDataModule(root=str(root), img_size=32)
+    dm = ImageFolderDataModule(root=str(root), img_size=32, random_resized_crop=False, horizontal_flip=False)
     dm.setup("fit")
-    path, _ = dm.train_set.dataset.samples[dm.train_set.indices[0]]
-    Path(path).write_bytes(Path(path).read_bytes()[:60])  # cut short while training runs
-    with pytest.raises(UnreadableImageError, match=rf"^{re.escape(path)}: "):
-        dm.train_set[0]
+    first, second = (dm.train_set.dataset.samples[j][0] for j in dm.train_set.indices[:2])
+    Path(first).write_bytes(Path(first).read_bytes()[:60])  # cut short while training runs
+    x, y = dm.train_set[0]  # the next image of the split in its place
+    expected_x, expected_y = dm.train_set[1]
+    assert torch.equal(x, expected_x) and y == expected_y
+    with pytest.warns(
+        UserWarning, match=rf"unreadable image\(s\) of the train split .*: {re.escape(Path(first).parent.name)}/"
+    ):
+        assert dm.report_unread("train", torch.zeros_like(dm.folder_of("train").failures)) == 1
+    assert list(dm.unread) == [first] and second not in dm.unread
 
 
 def test_a_folder_is_decoded_a_batch_at_a_time_and_unreadable_files_are_reported_with_their_batch(

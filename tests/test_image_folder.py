@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write_folder(root: Path, per_class: int = 12, seed: int = 0) -> Path:
-    """Red and blue squares on noise, in mixed modes and sizes (RGB, L, RGBA, P; 40 to 56 px), plus two bad files."""
+    """Red and blue squares on noise, in mixed modes and sizes (RGB, L, RGBA, P; 40 to 56 px), plus two bad files:
+    red/broken.png (listed by its name, skipped when read) and blue/notes.txt (not listed)."""
     rng = np.random.default_rng(seed)
     modes = ["RGB", "RGBA", "P", "RGB"]
     for label, channel in (("blue", 2), ("red", 0)):
@@ -67,8 +68,8 @@ def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
     # The path of docs/finetune.md: a folder of named classes -> fine-tune from a timm-made .safetensors
     # -> test -> predict with names and top-k -> explain a new image -> export -> timm loads the export.
     images = write_folder(tmp_path / "my images", per_class=40)
-    write_truncated_jpeg(images / "blue" / "cut.jpg")  # would stop training mid-epoch if it were not found at setup
-    with pytest.warns(UserWarning, match=r"skipped 3 file\(s\).*blue/cut.jpg: image file is truncated"):
+    write_truncated_jpeg(images / "blue" / "cut.jpg")  # skipped when read: training does not stop mid-epoch
+    with pytest.warns(UserWarning) as warned:
         main_in_process(
             [
                 "fit",
@@ -109,6 +110,11 @@ def test_own_images_end_to_end(tmp_path, weights, monkeypatch, capsys):
             ],
             monkeypatch,
         )
+    messages = [str(w.message) for w in warned if "skipped" in str(w.message)]
+    assert re.match(r"skipped 1 file\(s\) under .* blue/notes.txt: not named as an image", messages[0])
+    # The two bad files named as images, each named once when a loader met it (train, val or test).
+    for name in ("blue/cut.jpg: image file is truncated", "red/broken.png: cannot identify image file"):
+        assert len([m for m in messages[1:] if name in m and "unreadable image(s)" in m]) == 1
     out = capsys.readouterr().out
     accuracy = float(re.search(r"test/acc = ([0-9.]+)", out)[1])
     assert accuracy >= 0.75, accuracy  # 16 test images (not the 16 that chose the checkpoint); colour solves the task
@@ -183,10 +189,10 @@ def test_train_val_test_folders_are_used_as_given(tmp_path):
     for split, n in (("train", 6), ("val", 3), ("test", 2)):
         write_folder(tmp_path / "data" / split, per_class=n)
     dm = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32)
-    with pytest.warns(UserWarning, match="skipped 6 file"):
+    with pytest.warns(UserWarning, match="skipped 3 file"):  # the notes.txt of each split
         dm.setup("fit")
     assert (dm.num_classes, dm.classes) == (2, ["blue", "red"])
-    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (12, 6, 4)
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (13, 7, 5)  # with each red/broken.png
     x, y = dm.train_set[0]
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32
 
@@ -203,14 +209,14 @@ def test_a_seeded_split_is_disjoint_and_repeatable(tmp_path):
 
 
 def test_the_test_split_is_held_out_from_val_and_train_and_recorded(tmp_path):
-    write_folder(tmp_path / "data", per_class=10)  # 20 readable images
+    write_folder(tmp_path / "data", per_class=10)  # 20 readable images and red/broken.png
     dm = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, val_fraction=0.2, test_fraction=0.3, seed=3)
     with pytest.warns(UserWarning):
         dm.setup("fit")
     train, val, test = (set(dm.split_files[k]) for k in ("train", "val", "test"))
-    assert (len(train), len(val), len(test)) == (10, 4, 6)
+    assert (len(train), len(val), len(test)) == (11, 4, 6)  # of 21: round(4.2) and round(6.3) held out
     assert not (train & val or train & test or val & test)
-    assert train | val | test == {f"{c}/{i:02d}.png" for c in ("blue", "red") for i in range(10)}
+    assert train | val | test == {f"{c}/{i:02d}.png" for c in ("blue", "red") for i in range(10)} | {"red/broken.png"}
     assert dm.test_set is not dm.val_set and len(dm.test_set) == 6
     # The recorded names are the files the test loader reads, and the validation images stay those of test_fraction=0.
     assert [dm.test_set.dataset.samples[i][0] for i in dm.test_set.indices] == [
@@ -228,7 +234,7 @@ def test_a_missing_test_folder_is_split_off_train_and_fractions_must_leave_train
     dm = ImageFolderDataModule(root=str(tmp_path / "data"), img_size=32, test_fraction=0.25)
     with pytest.warns(UserWarning):
         dm.setup("fit")
-    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (15, 6, 5)
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (16, 7, 5)  # 21 in train/: round(5.25) to test
     assert all(name.startswith("train/") for name in dm.split_files["test"])
     with pytest.raises(ValueError, match="val_fraction \\+ test_fraction = 1 leaves no image to train on"):
         ImageFolderDataModule(root=str(tmp_path / "data"), val_fraction=0.5, test_fraction=0.5)
@@ -249,32 +255,40 @@ def test_folders_that_cannot_train_a_classifier_are_named(tmp_path, make, messag
         ImageFolderDataModule(root=str(root))
 
 
-def test_a_class_folder_without_a_readable_image_is_named(tmp_path):
+def test_a_class_folder_without_an_image_file_is_named(tmp_path):
+    # At setup only the names are known: a class folder whose only file is a broken .png passes, and that file is
+    # skipped when read (tests/test_image_folder_lazy.py); one with no file named as an image is refused.
     root = write_folder(tmp_path / "data", per_class=2)
     (root / "empty_class").mkdir()
-    (root / "empty_class" / "cut.png").write_bytes(b"nope")
+    (root / "empty_class" / "cut.txt").write_bytes(b"nope")
     dm = ImageFolderDataModule(root=str(root), img_size=32)
     with pytest.raises(
         NoReadableImageError,
-        match=r"class folder .*/empty_class has no readable image \(cut\.png: "
-        r"cannot identify image file: not a format Pillow reads\): every "
+        match=r"class folder .*/empty_class has no image file \(cut\.txt: "
+        r"not named as an image \(\.txt\)\): every "
         r"class folder needs at least one$",
     ):
         dm.setup("fit")
 
 
-def test_a_truncated_jpeg_is_found_at_setup_not_mid_epoch(tmp_path):
+def test_a_truncated_jpeg_is_skipped_when_read_not_mid_epoch(tmp_path):
     root = write_folder(tmp_path / "data", per_class=4)
     cut = write_truncated_jpeg(root / "red" / "cut.jpg")
     with Image.open(cut) as image:
-        image.verify()  # the check that let it through: verify() reads none of a JPEG's image data
+        image.verify()  # the check that would let it through: verify() reads none of a JPEG's image data
     dm = ImageFolderDataModule(root=str(root), img_size=32, val_fraction=0.25)
-    with pytest.warns(UserWarning, match=r"skipped 3 file\(s\) under .*: .*red/cut\.jpg: image file is truncated"):
-        dm.setup("fit")
-    assert str(cut) in dm.skipped
-    # Every image the splits hold decodes: training does not meet the cut file (the 8 good ones, 2 + 1 held out).
-    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (5, 2, 1)
+    with pytest.warns(UserWarning, match=r"skipped 1 file\(s\) under .*: blue/notes\.txt"):
+        dm.setup("fit")  # listed by name: cut.jpg and broken.png are in the splits
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (7, 2, 1)  # of 10: round(2.5), round(1.0)
+    # Every item of the splits is an image: the two bad files are replaced where they are read, then named.
     assert all(x.shape == (3, 32, 32) for split in (dm.train_set, dm.val_set, dm.test_set) for x, _ in split)
+    with pytest.warns(UserWarning, match=r"skipped 2 unreadable image\(s\) of the train split"):
+        for split in ("train", "val", "test"):
+            dm.report_unread(split, torch.zeros_like(dm.folder_of(split).failures))
+    assert dm.unread.keys() == {str(cut), str(root / "red" / "broken.png")}
+    assert dm.unread[str(cut)].startswith("image file is truncated") and dm.unread[
+        str(root / "red" / "broken.png")
+    ] == ("cannot identify image file: not a format Pillow reads")
 
 
 def test_hidden_entries_are_ignored_everywhere(tmp_path):
@@ -291,10 +305,10 @@ def test_hidden_entries_are_ignored_everywhere(tmp_path):
         add_hidden(folder)
     (root / "red" / "._00.png").write_bytes(b"\0\5\26\7 AppleDouble")
     dm = ImageFolderDataModule(root=str(root), img_size=32, val_fraction=0.25)
-    with pytest.warns(UserWarning, match=r"skipped 2 file\(s\)"):  # broken.png and notes.txt only
+    with pytest.warns(UserWarning, match=r"skipped 1 file\(s\)"):  # notes.txt only (broken.png: when read)
         dm.setup("fit")
-    assert dm.classes == ["blue", "red"] and len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 8
-    assert sorted(Path(p).name for p in dm.skipped) == ["broken.png", "notes.txt"]
+    assert dm.classes == ["blue", "red"] and len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 9
+    assert sorted(Path(p).name for p in dm.skipped) == ["notes.txt"]
 
     given = tmp_path / "given"
     for split in ("train", "val"):
@@ -303,9 +317,9 @@ def test_hidden_entries_are_ignored_everywhere(tmp_path):
         add_hidden(given / split / "red")
     add_hidden(given)
     dm = ImageFolderDataModule(root=str(given), img_size=32)
-    with pytest.warns(UserWarning, match=r"skipped 4 file\(s\)"):
+    with pytest.warns(UserWarning, match=r"skipped 2 file\(s\)"):
         dm.setup("fit")
-    assert (dm.classes, len(dm.train_set) + len(dm.test_set), len(dm.val_set)) == (["blue", "red"], 6, 6)
+    assert (dm.classes, len(dm.train_set) + len(dm.test_set), len(dm.val_set)) == (["blue", "red"], 7, 7)
 
 
 @pytest.mark.parametrize(

@@ -179,9 +179,9 @@ def test_a_lab_image_gives_the_models_channels_or_one_line_naming_its_mode(tmp_p
         to_input(Image.new("La", (4, 4)))
 
 
-def test_image_folder_training_reads_every_mode_its_setup_check_accepted(tmp_path):
+def test_image_folder_training_reads_every_mode_and_skips_a_nan_image(tmp_path):
     # Augmentations work on L and RGB images only: an RGBA, palette, 1-bit or CMYK file used to crash the training
-    # loader mid-run though setup had read it, and a LAB one crashed even without them.
+    # loader mid-run, and a LAB one crashed even without them.
     root = tmp_path / "data"
     (root / "a").mkdir(parents=True)
     (root / "b").mkdir()
@@ -203,21 +203,21 @@ def test_image_folder_training_reads_every_mode_its_setup_check_accepted(tmp_pat
             normalization="none",
             auto_augment="trivialaugment",
         )
-        with pytest.warns(UserWarning) as warned:
-            dm.setup("fit")
-        assert [str(w.message) for w in warned] == [
-            f"skipped 1 file(s) under {root}: a/nan.tif: has NaN or infinite pixels"
-        ]
-        full = dm.train_set.dataset  # every readable file, with the training transform
+        dm.setup("fit")  # by name only: nan.tif is listed, and skipped when read
+        full = dm.train_set.dataset  # every file, with the training transform
         assert sorted(Path(path).name for path, _ in full.samples) == sorted(
-            ["lab.tif", "plain.png", "RGBA.png", "P.gif", "1.bmp", "CMYK.jpg", "RGB.webp"]
+            ["lab.tif", "plain.png", "RGBA.png", "P.gif", "1.bmp", "CMYK.jpg", "RGB.webp", "nan.tif"]
         )
         torch.manual_seed(0)
         for _ in range(10):  # trivialaugment draws an operation per item: each file meets several
-            for i in range(len(full)):
-                x, label = full[i]
-                assert x.shape == (in_chans, 16, 16) and bool(torch.isfinite(x).all())
-        assert all(dm.val_set.dataset[i][0].shape == (in_chans, 16, 16) for i in range(len(full)))
+            for split in (dm.train_set, dm.val_set, dm.test_set):
+                for x, _ in split:
+                    assert x.shape == (in_chans, 16, 16) and bool(torch.isfinite(x).all())
+        names = [Path(path).name for path, _ in full.samples]
+        readable = [i for i, name in enumerate(names) if name != "nan.tif"]
+        assert all(full[i][0].shape == dm.val_set.dataset[i][0].shape == (in_chans, 16, 16) for i in readable)
+        with pytest.raises(UnreadableImageError, match=r"nan\.tif: has NaN or infinite pixels$"):
+            full[names.index("nan.tif")]  # the folder itself refuses it; a split reads the next image instead
 
 
 # --- names: control characters are shown as escapes -------------------------------------------------------------

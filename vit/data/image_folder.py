@@ -4,28 +4,28 @@
     my_images/train/cats/..., my_images/val/cats/..., [test/...]   the splits as given
 
 A split without a folder of its own is drawn from the training images; which file went where is `split_files`
-and `split.json` in the run folder (`run_files`, written by the run). Each file is decoded once at `setup`, so a
-corrupt one is skipped then."""
+and `split.json` in the run folder (`run_files`, written by the run). `setup` lists the files by name and reads
+none (0.23 s for 40,000 photos, `benchmarks/folder_start.py`); a file that fails to decode is skipped when a loader
+reads it, named once and counted per epoch (`UnreadableImages`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import partial, partialmethod
 from pathlib import Path
 from typing import Literal
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
-from torchvision import datasets
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int, check_size
 from vit.data.base import DataNotFoundError, SplitDataModule
 from vit.data.files import first_skipped, list_files, text_name, visible_folders
-from vit.data.images import UnreadableImageError, build_transform, decode_image
+from vit.data.images import ListedImageFolder, UnreadableImageError, build_transform, decode_image, image_extensions
 from vit.data.transforms import MEAN_STD, AutoAugmentName, batch_mixup, train_transform
 
 Normalization = Literal["imagenet", "inception", "none"]  # "none": pixels in [0, 1]; else `MEAN_STD`'s
@@ -37,7 +37,7 @@ LAYOUTS = (
 
 
 class NoReadableImageError(DataNotFoundError):
-    """A class folder without one readable image; the message names its files and why each cannot be read."""
+    """A class folder without one image file, or a split none of whose files decodes; the message names why."""
 
 
 class ImageFolderDataModule(SplitDataModule):
@@ -82,8 +82,8 @@ class ImageFolderDataModule(SplitDataModule):
         )
         self.save_hyperparameters()
         self.root = Path(root)
-        self.skipped: dict[str, str] = {}
-        self._unreadable: dict[str, str | None] = {}  # every file decoded so far: why it cannot be read, or None
+        self.skipped: dict[str, str] = {}  # {path: why} of what the listing left out (`setup`)
+        self.unread: dict[str, str] = {}  # {path: why} of the listed files that failed to decode when read
         self.split_files: dict[str, list[str]] = {}  # split -> its files, relative to root (set up by `setup`)
         self._build_transforms(
             size,
@@ -209,54 +209,58 @@ class ImageFolderDataModule(SplitDataModule):
             )
         self.num_classes = len(self.classes)
 
-    def _images(self, folder: Path, transform) -> datasets.ImageFolder:
+    def _listing(self, folder: Path) -> list[tuple[str, int]]:
+        """`(path, label)` of every file under `folder`'s class folders named as an image (`image_extensions`), none
+        read; what is left out goes to `skipped`. `NoReadableImageError` for a class folder without one."""
         if visible_folders(folder) != self._folders:
             found = [text_name(name) for name in visible_folders(folder)]
             raise ValueError(text_name(f"{folder} has the classes {found}, but the training folder has {self.classes}"))
         listed, left_out = list_files([os.path.join(folder, name) for name in self._folders])
         self.skipped.update(left_out)
-        # Decode every file once, now (threads: Pillow's decoders release the GIL); the splits share the results.
-        todo = [path for files in listed for path in files if path not in self._unreadable]
-        with ThreadPoolExecutor(max(1, self.hparams.num_workers)) as pool:
-            self._unreadable.update(zip(todo, pool.map(self._why_unreadable, todo)))
         samples = []
         for label, (name, files) in enumerate(zip(self._folders, listed)):
-            self.skipped.update({path: self._unreadable[path] for path in files if self._unreadable[path] is not None})
-            readable = [path for path in files if self._unreadable[path] is None]
-            if not readable:
+            images = []
+            for path in files:
+                if (ending := os.path.splitext(path)[1].lower()) in image_extensions():
+                    images.append(path)
+                else:
+                    self.skipped[path] = f"not named as an image ({ending or 'no extension'})"
+            if not images:
                 class_folder = os.path.join(folder, name)
-                why = [
-                    f"{os.path.relpath(path, class_folder)}: {reason}"
-                    for path, reason in sorted(self.skipped.items())
-                    if path.startswith(class_folder + os.sep)
-                ]
-                listed = "; ".join(why[:3]) + (f"; and {len(why) - 3} more" if len(why) > 3 else "")
+                inside = {p: why for p, why in sorted(self.skipped.items()) if p.startswith(class_folder + os.sep)}
+                left = {os.path.relpath(p, class_folder): why for p, why in inside.items()}
+                shown = "; ".join(first_skipped(left, "{name}: {why}", limit=3)) or "no files"
                 raise NoReadableImageError(
                     text_name(
-                        f"class folder {class_folder} has no readable image ("
-                        f"{listed or 'no files'}): every class folder needs at least one"
+                        f"class folder {class_folder} has no image file ({shown}): every class folder needs at "
+                        "least one"
                     )
                 )
-            samples += [(path, label) for path in readable]
-        return _ListedImageFolder(str(folder), self._folders, samples, transform=transform, loader=self._decode)
+            samples += [(path, label) for path in images]
+        return samples
 
-    def _why_unreadable(self, path: str) -> str | None:
-        """Why `decode_image` cannot read `path` (at the loader's reduced scale), or None."""
-        try:
-            self._decode(path)
-            return None
-        except UnreadableImageError as err:
-            return err.reason
+    def _images(self, folder: Path, samples: list[tuple[str, int]], transform, indices=None) -> ReadableSplit:
+        """The split of `samples` at `indices` (all by default), each file decoded and transformed when read."""
+        full = ListedImageFolder(str(folder), self._folders, samples, transform=transform, loader=self._decode)
+        return ReadableSplit(full, list(range(len(samples))) if indices is None else indices)
+
+    def _given(self, folder: Path) -> ReadableSplit:
+        return self._images(folder, self._listing(folder), self.eval_transform)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             self._make_splits()
+        trainer = self.trainer  # counted and named at each epoch's end, by a callback of this data's own
+        if trainer is not None and not any(
+            isinstance(c, UnreadableImages) and c.data is self for c in trainer.callbacks
+        ):
+            trainer.callbacks.append(UnreadableImages(self))
 
     def _make_splits(self) -> None:
         train_dir, val_dir, test_dir = self._folder("train"), self._folder("val"), self._folder("test")
         source = train_dir or self.root
-        train_full = self._images(source, self.train_transform)
-        eval_full, n = self._images(source, self.eval_transform), len(train_full)
+        samples = self._listing(source)
+        n = len(samples)
         n_val = 0 if val_dir is not None else max(1, round(self.hparams.val_fraction * n))
         n_test = (
             0
@@ -265,33 +269,66 @@ class ImageFolderDataModule(SplitDataModule):
         )
         if n - n_val - n_test < 1:
             raise ValueError(
-                f"{source} has {n} readable image(s): too few to hold out {n_val} for validation and "
-                f"{n_test} for the test"
+                f"{source} has {n} image file(s): too few to hold out {n_val} for validation and {n_test} for the test"
             )
+        # The order of the listing and this permutation alone decide the split: the same folder and seed, the same.
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed)).tolist()
         val_idx, test_idx, train_idx = order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
-        self.train_set = Subset(train_full, train_idx) if n_val or n_test else train_full
-        self.val_set = self._images(val_dir, self.eval_transform) if val_dir is not None else Subset(eval_full, val_idx)
-        self.test_set = (
-            self._images(test_dir, self.eval_transform)
-            if test_dir is not None
-            else Subset(eval_full, test_idx)
-            if n_test
-            else self.val_set
-        )
+        self.train_set = self._images(source, samples, self.train_transform, train_idx if n_val or n_test else None)
+        held_out = self._images(source, samples, self.eval_transform).dataset  # val and test, as the model sees them
+        self.val_set = self._given(val_dir) if val_dir is not None else ReadableSplit(held_out, val_idx)
+        if test_dir is not None:
+            self.test_set = self._given(test_dir)
+        else:
+            self.test_set = ReadableSplit(held_out, test_idx) if n_test else self.val_set
         splits = (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))
         self.split_files = {name: self._relative(dataset) for name, dataset in splits}
         if self.skipped:
             relative = {os.path.relpath(p, self.root): why for p, why in sorted(self.skipped.items())}
             listed = "; ".join(first_skipped(relative, "{name}: {why}"))
             warnings.warn(text_name(f"skipped {len(self.skipped)} file(s) under {self.root}: {listed}"), stacklevel=3)
+            if any(why.startswith("not named as an image") for why in self.skipped.values()):  # what is allowed
+                endings = ", ".join(sorted(image_extensions()))
+                warnings.warn(f"an image folder lists a file as an image by its name's ending: {endings}", stacklevel=3)
 
-    def _relative(self, dataset: Dataset) -> list[str]:
-        """The files of `dataset` (a folder, or a `Subset` of one), as text relative to `root`, in its order."""
-        folder, indices = (
-            (dataset.dataset, dataset.indices) if isinstance(dataset, Subset) else (dataset, range(len(dataset)))
-        )
-        return [text_name(os.path.relpath(folder.samples[i][0], self.root)) for i in indices]
+    def folder_of(self, split: str) -> ListedImageFolder:
+        """The folder `split` is a part of, its files' `failures` counted in every process."""
+        return {"train": self.train_set, "val": self.val_set, "test": self.test_set}[split].dataset
+
+    def report_unread(self, split: str, before: torch.Tensor) -> int:
+        """How many files of `split` failed to decode since its folder's `failures` were `before`; each not named
+        before is named in one warning, with why (decoded again here: a worker counts, the reason stays there)."""
+        part = {"train": self.train_set, "val": self.val_set, "test": self.test_set}[split]
+        dataset, indices = part.dataset, torch.as_tensor(part.indices, dtype=torch.long)  # (n,)
+        failed = [dataset.samples[i][0] for i in indices[dataset.failures[indices] != before[indices]].tolist()]
+        new = {path: self._why_unread(path) for path in failed if path not in self.unread}
+        if new:
+            self.unread.update(new)
+            relative = {os.path.relpath(path, self.root): why for path, why in sorted(new.items())}
+            warnings.warn(
+                text_name(
+                    f"skipped {len(new)} unreadable image(s) of the {split} split under {self.root}, each replaced by "
+                    f"the next image of the split: {'; '.join(first_skipped(relative, '{name}: {why}'))}"
+                ),
+                stacklevel=2,
+            )
+        return len(failed)
+
+    def _why_unread(self, path: str) -> str:
+        """Why `path` does not decode (`decode_image`'s reason), or that it did not when the loader read it."""
+        try:
+            self._decode(path)
+        except UnreadableImageError as err:
+            return err.reason
+        return "could not be decoded when the loader read it (it decodes now)"
+
+    def _relative(self, split: ReadableSplit) -> list[str]:
+        """The files of `split`, as text relative to `root`, in its order."""
+        prefix, samples = os.path.join(self.root, ""), split.dataset.samples  # listed as `root/...`: a slice is
+        return [  # relpath's answer at a tenth of its cost, half of setup's on a big folder
+            text_name(path[len(prefix) :] if path.startswith(prefix) else os.path.relpath(path, self.root))
+            for path in (samples[i][0] for i in split.indices)
+        ]
 
     def run_files(self) -> dict[str, str]:
         """`split.json`: `{"root", "train", "val", "test"}`, each split's files under `root`."""
@@ -308,17 +345,46 @@ class ImageFolderDataModule(SplitDataModule):
         return super()._loader(dataset, train, drop_last=drop_last, pin_memory=True)
 
 
-class _ListedImageFolder(datasets.ImageFolder):
-    """torchvision's `ImageFolder` over samples listed beforehand (`vit.data.files`), not by its own walk."""
+class ReadableSplit(Subset):
+    """A split of an image folder whose item `i` is its `i`-th image, or, when that file fails to decode, the next
+    one of the split that decodes (wrapping round): a bad file never stops a loader worker, and every batch keeps its
+    size (Mixup mixes a batch with its flip). A file that failed before is tried again only at its own place."""
 
-    def __init__(self, root: str, folders: list[str], samples: list[tuple[str, int]], **kwargs) -> None:
-        self._listed = folders, samples  # read by find_classes and make_dataset, which ImageFolder calls
-        super().__init__(root, **kwargs)
-        self.classes = [text_name(name) for name in folders]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        n, failures = len(self.indices), self.dataset.failures
+        if not -n <= i < n:  # as a list: `for x, y in split` stops at the end
+            raise IndexError(f"index {i} is out of range for a split of {n} images")
+        for k in range(n):
+            j = self.indices[(i + k) % n]
+            if k and failures[j]:
+                continue
+            try:
+                return self.dataset[j]
+            except UnreadableImageError:
+                continue
+        raise NoReadableImageError(
+            text_name(f"none of the {n} files of this split under {self.dataset.root} decodes as an image")
+        )
 
-    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        folders = self._listed[0]
-        return folders, {name: i for i, name in enumerate(folders)}
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        return [self[i] for i in indices]  # what a DataLoader asks of a Subset, item by item here
 
-    def make_dataset(self, directory: str, class_to_idx: dict[str, int], *args, **kwargs) -> list[tuple[str, int]]:
-        return self._listed[1]
+
+class UnreadableImages(L.Callback):
+    """Each epoch's count of files that failed to decode, per split, logged as `{split}/skipped_images` when there are
+    any (this process's count); each such file is named once, in a warning (`report_unread`). `setup` adds it.
+
+    Counted from one epoch's end to the next: a loader's workers read ahead of the epoch's first step."""
+
+    def __init__(self, data: ImageFolderDataModule) -> None:
+        self.data, self._seen = data, {}  # split -> its folder's `failures` when last counted
+
+    def _end(self, split: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        failures = self.data.folder_of(split).failures
+        before, self._seen[split] = self._seen.get(split, torch.zeros_like(failures)), failures.clone()
+        if count := self.data.report_unread(split, before):
+            pl_module.log(f"{split}/skipped_images", float(count), on_epoch=True, reduce_fx="sum")
+
+    on_train_epoch_end = partialmethod(_end, "train")
+    on_validation_epoch_end = partialmethod(_end, "val")
+    on_test_epoch_end = partialmethod(_end, "test")

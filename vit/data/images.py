@@ -1,8 +1,10 @@
 """One image file as the model's input: decoded upright at a useful scale (`decode_image`, `to_input`), resized and
-normalised as in training (`build_transform`); a folder's or a list's images, decoded when used (`ImageFiles`)."""
+normalised as in training (`build_transform`); a folder's or a list's images, decoded when used (`ImageFiles`, and
+`ListedImageFolder` for training)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -12,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
+from torchvision import datasets
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_size
@@ -31,6 +34,14 @@ IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP", "PPM", "TGA")
 OTHER_SIGNATURES = ((0, b"%PDF-", "PDF"), (4, b"ftypheic", "HEIC"), (4, b"ftypheix", "HEIC"), (4, b"ftypmif1", "HEIF"))
 NON_FINITE = "has NaN or infinite pixels"  # the reason an image, a file or a tensor, cannot be classified
 GREY_MODES = ("1", "L", "LA")  # 8-bit images of these modes are read as "L", of every other mode as "RGB"
+
+
+@functools.cache
+def image_extensions() -> frozenset[str]:
+    """The lower-case endings Pillow names `IMAGE_FORMATS` files with (`.jpg`, `.jpeg`, `.png`, `.tif`, ...): what an
+    image folder lists, by name alone as torchvision's `ImageFolder` lists, so that starting reads no file. Cached:
+    it imports every Pillow reader once."""
+    return frozenset(ext for ext, fmt in Image.registered_extensions().items() if fmt in IMAGE_FORMATS)
 
 
 def usable_workers(num_workers: int) -> int:
@@ -179,6 +190,33 @@ def build_transform(
     if normalization is not None:
         steps.append(v2.Normalize(*map(list, normalization)))
     return v2.Compose(steps)
+
+
+class ListedImageFolder(datasets.ImageFolder):
+    """torchvision's `ImageFolder` over samples listed beforehand (`vit.data.files`), not by its own walk; it counts
+    the files that fail to decode (`failures`) and raises `UnreadableImageError` as its loader does."""
+
+    def __init__(self, root: str, folders: list[str], samples: list[tuple[str, int]], **kwargs) -> None:
+        self._listed = folders, samples  # read by find_classes and make_dataset, which ImageFolder calls
+        super().__init__(root, **kwargs)
+        self.classes = [text_name(name) for name in folders]
+        # In shared memory: a loader's worker processes count there, and the main process reads the counts once
+        # the batches are back (`vit.data.image_folder.UnreadableImages`): no message between them to lose.
+        self.failures = torch.zeros(len(samples), dtype=torch.int32).share_memory_()  # (N,)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        folders = self._listed[0]
+        return folders, {name: i for i, name in enumerate(folders)}
+
+    def make_dataset(self, directory: str, class_to_idx: dict[str, int], *args, **kwargs) -> list[tuple[str, int]]:
+        return self._listed[1]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        try:
+            return super().__getitem__(index)
+        except UnreadableImageError:
+            self.failures[index] += 1  # one process reads a sample at a time: no lost update
+            raise
 
 
 def image_files(input_dir: Path) -> list[Path]:
