@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from vit.commands import EitherSpelling
 from vit.models.attention import Attention
 from vit.models.scores import SCORES
 
@@ -72,7 +73,7 @@ def _cli(args) -> list[str]:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = EitherSpelling(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=65)
     p.add_argument("--width", type=int, default=192)
     p.add_argument("--heads", type=int, default=3)

@@ -17,7 +17,6 @@ shared machine barely change it) or wall time.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -26,6 +25,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
+from vit.commands import EitherSpelling
 from vit.models import VisionTransformer
 
 ARCH = dict(img_size=32, patch_size=4, in_chans=1, num_classes=2, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0)
@@ -53,7 +53,7 @@ def training_step(model: torch.nn.Module, compiled: bool, x: torch.Tensor, y: to
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="steps per variant and repeat")
     parser.add_argument("--repeats", type=int, default=12)

@@ -17,6 +17,7 @@ from unittest import mock
 
 import torch
 
+from vit.commands import EitherSpelling
 from vit.data.cifar import DATASETS, CIFARDataModule
 from vit.data.fake_cifar import write_fake_cifar
 from vit.data.transforms import AUTO_AUGMENTS
@@ -37,7 +38,7 @@ def images_per_second(dm: CIFARDataModule, num_batches: int, warmup_batches: int
 
 def _parse_args() -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EitherSpelling(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", default=None, help="folder holding real CIFAR; generated data if absent")
     parser.add_argument("--dataset", default="cifar10", choices=sorted(DATASETS))
     parser.add_argument("--workers", default="0,1,2", help="comma-separated num_workers values to time")

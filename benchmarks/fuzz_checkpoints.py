@@ -33,7 +33,6 @@ variants).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -60,6 +59,8 @@ from checkpoint_mutations import (
     train_checkpoint,
 )
 from hypothesis import HealthCheck, Phase, given, seed, settings
+
+from vit.commands import EitherSpelling
 
 CHECKPOINT_DOORS = ("reader", "fit")
 WEIGHT_DOORS = ("create_vit", "load_pretrained")
@@ -291,7 +292,7 @@ def fuzz_hpc(trained: Trained, root: Path) -> DoorReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=200, help="random variants per door (default 200)")
     parser.add_argument("--doors", default="reader", help=f"comma-separated, of {','.join(DOORS)} (default reader)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis's seed: the same seed tries the same variants")

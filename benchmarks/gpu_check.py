@@ -45,6 +45,7 @@ import timm
 import torch
 
 from benchmarks.throughput import build_pair, images_per_second, make_step, summary, synchronize
+from vit.commands import EitherSpelling
 from vit.data.cifar import DATASETS
 from vit.data.fake_cifar import write_fake_cifar
 from vit.training.cli import main as train_main
@@ -212,7 +213,7 @@ def table(args, device_name: str, runs: dict[str, dict | None], bench: dict) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EitherSpelling(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a plumbing test, in float32")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per training run")
     parser.add_argument("--batch_size", type=int, default=128, help="the recipe's; also the throughput batch")

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from vit.commands import EitherSpelling
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMM_LOOP = """
 import csv, json, sys, time
@@ -141,7 +143,7 @@ def summary(values: list[float], digits: int = 2) -> str:
 
 def _parse_args() -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EitherSpelling(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/predict_bench"))
     parser.add_argument("--sizes", default="500,5000", help="folder sizes: throughput on the largest, RSS on each")
     parser.add_argument("--repeats", type=int, default=3)

@@ -10,18 +10,18 @@ median [min-max] over rounds of the milliseconds per batch and of the ratio to r
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from vit.commands import EitherSpelling
 from vit.explain.relevance import METHODS, relevance
 from vit.models import ResNet, VisionTransformer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch_size", type=int, default=32)
     args = parser.parse_args()

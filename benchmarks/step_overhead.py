@@ -24,7 +24,6 @@ weigh more than in a full run, so the ratio is an upper bound for the study's 20
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 import yaml
 from timm.optim import param_groups_weight_decay
 
+from vit.commands import EitherSpelling
 from vit.training.cli import main as train_main
 
 
@@ -146,7 +146,7 @@ def main_study(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="a train.py config: time its steps through train.py")
     parser.add_argument("--study", help="a study config: time whole study runs of --model instead")
     parser.add_argument("--model", help="with --study: the study model to run")

@@ -36,6 +36,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmVisionTransf
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from vit.commands import EitherSpelling
 from vit.models import VisionTransformer
 
 MODES = ("infer", "fwd_bwd", "train")
@@ -147,7 +148,7 @@ def csv_choices(value: str, allowed: tuple[str, ...], name: str) -> list[str]:
 
 def _parse_args() -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EitherSpelling(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(
         "--precision", default="fp32,bf16", help="comma-separated: fp32 (float32), bf16 (bf16 autocast)"

@@ -11,7 +11,6 @@ differ. Every ViT of both studies' configs with a position table, built as its s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 
 from studies.runner.arrangement import ArrangementDataModule
 from studies.runner.models import StudyViT
+from vit.commands import EitherSpelling
 from vit.data import SameDifferentDataModule
 from vit.models import VisionTransformer
 
@@ -58,7 +58,7 @@ def ratios(spec: dict, images: torch.Tensor) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    EitherSpelling(description=__doc__.split("\n\n")[0]).parse_args(argv)
     lines = [
         "# Position table against patch content, at initialisation",
         "",

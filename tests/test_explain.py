@@ -729,3 +729,20 @@ def test_the_explain_command_saves_the_maps_it_draws_at_the_scale_asked(
     assert main(args) == 2  # the maps are never overwritten without --overwrite
     assert "--save_maps" in capsys.readouterr().err and npz.read_bytes() == before and not out.exists()
     assert main([*args, "--overwrite"]) == 0
+
+
+@pytest.mark.slow
+def test_the_explain_command_reports_each_method_as_it_finishes_in_whole_lines(shared_checkpoint, tmp_path, capsys):
+    from vit.explain.__main__ import main
+
+    folder = circle_pngs(tmp_path / "photos")
+    args = ["--ckpt_path", str(shared_checkpoint), "--input_dir", str(folder), "--method", "rollout,chefer,gradcam"]
+    assert main([*args, "--out", str(tmp_path / "maps.png")]) == 0
+    err = capsys.readouterr().err  # not a terminal, as a log file: no line redrawn in place
+    assert "\r" not in err and err.endswith("\n")
+    progress = [line for line in err.splitlines() if line.startswith("explaining ")]
+    assert [line.split(",")[0] for line in progress] == [
+        f"explaining 3 images: {n}/3 methods ({method})" for n, method in enumerate(["rollout", "chefer", "gradcam"], 1)
+    ]
+    assert all(" methods/s, about " in line and line.endswith(" s left") for line in progress[:2])
+    assert progress[2].endswith(" methods/s")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from study_helpers import fake_row, tiny_config
 
 from studies.runner import grid, lock, processes, runs_csv, study
 from studies.runner import run as run_module
@@ -54,24 +55,11 @@ def test_schedule_gives_equal_samples_and_validates_after_the_last_step(num_trai
         assert math.ceil(num_train / 64) % val_batches == 0  # the epoch's last batch is a validation
 
 
-def _tiny_config(tmp_path: Path, **changes) -> Path:
-    cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
-    cfg.update(
-        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
-        out_dir=str(tmp_path / "results"),
-        log_dir=str(tmp_path / "runs"),
-        **changes,
-    )
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
 LRS = {"vit": 1e-3, "cnn": 3e-3}
 
 
 def test_plan_covers_the_grid_with_unique_keys(tmp_path):
-    cfg = grid.load_config(_tiny_config(tmp_path))
+    cfg = grid.load_config(tiny_config(tmp_path))
     calibration = grid.calibration_plan(cfg)
     # each family's model at each of the 2 rates, on the calibration seed
     assert [(r.model, r.lr, r.seed) for r in calibration] == [
@@ -113,7 +101,7 @@ def test_plan_covers_the_grid_with_unique_keys(tmp_path):
 
 
 def test_fixed_rates_replace_the_calibration(tmp_path):
-    cfg = yaml.safe_load(_tiny_config(tmp_path).read_text())
+    cfg = yaml.safe_load(tiny_config(tmp_path).read_text())
     del cfg["calibration"]
     path = tmp_path / "fixed.yaml"
     path.write_text(yaml.safe_dump({**cfg, "lrs": LRS}))
@@ -161,7 +149,7 @@ def test_an_experiments_data_options_reach_the_data_module_and_its_fingerprint()
 
 
 def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ties(tmp_path):
-    cfg = grid.load_config(_tiny_config(tmp_path))
+    cfg = grid.load_config(tiny_config(tmp_path))
     val = {
         ("vit-learned", 1e-3): "0.60",
         ("vit-learned", 3e-3): "0.75",
@@ -425,7 +413,7 @@ def test_default_study_is_the_documented_grid():
 )
 def test_bad_study_config_is_reported_with_the_value(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
-        grid.load_config(_tiny_config(tmp_path, **change))
+        grid.load_config(tiny_config(tmp_path, **change))
 
 
 # ----------------------------------------------------------------------------- the study end to end
@@ -438,7 +426,7 @@ def _rows(path: Path) -> list[dict]:
 
 @pytest.mark.slow  # trains
 def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkeypatch):
-    config = _tiny_config(tmp_path)
+    config = tiny_config(tmp_path)
     cfg = grid.load_config(config)
     calibration = grid.calibration_plan(cfg)
     results, logs = tmp_path / "results", tmp_path / "runs"
@@ -551,7 +539,7 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
     assert "| vit (vit-learned) | " in chosen and chosen.count(f" | {lrs['vit']:g} |") >= 1
 
     # 6. Changing the settings of finished runs is refused rather than mixed into the same table.
-    changed = _tiny_config(tmp_path, train_samples=128)
+    changed = tiny_config(tmp_path, train_samples=128)
     with pytest.raises(ValueError, match="made with other settings"):
         study.run_study(changed, progress=False, executor="debug")
 
@@ -612,34 +600,6 @@ def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path)
     assert steps == {"stops": 2, "full": 4}
 
 
-def _fake_row(run: grid.Run) -> dict:
-    """The row run_one would write for ``run``, made up without training (for tests of the runner's bookkeeping)."""
-    return {
-        "key": run.key,
-        "experiment": run.experiment,
-        "task": run.task,
-        "model": run.model,
-        "num_train": run.num_train,
-        "seed": run.seed,
-        "train_region": run.train_region,
-        "test_region": run.test_region,
-        "lr": run.lr,
-        "params": 100,
-        "flops_per_image": 1000,
-        "epochs": run.epochs,
-        "steps": 1,
-        "batch_size": 32,
-        "train_time_s": "0.1",
-        "train_acc": "0.5000",
-        "val_acc": "0.5000",
-        "test_acc": "0.5000",
-        "test_by_distance": '{"10":[16,32]}',
-        "fingerprint": run.fingerprint,
-        "revision": "",
-        "finished_at": "2026-11-25T08:00:00",
-    }
-
-
 @pytest.mark.slow  # trains
 def test_local_executor_resumes_a_partly_finished_study(tmp_path, monkeypatch):
     # One run in this process, then the other two as subprocesses at once (submitit's local
@@ -688,7 +648,7 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
         def submit(self, job):
             return Handle(job)
 
-    cfg = grid.load_config(_tiny_config(tmp_path))
+    cfg = grid.load_config(tiny_config(tmp_path))
     jobs = [run_module.StudyJob(run, "", "", 1, "") for run in grid.calibration_plan(cfg)]
     done = []
     failures = study.fan_out(Executor(), jobs, parallel=2, on_done=lambda job, row: done.append(row["key"]))
@@ -711,7 +671,7 @@ def test_slurm_parameters_make_a_job_array_script_and_lightning_does_not_requeue
         "#SBATCH --signal=USR2@90",
     ):
         assert line in script
-    run = grid.plan(grid.load_config(_tiny_config(tmp_path)), LRS)[0]
+    run = grid.plan(grid.load_config(tiny_config(tmp_path)), LRS)[0]
     under_slurm = run_module.run_overrides(run, tmp_path, environ={"SUBMITIT_EXECUTOR": "slurm"})
     plugin = under_slurm["trainer"]["plugins"][0]
     assert plugin == {
@@ -748,7 +708,7 @@ def test_study_config_errors_are_one_line_and_exit_2(content, message, tmp_path,
 
 
 def test_an_unknown_model_in_the_study_is_one_line(tmp_path, capsys):
-    config = _tiny_config(tmp_path)
+    config = tiny_config(tmp_path)
     cfg = yaml.safe_load(config.read_text())
     cfg["experiments"][0]["models"].append("nosuchmodel")
     config.write_text(yaml.safe_dump(cfg))
@@ -819,7 +779,7 @@ def test_a_damaged_runs_csv_row_is_named_by_its_line_before_any_work(tmp_path, c
     csv_path = tmp_path / "results" / "runs.csv"
     csv_path.parent.mkdir()
     for run in grid.plan(grid.load_config(config)):
-        runs_csv.append_row(csv_path, _fake_row(run))
+        runs_csv.append_row(csv_path, fake_row(run))
     assert len(runs_csv.read_rows(csv_path)) == 3  # the undamaged file is read as it is
     csv_path.write_text(damage(csv_path.read_text()))
     damaged = csv_path.read_text()
@@ -836,9 +796,9 @@ def test_a_row_appended_after_a_last_line_without_newline_stays_a_row_of_its_own
     config = _small_config(tmp_path)
     csv_path = tmp_path / "runs.csv"
     first, second = grid.plan(grid.load_config(config))[:2]
-    runs_csv.append_row(csv_path, _fake_row(first))
+    runs_csv.append_row(csv_path, fake_row(first))
     csv_path.write_text(csv_path.read_text().rstrip("\n"))  # as some editors save it
-    runs_csv.append_row(csv_path, _fake_row(second))
+    runs_csv.append_row(csv_path, fake_row(second))
     assert [r["key"] for r in runs_csv.read_rows(csv_path)] == [first.key, second.key]
 
 
@@ -858,7 +818,7 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
     out_dir, csv_path = tmp_path / "results", tmp_path / "results" / "runs.csv"
     out_dir.mkdir()
     run0 = grid.plan(grid.load_config(config))[0]
-    runs_csv.append_row(csv_path, _fake_row(run0))
+    runs_csv.append_row(csv_path, fake_row(run0))
     before = csv_path.read_text()
     monkeypatch.setattr(study, "write_reports", lambda *args: None)
 
@@ -889,7 +849,7 @@ def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_pat
         with pytest.raises(runs_csv.StudyError, match=f"in use by another study invocation \\(PID {os.getpid()},"):
             with lock.lock_out_dir(out_dir):
                 pass
-        return _fake_row(run)
+        return fake_row(run)
 
     monkeypatch.setattr(run_module, "run_one", run_while_locked)
     study.run_study(config, progress=False, executor="debug")
@@ -948,7 +908,7 @@ def test_a_rerun_after_kill_9_is_refused_while_the_killed_invocations_jobs_run(t
     csv_path, lock = out_dir / "runs.csv", out_dir / "study.lock"
     runs = grid.plan(grid.load_config(config))
     out_dir.mkdir()
-    runs_csv.append_row(csv_path, _fake_row(runs[0]))
+    runs_csv.append_row(csv_path, fake_row(runs[0]))
     orphaned = logs / runs[1].key  # what the orphaned run has written so far
     orphaned.mkdir(parents=True)
     (orphaned / "metrics.csv").write_text("epoch,step,train/acc\n0,1,0.5\n")
@@ -993,7 +953,7 @@ def test_a_rerun_after_kill_9_is_refused_while_the_killed_invocations_jobs_run(t
 
         def run_one(run, **kwargs):
             started.append(run.key)
-            return real_run_one(run, **kwargs) if run.key == runs[1].key else _fake_row(run)
+            return real_run_one(run, **kwargs) if run.key == runs[1].key else fake_row(run)
 
         monkeypatch.setattr(run_module, "run_one", run_one)
         monkeypatch.setattr(study, "write_reports", lambda *args: None)

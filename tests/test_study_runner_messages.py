@@ -5,44 +5,19 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
+from study_helpers import KEY, REFUSED, cnn_config
 
 from studies.runner import grid, runs_csv
 from studies.runner import run as run_module
 from studies.runner.__main__ import main as study_main
 
 ROOT = Path(__file__).resolve().parents[1]
-KEY = "position-diagonal-cnn-rf5-n32-s0"
 NOT_BY_DISTANCE = "test_by_distance is not the JSON mapping of distances to [correct, total] run_one writes"
-REFUSED = "strides=(1, 0) is not allowed: expected 2 ints >= 1, one per width"  # ConvNet's own message
-
-
-def _config(tmp_path: Path, strides=(1, 1)) -> Path:
-    """One one-batch run of the smallest CNN at a fixed rate (``strides``: its ConvNet's), no calibration."""
-    cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
-    for key in ("calibration", "shortcuts"):
-        del cfg[key]
-    cnn = {"class_path": "vit.models.ConvNet", "init_args": {"widths": [4, 4], "strides": list(strides)}}
-    cfg.update(
-        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
-        out_dir=str(tmp_path / "results"),
-        log_dir=str(tmp_path / "runs"),
-        seeds=[0],
-        models={"cnn-rf5": cnn},
-        families={"cnn": ["cnn-rf5"]},
-        lrs={"cnn": 3e-3},
-        experiments=[
-            {"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [32], "train_samples": 32}
-        ],
-    )
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
 
 
 def _row(tmp_path: Path, **changes) -> dict:
     """The row run_one would write for the study's run, made up without training, with ``changes``."""
-    run = grid.plan(grid.load_config(_config(tmp_path)))[0]
+    run = grid.plan(grid.load_config(cnn_config(tmp_path)))[0]
     row = {
         "key": run.key,
         "experiment": run.experiment,
@@ -113,7 +88,7 @@ def test_a_junk_key_is_shown_escaped_on_the_line_an_editor_numbers(tmp_path):
 
 
 def test_a_junk_line_stops_the_study_with_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
-    config = _config(tmp_path)
+    config = cnn_config(tmp_path)
     csv_path = tmp_path / "results" / "runs.csv"
     csv_path.parent.mkdir()
     runs_csv.append_row(csv_path, _row(tmp_path))
@@ -134,7 +109,7 @@ def test_a_junk_line_stops_the_study_with_one_line_and_exit_2(tmp_path, capsys, 
 
 
 def test_a_model_its_constructor_refuses_fails_its_run_naming_it(tmp_path):
-    config = _config(tmp_path, strides=(1, 0))
+    config = cnn_config(tmp_path, strides=(1, 0))
     run = grid.plan(grid.load_config(config))[0]
     with pytest.raises(RuntimeError) as err:
         run_module.run_one(run, base_config=str(ROOT / "studies/relation/configs/base.yaml"), log_dir=tmp_path / "runs")
@@ -144,7 +119,7 @@ def test_a_model_its_constructor_refuses_fails_its_run_naming_it(tmp_path):
 @pytest.mark.slow  # a study job in a subprocess (submitit's local executor)
 def test_a_study_whose_model_is_refused_ends_with_one_line_naming_the_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        study_main(["--config", str(_config(tmp_path, strides=(1, 0))), "--executor", "local", "--parallel", "1"])
+        study_main(["--config", str(cnn_config(tmp_path, strides=(1, 0))), "--executor", "local", "--parallel", "1"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     # (after the progress bar's \r)

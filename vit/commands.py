@@ -11,6 +11,7 @@ import re
 import stat
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO, TypeVar
@@ -105,3 +106,85 @@ def write_whole(path: Path, fill: Callable[[TextIO], bool], newline: str | None 
             os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)  # gone once renamed
+
+
+class EitherSpelling(argparse.ArgumentParser):
+    """A parser whose options, spelt with underscores (`--max_runs`, as `train.py` and `vit.predict` spell them), also
+    answer to the same name with dashes (`--max-runs`), the other way round too; the help shows the spelling given.
+
+    The studies' and benchmarks' commands took dashes before: a script written for either spelling keeps working."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault(
+            "epilog", "Each option also answers to its name with dashes for underscores (or the reverse)."
+        )
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        end = args.index("--") if "--" in args else len(args)  # after `--`, every word is a value
+        return super().parse_known_args([self._spelt(arg) for arg in args[:end]] + args[end:], namespace)
+
+    def _spelt(self, arg: str) -> str:
+        """`arg` (`--name` or `--name=value`) as this parser spells the option, if it names one spelt otherwise."""
+        name, equals, value = arg.partition("=")
+        if not name.startswith("--") or name in self._option_string_actions:
+            return arg
+        for other in ("--" + name[2:].replace("-", "_"), "--" + name[2:].replace("_", "-")):
+            if other in self._option_string_actions:
+                return other + equals + value
+        return arg
+
+
+class Progress:
+    """How far a long command is, on stderr: `label: done/total unit (note), rate unit/s, about N s left`, the line
+    `python -m vit.predict` prints. On a terminal it is redrawn in place; in a log file or a pipe each report is a
+    whole line ending in a newline (no carriage return), at most one per `every` seconds, and always the last one.
+
+    `done` counts what an earlier invocation finished (a resumed study): the rate and the time left are this one's."""
+
+    def __init__(
+        self, label: str, total: int, unit: str, *, done: int = 0, every: float = 10.0, stream: TextIO | None = None
+    ) -> None:
+        self.label, self.total, self.unit, self.every = label, total, unit, every
+        self.done, self.first = done, done
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty()
+        self.start, self.shown, self.line = time.monotonic(), float("-inf"), ""  # `line`: the one drawn in place
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        """Count `n` more done (`note`: which, e.g. the item just finished) and report if it is time to."""
+        self.done += n
+        now = time.monotonic()
+        if not (self.tty or now - self.shown >= self.every or self.done >= self.total):
+            return
+        self.shown, rate = now, (self.done - self.first) / max(now - self.start, 1e-9)
+        left = f", about {(self.total - self.done) / rate:.0f} s left" if 0 < rate and self.done < self.total else ""
+        line = f"{self.label}: {self.done}/{self.total} {self.unit}{f' ({note})' if note else ''}"
+        self._draw(f"{line}, {rate:.3g} {self.unit}/s{left}", keep=not self.tty or self.done >= self.total)
+
+    def write(self, message: str, file: TextIO | None = None) -> None:
+        """Print `message` as a line of its own on `file` (default: the progress's stream), above the line drawn in
+        place, which is erased first and drawn again after (on a terminal both streams are the same screen)."""
+        line = self.line
+        if file is None or file is self.stream:
+            self._draw(message, keep=True)
+        else:
+            if line:
+                self._draw("", keep=False)
+            print(message, file=file, flush=True)
+        if line:
+            self._draw(line, keep=False)
+
+    def close(self) -> None:
+        """End the line drawn in place, so that what is printed next starts a line of its own."""
+        if self.line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.line = ""
+
+    def _draw(self, text: str, *, keep: bool) -> None:
+        """Write `text` over the line drawn in place (ANSI: erase to the line's end), ended by a newline if `keep`."""
+        self.stream.write(("\r" + text + "\x1b[K" if self.tty else text) + ("\n" if keep else ""))
+        self.stream.flush()
+        self.line = "" if keep else text

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.commands import check_output, fail, parser, print_skipped, run, write_failed
+from vit.commands import Progress, check_output, fail, parser, print_skipped, run, write_failed
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
     from vit.api import Predictor
@@ -129,24 +128,14 @@ def predict(args: argparse.Namespace, predictor: Predictor) -> int:
             file=sys.stderr,
         )
 
-    def rows():  # each batch's rows; progress on stderr: redrawn in place on a terminal, else a line every 10 s
-        done, start, shown, tty = 0, time.monotonic(), 0.0, sys.stderr.isatty()
+    def rows():  # each batch's rows; progress on stderr (`vit.commands.Progress`)
+        progress = Progress(str(args.input_dir), len(files), "images")
         for indices, probs, skipped_here in predictor.file_batches(files, batch_size, args.num_workers):
             skipped.update(skipped_here)
-            done += len(indices) + len(skipped_here)
             if probs is not None:
                 yield from prediction_table([files.names[i] for i in indices], probs, names, args.topk)[1]
-            now = time.monotonic()
-            if tty or now - shown >= 10 or done == len(files):
-                shown = now
-                rate = done / max(now - start, 1e-9)
-                eta = f", about {(len(files) - done) / rate:.0f} s left" if done < len(files) else ""
-                print(
-                    f"{args.input_dir}: {done}/{len(files)} images, {rate:.1f} images/s{eta}",
-                    file=sys.stderr,
-                    flush=True,
-                    end="\r" if tty and done < len(files) else "\n",
-                )
+            progress.update(len(indices) + len(skipped_here))
+        progress.close()
 
     header = prediction_table([], torch.zeros(0, len(names)), names, args.topk)[0]
     try:

@@ -18,7 +18,7 @@ is scored on the subsets of a setting's images that the tables score (``settings
 * spans >= 25, the longest, where the discs hug the borders and corners.
 
 On each subset a baseline is fit on the images of the same spans in a fresh draw of the same law (the same data
-module with seed ``FIT_SEED``, ``--num-fit`` images), then scored on the study's images of those spans. Each row is
+module with seed ``FIT_SEED``, ``--num_fit`` images), then scored on the study's images of those spans. Each row is
 a test accuracy with its exact 95% Clopper-Pearson interval. Bayes rows are the majority label per key learned on
 the fit draw (``studies.runner.shortcuts.bayes_accuracy``): an upper estimate of what that statistic gives.
 
@@ -48,7 +48,6 @@ setting only:
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import shlex
@@ -66,6 +65,7 @@ from studies.arrangement.settings import (  # what the audit scores
 from studies.runner.grid import load_config
 from studies.runner.shortcuts import bayes_accuracy, logreg_accuracy
 from studies.runner.stats import clopper_pearson
+from vit.commands import EitherSpelling
 
 CONFIG = "studies/arrangement/configs/arrangement.yaml"  # the study's (studies/arrangement/__main__.py)
 LIMIT = 0.55  # the highest accuracy a shortcut may reach
@@ -361,12 +361,10 @@ def write(rows: list[dict], settings: list[Setting], out_dir: Path, seconds: flo
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m studies.arrangement.shortcuts`: the audit, into ``--out``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m studies.arrangement.shortcuts", description=__doc__.split("\n\n")[0]
-    )
+    parser = EitherSpelling(prog="python -m studies.arrangement.shortcuts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for shortcuts.csv and shortcuts.md")
     parser.add_argument("--config", default=CONFIG, help="the study's config, whose images are scored")
-    parser.add_argument("--num-fit", type=int, default=40_000, help="images of each fresh draw the baselines fit on")
+    parser.add_argument("--num_fit", type=int, default=40_000, help="images of each fresh draw the baselines fit on")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     settings = study_settings(load_config(args.config), args.num_fit)

@@ -16,7 +16,6 @@ rerun skips the runs already there.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from studies.runner.rows import append_rows
+from vit.commands import EitherSpelling
 from vit.explain.relevance import FACTS, METHODS, relevance, usable_methods
 from vit.explain.scores import average_precision, deletion_insertion, pointing_game, rank_correlation, relevance_mass
 
@@ -170,7 +170,7 @@ def write_table(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m studies.explain.scores", description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(prog="python -m studies.explain.scores", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("studies/explain/results"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--num_train", type=int, default=2000)
@@ -180,12 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one torch thread each")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    parser.add_argument("--report-only", action="store_true", help="rewrite scores.md from scores.csv, train nothing")
+    parser.add_argument("--report_only", action="store_true", help="rewrite scores.md from scores.csv, train nothing")
     args = parser.parse_args(argv)
     csv_path = args.out / "scores.csv"
     if args.report_only:
         if not csv_path.exists():
-            parser.error(f"--report-only: {csv_path} does not exist, so there is nothing to report")
+            parser.error(f"--report_only: {csv_path} does not exist, so there is nothing to report")
         with csv_path.open() as f:
             write_table(list(csv.DictReader(f)), args.out / "scores.md")
         return

@@ -15,7 +15,6 @@ selects is then confirmed through `train.py` (`configs/same_different/vit.yaml`)
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -31,6 +30,7 @@ from timm.optim import param_groups_weight_decay
 from studies.recipe import screened
 from studies.recipe.diagnostics import attention_stats, grad_norms, token_probe
 from studies.runner.rows import append_rows
+from vit.commands import EitherSpelling
 from vit.data.same_different import SameDifferentDataModule
 
 COLUMNS = (
@@ -217,7 +217,7 @@ def summary(csv_path: Path, config: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m studies.recipe.screen", description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(prog="python -m studies.recipe.screen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument(
         "--candidates",

@@ -11,13 +11,13 @@ from the runs. Written after the runs: a reading of them, not a prediction.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from studies.runner import grid, visibility
+from vit.commands import EitherSpelling
 
 SPAN_BINS = [(11, 13), (14, 16), (17, 19), (20, 22), (23, 25), (26, 28), (29, 32)]  # inclusive, px
 MODELS = ("cnn-rf21", "cnn-rf29", "cnn-rf13")
@@ -25,9 +25,7 @@ MODELS = ("cnn-rf21", "cnn-rf29", "cnn-rf13")
 
 def main(argv: list[str] | None = None) -> None:
     """Print, per CNN, the measured accuracy per span bin, then for each ``k`` the visible share and the prediction."""
-    parser = argparse.ArgumentParser(
-        prog="python -m studies.relation.posthoc_visibility", description=__doc__.split("\n\n")[0]
-    )
+    parser = EitherSpelling(prog="python -m studies.relation.posthoc_visibility", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="studies/relation/configs/relation.yaml", help="the study config")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -7,13 +7,12 @@ partial-view (visibility) model calls visible, and the accuracy it predicts from
 The model (which pairs a CNN's units can read, ``unit_windows`` and ``visible``) is the runner's
 ``studies.runner.visibility``, whose ``report`` re-bins the finished runs by it; here, with no model
 trained and nothing fitted, it is applied to the exact test sets the study's runs will draw
-(``study_test_sets``), and ``a``, the accuracy on the pairs a CNN sees, is assumed (``--acc-visible``;
+(``study_test_sets``), and ``a``, the accuracy on the pairs a CNN sees, is assumed (``--acc_visible``;
 100% at best). ``main`` refuses to overwrite a page: predictions are written once, before the runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from studies.runner.cells import distance_edges
 from studies.runner.grid import experiments, load_config
 from studies.runner.visibility import ADJACENT, conv_model, is_additive, predicted_accuracy, unit_windows, visible
+from vit.commands import EitherSpelling
 from vit.data.same_different import SHAPE_SIZE, SameDifferentDataModule
 
 
@@ -202,20 +202,20 @@ def write_predictions(rows: list[dict], out: Path, *, acc_visible: float, config
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m studies.relation.visibility`: the predictions page; refuses to overwrite an existing one."""
-    parser = argparse.ArgumentParser(prog="python -m studies.relation.visibility", description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(prog="python -m studies.relation.visibility", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--config", required=True, help="study config YAML, e.g. studies/relation/configs/relation.yaml"
     )
     parser.add_argument("--out", required=True, help="the markdown file to write (must not exist)")
     parser.add_argument(
-        "--acc-visible",
+        "--acc_visible",
         type=float,
         default=1.0,
         help="accuracy assumed on the pairs a CNN sees (default 1.0: the model's upper bound)",
     )
     args = parser.parse_args(argv)
     if not 0.5 <= args.acc_visible <= 1:
-        parser.error(f"--acc-visible={args.acc_visible} is not allowed: expected a float in [0.5, 1]")
+        parser.error(f"--acc_visible={args.acc_visible} is not allowed: expected a float in [0.5, 1]")
     out = Path(args.out)
     if out.exists():  # predictions are written once, before the runs: never replaced silently
         print(

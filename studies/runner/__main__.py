@@ -21,9 +21,11 @@ per-image predictions go to ``<out_dir>/predictions/<run key>.npz`` (what the re
 visibility, ``studies.runner.visibility``). Logs (TensorBoard and CSV) and checkpoints go to
 ``<log_dir>/<run key>/``.
 
-Executors (submitit; ``--executor``): ``local`` runs each run in a subprocess, ``--parallel`` (2)
-at a time with ``threads`` torch threads each; ``debug`` runs them one by one in this process (the
-tests); ``slurm`` submits one job array (``--partition``, ``--gpus``, ``--cpus``, ``--timeout-min``;
+Executors (``--executor``): ``forked`` (the default, ``studies.runner.forked``) runs each run in a
+process of its own forked from a copy of this one, ``--parallel`` (2) at a time with ``threads`` torch
+threads each, without importing torch and Lightning again per run; submitit's ``local`` does the same
+in a fresh interpreter per run (4-5 s more a run here); ``debug`` runs them one by one in this process (the
+tests); ``slurm`` submits one job array (``--partition``, ``--gpus``, ``--cpus``, ``--timeout_min``;
 at most ``--parallel`` tasks at a time), in which Lightning's own SLURM auto-requeue is off and
 submitit requeues a preempted run (``run.StudyJob`` is checkpointable). Only this process writes
 ``runs.csv``, as the runs finish.
@@ -41,7 +43,7 @@ One invocation at a time per ``out_dir`` (``lock``): it holds ``<out_dir>/study.
 (``fcntl.flock``, released by the kernel when the process ends, ``kill -9`` included) and a second
 one is refused. After a ``kill -9``, the local jobs it had started run on: the lock names them
 (``processes``), and the next invocation refuses to start while one still runs. On SIGTERM or
-Ctrl-C the study cancels its runs under way (submitit's local jobs would outlive it) and exits with
+Ctrl-C the study cancels its runs under way (local and forked runs would outlive it) and exits with
 128 + the signal; its finished rows are kept, and the same command goes on.
 
 A study with steps of its own around the grid (``studies.arrangement``) builds its command from
@@ -56,22 +58,20 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from studies.runner import study
-from studies.runner.grid import calibration_plan, choose_lr, load_config, plan
-from studies.runner.lock import Stopped
-from studies.runner.report import write_reports
-from studies.runner.runs_csv import StudyError, read_rows
-from vit.training.run_lock import printable
+from vit.commands import EitherSpelling
+
+# The rest (the grid's data modules: torch and Lightning, 4-5 s here) is imported once the options are read: `--help`
+# and a refused option answer at once.
 
 PROG = "python -m studies.runner"
-EXECUTORS = ("local", "debug", "slurm")
+EXECUTORS = ("forked", "local", "debug", "slurm")
 
 
 def parse_args(
     argv: list[str] | None = None, *, prog: str = PROG, description: str | None = None, config: str | None = None
 ) -> argparse.Namespace:
     """The runner's options, checked; ``config`` is the default of ``--config`` (without one, it is required)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
+    parser = EitherSpelling(prog=prog, description=description or __doc__.split("\n\n")[0])
     parser.add_argument(
         "--config",
         required=config is None,
@@ -80,19 +80,20 @@ def parse_args(
         if config
         else "study config YAML, e.g. studies/relation/configs/relation.yaml",
     )
-    parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
+    parser.add_argument("--max_runs", type=int, default=None, help="stop after this many new runs (resume later)")
     parser.add_argument(
-        "--report-only", action="store_true", help="rewrite summary and plots from runs.csv, run nothing"
+        "--report_only", action="store_true", help="rewrite summary and plots from runs.csv, run nothing"
     )
     parser.add_argument("--list", action="store_true", help="print the planned runs and whether each is done")
     parser.add_argument(
         "--executor",
         choices=EXECUTORS,
-        default="local",
-        help="submitit executor: local subprocesses (default), debug (in this process), slurm (a job array)",
+        default="forked",
+        help="forked: processes forked from one that imported torch once (default); submitit's local (a fresh "
+        "interpreter per run), debug (in this process), slurm (a job array)",
     )
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2: one per core here)")
-    parser.add_argument("--timeout-min", type=int, default=120, help="wall-time limit of one run, in minutes")
+    parser.add_argument("--timeout_min", type=int, default=120, help="wall-time limit of one run, in minutes")
     slurm = parser.add_argument_group("slurm", "with --executor slurm")
     slurm.add_argument("--partition", default=None, help="SLURM partition")
     slurm.add_argument("--gpus", type=int, default=1, help="GPUs per run")
@@ -100,16 +101,18 @@ def parse_args(
     args = parser.parse_args(argv)
     for name in ("parallel", "timeout_min", "cpus"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: expected an int >= 1")
+            parser.error(f"--{name}={getattr(args, name)} is not allowed: expected an int >= 1")
     if args.gpus < 0:
         parser.error(f"--gpus={args.gpus} is not allowed: expected an int >= 0")
     if args.max_runs is not None and args.max_runs < 0:
-        parser.error(f"--max-runs={args.max_runs} is not allowed: expected an int >= 0")
+        parser.error(f"--max_runs={args.max_runs} is not allowed: expected an int >= 0")
     return args
 
 
 def read_config(path: str) -> dict:
     """The checked study config; one `error:` line and exit status 2 when it cannot be used."""
+    from studies.runner.grid import load_config
+
     try:
         return load_config(path)
     except (FileNotFoundError, ValueError) as err:
@@ -122,6 +125,11 @@ def exit_codes(csv_path: Path):
     """A ``StudyError`` as one `error:` line and exit status 2, failed runs (``study.RunsFailed``, each named) as one
     and 1; SIGTERM and Ctrl-C as one line and 128 + the signal, naming the finished runs kept in ``csv_path``; any
     other error keeps its traceback."""
+    from studies.runner import study
+    from studies.runner.lock import Stopped
+    from studies.runner.runs_csv import StudyError, read_rows
+    from vit.training.run_lock import printable
+
     try:
         yield
     except StudyError as err:
@@ -142,7 +150,9 @@ def exit_codes(csv_path: Path):
 
 
 def run(args: argparse.Namespace, cfg: dict, *, prog: str = PROG) -> None:
-    """What the options ask: ``--list`` and ``--report-only`` read runs.csv and run nothing; otherwise the study."""
+    """What the options ask: ``--list`` and ``--report_only`` read runs.csv and run nothing; otherwise the study."""
+    from studies.runner import study
+
     csv_path = Path(cfg["out_dir"]) / "runs.csv"
     if args.list or args.report_only:
         _list_and_report(args, cfg, csv_path, prog)
@@ -172,7 +182,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _list_and_report(args, cfg: dict, csv_path: Path, prog: str) -> None:
-    """``--list`` and ``--report-only``: read runs.csv, run nothing."""
+    """``--list`` and ``--report_only``: read runs.csv, run nothing."""
+    from studies.runner.grid import calibration_plan, choose_lr, plan
+    from studies.runner.report import write_reports
+    from studies.runner.runs_csv import StudyError, read_rows
+    from vit.training.run_lock import printable
+
     rows = read_rows(csv_path)
     if args.list:
         keys = {r["key"] for r in rows}

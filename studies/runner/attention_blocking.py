@@ -36,7 +36,6 @@ remaining test images goes to `<out_dir>/runs.csv`, one row per checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from studies.runner.arrangement import ArrangementDataModule
 from studies.runner.models import StudyViT
 from studies.runner.rows import append_rows
 from vit.checks import CheckpointError, check_size
+from vit.commands import EitherSpelling
 from vit.data import SameDifferentDataModule
 from vit.data.same_different import make_shapes, render
 from vit.models import VisionTransformer
@@ -245,9 +245,7 @@ def blocking_accuracies(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m studies.runner.attention_blocking", description=__doc__.split("\n\n")[0]
-    )
+    parser = EitherSpelling(prog="python -m studies.runner.attention_blocking", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--ckpt_paths", nargs="+", required=True, help="same_different or arrangement ViT checkpoints of train.py"
     )

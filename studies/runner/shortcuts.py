@@ -24,12 +24,12 @@ A task whose shortcuts reach the accuracy a model gets says nothing about relati
 
 from __future__ import annotations
 
-import argparse
 import csv
 from pathlib import Path
 
 import numpy as np
 
+from vit.commands import EitherSpelling
 from vit.data.same_different import SameDifferentDataset, bag_of_shapes_ceiling
 from vit.data.two_circles import TwoCirclesDataset
 
@@ -163,11 +163,11 @@ def ceiling(rows: list[dict], task: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m studies.runner.shortcuts`: the audit alone, into ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m studies.runner.shortcuts", description=__doc__.split("\n\n")[0])
+    parser = EitherSpelling(prog="python -m studies.runner.shortcuts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for shortcuts.csv and shortcuts.md")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--num-train", type=int, default=20_000)
-    parser.add_argument("--num-test", type=int, default=10_000)
+    parser.add_argument("--num_train", type=int, default=20_000)
+    parser.add_argument("--num_test", type=int, default=10_000)
     args = parser.parse_args(argv)
     rows = [r for task in args.tasks for r in audit(task, num_train=args.num_train, num_test=args.num_test)]
     write(rows, Path(args.out))

@@ -1,24 +1,25 @@
 """The study's order of work (``run_study``): the shortcut audit, the calibration, every run fanned out
-through a submitit executor at most ``parallel`` at a time, then the reports (see ``studies.runner``'s
-``__main__`` for the whole story)."""
+through an executor (``forked``, or submitit's) at most ``parallel`` at a time, then the reports (see
+``studies.runner``'s ``__main__`` for the whole story)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import submitit
 from submitit.core.utils import FailedJobError
 
-from studies.runner import processes
+from studies.runner import forked, processes
 from studies.runner.grid import Run, calibration_plan, choose_lr, load_config, plan
 from studies.runner.lock import lock_out_dir, make_dirs, stop_on_sigterm
 from studies.runner.report import write_reports
 from studies.runner.run import PREDICTIONS, StudyJob, code_revision, failed
 from studies.runner.runs_csv import StudyError, append_row, read_rows
+from vit.commands import Progress
 from vit.training.run_lock import printable
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root, which holds the `studies` package
@@ -44,8 +45,11 @@ def slurm_parameters(*, partition: str | None, time_min: int, gpus: int, cpus: i
     return params
 
 
-def make_executor(kind: str, folder: Path, *, timeout_min: int, slurm: dict | None = None):
-    """A submitit executor: ``local`` (subprocesses here), ``debug`` (in this process), ``slurm`` (a job array)."""
+def make_executor(kind: str, folder: Path, *, timeout_min: int, slurm: dict | None = None, server=None):
+    """An executor: ``forked`` (processes forked here from ``server``, ``forked.serving``), or submitit's ``local``
+    (a fresh interpreter per run), ``debug`` (in this process) or ``slurm`` (a job array)."""
+    if kind == "forked":
+        return forked.ForkedExecutor(folder, timeout_min=timeout_min, server=server)
     if kind == "slurm":
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(**(slurm or {}))
@@ -107,7 +111,8 @@ def fan_out(
     except BaseException:
         # Stopped (SIGTERM, Ctrl-C): no row of the runs under way would be written, and submitit's
         # local jobs outlive this process, so a rerun would start them again beside the old ones.
-        _cancel([handle for _, handle in running], wait_s=10.0 if getattr(executor, "cluster", None) == "local" else 0)
+        local = getattr(executor, "cluster", None) in ("local", "forked")
+        _cancel([handle for _, handle in running], wait_s=10.0 if local else 0)
         raise
     return failures
 
@@ -175,13 +180,13 @@ def run_study(
     *,
     max_runs: int | None = None,
     progress: bool = True,
-    executor: str = "local",
+    executor: str = "forked",
     parallel: int = 2,
     slurm: dict | None = None,
     timeout_min: int = 120,
 ) -> list[dict]:
-    """Run every unfinished run of the study (at most ``max_runs`` of them) through a submitit
-    executor, ``parallel`` at a time, then write the reports.
+    """Run every unfinished run of the study (at most ``max_runs`` of them) through an executor
+    (``make_executor``), ``parallel`` at a time, then write the reports.
 
     With a calibration in the config, its runs come first; the learning rate of each family is then
     chosen on their validation accuracy (``choose_lr``) and fixed for the study's runs. Holds
@@ -190,9 +195,12 @@ def run_study(
     cfg = load_config(config)
     out_dir = Path(cfg["out_dir"])
     make_dirs("out_dir", out_dir)
-    with lock_out_dir(out_dir) as record_job, stop_on_sigterm():
+    # the runs' server forked first: before the lock (which it must not hold) and before any computation
+    server = forked.serving() if executor == "forked" else nullcontext()
+    with server as runs_server, lock_out_dir(out_dir) as record_job, stop_on_sigterm():
         return _run_study(
             cfg,
+            server=runs_server,
             max_runs=max_runs,
             progress=progress,
             executor=executor,
@@ -213,13 +221,14 @@ def _run_study(
     slurm: dict | None,
     timeout_min: int,
     record_job,
+    server,
 ) -> list[dict]:
     out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
     csv_path = out_dir / "runs.csv"
     read_rows(csv_path)  # a damaged row stops the study here, before any work
     make_dirs("log_dir", log_dir)
     revision = code_revision()
-    pool = make_executor(executor, log_dir / "submitit", timeout_min=timeout_min, slurm=slurm)
+    pool = make_executor(executor, log_dir / "submitit", timeout_min=timeout_min, slurm=slurm, server=server)
     budget = [max_runs]
 
     def execute(runs: list[Run], desc: str) -> None:
@@ -294,20 +303,23 @@ def _execute(
     budget: list,
 ) -> None:
     """Run the unfinished ones of ``runs`` (``_todo``) on ``pool``, a row in ``runs.csv`` as each finishes."""
-    from tqdm.auto import tqdm
-
     out_dir, log_dir = Path(cfg["out_dir"]), Path(cfg["log_dir"])
     csv_path = out_dir / "runs.csv"
     todo = _todo(runs, csv_path, budget)
-    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=not progress)
+    # a line per finished run, whole lines in a log file (where a redrawn bar would leave carriage returns)
+    bar = Progress(desc, len(runs), "runs", done=len(runs) - len(todo), every=0) if progress else None
 
     def on_done(job: StudyJob, row: dict) -> None:
         append_row(csv_path, row)
+        line = f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)"
+        if bar is None:
+            print(line, flush=True)
+            return
+        bar.write(line, file=sys.stdout)
         bar.update()
-        bar.write(f"{row['key']}: test/acc {row['test_acc']}  val/acc {row['val_acc']}  ({row['train_time_s']} s)")
 
     def on_submit(job: StudyJob, handle) -> None:
-        if isinstance(handle, submitit.LocalJob):  # the job id of a local job is its controller's PID
+        if isinstance(handle, (submitit.LocalJob, forked.ForkedJob)):  # a local job's id is its (controller's) PID
             record_job(int(handle.job_id), job.run.key)
 
     jobs = [
@@ -316,9 +328,11 @@ def _execute(
     ]
     try:
         with studies_importable():
-            failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done, on_submit=on_submit)
+            poll_s = getattr(pool, "poll_s", 1.0)
+            failures = fan_out(pool, jobs, parallel=parallel, on_done=on_done, on_submit=on_submit, poll_s=poll_s)
     finally:
-        bar.close()  # also when stopped: the message that follows starts a line of its own
+        if bar is not None:
+            bar.close()  # also when stopped: the message that follows starts a line of its own
     if failures:
         raise RunsFailed(
             f"{len(failures)} runs failed (rerun the same command to retry them): "

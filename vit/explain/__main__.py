@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vit.commands import check_output, fail, parser, print_skipped, run
+from vit.commands import Progress, check_output, fail, parser, print_skipped, run
 from vit.explain.methods import CLASS_METHODS, FACTS, METHODS, SCALES
 
 if TYPE_CHECKING:  # imported where used, after the arguments are parsed: `--help` loads no torch
@@ -125,11 +125,15 @@ def explain(args: argparse.Namespace, prepared: Prepared) -> int:
 
     with torch.no_grad():
         probs = backbone(x).softmax(-1)  # (B, num_classes)
-    maps = {}
-    for method in methods if torch.isfinite(probs).all() else []:  # an overflowing model: no map to compute
-        explains_target = target is not None and method in CLASS_METHODS
-        column = f"{method}: {names[target]}" if explains_target else method
-        maps[column] = relevance(backbone, x, method, target if explains_target else None)
+    maps, progress = {}, Progress(f"explaining {len(x)} images", len(methods), "methods", every=0)
+    try:  # a line per method (flow and Chefer's take seconds each), with the time left
+        for method in methods if torch.isfinite(probs).all() else []:  # an overflowing model: no map to compute
+            explains_target = target is not None and method in CLASS_METHODS
+            column = f"{method}: {names[target]}" if explains_target else method
+            maps[column] = relevance(backbone, x, method, target if explains_target else None)
+            progress.update(note=method)
+    finally:
+        progress.close()
     finite = torch.isfinite(probs).all(dim=-1)  # (B,)
     for m in maps.values():
         finite &= torch.isfinite(m).flatten(1).all(dim=1)
