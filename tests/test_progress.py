@@ -94,3 +94,11 @@ def test_closing_a_line_left_in_place_ends_it(clock):
     progress.update()
     progress.close()
     assert screen.getvalue().endswith("\x1b[K\n")
+
+
+def test_a_fast_rate_is_written_without_an_exponent(monkeypatch):
+    clock = iter([0.0, 0.001])
+    monkeypatch.setattr("vit.commands.time.monotonic", lambda: next(clock))
+    log = io.StringIO()
+    Progress("folder", 12345, "images", stream=log).update(12345)
+    assert log.getvalue() == "folder: 12345/12345 images, 12345000 images/s\n"

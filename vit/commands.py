@@ -161,7 +161,8 @@ class Progress:
         self.shown, rate = now, (self.done - self.first) / max(now - self.start, 1e-9)
         left = f", about {(self.total - self.done) / rate:.0f} s left" if 0 < rate and self.done < self.total else ""
         line = f"{self.label}: {self.done}/{self.total} {self.unit}{f' ({note})' if note else ''}"
-        self._draw(f"{line}, {rate:.3g} {self.unit}/s{left}", keep=not self.tty or self.done >= self.total)
+        shown = f"{rate:.3g}" if rate < 1000 else f"{rate:.0f}"  # three figures, never an exponent
+        self._draw(f"{line}, {shown} {self.unit}/s{left}", keep=not self.tty or self.done >= self.total)
 
     def write(self, message: str, file: TextIO | None = None) -> None:
         """Print `message` as a line of its own on `file` (default: the progress's stream), above the line drawn in
