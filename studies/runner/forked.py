@@ -13,9 +13,9 @@ submitit's local jobs do, and the next invocation refuses to start beside it) an
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
-import pickle
 import signal
 import sys
 import time
@@ -29,7 +29,8 @@ from studies.runner import processes
 
 @dataclass(frozen=True)
 class Paths:
-    """A job's files: its stdout and stderr (the run's own output, as submitit's logs) and its pickled result."""
+    """A job's files: its stdout and stderr (the run's own output, as submitit's logs) and its result, as JSON (plain
+    data: a file in the log folder is never unpickled)."""
 
     stdout: Path
     stderr: Path
@@ -37,7 +38,7 @@ class Paths:
 
 
 def _child(job, paths: Paths) -> None:
-    """In the run's process: its output into its logs, then ``job()``; the row, or the traceback, pickled."""
+    """In the run's process: its output into its logs, then ``job()``; the row, or the traceback, as JSON."""
     for fd, path in ((1, paths.stdout), (2, paths.stderr)):
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, fd)
@@ -50,7 +51,7 @@ def _child(job, paths: Paths) -> None:
         traceback.print_exc()
         outcome = ("error", traceback.format_exc())
     tmp = paths.result.with_name(paths.result.name + ".tmp")
-    tmp.write_bytes(pickle.dumps(outcome))
+    tmp.write_text(json.dumps(outcome))
     os.replace(tmp, paths.result)  # whole or absent: a killed run leaves no half result
 
 
@@ -113,7 +114,7 @@ class ForkedJob:
         if self.timed_out:
             raise JobFailed(f"the run passed its time limit of {self.timeout_s / 60:g} min and was killed")
         try:
-            kind, value = pickle.loads(self.paths.result.read_bytes())
+            kind, value = json.loads(self.paths.result.read_text())
         except FileNotFoundError:
             raise JobFailed(
                 f"the run's process ended before its result was written (see {self.paths.stderr})"
@@ -140,6 +141,6 @@ class ForkedExecutor:
 
     def submit(self, job) -> ForkedJob:
         stem = f"{job.run.key}.{time.time_ns()}"  # unique: a rerun keeps the logs of the attempt before
-        paths = Paths(*(self.folder / f"{stem}.{suffix}" for suffix in ("out", "err", "result.pkl")))
+        paths = Paths(*(self.folder / f"{stem}.{suffix}" for suffix in ("out", "err", "result.json")))
         self.server.send((job, paths))
         return ForkedJob(self.server.recv(), paths, self.timeout_s)
