@@ -62,7 +62,7 @@ def pretrained_shape(source: str | os.PathLike, wanted: tuple[str, ...] = tuple(
     if kind == "name":
         return _timm_shape(text)
     shapes = {key: tuple(tensor.shape) for key, tensor in weight_shapes(source).items()}  # a header's: no data read
-    blocks = [int(found[1]) for key in shapes if (found := _BLOCK_KEY.match(key))]
+    blocks = [int(match[1]) for key in shapes if (match := _BLOCK_KEY.match(key))]
     patch = shapes.get("patch_embed.proj.weight", ())
     if len(patch) != 4 or not blocks:
         raise PretrainedError(
