@@ -8,34 +8,43 @@ import yaml
 from studies.runner import grid
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "studies/relation/configs/tiny.yaml"
 KEY = "position-diagonal-cnn-rf5-n32-s0"  # the one run of `cnn_config`
 REFUSED = "strides=(1, 0) is not allowed: expected 2 ints >= 1, one per width"  # ConvNet's own message
 
 
-def tiny_config(tmp_path: Path, **changes) -> Path:
-    cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
+def tiny() -> dict:
+    """The tiny study's config (`studies/relation/configs/tiny.yaml`), as a fresh dict."""
+    return yaml.safe_load(TINY.read_text())
+
+
+def tiny_config(tmp_path: Path, cfg: dict | None = None, **changes) -> Path:
+    """`cfg` (the tiny study's by default) with its paths under `tmp_path` and `changes`, as `tmp_path/study.yaml`."""
+    cfg = {**(tiny() if cfg is None else cfg)}
     cfg.update(
         base_config=str(ROOT / "studies/relation/configs/base.yaml"),
         out_dir=str(tmp_path / "results"),
         log_dir=str(tmp_path / "runs"),
         **changes,
     )
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
-def cnn_config(tmp_path: Path, strides=(1, 1)) -> Path:
-    """One one-batch run of the smallest CNN at a fixed rate (``strides``: its ConvNet's), no calibration."""
-    cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
-    for key in ("calibration", "shortcuts"):
-        del cfg[key]
+def without_audit(cfg: dict) -> dict:
+    """`cfg` without its learning-rate calibration and shortcut audit: its runs only, at the rates it gives."""
+    return {k: v for k, v in cfg.items() if k not in ("calibration", "shortcuts")}
+
+
+def cnn_config(tmp_path: Path, strides=(1, 1), seeds=(0,)) -> Path:
+    """One one-batch run per seed of the smallest CNN at a fixed rate (``strides``: its ConvNet's), no calibration."""
     cnn = {"class_path": "vit.models.ConvNet", "init_args": {"widths": [4, 4], "strides": list(strides)}}
-    cfg.update(
-        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
-        out_dir=str(tmp_path / "results"),
-        log_dir=str(tmp_path / "runs"),
-        seeds=[0],
+    return tiny_config(
+        tmp_path,
+        without_audit(tiny()),
+        seeds=list(seeds),
         models={"cnn-rf5": cnn},
         families={"cnn": ["cnn-rf5"]},
         lrs={"cnn": 3e-3},
@@ -43,9 +52,6 @@ def cnn_config(tmp_path: Path, strides=(1, 1)) -> Path:
             {"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [32], "train_samples": 32}
         ],
     )
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
 
 
 def fake_row(run: grid.Run) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from study_helpers import fake_row, tiny_config
+from study_helpers import cnn_config, fake_row, tiny_config
 
 from studies.runner import grid, lock, processes, runs_csv, study
 from studies.runner import run as run_module
@@ -544,28 +544,6 @@ def test_tiny_study_writes_reports_resumes_and_never_recomputes(tmp_path, monkey
         study.run_study(changed, progress=False, executor="debug")
 
 
-def _small_config(tmp_path: Path, seeds=(0, 1, 2)) -> Path:
-    """A study of one one-batch run per seed of the smallest CNN at a fixed rate: no calibration, no shortcut audit."""
-    cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
-    for key in ("calibration", "shortcuts"):
-        del cfg[key]
-    cfg.update(
-        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
-        out_dir=str(tmp_path / "results"),
-        log_dir=str(tmp_path / "runs"),
-        seeds=list(seeds),
-        models={"cnn-rf5": cfg["models"]["cnn-rf5"]},
-        families={"cnn": ["cnn-rf5"]},
-        lrs={"cnn": 3e-3},
-        experiments=[
-            {"name": "position", "tasks": ["diagonal"], "models": ["cnn-rf5"], "num_train": [32], "train_samples": 32}
-        ],
-    )
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
 @pytest.mark.slow  # trains
 def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path):
     # studies/relation/configs/relation_base.yaml is base.yaml plus EarlyStopping on val/acc at 99.5%, which
@@ -590,7 +568,7 @@ def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path)
     steps = {}
     for name, base_config in (("stops", tmp_path / "base.yaml"), ("full", ROOT / "studies/relation/configs/base.yaml")):
         (tmp_path / name).mkdir()
-        cfg = yaml.safe_load(_small_config(tmp_path / name, seeds=(0,)).read_text())
+        cfg = yaml.safe_load(cnn_config(tmp_path / name).read_text())
         cfg.update(base_config=str(base_config), num_val_checks=2, train_samples=128)
         cfg["experiments"][0].update(train_samples=128, num_train=[128])
         path = tmp_path / name / "study.yaml"
@@ -604,7 +582,7 @@ def test_relation_runs_stop_at_the_first_validation_past_the_threshold(tmp_path)
 def test_local_executor_resumes_a_partly_finished_study(tmp_path, monkeypatch):
     # One run in this process, then the other two as subprocesses at once (submitit's local
     # executor): the finished row is kept byte for byte and no run is done twice.
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     csv_path = tmp_path / "results" / "runs.csv"
     study.run_study(config, max_runs=1, progress=False, executor="debug")
     before = csv_path.read_text()
@@ -722,7 +700,7 @@ def test_an_unknown_model_in_the_study_is_one_line(tmp_path, capsys):
 
 
 def test_report_only_before_any_run_finished_is_one_line(tmp_path, capsys):
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     with pytest.raises(SystemExit) as exit_info:
         study_main(["--config", str(config), "--report-only"])
     assert exit_info.value.code == 2
@@ -775,7 +753,7 @@ def _edit_line(number: int, old: str, new: str):
     ],
 )
 def test_a_damaged_runs_csv_row_is_named_by_its_line_before_any_work(tmp_path, capsys, monkeypatch, damage, message):
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     csv_path = tmp_path / "results" / "runs.csv"
     csv_path.parent.mkdir()
     for run in grid.plan(grid.load_config(config)):
@@ -793,7 +771,7 @@ def test_a_damaged_runs_csv_row_is_named_by_its_line_before_any_work(tmp_path, c
 
 
 def test_a_row_appended_after_a_last_line_without_newline_stays_a_row_of_its_own(tmp_path):
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     csv_path = tmp_path / "runs.csv"
     first, second = grid.plan(grid.load_config(config))[:2]
     runs_csv.append_row(csv_path, fake_row(first))
@@ -814,7 +792,7 @@ time.sleep(600)
 
 @pytest.mark.slow  # starts a subprocess
 def test_one_invocation_per_out_dir_and_a_killed_ones_lock_is_taken_over(tmp_path, capsys, monkeypatch):
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     out_dir, csv_path = tmp_path / "results", tmp_path / "results" / "runs.csv"
     out_dir.mkdir()
     run0 = grid.plan(grid.load_config(config))[0]
@@ -903,7 +881,7 @@ def test_a_rerun_after_kill_9_is_refused_while_the_killed_invocations_jobs_run(t
     # writing their run folders, and the kernel frees the lock: a rerun that took it over would start
     # the same run again in the same folder. Here a real invocation holds the lock, starts a real
     # submitit local job (a sleep, standing in for the run) and writes it into the lock, then is killed.
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     out_dir, logs = tmp_path / "results", tmp_path / "runs"
     csv_path, lock = out_dir / "runs.csv", out_dir / "study.lock"
     runs = grid.plan(grid.load_config(config))
@@ -1005,7 +983,7 @@ def test_an_unusable_out_dir_is_one_line_and_leaves_nothing_behind(tmp_path, cap
             f"creating {tmp_path / 'new' / ('x' * 300)} failed (File name too long)",
         ),
     }[where]
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "out_dir": str(out_dir)}))
     if where == "a file":
         out_dir.write_text("not a folder\n")
@@ -1022,7 +1000,7 @@ def test_an_unusable_out_dir_is_one_line_and_leaves_nothing_behind(tmp_path, cap
 
 
 def test_a_study_of_no_experiments_is_one_line_and_exit_2(tmp_path, capsys):
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "experiments": []}))
     with pytest.raises(SystemExit) as exit_info:
         study_main(["--config", str(config), "--executor", "debug"])
@@ -1036,7 +1014,7 @@ def test_a_study_of_no_experiments_is_one_line_and_exit_2(tmp_path, capsys):
 
 @pytest.mark.slow  # trains
 def test_sigterm_stops_the_study_and_the_same_command_finishes_it(tmp_path, capsys, monkeypatch):
-    config = _small_config(tmp_path)
+    config = cnn_config(tmp_path, seeds=(0, 1, 2))
     csv_path, logs = tmp_path / "results" / "runs.csv", tmp_path / "runs"
     runs = grid.plan(grid.load_config(config))
     # Should the study not catch SIGTERM, this handler keeps pytest alive (and the test fails).
@@ -1104,7 +1082,7 @@ def test_a_stopped_fan_out_cancels_the_runs_under_way(tmp_path):
         def submit(self, job):
             return Handle(job)
 
-    runs = grid.plan(grid.load_config(_small_config(tmp_path)))
+    runs = grid.plan(grid.load_config(cnn_config(tmp_path, seeds=(0, 1, 2))))
     jobs = [run_module.StudyJob(run, "", "", 1, "") for run in runs]
     with pytest.raises(lock.Stopped):
         study.fan_out(Executor(), jobs, parallel=2, on_done=lambda job, row: None, poll_s=0.0)

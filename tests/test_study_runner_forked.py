@@ -11,33 +11,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from study_helpers import KEY, REFUSED, cnn_config
+from study_helpers import KEY, REFUSED, cnn_config, tiny, tiny_config, without_audit
 
 from studies.runner import forked, processes, study
 from studies.runner.__main__ import main as study_main
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMES = ("train_time_s", "finished_at")  # what differs between two runs of the same settings
 
 
 def _relation_config(folder: Path) -> Path:
     """The tiny study's ViT on the relation task, two seeds, a fixed rate, the moved test set: two runs."""
-    cfg = yaml.safe_load((ROOT / "studies/relation/configs/tiny.yaml").read_text())
-    for key in ("calibration", "shortcuts"):
-        del cfg[key]
-    cfg.update(
-        base_config=str(ROOT / "studies/relation/configs/base.yaml"),
-        out_dir=str(folder / "results"),
-        log_dir=str(folder / "runs"),
+    cfg = without_audit(tiny())
+    return tiny_config(
+        folder,
+        cfg,
         models={"vit-learned": cfg["models"]["vit-learned"]},
         families={"vit": ["vit-learned"]},
         lrs={"vit": 1e-3},
         experiments=[{**cfg["experiments"][0], "models": ["vit-learned"]}],
     )
-    folder.mkdir()
-    (folder / "study.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return folder / "study.yaml"
 
 
 def _rows(folder: Path) -> dict[str, dict]:

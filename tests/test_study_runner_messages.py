@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
-from study_helpers import KEY, REFUSED, cnn_config
+from study_helpers import KEY, REFUSED, cnn_config, fake_row
 
 from studies.runner import grid, runs_csv
 from studies.runner import run as run_module
@@ -17,32 +17,7 @@ NOT_BY_DISTANCE = "test_by_distance is not the JSON mapping of distances to [cor
 
 def _row(tmp_path: Path, **changes) -> dict:
     """The row run_one would write for the study's run, made up without training, with ``changes``."""
-    run = grid.plan(grid.load_config(cnn_config(tmp_path)))[0]
-    row = {
-        "key": run.key,
-        "experiment": run.experiment,
-        "task": run.task,
-        "model": run.model,
-        "num_train": run.num_train,
-        "seed": run.seed,
-        "train_region": run.train_region,
-        "test_region": run.test_region,
-        "lr": run.lr,
-        "params": 100,
-        "flops_per_image": 1000,
-        "epochs": run.epochs,
-        "steps": 1,
-        "batch_size": 32,
-        "train_time_s": "0.1",
-        "train_acc": "0.5000",
-        "val_acc": "0.5000",
-        "test_acc": "0.5000",
-        "test_by_distance": '{"10":[16,32]}',
-        "fingerprint": run.fingerprint,
-        "revision": "",
-        "finished_at": "2026-11-25T08:00:00",
-    }
-    return {**row, **changes}
+    return {**fake_row(grid.plan(grid.load_config(cnn_config(tmp_path)))[0]), **changes}
 
 
 # ----------------------------------------------------------------------------- a junk line of runs.csv
