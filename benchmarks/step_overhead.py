@@ -88,11 +88,9 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
     return (time.perf_counter() - start) / (steps - skip)
 
 
-def study_run(cfg: dict, model: str, num_train: int):
-    """The study's run of ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs, from ``cfg``."""
-    from studies.runner.grid import plan
-
-    experiment = {
+def relation_experiment(model: str, num_train: int) -> dict:
+    """A study grid's experiment of one run: ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs."""
+    return {
         "name": "relation",
         "tasks": ["same_different"],
         "models": [model],
@@ -102,7 +100,14 @@ def study_run(cfg: dict, model: str, num_train: int):
         "shift_region": "right",
         "train_samples": 2 * num_train,
     }
+
+
+def study_run(cfg: dict, model: str, num_train: int):
+    """The study's run of ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs, from ``cfg``."""
+    from studies.runner.grid import plan
+
     cfg = {k: v for k, v in cfg.items() if k != "calibration"}
+    experiment = relation_experiment(model, num_train)
     (run,) = plan({**cfg, "seeds": [0], "experiments": [experiment]}, lrs={"vit": 1e-3, "cnn": 2e-3})
     return run
 

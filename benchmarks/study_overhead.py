@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from benchmarks.step_overhead import bare_seconds_per_step
+from benchmarks.step_overhead import bare_seconds_per_step, relation_experiment
 from vit.commands import EitherSpelling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,18 +72,7 @@ def one_run_config(folder: Path, model: str, num_train: int, study: Path = TINY)
         "models": {model: tiny["models"][model]},
         "families": {family: [model]},
         "lrs": {family: 1e-3},
-        "experiments": [
-            {
-                "name": "relation",
-                "tasks": ["same_different"],
-                "models": [model],
-                "num_train": [num_train],
-                "train_region": "left",
-                "test_region": "left",
-                "shift_region": "right",
-                "train_samples": 2 * num_train,
-            }
-        ],
+        "experiments": [relation_experiment(model, num_train)],
     }
     path = folder / "study.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
