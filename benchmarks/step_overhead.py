@@ -6,10 +6,16 @@ The bare step is forward, cross-entropy, backward, AdamW step on batches sliced 
 tensors, nothing else. The `train.py` step is `vit.training.cli.main(["fit", ...])` on the same
 config (its loggers, callbacks, data loader and LightningModule), timed by a callback from the
 start of step `--skip` to the end of the last step, so that building the trainer and the first
-steps do not count. Validation is off (it is not a training step). The two are timed alternately,
-`--repeats` times, and each repeat gives one ratio train.py / bare; the median and the range of
-the ratios are printed. Any `train.py` option can be appended after `--` (e.g.
-`-- --trainer.enable_progress_bar false`) to see what it costs.
+steps do not count. Validation is off (it is not a training step). Between the two, Lightning's floor: the bare
+step and batches run by a bare `Trainer` (`BareStep`: the loss returned, nothing logged; no logger, checkpoint or
+callback but the timer), what any LightningModule pays. The three are timed alternately, each first in turn,
+`--repeats` times; each repeat gives the ratios floor / bare and train.py / bare, whose medians and ranges are
+printed. Any `train.py` option can be appended after `--` (e.g. `-- --trainer.enable_progress_bar false`) to see
+what it costs. With `--study CONFIG --model NAME --per_step`, the same for a run of the study (its `train.py`
+configs as `studies.runner.run.run_one` passes them, its loggers and callbacks):
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --study studies/relation/configs/tiny.yaml \
+        --model vit-learned --per_step --num_train 8000 --steps 500 --skip 20 --repeats 6
 
 With `--study CONFIG --model NAME`, what is timed is a whole run of the relation study instead:
 `studies.runner.run.run_one` of that model on `same_different` (building the data, fit with
@@ -63,8 +69,9 @@ def build(spec: dict, **extra):
     return getattr(import_module(module), name)(**spec.get("init_args", {}), **extra)
 
 
-def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
-    """The same backbone and data, in a plain loop."""
+def bare_parts(config: dict):
+    """`(model, x, y, optimizer, batch)`: the config's backbone, its training tensors, AdamW over timm's weight-decay
+    groups, the batch size."""
     data = build(config["data"])
     model = build(
         config["model"]["backbone"], img_size=data.img_size, in_chans=data.in_chans, num_classes=data.num_classes
@@ -76,7 +83,12 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
         model, hp.get("weight_decay", 0.05), no_weight_decay_list=getattr(model, "no_weight_decay", set)()
     )
     optimizer = torch.optim.AdamW(groups, lr=hp.get("lr", 1e-3))
-    batch = config["data"]["init_args"]["batch_size"]
+    return model, x, y, optimizer, config["data"]["init_args"]["batch_size"]
+
+
+def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
+    """The same backbone and data, in a plain loop."""
+    model, x, y, optimizer, batch = bare_parts(config)
     for step in range(steps):
         if step == skip:
             start = time.perf_counter()
@@ -86,6 +98,75 @@ def bare_seconds_per_step(config: dict, steps: int, skip: int) -> float:
         loss.backward()
         optimizer.step()
     return (time.perf_counter() - start) / (steps - skip)
+
+
+class SlicedBatches:
+    """`steps` random batches sliced from `x` and `y`, drawn as the bare loop draws them (no DataLoader)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch: int, steps: int) -> None:
+        self.x, self.y, self.batch, self.steps = x, y, batch, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        for _ in range(self.steps):
+            idx = torch.randint(len(self.y), (self.batch,))
+            yield self.x[idx], self.y[idx]
+
+
+class BareStep(L.LightningModule):
+    """The bare step inside Lightning's loop: the loss returned and nothing logged, with the bare loop's optimizer."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
+
+def floor_seconds_per_step(config: dict, steps: int, skip: int) -> float:
+    """Lightning's floor: the bare step and batches run by a bare `Trainer` (no logger, checkpoint, progress bar or
+    callback but the timer); what any LightningModule pays on top of its own work."""
+    model, x, y, optimizer, batch = bare_parts(config)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepTimer(skip)],
+    )
+    trainer.fit(BareStep(model, optimizer), SlicedBatches(x, y, batch, steps))
+    return StepTimer.last
+
+
+def cli_seconds_per_step(configs: list[str], extra: list[str], steps: int, skip: int) -> float:
+    """A step of `train.py fit --config C...` (validation and the test off), from step `skip` to the last."""
+    args = [arg for config in configs for arg in ("--config", config)]
+    train_main(
+        [
+            "fit",
+            *args,
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.limit_val_batches",
+            "0",
+            "--test_after_fit",
+            "false",
+            "--trainer.callbacks+=benchmarks.step_overhead.StepTimer",
+            f"--trainer.callbacks.skip={skip}",
+            *extra,
+        ]
+    )
+    return import_module("benchmarks.step_overhead").StepTimer.last  # the class as train.py imports it (__main__)
 
 
 def relation_experiment(model: str, num_train: int) -> dict:
@@ -150,12 +231,61 @@ def main_study(args) -> None:
     )
 
 
+def spread(values: list[float]) -> str:
+    """`median [min-max]`, two decimals."""
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def main_steps(args, bare_config: dict, cli_args) -> None:
+    """Seconds per step, alternately (each first in turn): the bare step, Lightning's floor and train.py, where
+    `cli_args(folder)` gives train.py's configs and options for a run in a fresh `folder`."""
+    times: dict[str, list[float]] = {"bare": [], "floor": [], "train.py": []}
+    for repeat in range(args.repeats):
+        kinds = list(times)[repeat % 3 :] + list(times)[: repeat % 3]
+        for which in kinds:
+            if which == "bare":
+                times[which].append(bare_seconds_per_step(bare_config, args.steps, args.skip))
+            elif which == "floor":
+                times[which].append(floor_seconds_per_step(bare_config, args.steps, args.skip))
+            else:
+                with tempfile.TemporaryDirectory() as tmp:
+                    times[which].append(cli_seconds_per_step(*cli_args(Path(tmp)), args.steps, args.skip))
+        shown = ", ".join(f"{k} {1000 * v[-1]:.2f}" for k, v in times.items())
+        print(f"repeat {repeat} ({kinds[0]} first): {shown} ms/step", flush=True)
+    for which in ("floor", "train.py"):
+        ratios = [t / b for t, b in zip(times[which], times["bare"])]
+        print(f"{which} / bare = {spread(ratios)} over {args.repeats} repeats")
+    medians = ", ".join(f"{k} {1000 * statistics.median(v):.2f}" for k, v in times.items())
+    print(f"medians: {medians} ms/step; torch threads {torch.get_num_threads()}")
+
+
+def study_steps(args, extra: list[str]) -> None:
+    """`main_steps` for the study's run of `--model` (`study_run`): its train.py configs as `run_one` passes them."""
+    from studies.runner.grid import load_config
+    from studies.runner.run import run_overrides
+
+    cfg = load_config(args.study)
+    run = study_run(cfg, args.model, args.num_train)
+    bare_config = {
+        "data": run.overrides["data"],
+        "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr},
+    }
+
+    def cli_args(folder: Path) -> tuple[list[str], list[str]]:
+        overrides = folder / "study_overrides.yaml"
+        overrides.write_text(yaml.safe_dump(run_overrides(run, folder), sort_keys=False))
+        return [cfg["base_config"], str(overrides)], extra
+
+    main_steps(args, bare_config, cli_args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = EitherSpelling(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="a train.py config: time its steps through train.py")
     parser.add_argument("--study", help="a study config: time whole study runs of --model instead")
     parser.add_argument("--model", help="with --study: the study model to run")
     parser.add_argument("--num_train", type=int, default=16000, help="with --study: training pairs (2 epochs)")
+    parser.add_argument("--per_step", action="store_true", help="with --study: the run's steps, as with --config")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
@@ -166,49 +296,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give either --config, or --study with --model")
     sys.argv = sys.argv[:1]  # LightningCLI below reads its arguments from the list it is given, not from here
     if args.study:
-        return main_study(args)
+        return study_steps(args, extra) if args.per_step else main_study(args)
     config = yaml.safe_load(open(args.config))
-    ratios, bare_all, cli_all = [], [], []
-    for repeat in range(args.repeats):
-        times = {}
-        for which in ("bare", "cli") if repeat % 2 == 0 else ("cli", "bare"):
-            if which == "bare":
-                times["bare"] = bare_seconds_per_step(config, args.steps, args.skip)
-            else:
-                with tempfile.TemporaryDirectory() as tmp:
-                    train_main(
-                        [
-                            "fit",
-                            "--config",
-                            args.config,
-                            "--trainer.max_steps",
-                            str(args.steps),
-                            "--trainer.limit_val_batches",
-                            "0",
-                            "--test_after_fit",
-                            "false",
-                            "--trainer.logger.init_args.save_dir",
-                            tmp,
-                            "--trainer.callbacks+=benchmarks.step_overhead.StepTimer",
-                            f"--trainer.callbacks.skip={args.skip}",
-                            *extra,
-                        ]
-                    )
-                # the callback's class as train.py imports it (this file runs as __main__)
-                times["cli"] = import_module("benchmarks.step_overhead").StepTimer.last
-        bare_all.append(times["bare"])
-        cli_all.append(times["cli"])
-        ratios.append(times["cli"] / times["bare"])
-        print(
-            f"repeat {repeat}: bare {1000 * times['bare']:.1f} ms/step, train.py {1000 * times['cli']:.1f} ms/step, "
-            f"ratio {ratios[-1]:.2f}",
-            flush=True,
-        )
-    print(
-        f"train.py / bare = {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
-        f"{args.repeats} repeats; bare {1000 * statistics.median(bare_all):.1f} ms/step, "
-        f"train.py {1000 * statistics.median(cli_all):.1f} ms/step (medians); "
-        f"torch threads {torch.get_num_threads()}"
+    main_steps(
+        args, config, lambda folder: ([args.config], [*extra, "--trainer.logger.init_args.save_dir", str(folder)])
     )
 
 

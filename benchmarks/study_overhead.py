@@ -14,24 +14,25 @@ of the short run's excess over its steps, (W_short - F) / B, paired within a rep
 
 With `--study CONFIG`, the whole study of CONFIG is timed instead, once per executor and repeat, alternating.
 
-Measured on 2 shared cores (Linux, Python 3.11, one torch thread; the load is the 1-minute load average before and
-after), 3 December 2026:
-    --repeats 5 --num_train 8000 (the tiny ViT, 500 steps; load 0.3-1.0):
-        bare steps B 1.33 s [1.31-1.40]
-        forked (the default): F 7.23 s [7.17-7.38], short run 9.82 s [9.49-10.75], (W - F) / B 1.94 [1.62-2.69]
-        local (submitit, a fresh interpreter per run): F 13.11 s [12.91-15.18], short run 16.22 s [16.03-17.16],
-            (W - F) / B 2.29 [1.37-2.35]
+Measured on 2 shared cores (Linux, Python 3.11, one torch thread; the load is the 1-minute load average), 4 December
+2026, with one `self.log` a training step (`ImageClassifier.training_step`). The machine ran the same bare steps 1.7 to
+2.3 times slower than the day before, and its speed moved by up to 50% from one minute to the next:
+    --repeats 5 --num_train 8000 --executors forked (the tiny ViT, 500 steps; load 1.0-1.1):
+        bare steps B 2.28 s [2.08-3.60]; F 13.21 s [10.95-14.72], short run 15.72 s [14.08-21.96],
+        (W - F) / B = 1.63 [1.16-2.14] (paired); the medians' W <= 1.2 B + F holds (15.72 <= 15.94 s)
     --config studies/relation/configs/relation.yaml --num_train 2000 --repeats 3 --executors forked (the relation
-    study's ViT, 64 steps of 64; load 0.6-1.6): B 5.18 s [5.14-5.29], F 11.75 s [11.13-12.22] (its 1000 validation
-    and 2000 + 2000 test images), short run 18.48 s [18.10-18.83], (W - F) / B 1.22 [1.20-1.49]
-    --study studies/relation/configs/tiny.yaml --repeats 3 (the 10-run tiny study; load 0.5-4.2, a neighbour's jobs):
-        forked 14.54 s [11.70-29.36], local 50.12 s [49.74-104.95]
-F is the study process's one import of torch and Lightning (4.7 s of `python -X importtime`), a run's LightningCLI
-(jsonargparse builds, checks and dumps its config: about 60% of a tiny run's 0.6-0.9 s in one process, cProfile), its
-2 steps, validation and tests, and the reports (0.3-0.9 s). The tiny ViT's excess over 1.2 is (9.82 - 7.23) / 500 =
-5.2 ms a step against 2.7 ms bare: Lightning's own work per step (batch transfer, callback hooks, logging, metrics:
-the top of cProfile's list in one process) and the generation of 8000 training pairs, which a model of realistic size
-hides (1.22 for the relation ViT, its 2000 pairs' generation counted in W).
+    study's ViT, 64 steps of 64; load 1.0): B 10.35 s [8.98-11.81], F 20.69 s [20.56-21.23] (its 1000 validation and
+    2000 + 2000 test images), short run 32.36 s [30.99-33.53], (W - F) / B = 1.13 [1.04-1.16]
+3 December, with three `self.log` calls a step (a faster machine): the tiny ViT 1.94 [1.62-2.69] forked, 2.29
+[1.37-2.35] local (submitit, a fresh interpreter per run: F 13.11 s against forked 7.23 s); the relation ViT 1.22
+[1.20-1.49]; the 10-run tiny study (`--study studies/relation/configs/tiny.yaml --repeats 3`) 14.54 s [11.70-29.36]
+forked, 50.12 s [49.74-104.95] local.
+F is the study process's one import of torch and Lightning (4.7 s of `python -X importtime` on 3 December), a run's
+LightningCLI (jsonargparse builds, checks and dumps its config: about 60% of a tiny run's 0.6-0.9 s in one process,
+cProfile), its 2 steps, validation and tests, and the reports (0.3-0.9 s). What a step costs beyond the bare one is
+measured apart, in one process (`benchmarks/step_overhead.py --study ... --per_step`, docs/benchmarks.md): for the
+tiny ViT, Lightning's own loop with nothing logged is 1.15x the bare step and `train.py` 1.54x, so 1.2 is out of
+reach for a step of 3-5 ms through Lightning; a model of realistic size hides it (1.13 for the relation ViT).
 """
 
 from __future__ import annotations

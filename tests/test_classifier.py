@@ -212,7 +212,12 @@ def test_with_layer_decay_each_groups_learning_rate_is_logged_beside_the_heads()
     model = ImageClassifier(backbone, lr=0.01, warmup_epochs=0.0, layer_decay=0.5)
     data = DataLoader(TensorDataset(torch.randn(8, 3, 16, 16), torch.randint(0, 3, (8,))), batch_size=4)
     trainer = L.Trainer(
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+        max_steps=2,
+        log_every_n_steps=1,  # the rates are logged on the steps the loggers write
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, data)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/lr")}
@@ -307,3 +312,56 @@ def test_a_restored_schedule_state_is_refused_unless_it_holds_what_this_runs_hol
     check_restored(schedule(), schedule().state_dict(), 0, 20)  # its own state goes on to the end
     with pytest.raises(ValueError, match=message):
         check_restored(schedule(), {**schedule().state_dict(), **change}, 0, 20)
+
+
+def recorder():
+    """Test aid: a Lightning callback recording each update's rate, and each epoch's correct predictions counted by
+    hand with the weights the step sees (no dropout: the training step's own logits)."""
+    import lightning as L
+
+    class Recorder(L.Callback):
+        def __init__(self):
+            self.rates, self.correct, self.seen = {}, [], []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.correct.append(0), self.seen.append(0)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.rates[trainer.global_step] = max(group["lr"] for group in trainer.optimizers[0].param_groups)
+            with torch.no_grad():
+                self.correct[-1] += int((pl_module(batch[0]).argmax(1) == batch[1]).sum())
+            self.seen[-1] += len(batch[1])
+
+    return Recorder()
+
+
+def test_train_acc_is_each_epochs_own_accuracy_and_the_rate_is_logged_on_every_written_step(tmp_path):
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2)
+    model = ImageClassifier(backbone, lr=0.05, warmup_epochs=1.0)
+    data = DataLoader(TensorDataset(torch.randn(24, 3, 16, 16), torch.randint(0, 3, (24,))), batch_size=4)
+    seen = recorder()
+    trainer = L.Trainer(
+        max_epochs=3,
+        log_every_n_steps=4,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        callbacks=[seen],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    accs = [float(r["train/acc"]) for r in rows if r["train/acc"]]
+    assert accs == [pytest.approx(c / n) for c, n in zip(seen.correct, seen.seen)]
+    assert len(set(accs)) > 1  # the weights changed: an accuracy summed over epochs would differ
+    rates = {int(r["step"]): float(r["train/lr"]) for r in rows if r["train/lr"]}
+    # Lightning writes after every 4th update (the CSV's step: the updates before it); each rate is its update's.
+    assert rates == {step: pytest.approx(seen.rates[step]) for step in (3, 7, 11, 15)}

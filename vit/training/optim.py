@@ -61,6 +61,15 @@ def warmup_schedule(
     return schedule
 
 
+def group_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """This update's learning rates: `train/lr`, the head's (the highest); with layer decay also `train/lr/group_i`,
+    each parameter group's, as Lightning's `LearningRateMonitor` logs them."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    if len(set(rates)) == 1:
+        return {"train/lr": rates[0]}
+    return {"train/lr": max(rates), **{f"train/lr/group_{i}": rate for i, rate in enumerate(rates)}}
+
+
 def check_restored(schedule: Scheduler, state: dict, first: int, last: int) -> None:
     """Raise `ValueError` unless `state`, a checkpoint's, holds the settings `schedule` has (this run's, built
     fresh over a stand-in optimizer, which it then steps), each of the same kind (a number, a list as long, ...),
