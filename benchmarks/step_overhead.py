@@ -8,14 +8,15 @@ config (its loggers, callbacks, data loader and LightningModule), timed by a cal
 start of step `--skip` to the end of the last step, so that building the trainer and the first
 steps do not count. Validation is off (it is not a training step). Between the two, Lightning's floor: the bare
 step and batches run by a bare `Trainer` (`BareStep`: the loss returned, nothing logged; no logger, checkpoint or
-callback but the timer), what any LightningModule pays. The three are timed alternately, each first in turn,
-`--repeats` times; each repeat gives the ratios floor / bare and train.py / bare, whose medians and ranges are
-printed. Any `train.py` option can be appended after `--` (e.g. `-- --trainer.enable_progress_bar false`) to see
-what it costs. With `--study CONFIG --model NAME --per_step`, the same for a run of the study (its `train.py`
-configs as `studies.runner.run.run_one` passes them, its loggers and callbacks):
+callback but the timer), what any LightningModule pays; and the floor with one `self.log` a step, whose difference
+from the floor is what one such call costs. The four are timed alternately, each first in turn, `--repeats` times;
+each repeat gives the ratios to bare, whose medians and ranges are printed. Any `train.py` option can be appended
+after `--` (e.g. `-- --trainer.enable_progress_bar false`) to see what it costs. With `--study CONFIG --model NAME
+--per_step`, the same for a run of the study (its `train.py` configs as `studies.runner.run.run_one` passes them, its
+loggers and callbacks; figures in docs/benchmarks.md):
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --study studies/relation/configs/tiny.yaml \
-        --model vit-learned --per_step --num_train 8000 --steps 500 --skip 20 --repeats 6
+        --model vit-learned --per_step --num_train 8000 --steps 500 --skip 20 --repeats 8
 
 With `--study CONFIG --model NAME`, what is timed is a whole run of the relation study instead:
 `studies.runner.run.run_one` of that model on `same_different` (building the data, fit with
@@ -116,23 +117,27 @@ class SlicedBatches:
 
 
 class BareStep(L.LightningModule):
-    """The bare step inside Lightning's loop: the loss returned and nothing logged, with the bare loop's optimizer."""
+    """The bare step inside Lightning's loop, with the bare loop's optimizer: the loss returned, and logged with
+    `self.log` (as `train/loss`, on step and epoch) when `logged`."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, logged: bool = False) -> None:
         super().__init__()
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.logged = model, optimizer, logged
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(self.model(x), y)
+        loss = F.cross_entropy(self.model(x), y)
+        if self.logged:
+            self.log("train/loss", loss.detach(), on_step=True, on_epoch=True)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer
 
 
-def floor_seconds_per_step(config: dict, steps: int, skip: int) -> float:
+def floor_seconds_per_step(config: dict, steps: int, skip: int, logged: bool = False) -> float:
     """Lightning's floor: the bare step and batches run by a bare `Trainer` (no logger, checkpoint, progress bar or
-    callback but the timer); what any LightningModule pays on top of its own work."""
+    callback but the timer); what any LightningModule pays on top of its own work. `logged`: and one `self.log`."""
     model, x, y, optimizer, batch = bare_parts(config)
     trainer = L.Trainer(
         max_steps=steps,
@@ -144,7 +149,7 @@ def floor_seconds_per_step(config: dict, steps: int, skip: int) -> float:
         enable_model_summary=False,
         callbacks=[StepTimer(skip)],
     )
-    trainer.fit(BareStep(model, optimizer), SlicedBatches(x, y, batch, steps))
+    trainer.fit(BareStep(model, optimizer, logged), SlicedBatches(x, y, batch, steps))
     return StepTimer.last
 
 
@@ -239,22 +244,25 @@ def spread(values: list[float]) -> str:
 def main_steps(args, bare_config: dict, cli_args) -> None:
     """Seconds per step, alternately (each first in turn): the bare step, Lightning's floor and train.py, where
     `cli_args(folder)` gives train.py's configs and options for a run in a fresh `folder`."""
-    times: dict[str, list[float]] = {"bare": [], "floor": [], "train.py": []}
+    times: dict[str, list[float]] = {"bare": [], "floor": [], "floor + 1 log": [], "train.py": []}
     for repeat in range(args.repeats):
-        kinds = list(times)[repeat % 3 :] + list(times)[: repeat % 3]
+        kinds = list(times)[repeat % 4 :] + list(times)[: repeat % 4]
         for which in kinds:
             if which == "bare":
                 times[which].append(bare_seconds_per_step(bare_config, args.steps, args.skip))
-            elif which == "floor":
-                times[which].append(floor_seconds_per_step(bare_config, args.steps, args.skip))
+            elif which.startswith("floor"):
+                logged = which != "floor"
+                times[which].append(floor_seconds_per_step(bare_config, args.steps, args.skip, logged))
             else:
                 with tempfile.TemporaryDirectory() as tmp:
                     times[which].append(cli_seconds_per_step(*cli_args(Path(tmp)), args.steps, args.skip))
         shown = ", ".join(f"{k} {1000 * v[-1]:.2f}" for k, v in times.items())
         print(f"repeat {repeat} ({kinds[0]} first): {shown} ms/step", flush=True)
-    for which in ("floor", "train.py"):
+    for which in list(times)[1:]:
         ratios = [t / b for t, b in zip(times[which], times["bare"])]
         print(f"{which} / bare = {spread(ratios)} over {args.repeats} repeats")
+    one_log = [1000 * (a - b) for a, b in zip(times["floor + 1 log"], times["floor"])]
+    print(f"one self.log a step costs {spread(one_log)} ms (floor + 1 log - floor, paired)")
     medians = ", ".join(f"{k} {1000 * statistics.median(v):.2f}" for k, v in times.items())
     print(f"medians: {medians} ms/step; torch threads {torch.get_num_threads()}")
 

@@ -31,7 +31,7 @@ F is the study process's one import of torch and Lightning (4.7 s of `python -X 
 LightningCLI (jsonargparse builds, checks and dumps its config: about 60% of a tiny run's 0.6-0.9 s in one process,
 cProfile), its 2 steps, validation and tests, and the reports (0.3-0.9 s). What a step costs beyond the bare one is
 measured apart, in one process (`benchmarks/step_overhead.py --study ... --per_step`, docs/benchmarks.md): for the
-tiny ViT, Lightning's own loop with nothing logged is 1.15x the bare step and `train.py` 1.54x, so 1.2 is out of
+tiny ViT, Lightning's own loop with nothing logged is 1.16x the bare step and `train.py` 1.56x, so 1.2 is out of
 reach for a step of 3-5 ms through Lightning; a model of realistic size hides it (1.13 for the relation ViT).
 """
 
