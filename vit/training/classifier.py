@@ -201,7 +201,7 @@ class ImageClassifier(L.LightningModule):
         loss = self._loss(logits, soft[0] if soft else y)
         # Averaged over processes (no host sync): what is logged, and what every process checks for NaN.
         mean_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
-        # One `self.log` a step: each costs about half a millisecond in Lightning, as much as a tiny model's step.
+        # One `self.log` a step: each costs Lightning 0.5-1 ms of CPU, a sixth of a tiny ViT step (docs/benchmarks.md).
         # train/acc is logged once an epoch (`on_train_epoch_end`), the rates only on the steps the loggers write.
         self.train_acc.update(logits, y)
         self.log("train/loss", mean_loss, on_step=True, on_epoch=True, prog_bar=True)
