@@ -106,6 +106,9 @@ def test_a_split_whose_every_file_is_broken_stops_with_one_line(tmp_path):
     dm.setup("fit")
     with pytest.raises(NoReadableImageError, match=r"^none of the 2 files of this split under .* decodes as an image$"):
         dm.train_set[0]
+    # An evaluation batch leaves a broken file out; a batch with none left is one line too.
+    with pytest.raises(NoReadableImageError, match=r"^none of the 1 files of a batch under .* decodes as an image$"):
+        dm.val_set.__getitems__([0])
 
 
 def fit(root: Path, logs: Path, num_workers: int, max_epochs: int = 2) -> tuple[ImageFolderDataModule, list[str]]:
@@ -191,3 +194,43 @@ def test_a_file_left_out_by_its_name_is_named_with_the_endings_that_are_read(tmp
     assert endings.startswith("an image folder lists a file as an image by its name's ending: ")
     assert {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".bmp", ".gif"} <= set(read) and ".txt" not in read
     assert set(datasets.folder.IMG_EXTENSIONS) <= set(read)  # every ending torchvision's ImageFolder lists
+
+
+def test_an_evaluation_split_leaves_a_broken_file_out_scores_each_image_once_and_predicts_it_under_its_name(tmp_path):
+    from vit.training.predictions import PredictionWriter
+
+    root = photos(tmp_path / "data", per_class=8)
+    bad = with_bad_files(root)
+    for seed in range(50):  # a seed whose test split holds a bad file (the split depends only on listing and seed)
+        dm = ImageFolderDataModule(root=str(root), img_size=16, batch_size=4, seed=seed, val_fraction=0.25)
+        dm.setup("test")
+        if unreadable(dm, "test"):
+            break
+    names, broken = dm.split_files["test"], unreadable(dm, "test")
+    assert broken and broken <= set(bad) and len(names) > len(broken)
+    readable = [i for i, name in enumerate(names) if name not in broken]
+    torch.manual_seed(0)
+    backbone = VisionTransformer(img_size=16, patch_size=8, num_classes=2, embed_dim=16, depth=1, num_heads=2)
+    model = ImageClassifier(backbone)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=CSVLogger(tmp_path / "logs", name="", version=""),
+        callbacks=[PredictionWriter()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="each left out of its batch"):
+        [metrics] = trainer.test(model, datamodule=dm)
+    # Brute force: each readable test file once, through the evaluation transform, scored by the same weights.
+    images = [dm.test_set.dataset[dm.test_set.indices[i]] for i in readable]
+    backbone.eval()
+    with torch.no_grad():
+        predicted = backbone(torch.stack([x for x, _ in images])).argmax(1)
+    correct = sum(int(p) == y for p, (_, y) in zip(predicted, images))
+    assert metrics["test/images"] == len(readable) and metrics["test/skipped_images"] == len(broken)
+    assert metrics["test/acc"] == pytest.approx(correct / len(readable))
+    trainer.predict(model, datamodule=dm)
+    with open(tmp_path / "logs" / "predictions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["file"] for row in rows] == [names[i] for i in readable]
+    assert [row["class_index"] for row in rows] == [str(int(p)) for p in predicted]

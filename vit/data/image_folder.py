@@ -19,13 +19,14 @@ from typing import Literal
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from vit.checks import check_choice, check_float, check_int, check_size
-from vit.data.base import DataNotFoundError, SplitDataModule
+from vit.data.base import SplitDataModule
 from vit.data.files import first_skipped, list_files, text_name, visible_folders
 from vit.data.images import ListedImageFolder, UnreadableImageError, build_transform, decode_image, image_extensions
+from vit.data.readable_split import NoReadableImageError, ReadableSplit
 from vit.data.transforms import MEAN_STD, AutoAugmentName, batch_mixup, train_transform
 
 Normalization = Literal["imagenet", "inception", "none"]  # "none": pixels in [0, 1]; else `MEAN_STD`'s
@@ -34,10 +35,6 @@ LAYOUTS = (
     "root/<class>/<image> (split into train, val and test by val_fraction and test_fraction) or "
     "root/train/<class>/<image> with optional root/val/ and root/test/ beside it"
 )
-
-
-class NoReadableImageError(DataNotFoundError):
-    """A class folder without one image file, or a split none of whose files decodes; the message names why."""
 
 
 class ImageFolderDataModule(SplitDataModule):
@@ -239,13 +236,15 @@ class ImageFolderDataModule(SplitDataModule):
             samples += [(path, label) for path in images]
         return samples
 
-    def _images(self, folder: Path, samples: list[tuple[str, int]], transform, indices=None) -> ReadableSplit:
-        """The split of `samples` at `indices` (all by default), each file decoded and transformed when read."""
+    def _images(self, folder: Path, samples: list[tuple[str, int]], transform, indices=None, substitute=True):
+        """The split of `samples` at `indices` (all by default), each file decoded and transformed when read; a file
+        that fails to decode is replaced by the next one (`substitute`: training) or left out of its batch."""
         full = ListedImageFolder(str(folder), self._folders, samples, transform=transform, loader=self._decode)
-        return ReadableSplit(full, list(range(len(samples))) if indices is None else indices)
+        return ReadableSplit(full, list(range(len(samples))) if indices is None else indices, substitute)
 
     def _given(self, folder: Path) -> ReadableSplit:
-        return self._images(folder, self._listing(folder), self.eval_transform)
+        """An evaluation split given as a folder of its own."""
+        return self._images(folder, self._listing(folder), self.eval_transform, substitute=False)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
@@ -276,11 +275,11 @@ class ImageFolderDataModule(SplitDataModule):
         val_idx, test_idx, train_idx = order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
         self.train_set = self._images(source, samples, self.train_transform, train_idx if n_val or n_test else None)
         held_out = self._images(source, samples, self.eval_transform).dataset  # val and test, as the model sees them
-        self.val_set = self._given(val_dir) if val_dir is not None else ReadableSplit(held_out, val_idx)
+        self.val_set = self._given(val_dir) if val_dir is not None else ReadableSplit(held_out, val_idx, False)
         if test_dir is not None:
             self.test_set = self._given(test_dir)
         else:
-            self.test_set = ReadableSplit(held_out, test_idx) if n_test else self.val_set
+            self.test_set = ReadableSplit(held_out, test_idx, False) if n_test else self.val_set
         splits = (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))
         self.split_files = {name: self._relative(dataset) for name, dataset in splits}
         if self.skipped:
@@ -305,10 +304,11 @@ class ImageFolderDataModule(SplitDataModule):
         if new:
             self.unread.update(new)
             relative = {os.path.relpath(path, self.root): why for path, why in sorted(new.items())}
+            how = "each replaced by the next image of the split" if part.substitute else "each left out of its batch"
             warnings.warn(
                 text_name(
-                    f"skipped {len(new)} unreadable image(s) of the {split} split under {self.root}, each replaced by "
-                    f"the next image of the split: {'; '.join(first_skipped(relative, '{name}: {why}'))}"
+                    f"skipped {len(new)} unreadable image(s) of the {split} split under {self.root}, {how}: "
+                    f"{'; '.join(first_skipped(relative, '{name}: {why}'))}"
                 ),
                 stacklevel=2,
             )
@@ -343,31 +343,6 @@ class ImageFolderDataModule(SplitDataModule):
                 "Mixup/CutMix the last incomplete batch is dropped"
             )
         return super()._loader(dataset, train, drop_last=drop_last, pin_memory=True)
-
-
-class ReadableSplit(Subset):
-    """A split of an image folder whose item `i` is its `i`-th image, or, when that file fails to decode, the next
-    one of the split that decodes (wrapping round): a bad file never stops a loader worker, and every batch keeps its
-    size (Mixup mixes a batch with its flip). A file that failed before is tried again only at its own place."""
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        n, failures = len(self.indices), self.dataset.failures
-        if not -n <= i < n:  # as a list: `for x, y in split` stops at the end
-            raise IndexError(f"index {i} is out of range for a split of {n} images")
-        for k in range(n):
-            j = self.indices[(i + k) % n]
-            if k and failures[j]:
-                continue
-            try:
-                return self.dataset[j]
-            except UnreadableImageError:
-                continue
-        raise NoReadableImageError(
-            text_name(f"none of the {n} files of this split under {self.dataset.root} decodes as an image")
-        )
-
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
-        return [self[i] for i in indices]  # what a DataLoader asks of a Subset, item by item here
 
 
 class UnreadableImages(L.Callback):

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, Subset
 from torchvision.datasets import DatasetFolder
 
 from vit.checks import check_int
+from vit.data.readable_split import ReadableSplit
 from vit.prediction_csv import free_path, prediction_table, write_csv
 from vit.training.classifier import index_names
 from vit.training.contract import class_names_of
@@ -60,7 +61,11 @@ class PredictionWriter(BasePredictionWriter):
                 continue
             stem = Path(self.filename).stem + (f"-dataloader{i}" if len(loaders) > 1 else "")
             stem += f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
-            files = [sample_name(loader.dataset, j) for batch in indices for j in batch]
+            # An image folder's evaluation split leaves a file that fails to decode out of its batch: not a row.
+            split = loader.dataset if isinstance(loader.dataset, ReadableSplit) else None
+            files = [
+                sample_name(loader.dataset, j) for batch in indices for j in batch if not (split and split.left_out(j))
+            ]
             if len(files) != (n := sum(len(b) for b in batches)):  # known only with Lightning's own sampler wrapper
                 warnings.warn(
                     "the predict loader's sample indices are unknown; `file` holds the row number", stacklevel=2
