@@ -236,7 +236,9 @@ class ImageFolderDataModule(SplitDataModule):
             samples += [(path, label) for path in images]
         return samples
 
-    def _images(self, folder: Path, samples: list[tuple[str, int]], transform, indices=None, substitute=True):
+    def _images(
+        self, folder: Path, samples: list[tuple[str, int]], transform, indices=None, substitute: bool = True
+    ) -> ReadableSplit:
         """The split of `samples` at `indices` (all by default), each file decoded and transformed when read; a file
         that fails to decode is replaced by the next one (`substitute`: training) or left out of its batch."""
         full = ListedImageFolder(str(folder), self._folders, samples, transform=transform, loader=self._decode)
@@ -275,11 +277,13 @@ class ImageFolderDataModule(SplitDataModule):
         val_idx, test_idx, train_idx = order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
         self.train_set = self._images(source, samples, self.train_transform, train_idx if n_val or n_test else None)
         held_out = self._images(source, samples, self.eval_transform).dataset  # val and test, as the model sees them
-        self.val_set = self._given(val_dir) if val_dir is not None else ReadableSplit(held_out, val_idx, False)
+        self.val_set = (
+            self._given(val_dir) if val_dir is not None else ReadableSplit(held_out, val_idx, substitute=False)
+        )
         if test_dir is not None:
             self.test_set = self._given(test_dir)
         else:
-            self.test_set = ReadableSplit(held_out, test_idx, False) if n_test else self.val_set
+            self.test_set = ReadableSplit(held_out, test_idx, substitute=False) if n_test else self.val_set
         splits = (("train", self.train_set), ("val", self.val_set), ("test", self.test_set))
         self.split_files = {name: self._relative(dataset) for name, dataset in splits}
         if self.skipped:
