@@ -45,6 +45,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import datasets
 
+from benchmarks import spread
 from vit.commands import EitherSpelling
 from vit.data.image_folder import ImageFolderDataModule
 
@@ -125,10 +126,6 @@ def compare(root: Path, workers: int | None, repeats: int, batch_size: int) -> t
     return times["ours"], times["torchvision"]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} s [{min(values):.3f}-{max(values):.3f}]"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = EitherSpelling(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4000,40000", help="comma-separated numbers of photos, one folder each")
@@ -147,10 +144,10 @@ def main(argv: list[str] | None = None) -> None:
                 mine, theirs = compare(root, workers, args.repeats, args.batch_size)
                 ratios = [a / b for a, b in zip(mine, theirs)]
                 print(
-                    f"{count} photos, {name}: ImageFolderDataModule {spread(mine)}, torchvision ImageFolder "
-                    f"{spread(theirs)}; difference {statistics.median(mine) - statistics.median(theirs):+.3f} s, "
-                    f"ratio {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] "
-                    f"(median [range] of {args.repeats})",
+                    f"{count} photos, {name}: ImageFolderDataModule {spread(mine, 3, ' s')}, torchvision ImageFolder "
+                    f"{spread(theirs, 3, ' s')}; difference "
+                    f"{statistics.median(mine) - statistics.median(theirs):+.3f} s, "
+                    f"ratio {spread(ratios)} (median [range] of {args.repeats})",
                     flush=True,
                 )
 

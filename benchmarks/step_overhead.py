@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import yaml
 from timm.optim import param_groups_weight_decay
 
+from benchmarks import spread
 from vit.commands import EitherSpelling
 from vit.training.cli import main as train_main
 
@@ -188,6 +189,11 @@ def relation_experiment(model: str, num_train: int) -> dict:
     }
 
 
+def bare_config_of(run) -> dict:
+    """What `bare_seconds_per_step` takes of a study run: its data, its backbone and its learning rate."""
+    return {"data": run.overrides["data"], "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr}}
+
+
 def study_run(cfg: dict, model: str, num_train: int):
     """The study's run of ``model`` on ``same_different`` with ``num_train`` pairs for 2 epochs, from ``cfg``."""
     from studies.runner.grid import plan
@@ -205,10 +211,7 @@ def main_study(args) -> None:
     cfg = load_config(args.study)
     run = study_run(cfg, args.model, args.num_train)
     steps = run.epochs * -(-args.num_train // cfg["batch_size"])
-    bare_config = {
-        "data": run.overrides["data"],
-        "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr},
-    }
+    bare_config = bare_config_of(run)
     ratios, runs, bares = [], [], []
     for repeat in range(args.repeats):
         times = {}
@@ -236,13 +239,9 @@ def main_study(args) -> None:
     )
 
 
-def spread(values: list[float]) -> str:
-    """`median [min-max]`, two decimals."""
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-
-
 def main_steps(args, bare_config: dict, cli_args) -> None:
-    """Seconds per step, alternately (each first in turn): the bare step, Lightning's floor and train.py, where
+    """Seconds per step, alternately (each first in turn): the bare step, Lightning's floor (without and with one
+    `self.log`) and train.py, where
     `cli_args(folder)` gives train.py's configs and options for a run in a fresh `folder`."""
     times: dict[str, list[float]] = {"bare": [], "floor": [], "floor + 1 log": [], "train.py": []}
     for repeat in range(args.repeats):
@@ -274,10 +273,7 @@ def study_steps(args, extra: list[str]) -> None:
 
     cfg = load_config(args.study)
     run = study_run(cfg, args.model, args.num_train)
-    bare_config = {
-        "data": run.overrides["data"],
-        "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr},
-    }
+    bare_config = bare_config_of(run)
 
     def cli_args(folder: Path) -> tuple[list[str], list[str]]:
         overrides = folder / "study_overrides.yaml"

@@ -49,7 +49,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from benchmarks.step_overhead import bare_seconds_per_step, relation_experiment
+from benchmarks import spread
+from benchmarks.step_overhead import bare_config_of, bare_seconds_per_step, relation_experiment
 from vit.commands import EitherSpelling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,13 +122,7 @@ def whole_run(study: Path, model: str, num_train: int, executor: str) -> float:
 def bare_seconds(study: Path, model: str, num_train: int) -> float:
     """Seconds of the run's steps, bare, on its backbone and training data (`bare_seconds_per_step`)."""
     run, steps = planned(study, model, num_train)
-    config = {"data": run.overrides["data"], "model": {"backbone": run.overrides["model"]["backbone"], "lr": run.lr}}
-    return steps * bare_seconds_per_step(config, steps, skip=0)
-
-
-def spread(values: list[float]) -> str:
-    """`median [min-max]` in seconds."""
-    return f"{statistics.median(values):.2f} s [{min(values):.2f}-{max(values):.2f}]"
+    return steps * bare_seconds_per_step(bare_config_of(run), steps, skip=0)
 
 
 def main_runs(args) -> None:
@@ -142,15 +137,15 @@ def main_runs(args) -> None:
                 walls.setdefault((which, size), []).append(whole_run(args.config, args.model, num_train, which))
         shown = [f"{k[0]} {k[1]} {v[-1]:.2f} s" for k, v in walls.items()]
         print(f"repeat {repeat}: bare {bares[-1]:.2f} s, " + ", ".join(shown), flush=True)
-    print(f"bare steps ({steps} steps of {args.model} of {args.config}): {spread(bares)}")
+    print(f"bare steps ({steps} steps of {args.model} of {args.config}): {spread(bares, unit=' s')}")
     for executor in args.executors:
         short, fixed = walls[(executor, "short")], walls[(executor, "smallest")]
         # paired: the two sizes of one repeat ran back to back, under the same load
         excess = [(w - f) / b for w, f, b in zip(short, fixed, bares)]
         bound = 1.2 * statistics.median(bares) + statistics.median(fixed)
         print(
-            f"{executor}: short run {spread(short)}, smallest run (F) {spread(fixed)}; (W_short - F) / B = "
-            f"{statistics.median(excess):.2f} [{min(excess):.2f}-{max(excess):.2f}]; W_short <= 1.2 B + F = "
+            f"{executor}: short run {spread(short, unit=' s')}, smallest run (F) {spread(fixed, unit=' s')}; "
+            f"(W_short - F) / B = {spread(excess)}; W_short <= 1.2 B + F = "
             f"{bound:.2f} s: {statistics.median(short) <= bound}"
         )
 
@@ -168,7 +163,7 @@ def main_study(args) -> None:
                 walls.setdefault(executor, []).append(invocation(config, executor))
         print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in walls.items()), flush=True)
     for executor, values in walls.items():
-        print(f"{args.study} through {executor}: {spread(values)} over {args.repeats} repeats")
+        print(f"{args.study} through {executor}: {spread(values, unit=' s')} over {args.repeats} repeats")
 
 
 def main(argv: list[str] | None = None) -> None:
